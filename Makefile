@@ -1,0 +1,31 @@
+# `make test` works on a fresh machine: it creates .venv, installs torch (the CPU build
+# where no NVIDIA GPU is visible, the default CUDA build where one is), installs this
+# project with its dev extras, then runs the test suite.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# torch 2.13.0 is the CPU build on machines without a GPU (a local wheel here); an unpinned
+# torch would pull several GB of CUDA packages.  Override with `make TORCH_SPEC=...`.
+TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo torch; else echo torch==2.13.0; fi)
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m experiments.bench_solver
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

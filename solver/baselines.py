@@ -1,0 +1,119 @@
+"""The literature's policies, each adapted to the chain model (research/seeds.md, paper.md).
+
+Each returns a schedule or ``None`` when it cannot meet the budget; what it would need
+then is its own business (``methods`` reports the smallest budget it can meet).
+
+* ``none``           keep everything.
+* ``vdnn-all``       vDNN_all (Rhu et al. 2016): offload every unit, per-layer sync (the op
+                     after ``F(i+1)`` waits for the copy), prefetch one op ahead of need.
+* ``vdnn-conv``      vDNN_conv: the same for units of stages whose ``kind`` mentions conv.
+* ``vdnn-dyn``       vDNN_dyn, reduced: the first of none, vdnn-conv, vdnn-all that fits
+                     (the chain has no per-layer algorithm variants to choose from).
+* ``layrub``         Layrub's inter-layer migration (Liu et al. 2018): every unit but the
+                     first stage and the last three, per-layer sync, one-op lookahead.
+* ``swap-idle``      Zhang et al. 2019, DOA ranking: repeatedly take the unit with the
+                     longest idle time (end of its last forward use to its backward need, on
+                     the ideal timeline) among those absent at the current peak op, until
+                     memory fits; "stick-to-limit" timing: releases as soon as copies end,
+                     prefetches as late as serialized copies allow, both moved where
+                     memory forces it.
+* ``swap-size-idle`` the same ranked by AOA: (idle time - transfer time) x size.
+* ``save-on-cpu``    torch.autograd.graph.save_on_cpu: everything offloaded, released at
+                     once, fetched on demand (fully exposed).  Real save_on_cpu copies on
+                     the compute stream, so the model (D2H overlapping one stage) is
+                     optimistic for it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .chain import Chain
+from .policy import (combine, floor_memory, prefetch_latest, prefetch_lookahead, prefetch_on_demand,
+                     release_asap, release_next, set_fits)
+from .schedule import Offload
+from .simulate import simulate
+
+Plan = list[Offload]
+
+
+def _fixed(chain: Chain, units: list[int], prefetch=prefetch_lookahead) -> Plan:
+    return combine(release_next(chain, units), prefetch(chain, units))
+
+
+def _is_conv(chain: Chain, i: int) -> bool:
+    return "conv" in chain.stage(i).kind.lower()
+
+
+def vdnn_all_plan(chain: Chain) -> Plan:
+    return _fixed(chain, list(chain.offloadable))
+
+
+def vdnn_conv_plan(chain: Chain) -> Plan:
+    return _fixed(chain, [i for i in chain.offloadable if _is_conv(chain, i)])
+
+
+def layrub_plan(chain: Chain) -> Plan:
+    return _fixed(chain, [i for i in chain.offloadable if 2 <= i <= chain.L - 3])
+
+
+def save_on_cpu_plan(chain: Chain) -> Plan:
+    return _fixed(chain, list(chain.offloadable), prefetch_on_demand)
+
+
+FIXED_PLANS: dict[str, Callable[[Chain], Plan]] = {
+    "none": lambda chain: [],
+    "vdnn-all": vdnn_all_plan,
+    "vdnn-conv": vdnn_conv_plan,
+    "layrub": layrub_plan,
+    "save-on-cpu": save_on_cpu_plan,
+}
+
+
+def fits(chain: Chain, plan: Plan, budget: int) -> bool:
+    return simulate(chain, plan).peak_bytes <= budget
+
+
+def vdnn_dyn(chain: Chain, budget: int) -> Plan | None:
+    for plan in ([], vdnn_conv_plan(chain), vdnn_all_plan(chain)):
+        if fits(chain, plan, budget):
+            return plan
+    return None
+
+
+def _idle_times(chain: Chain) -> np.ndarray:
+    """Ideal-timeline time from the end of ``F(i+1)`` (last forward use) to the start of
+    ``B(need_i)`` (next use), per stage."""
+    L = chain.L
+    starts = np.concatenate([[0.0], np.cumsum(np.concatenate([chain.f[1:], chain.b[1:][::-1]]))])
+    idle = np.zeros(L + 1)
+    for i in chain.offloadable:
+        last_fwd_end = starts[i + 1]  # end of F(i+1) = start of op index i+1
+        idle[i] = starts[2 * L - int(chain.need[i])] - last_fwd_end
+    return idle
+
+
+def swap_ranked(chain: Chain, budget: int, by_size: bool) -> Plan | None:
+    """Zhang et al.'s swap selection with DOA (``by_size=False``) or AOA ranking."""
+    L, p = chain.L, chain.platform
+    idle = _idle_times(chain)
+    score = {}
+    for i in chain.offloadable:
+        if by_size:
+            adjusted = idle[i] - p.d2h_s(float(chain.a[i])) - p.h2d_s(float(chain.a[i]))
+            score[i] = adjusted * chain.a[i] if adjusted > 0 else idle[i] / chain.a[i]
+        else:
+            score[i] = idle[i]
+    chosen: set[int] = set()
+    while not set_fits(chain, chosen, budget):
+        o = int(floor_memory(chain, chosen).argmax())
+        cands = [i for i in chain.offloadable if i not in chosen and i + 1 <= o < 2 * L - int(chain.need[i])]
+        if not cands:
+            return None
+        chosen.add(max(cands, key=lambda i: (score[i], -i)))
+    units = sorted(chosen)
+    release = release_asap(chain, units, budget)
+    if release is None:
+        return None
+    return combine(release, prefetch_latest(chain, units, budget))

@@ -1,0 +1,291 @@
+"""The chain model and its file format, ``offload-chain/1`` (DESIGN sections 3-4).
+
+A chain has stages ``1..L``; the GPU runs ``F1..FL`` then ``BL..B1``.  Stage ``i`` saves a
+*unit* ``Ui`` of ``saved_bytes`` for its backward, the thing that can be offloaded.  The
+platform gives the copy bandwidths.  Files are validated field by field on load, so a
+malformed chain is refused with a message naming the field, never half-used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Mapping
+
+import numpy as np
+
+from .errors import FormatError
+from .fileio import read_json, write_json
+
+CHAIN_FORMAT = "offload-chain/1"
+CHANNEL_MODES = ("duplex", "shared")
+_STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from"}
+_PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "channels", "note"}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: its op durations (s) and the memory it holds (bytes)."""
+
+    name: str
+    kind: str
+    fwd_s: float
+    bwd_s: float
+    saved_bytes: int
+    fwd_peak_bytes: int
+    bwd_peak_bytes: int
+    need_from: int  # 1-based index of the first backward op that reads this unit
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Copy engines between GPU and host: bandwidths (B/s), per-copy latency (s), channel mode."""
+
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    latency_s: float = 0.0
+    channels: str = "duplex"
+    note: str = ""
+
+    def d2h_s(self, nbytes: float) -> float:
+        """Duration of one device-to-host copy of ``nbytes``."""
+        return self.latency_s + nbytes / self.d2h_bytes_per_s
+
+    def h2d_s(self, nbytes: float) -> float:
+        """Duration of one host-to-device copy of ``nbytes``."""
+        return self.latency_s + nbytes / self.h2d_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A validated chain.  Stage indices in the API are 1-based, like the model."""
+
+    name: str
+    stages: tuple[Stage, ...]
+    platform: Platform
+    base_bytes: int = 0
+    source: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def L(self) -> int:
+        return len(self.stages)
+
+    def stage(self, i: int) -> Stage:
+        """Stage ``i`` (1-based)."""
+        return self.stages[i - 1]
+
+    # Per-stage arrays, index 0 unused so that ``a[i]`` is stage i.
+    @cached_property
+    def f(self) -> np.ndarray:
+        return np.array([0.0] + [s.fwd_s for s in self.stages])
+
+    @cached_property
+    def b(self) -> np.ndarray:
+        return np.array([0.0] + [s.bwd_s for s in self.stages])
+
+    @cached_property
+    def a(self) -> np.ndarray:
+        return np.array([0] + [s.saved_bytes for s in self.stages], dtype=np.int64)
+
+    @cached_property
+    def fp(self) -> np.ndarray:
+        return np.array([0] + [s.fwd_peak_bytes for s in self.stages], dtype=np.int64)
+
+    @cached_property
+    def bp(self) -> np.ndarray:
+        return np.array([0] + [s.bwd_peak_bytes for s in self.stages], dtype=np.int64)
+
+    @cached_property
+    def need(self) -> np.ndarray:
+        return np.array([0] + [s.need_from for s in self.stages], dtype=np.int64)
+
+    @cached_property
+    def offloadable(self) -> tuple[int, ...]:
+        """Units that a schedule may offload: ``i < L`` (a release point ``r > i`` must
+        exist) and ``saved_bytes > 0``."""
+        return tuple(i for i in range(1, self.L) if self.a[i] > 0)
+
+    def d2h_s(self, i: int) -> float:
+        return self.platform.d2h_s(float(self.a[i]))
+
+    def h2d_s(self, i: int) -> float:
+        return self.platform.h2d_s(float(self.a[i]))
+
+    @cached_property
+    def ideal_makespan_s(self) -> float:
+        """Sum of all op durations: the makespan with no stall at all."""
+        return float(self.f.sum() + self.b.sum())
+
+    @cached_property
+    def sha256(self) -> str:
+        """Hash of the canonical chain (everything but ``source``), binding schedules to it."""
+        body = to_dict(self)
+        body.pop("source")
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- validation helpers
+def _where(ctx: str, key: str) -> str:
+    return f"{ctx}.{key}" if ctx else key
+
+
+def _number(d: Mapping, key: str, ctx: str, minimum: float = 0.0, strict: bool = False) -> float:
+    if key not in d:
+        raise FormatError(f"missing field '{_where(ctx, key)}'")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise FormatError(f"'{_where(ctx, key)}' must be a finite number, got {v!r}")
+    if v < minimum or (strict and v == minimum):
+        op = ">" if strict else ">="
+        raise FormatError(f"'{_where(ctx, key)}' must be {op} {minimum}, got {v!r}")
+    return float(v)
+
+
+def _bytes(d: Mapping, key: str, ctx: str) -> int:
+    v = _number(d, key, ctx)
+    if v != int(v):
+        raise FormatError(f"'{_where(ctx, key)}' must be a whole number of bytes, got {d[key]!r}")
+    return int(v)
+
+
+def _string(d: Mapping, key: str, ctx: str, default: str | None = None) -> str:
+    if key not in d:
+        if default is not None:
+            return default
+        raise FormatError(f"missing field '{_where(ctx, key)}'")
+    v = d[key]
+    if not isinstance(v, str) or not v:
+        raise FormatError(f"'{_where(ctx, key)}' must be a non-empty string, got {v!r}")
+    return v
+
+
+def _no_unknown(d: Mapping, allowed: set[str], ctx: str) -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise FormatError(
+            f"unknown field(s) {', '.join(repr(k) for k in unknown)} in {ctx}",
+            f"allowed fields: {', '.join(sorted(allowed))}",
+        )
+
+
+def platform_from_dict(d: Any) -> Platform:
+    """Validate a ``platform`` object."""
+    if not isinstance(d, Mapping):
+        raise FormatError(f"'platform' must be an object, got {type(d).__name__}")
+    _no_unknown(d, _PLATFORM_KEYS, "platform")
+    channels = _string(d, "channels", "platform", "duplex")
+    if channels not in CHANNEL_MODES:
+        raise FormatError(f"'platform.channels' must be one of {CHANNEL_MODES}, got {channels!r}")
+    note = d.get("note", "")
+    if not isinstance(note, str):
+        raise FormatError("'platform.note' must be a string")
+    return Platform(
+        d2h_bytes_per_s=_number(d, "d2h_bytes_per_s", "platform", strict=True),
+        h2d_bytes_per_s=_number(d, "h2d_bytes_per_s", "platform", strict=True),
+        latency_s=_number(d, "latency_s", "platform") if "latency_s" in d else 0.0,
+        channels=channels,
+        note=note,
+    )
+
+
+def chain_from_dict(d: Any) -> Chain:
+    """Validate a parsed ``chain.json`` document and build the ``Chain``."""
+    if not isinstance(d, Mapping):
+        raise FormatError(f"a chain must be a JSON object, got {type(d).__name__}")
+    fmt = d.get("format")
+    if fmt != CHAIN_FORMAT:
+        raise FormatError(
+            f"not a chain file: 'format' is {fmt!r}, expected {CHAIN_FORMAT!r}",
+            "produce chains with `offload profile`, or see the README for the format",
+        )
+    _no_unknown(d, {"format", "name", "source", "platform", "base_bytes", "stages"}, "the chain")
+    name = _string(d, "name", "")
+    source = d.get("source", {})
+    if not isinstance(source, Mapping):
+        raise FormatError("'source' must be an object")
+    platform = platform_from_dict(d.get("platform"))
+    base = _bytes(d, "base_bytes", "") if "base_bytes" in d else 0
+    raw = d.get("stages")
+    if not isinstance(raw, list) or not raw:
+        raise FormatError("'stages' must be a non-empty list")
+    L = len(raw)
+    stages = []
+    for i, s in enumerate(raw, start=1):
+        ctx = f"stages[{i}]"
+        if not isinstance(s, Mapping):
+            raise FormatError(f"{ctx} must be an object")
+        _no_unknown(s, _STAGE_KEYS, ctx)
+        saved = _bytes(s, "saved_bytes", ctx)
+        fwd_peak = _bytes(s, "fwd_peak_bytes", ctx)
+        if fwd_peak < saved:
+            raise FormatError(
+                f"{ctx}.fwd_peak_bytes ({fwd_peak}) < saved_bytes ({saved}): the forward peak "
+                "includes the stage's own unit"
+            )
+        need = s.get("need_from", i)
+        if isinstance(need, bool) or not isinstance(need, int) or not i <= need <= L:
+            raise FormatError(f"{ctx}.need_from must be an integer in [{i}, {L}], got {need!r}")
+        stages.append(
+            Stage(
+                name=_string(s, "name", ctx, f"stage{i}"),
+                kind=_string(s, "kind", ctx, "layer"),
+                fwd_s=_number(s, "fwd_s", ctx),
+                bwd_s=_number(s, "bwd_s", ctx),
+                saved_bytes=saved,
+                fwd_peak_bytes=fwd_peak,
+                bwd_peak_bytes=_bytes(s, "bwd_peak_bytes", ctx),
+                need_from=need,
+            )
+        )
+    return Chain(name=name, stages=tuple(stages), platform=platform, base_bytes=base, source=dict(source))
+
+
+def to_dict(chain: Chain) -> dict:
+    """The ``chain.json`` document of ``chain`` (all defaults written out)."""
+    p = chain.platform
+    platform: dict[str, Any] = {
+        "d2h_bytes_per_s": p.d2h_bytes_per_s,
+        "h2d_bytes_per_s": p.h2d_bytes_per_s,
+        "latency_s": p.latency_s,
+        "channels": p.channels,
+    }
+    if p.note:
+        platform["note"] = p.note
+    return {
+        "format": CHAIN_FORMAT,
+        "name": chain.name,
+        "source": dict(chain.source),
+        "platform": platform,
+        "base_bytes": chain.base_bytes,
+        "stages": [
+            {
+                "name": s.name,
+                "kind": s.kind,
+                "fwd_s": s.fwd_s,
+                "bwd_s": s.bwd_s,
+                "saved_bytes": s.saved_bytes,
+                "fwd_peak_bytes": s.fwd_peak_bytes,
+                "bwd_peak_bytes": s.bwd_peak_bytes,
+                "need_from": s.need_from,
+            }
+            for s in chain.stages
+        ],
+    }
+
+
+def load_chain(path: str | os.PathLike) -> Chain:
+    """Read and validate a ``chain.json``; errors name the file and the field."""
+    try:
+        return chain_from_dict(read_json(path, "chain"))
+    except FormatError as exc:
+        if str(path) in str(exc):
+            raise
+        raise FormatError(f"{path}: {exc}", exc.hint) from None
+
+
+def save_chain(chain: Chain, path: str | os.PathLike) -> None:
+    write_json(path, to_dict(chain))

@@ -1,0 +1,167 @@
+"""Every method behind one call: ``solve(chain, budget, method)``.
+
+The call checks the budget against the smallest feasible one first (a clear answer, not
+a solver failure), runs the method, replays its schedule in the simulator (refusing it if
+it breaks the budget), and attaches the lower bounds so that every result carries its gap.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import baselines, relax
+from .bounds import fluid_lp
+from .chain import Chain
+from .errors import InfeasibleBudget, SolverFailure
+from .ilp import solve_ilp
+from .memory import floor_offloads, op_memory, op_name, smallest_feasible_budget
+from .schedule import Offload, Schedule, make_schedule
+from .simulate import Simulation, simulate
+from .units import format_bytes
+
+
+@dataclass
+class Options:
+    """Knobs of the solvers; the defaults are what the CLI uses."""
+
+    time_limit_s: float = 60.0
+    gap: float = 1e-4
+    threads: int | None = None
+    solver: str = "highs"
+    heuristic_time_s: float = 1.5
+    verbose: bool = False
+
+
+@dataclass
+class Result:
+    schedule: Schedule
+    simulation: Simulation
+    status: str  # optimal | feasible | timed-out (heuristic kept) | heuristic
+    bound_s: float
+    gap: float
+    seconds: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    description: str
+    run: Callable[["_Context"], tuple[list[Offload] | None, dict[str, Any]]]
+
+
+@dataclass
+class _Context:
+    chain: Chain
+    budget: int
+    options: Options
+    lp_bound_s: float
+    lp: Any
+
+
+def _fixed(name: str) -> Callable[[_Context], tuple[list[Offload] | None, dict]]:
+    def run(ctx: _Context):
+        plan = baselines.FIXED_PLANS[name](ctx.chain)
+        return (plan if baselines.fits(ctx.chain, plan, ctx.budget) else None), {}
+    return run
+
+
+def _relax_lp(ctx: _Context):
+    return relax.relax_lp(ctx.chain, ctx.budget, ctx.lp, ctx.options.heuristic_time_s), {}
+
+
+def _relax_bw(ctx: _Context):
+    return relax.relax_bw(ctx.chain, ctx.budget, ctx.options.heuristic_time_s), {}
+
+
+def _ilp(ctx: _Context):
+    chain, budget, opt = ctx.chain, ctx.budget, ctx.options
+    warm = min((_relax_lp(ctx)[0], _relax_bw(ctx)[0]), key=lambda p: simulate(chain, p).makespan_s)
+    warm_span = simulate(chain, warm).makespan_s
+    target = budget
+    for _ in range(3):  # a solver tolerance may round a binary onto the wrong side by a few bytes
+        res = solve_ilp(chain, target, warm=warm, lower_bound_s=ctx.lp_bound_s, solver=opt.solver,
+                        time_limit=opt.time_limit_s, gap=opt.gap, threads=opt.threads, msg=opt.verbose)
+        out = res.outcome
+        info = {"backend": out.backend, "solver_seconds": round(out.seconds, 3), "build_seconds": round(res.build_s, 3),
+                "variables": res.variables, "constraints": res.constraints, "nodes": out.nodes,
+                "objective_s": res.objective_s, "solver_bound_s": res.dual_bound_s,
+                "time_limit_s": opt.time_limit_s, "gap_limit": opt.gap, "warm_start_s": warm_span}
+        if res.offloads is None:
+            return warm, {**info, "status": "timed-out", "note": "the solver found no schedule in time; the warm start (best heuristic) is returned"}
+        peak = simulate(chain, res.offloads).peak_bytes
+        if peak <= budget:
+            break
+        target -= peak - budget + 1
+    else:
+        raise SolverFailure("the ILP's schedules exceed the budget after 3 tightened solves (numerical trouble)")
+    span = simulate(chain, res.offloads).makespan_s
+    if span > warm_span:
+        return warm, {**info, "status": "feasible", "note": "the solver's incumbent was worse than the warm start; the warm start is returned"}
+    return res.offloads, {**info, "status": "optimal" if out.proven and target == budget else "feasible"}
+
+
+METHODS: dict[str, Method] = {m.name: m for m in [
+    Method("ilp", "exact MILP (PuLP; HiGHS, or CBC with --solver cbc), warm-started from the best relax-* schedule; proves optimality or reports its gap", _ilp),
+    Method("relax-lp", "fluid LP relaxation (fractional offload, divisible copies) rounded at several thresholds, repaired and improved by local search", _relax_lp),
+    Method("relax-bw", "infinite-bandwidth relaxation (least-volume memory cover), then stalls repaired by local search", _relax_bw),
+    Method("none", "no offloading (feasible only above the no-offload peak)", _fixed("none")),
+    Method("vdnn-all", "vDNN_all: offload every unit, per-layer sync, prefetch one op ahead", _fixed("vdnn-all")),
+    Method("vdnn-conv", "vDNN_conv: offload units of conv stages only, per-layer sync, prefetch one op ahead", _fixed("vdnn-conv")),
+    Method("vdnn-dyn", "vDNN_dyn (reduced): first of none, vdnn-conv, vdnn-all that fits the budget", lambda ctx: (baselines.vdnn_dyn(ctx.chain, ctx.budget), {})),
+    Method("layrub", "Layrub inter-layer: offload all but the first and last three stages, per-layer sync, one-op lookahead", _fixed("layrub")),
+    Method("swap-idle", "Zhang et al.: swap units by longest idle time until memory fits, stick-to-limit timing", lambda ctx: (baselines.swap_ranked(ctx.chain, ctx.budget, by_size=False), {})),
+    Method("swap-size-idle", "Zhang et al.: swap units by (idle time - transfer time) x size until memory fits, stick-to-limit timing", lambda ctx: (baselines.swap_ranked(ctx.chain, ctx.budget, by_size=True), {})),
+    Method("save-on-cpu", "torch save_on_cpu: offload everything, release at once, fetch on demand (exposed)", _fixed("save-on-cpu")),
+]}
+
+
+def solve(chain: Chain, budget: int, method: str = "ilp", options: Options | None = None,
+          scope: str = "activations") -> Result:
+    """Schedule ``chain`` under ``budget`` bytes (activation memory, or total with
+    ``scope="total"``) with ``method``; raises ``InfeasibleBudget`` when it cannot."""
+    if method not in METHODS:
+        raise SolverFailure(f"unknown method {method!r}", f"choose one of: {', '.join(METHODS)} (offload solve --list-methods)")
+    options = options or Options()
+    t0 = time.perf_counter()
+    base = chain.base_bytes if scope == "total" else 0
+    act_budget = budget - base
+    floor = smallest_feasible_budget(chain)
+    if act_budget < floor:
+        o = int(op_memory(chain, floor_offloads(chain)).argmax())
+        raise InfeasibleBudget(
+            f"budget {format_bytes(budget)} ({scope}) is below the smallest feasible budget {format_bytes(floor + base)}: "
+            f"even with every unit offloaded at once and fetched on demand, {op_name(chain, o)} holds {format_bytes(floor)} of activations"
+            + (f" on top of {format_bytes(base)} of weights, gradients and optimizer state" if base else ""),
+            f"use --budget {floor + base} or more, or a smaller batch",
+            smallest_bytes=floor + base,
+        )
+    lp = fluid_lp(chain, act_budget)
+    lp_bound = lp.makespan_s if lp is not None else chain.ideal_makespan_s
+    ctx = _Context(chain, act_budget, options, lp_bound, lp)
+    plan, info = METHODS[method].run(ctx)
+    if plan is None:
+        raise InfeasibleBudget(
+            f"method {method} cannot meet the budget {format_bytes(budget)} ({scope})",
+            f"the smallest budget any schedule meets is {format_bytes(floor + base)}: try --method ilp or relax-lp",
+            smallest_bytes=floor + base,
+        )
+    sim = simulate(chain, plan, act_budget)
+    bounds = {"ideal_s": chain.ideal_makespan_s, "lp_s": lp_bound}
+    if info.get("solver_bound_s") is not None:
+        bounds["solver_s"] = info["solver_bound_s"]
+    bound = max(bounds.values())
+    span = sim.makespan_s
+    status = info.pop("status", "heuristic")
+    if span <= bound * (1 + 1e-9):
+        status = "optimal"  # meets a lower bound: proven whatever the method
+    gap = max(0.0, (span - bound) / span) if span > 0 else 0.0
+    seconds = time.perf_counter() - t0
+    solver_info = {"status": status, "gap": gap, "seconds": round(seconds, 3), "bound_s": bound, "bounds": bounds, **info}
+    schedule = make_schedule(
+        chain, plan, budget_bytes=budget, budget_scope=scope, method=method, solver=solver_info,
+        predicted={"makespan_s": span, "peak_bytes": sim.peak_bytes + base, "stall_s": sim.stall_s,
+                   "ideal_makespan_s": chain.ideal_makespan_s, "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes},
+    )
+    return Result(schedule, sim, status, bound, gap, seconds, solver_info)

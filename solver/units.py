@@ -1,0 +1,39 @@
+"""Human units for bytes and time, both ways: ``6GiB`` / ``800MB`` / ``60%`` in, ``1.5 GiB`` out."""
+from __future__ import annotations
+
+import re
+
+from .errors import FormatError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_budget(text: str, reference_bytes: int) -> int:
+    """Bytes from ``123456``, ``6GiB``, ``800MB`` or ``60%`` (a share of ``reference_bytes``)."""
+    t = text.strip().replace("_", "")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(%|[a-zA-Z]*)", t)
+    if not m:
+        raise FormatError(f"cannot read budget {text!r}", "write bytes (4000000000), a size (6GiB, 800MB) or a share of the no-offload peak (60%)")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "%":
+        return int(value / 100 * reference_bytes)
+    if unit not in _UNITS:
+        raise FormatError(f"unknown unit {m.group(2)!r} in budget {text!r}", f"use one of B, KB, MB, GB, KiB, MiB, GiB or %")
+    return int(value * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 GiB``-style, binary units (what GPU memory is sold in)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"

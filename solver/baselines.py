@@ -75,6 +75,15 @@ def fits(chain: Chain, plan: Plan, budget: int) -> bool:
     return simulate(chain, plan).peak_bytes <= budget
 
 
+def own_smallest_budget(chain: Chain, name: str) -> int | None:
+    """Smallest budget a fixed-set policy meets (its own peak); ``None`` for adaptive ones."""
+    if name == "vdnn-dyn":
+        return min(simulate(chain, p).peak_bytes for p in ([], vdnn_conv_plan(chain), vdnn_all_plan(chain)))
+    if name in FIXED_PLANS:
+        return simulate(chain, FIXED_PLANS[name](chain)).peak_bytes
+    return None
+
+
 def vdnn_dyn(chain: Chain, budget: int) -> Plan | None:
     for plan in ([], vdnn_conv_plan(chain), vdnn_all_plan(chain)):
         if fits(chain, plan, budget):

@@ -43,16 +43,16 @@ def fluid_lp(chain: Chain, budget: int) -> FluidLP | None:
     if chain.fp[1] > budget:
         return None
     prob = pulp.LpProblem("fluid", pulp.LpMinimize)
-    x = {i: pulp.LpVariable(f"f{i}", 0, 1) for i in U}
+    x = {i: prob.add_variable(f"f{i}", 0, 1) for i in U}
     # cum[j]: offloaded volume of stages <= j; due[j]: of units needed at B_j or earlier in
     # the backward (need_from >= j).  State recurrences keep the LP at O(L) nonzeros.
-    cum = [0.0] + [pulp.LpVariable(f"A{j}", 0) for j in range(1, L + 1)]
-    due = [pulp.LpVariable(f"N{j}", 0) for j in range(L + 2)]
-    w = [0.0] + [pulp.LpVariable(f"w{j}", 0) for j in range(1, L + 1)]  # start of next op after boundary j
-    ship = [0.0] + [pulp.LpVariable(f"S{j}", 0) for j in range(1, L + 1)]  # D2H volume done by w_j
-    rel = [0.0] + [pulp.LpVariable(f"V{j}", 0) for j in range(1, L + 1)]  # volume released by boundary j
-    s = [None] + [pulp.LpVariable(f"s{j}", 0) for j in range(1, L + 1)]  # start of B_j
-    back = [None] + [pulp.LpVariable(f"P{j}", 0) for j in range(1, L + 1)]  # H2D volume done by s_j
+    cum = [0.0] + [prob.add_variable(f"A{j}", 0) for j in range(1, L + 1)]
+    due = [prob.add_variable(f"N{j}", 0) for j in range(L + 2)]
+    w = [0.0] + [prob.add_variable(f"w{j}", 0) for j in range(1, L + 1)]  # start of next op after boundary j
+    ship = [0.0] + [prob.add_variable(f"S{j}", 0) for j in range(1, L + 1)]  # D2H volume done by w_j
+    rel = [0.0] + [prob.add_variable(f"V{j}", 0) for j in range(1, L + 1)]  # volume released by boundary j
+    s = [None] + [prob.add_variable(f"s{j}", 0) for j in range(1, L + 1)]  # start of B_j
+    back = [None] + [prob.add_variable(f"P{j}", 0) for j in range(1, L + 1)]  # H2D volume done by s_j
     by_need: dict[int, list[int]] = {}
     for i in U:
         by_need.setdefault(int(chain.need[i]), []).append(i)

@@ -77,9 +77,9 @@ class _Model:
                     self.R[i] = j
                     break
                 M_rel[i, j] = backlog - acc
-        x = self.x = {i: pulp.LpVariable(f"x{i}", cat=Bin) for i in U}
-        z = self.z = {(i, j): pulp.LpVariable(f"z{i}_{j}", cat=Bin) for i in U for j in range(i + 1, self.R[i])}
-        y = self.y = {(i, j): pulp.LpVariable(f"y{i}_{j}", cat=Bin) for i in U for j in range(need[i] + 1, L + 1)}
+        x = self.x = {i: lp.add_variable(f"x{i}", cat=Bin) for i in U}
+        z = self.z = {(i, j): lp.add_variable(f"z{i}_{j}", cat=Bin) for i in U for j in range(i + 1, self.R[i])}
+        y = self.y = {(i, j): lp.add_variable(f"y{i}_{j}", cat=Bin) for i in U for j in range(need[i] + 1, L + 1)}
 
         def released(i: int, j: int):  # z_{i,j} with its fixed ends
             if j <= i:
@@ -110,8 +110,8 @@ class _Model:
             lp += pulp.lpSum(terms) + chain.bp[j] / mu <= B, f"memB{j}"
 
         # --- forward times
-        w = self.w = [0.0] + [pulp.LpVariable(f"w{j}", 0) for j in range(1, L + 1)]
-        d = self.d = {i: pulp.LpVariable(f"d{i}", 0) for i in U}
+        w = self.w = [0.0] + [lp.add_variable(f"w{j}", 0) for j in range(1, L + 1)]
+        d = self.d = {i: lp.add_variable(f"d{i}", 0) for i in U}
         prev = None
         for j in range(1, L + 1):
             lp += w[j] >= w[j - 1] + f[j]
@@ -126,7 +126,7 @@ class _Model:
             lp += w[j] >= f[1] + pulp.lpSum(dd[i] * released(i, j) for i in U if i < j)
 
         # --- backward times and the H2D FIFO
-        s = self.s = [None] + [pulp.LpVariable(f"s{j}", 0) for j in range(1, L + 1)]
+        s = self.s = [None] + [lp.add_variable(f"s{j}", 0) for j in range(1, L + 1)]
         issue = [None] + [s[k + 1] + b[k + 1] for k in range(1, L)] + [w[L]]
         self.groups: list[tuple[int, list[int]]] = []
         h2d_total = sum(hd.values())
@@ -144,7 +144,7 @@ class _Model:
             span = min(h2d_total, span + sum(hd[i] for i in members))
             first = True
             for i in members:
-                v = self.c[i, k] = pulp.LpVariable(f"c{i}_{k}", 0)
+                v = self.c[i, k] = lp.add_variable(f"c{i}_{k}", 0)
                 moved = fetched(i, k) - fetched(i, k + 1)  # prefetch point is k
                 if first:
                     lp += v >= issue[k] + hd[i] * moved
@@ -232,5 +232,5 @@ def solve_ilp(chain: Chain, budget: int, *, warm: Sequence[Offload] | None = Non
         dual_bound_s=out.dual_bound * tau if out.dual_bound is not None else None,
         build_s=build_s,
         variables=len(model.lp.variables()),
-        constraints=len(model.lp.constraints),
+        constraints=model.lp.numConstraints(),
     )

@@ -142,8 +142,10 @@ def solve(chain: Chain, budget: int, method: str = "ilp", options: Options | Non
     ctx = _Context(chain, act_budget, options, lp_bound, lp)
     plan, info = METHODS[method].run(ctx)
     if plan is None:
+        own = baselines.own_smallest_budget(chain, method)
         raise InfeasibleBudget(
-            f"method {method} cannot meet the budget {format_bytes(budget)} ({scope})",
+            f"method {method} cannot meet the budget {format_bytes(budget)} ({scope})"
+            + (f": it needs at least {format_bytes(own + base)}" if own is not None else ""),
             f"the smallest budget any schedule meets is {format_bytes(floor + base)}: try --method ilp or relax-lp",
             smallest_bytes=floor + base,
         )

@@ -1,0 +1,1 @@
+"""Sweeps, plots, the paper-style reproduction and the benchmarks."""

@@ -1,0 +1,1 @@
+"""The ``offload`` command: assembles the subcommands of each stage package."""

@@ -1,0 +1,43 @@
+"""Entry point of the ``offload`` console command.
+
+Each stage package adds its own subcommands; this module only assembles them, maps
+``OffloadError`` to one clear message and a non-zero exit code, and never shows a
+traceback for bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from solver import cli as solver_cli
+from solver.errors import OffloadError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="offload",
+        description="Train a PyTorch model that does not fit in GPU memory by moving activations to CPU memory "
+                    "and back, on a provably optimal (or near-optimal) schedule.",
+        epilog="Run `offload COMMAND --help` for each command's options.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    solver_cli.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except OffloadError as exc:
+        print(f"offload {args.command}: error: {exc}", file=sys.stderr)
+        if exc.hint:
+            print(f"  hint: {exc.hint}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"offload {args.command}: interrupted; no output written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

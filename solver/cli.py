@@ -1,0 +1,169 @@
+"""The solver's subcommands of ``offload``: ``show``, ``simulate``, ``solve``.
+
+Each stage package contributes its own subcommands (``add_commands``); ``offload.cli``
+assembles them, so the solver never depends on the torch-based stages.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .chain import Chain, load_chain
+from .errors import FormatError
+from .graph import write_graphml
+from .memory import no_offload_peak, op_memory, op_name, smallest_feasible_budget
+from .methods import METHODS, Options, solve
+from .pulp_backend import SOLVERS
+from .schedule import load_schedule, save_schedule
+from .simulate import Simulation, simulate
+from .units import format_bytes, format_seconds, parse_budget
+
+BUDGET_HELP = ("memory budget: bytes (4000000000), a size (6GiB, 800MB) or a share of the no-offload peak "
+               "(60%%); activation memory unless --total")
+
+
+def _line(label: str, text: str) -> None:
+    print(f"{label:<12} {text}")
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    chain = load_chain(args.chain)
+    src = chain.source
+    print(f"chain {chain.name!r}: {chain.L} stages, sha256 {chain.sha256[:12]}…")
+    if src:
+        print("source      " + ", ".join(f"{k}={v}" for k, v in src.items()))
+    p = chain.platform
+    print(f"platform    D2H {p.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {p.h2d_bytes_per_s / 1e9:.2f} GB/s, "
+          f"latency {format_seconds(p.latency_s)}, channels {p.channels}" + (f" ({p.note})" if p.note else ""))
+    print()
+    print(f"{'#':>4} {'name':<22} {'kind':<10} {'fwd':>10} {'bwd':>10} {'saved':>11} {'fwd peak':>11} {'bwd peak':>11} {'need':>5}")
+    for i, s in enumerate(chain.stages, start=1):
+        print(f"{i:>4} {s.name[:22]:<22} {s.kind[:10]:<10} {format_seconds(s.fwd_s):>10} {format_seconds(s.bwd_s):>10} "
+              f"{format_bytes(s.saved_bytes):>11} {format_bytes(s.fwd_peak_bytes):>11} {format_bytes(s.bwd_peak_bytes):>11} "
+              f"{s.need_from:>5}")
+    print()
+    peak = no_offload_peak(chain)
+    floor = smallest_feasible_budget(chain)
+    o = int(op_memory(chain, ()).argmax())
+    _line("no-offload", f"activation peak {format_bytes(peak)} at {op_name(chain, o)}"
+          + (f"; total {format_bytes(peak + chain.base_bytes)} with base {format_bytes(chain.base_bytes)}" if chain.base_bytes else ""))
+    _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times)")
+    _line("smallest", f"feasible activation budget {format_bytes(floor)} ({floor} B, {100 * floor / peak:.1f}% of the peak)"
+          if peak else "feasible budget 0 B")
+    if args.graphml:
+        write_graphml(chain, args.graphml)
+        print(f"wrote {args.graphml}")
+    return 0
+
+
+def _print_simulation(chain: Chain, sim: Simulation, base: int) -> None:
+    ideal = chain.ideal_makespan_s
+    _line("makespan", f"{format_seconds(sim.makespan_s)}  (ideal {format_seconds(ideal)}, "
+          f"{100 * (sim.makespan_s - ideal) / ideal if ideal else 0:+.2f}%)")
+    _line("stalls", f"{format_seconds(sim.stall_s)}")
+    _line("peak", f"{format_bytes(sim.peak_bytes + base)} at {sim.peak_op}" + (" (total)" if base else " (activations)"))
+    _line("moved", f"D2H {format_bytes(sim.d2h_bytes)}, H2D {format_bytes(sim.h2d_bytes)}")
+    _line("offloaded", f"{len(sim.offloads)} of {len(chain.offloadable)} offloadable units")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    chain = load_chain(args.chain)
+    sched = load_schedule(args.schedule, chain)
+    scope = sched.budget_scope
+    budget = sched.budget_bytes
+    if args.budget is not None:
+        scope = "total" if args.total else "activations"
+        budget = parse_budget(args.budget, no_offload_peak(chain) + (chain.base_bytes if args.total else 0))
+    base = chain.base_bytes if scope == "total" else 0
+    sim = simulate(chain, sched.offloads, budget, scope)
+    if args.json:
+        json.dump({"makespan_s": sim.makespan_s, "peak_bytes": sim.peak_bytes + base, "stall_s": sim.stall_s,
+                   "ops": [vars(o) for o in sim.ops], "copies": [vars(c) for c in sim.copies]}, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"schedule {sched.method or '?'} for chain {chain.name!r}" + (f", budget {format_bytes(budget)} ({scope})" if budget else ""))
+    _print_simulation(chain, sim, base)
+    if args.timeline:
+        print()
+        print(f"{'op':>6} {'ready':>12} {'start':>12} {'end':>12} {'stall':>11} {'memory':>11}")
+        for o in sim.ops:
+            print(f"{o.name:>6} {o.ready:>12.6f} {o.start:>12.6f} {o.end:>12.6f} {o.stall:>11.6f} {format_bytes(o.mem_bytes + base):>11}")
+        print(f"\n{'copy':>6} {'stage':>6} {'issue':>12} {'start':>12} {'end':>12} {'bytes':>11}")
+        for c in sim.copies:
+            print(f"{c.direction:>6} {c.stage:>6} {c.issue:>12.6f} {c.start:>12.6f} {c.end:>12.6f} {format_bytes(c.nbytes):>11}")
+    return 0
+
+
+def cmd_solve(args: argparse.Namespace) -> int:
+    if args.list_methods:
+        for m in METHODS.values():
+            print(f"{m.name:<15} {m.description}")
+        return 0
+    if args.chain is None or args.budget is None:
+        raise FormatError("solve needs CHAIN and --budget", "example: offload solve chain.json --budget 60% -o schedule.json")
+    chain = load_chain(args.chain)
+    scope = "total" if args.total else "activations"
+    ref = no_offload_peak(chain) + (chain.base_bytes if args.total else 0)
+    budget = parse_budget(args.budget, ref)
+    opts = Options(time_limit_s=args.time_limit, gap=args.gap, threads=args.threads, solver=args.solver,
+                   heuristic_time_s=args.heuristic_time, verbose=args.verbose)
+    if args.method == "ilp":
+        print(f"solving with {args.solver} (time limit {args.time_limit:g} s, gap {args.gap:g})…", file=sys.stderr, flush=True)
+    res = solve(chain, budget, args.method, opts, scope)
+    base = chain.base_bytes if scope == "total" else 0
+    _line("chain", f"{chain.name} ({chain.L} stages), budget {format_bytes(budget)} ({scope})")
+    _line("method", f"{args.method}: {res.status}, gap {100 * res.gap:.2f}% to the best lower bound "
+          f"{format_seconds(res.bound_s)}, {res.seconds:.2f} s")
+    if "note" in res.info:
+        _line("note", res.info["note"])
+    _print_simulation(chain, res.simulation, base)
+    if args.output:
+        save_schedule(res.schedule, chain, args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("show", help="print a chain's stages, no-offload peak, ideal makespan, smallest budget",
+                       description="Print a chain at a glance: its stage table, the no-offload activation peak, the "
+                                   "ideal makespan and the smallest budget any schedule can meet.")
+    p.add_argument("chain", help="chain.json")
+    p.add_argument("--graphml", metavar="PATH", help="also export the chain graph (ops, units, edges) to GraphML")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("simulate", help="replay a schedule and print its makespan, stalls and peak",
+                       description="Replay SCHEDULE on CHAIN with the simulator (the source of truth) and print the "
+                                   "figures; refuses a schedule made for another chain or one that breaks its budget.")
+    p.add_argument("chain", help="chain.json")
+    p.add_argument("schedule", help="schedule.json (made for this chain)")
+    p.add_argument("--budget", help="check against this budget instead of the schedule's own; " + BUDGET_HELP)
+    p.add_argument("--total", action="store_true", help="--budget counts base_bytes (weights, grads, optimizer state)")
+    p.add_argument("--timeline", action="store_true", help="print every op and copy with its times")
+    p.add_argument("--json", action="store_true", help="print the full timeline as JSON")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("solve", help="compute a schedule under a memory budget",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Choose which activations to offload, when to release them and when to prefetch "
+                                   "them, minimizing the step time under a memory budget.\n\n"
+                                   "examples:\n"
+                                   "  offload solve chain.json --budget 60% -o schedule.json\n"
+                                   "  offload solve chain.json --budget 6GiB --total --method relax-lp\n"
+                                   "  offload solve --list-methods\n\n"
+                                   "Every schedule is replayed by the simulator before it is written. An impossible "
+                                   "budget exits with status 4 and names the smallest feasible one; no file is written.")
+    p.add_argument("chain", nargs="?", help="chain.json")
+    p.add_argument("--budget", "-b", help=BUDGET_HELP)
+    p.add_argument("--method", "-m", default="ilp", choices=list(METHODS), metavar="METHOD",
+                   help="one of: " + ", ".join(METHODS) + " (default: ilp)")
+    p.add_argument("--output", "-o", help="write the schedule here (atomically)")
+    p.add_argument("--total", action="store_true", help="the budget counts base_bytes too (weights, grads, optimizer state)")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ILP solver time limit in seconds (default 60)")
+    p.add_argument("--gap", type=float, default=1e-4, help="ILP relative gap at which it stops, proven (default 1e-4)")
+    p.add_argument("--threads", type=int, default=None, help="ILP solver threads (default: the solver's choice)")
+    p.add_argument("--solver", choices=SOLVERS, default="highs", help="MILP solver for ilp (default highs)")
+    p.add_argument("--heuristic-time", type=float, default=1.5, metavar="S", help="local-search time of relax-* (default 1.5)")
+    p.add_argument("--verbose", action="store_true", help="show the MILP solver's log")
+    p.add_argument("--list-methods", action="store_true", help="print the methods, one per line, and exit")
+    p.set_defaults(func=cmd_solve)

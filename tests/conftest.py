@@ -1,0 +1,38 @@
+import json
+
+import pytest
+
+from solver.chain import chain_from_dict
+
+
+def chain_doc(**over):
+    """A small valid chain document; keyword arguments override top-level fields."""
+    doc = {
+        "format": "offload-chain/1",
+        "name": "four",
+        "source": {"model": "hand-made"},
+        "platform": {"d2h_bytes_per_s": 100.0, "h2d_bytes_per_s": 100.0, "latency_s": 0.0, "channels": "duplex"},
+        "base_bytes": 1000,
+        "stages": [
+            {"name": f"s{i}", "kind": "conv", "fwd_s": 1.0, "bwd_s": 2.0, "saved_bytes": 100,
+             "fwd_peak_bytes": 150, "bwd_peak_bytes": 50}
+            for i in range(1, 5)
+        ],
+    }
+    doc.update(over)
+    return doc
+
+
+@pytest.fixture
+def four():
+    """Four equal stages: 1 s forward, 2 s backward, 100-byte units, 100 B/s copies (1 s each)."""
+    return chain_from_dict(chain_doc())
+
+
+@pytest.fixture
+def write(tmp_path):
+    def _write(name, data):
+        p = tmp_path / name
+        p.write_text(data if isinstance(data, str) else json.dumps(data))
+        return p
+    return _write

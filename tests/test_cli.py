@@ -1,0 +1,111 @@
+"""The `offload` command as a user meets it: outputs, exit codes, no partial files."""
+import json
+import subprocess
+import sys
+
+import networkx as nx
+import pytest
+
+from offload.cli import main
+from solver.chain import save_chain
+from solver.schedule import load_schedule
+from solver.units import parse_budget
+from experiments.synthetic import synthetic_chain
+
+
+@pytest.fixture
+def chain_file(tmp_path):
+    p = tmp_path / "chain.json"
+    save_chain(synthetic_chain(12, seed=3), p)
+    return p
+
+
+def test_show_prints_the_picture_and_exports_graphml(chain_file, tmp_path, capsys):
+    g = tmp_path / "g.graphml"
+    assert main(["show", str(chain_file), "--graphml", str(g)]) == 0
+    out = capsys.readouterr().out
+    for words in ("12 stages", "no-offload", "ideal", "smallest", "stage12"):
+        assert words in out
+    graph = nx.read_graphml(g)
+    assert graph.number_of_nodes() == 36 and graph.nodes["U3"]["type"] == "unit"
+
+
+def test_solve_then_simulate(chain_file, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["solve", str(chain_file), "--budget", "40%", "-m", "relax-lp", "-o", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "offload-schedule/1" and doc["method"] == "relax-lp"
+    assert doc["solver"]["status"] in {"optimal", "heuristic"}
+    assert main(["simulate", str(chain_file), str(out), "--timeline"]) == 0
+    text = capsys.readouterr().out
+    assert f"{doc['predicted']['makespan_s'] * 1e3:.3f} ms" in text and "D2H" in text
+
+
+def test_impossible_budget_names_the_smallest_and_writes_nothing(chain_file, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["solve", str(chain_file), "--budget", "1MB", "-o", str(out)]) == 4
+    err = capsys.readouterr().err
+    assert "below the smallest feasible budget" in err and "hint: use --budget" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == [chain_file]
+
+
+def test_baseline_that_cannot_fit_says_so(chain_file, capsys):
+    assert main(["solve", str(chain_file), "--budget", "60%", "-m", "none"]) == 4
+    err = capsys.readouterr().err
+    assert "method none cannot meet the budget" in err and "it needs at least" in err
+    assert "try --method ilp" in err
+
+
+def test_malformed_chain_is_one_clear_message(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "offload-chain/1", "name": "x"')
+    assert main(["show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "not valid JSON" in err and "Traceback" not in err
+
+
+def test_schedule_for_another_chain_is_refused(chain_file, tmp_path, capsys):
+    other = tmp_path / "other.json"
+    save_chain(synthetic_chain(12, seed=4), other)
+    sched = tmp_path / "s.json"
+    assert main(["solve", str(other), "--budget", "50%", "-m", "swap-idle", "-o", str(sched)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(chain_file), str(sched)]) == 2
+    assert "made for chain" in capsys.readouterr().err
+
+
+def test_list_methods_one_per_line_name_first(capsys):
+    assert main(["solve", "--list-methods"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    names = [line.split()[0] for line in lines]
+    assert names[:3] == ["ilp", "relax-lp", "relax-bw"] and {"save-on-cpu", "vdnn-dyn", "layrub"} <= set(names)
+
+
+def test_total_budget_counts_base_bytes(chain_file, tmp_path):
+    from solver.chain import load_chain
+    chain = load_chain(chain_file)
+    out = tmp_path / "s.json"
+    assert main(["solve", str(chain_file), "--budget", "70%", "--total", "-m", "relax-bw", "-o", str(out)]) == 0
+    s = load_schedule(out, chain)
+    assert s.budget_scope == "total" and s.predicted["peak_bytes"] <= s.budget_bytes
+    assert s.predicted["peak_bytes"] > chain.base_bytes
+
+
+@pytest.mark.parametrize("text, ref, expected", [
+    ("123456", 0, 123456), ("6GiB", 0, 6 * 2**30), ("800MB", 0, 800_000_000), ("60%", 1000, 600),
+    ("1.5 gib", 0, int(1.5 * 2**30)), ("2e9", 0, 2_000_000_000),
+])
+def test_budget_units(text, ref, expected):
+    assert parse_budget(text, ref) == expected
+
+
+def test_bad_budget_unit(chain_file, capsys):
+    assert main(["solve", str(chain_file), "--budget", "6 parsecs"]) == 2
+    assert "unknown unit" in capsys.readouterr().err
+
+
+def test_console_script_entry_point(chain_file):
+    run = subprocess.run([sys.executable, "-m", "offload", "solve", str(chain_file), "--budget", "10B"],
+                         capture_output=True, text=True)
+    assert run.returncode == 4 and "smallest feasible" in run.stderr

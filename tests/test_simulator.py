@@ -1,0 +1,70 @@
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+
+from solver.chain import chain_from_dict
+from solver.errors import ScheduleRejected
+from solver.memory import no_offload_peak, smallest_feasible_budget
+from solver.schedule import Offload
+from solver.simulate import simulate
+from tests.conftest import chain_doc
+from tests.strategies import chain_and_budget
+
+
+def test_no_offload_runs_at_the_ideal_makespan(four):
+    sim = simulate(four, [])
+    assert sim.makespan_s == four.ideal_makespan_s == 12.0
+    assert sim.stall_s == 0
+    assert list(sim.memory) == [150, 250, 350, 450, 450, 350, 250, 150]
+    assert no_offload_peak(four) == 450
+
+
+def test_release_and_prefetch_stalls_by_hand():
+    doc = chain_doc()
+    doc["platform"]["d2h_bytes_per_s"] = 50.0  # D2H takes 2 s, H2D 1 s
+    chain = chain_from_dict(doc)
+    sim = simulate(chain, [Offload(1, 2, 1)])
+    ops = {o.name: o for o in sim.ops}
+    assert (ops["F3"].ready, ops["F3"].start) == (2.0, 3.0)  # waits for U1's D2H [1, 3]
+    assert (ops["B1"].ready, ops["B1"].start, ops["B1"].end) == (11.0, 12.0, 14.0)  # on-demand H2D [11, 12]
+    assert sim.makespan_s == 14.0 and sim.stall_s == 2.0
+    assert list(sim.memory) == [150, 250, 250, 350, 350, 250, 150, 150]
+    d2h, h2d = sim.copies
+    assert (d2h.direction, d2h.start, d2h.end) == ("D2H", 1.0, 3.0)
+    assert (h2d.direction, h2d.issue, h2d.end) == ("H2D", 11.0, 12.0)
+
+
+def test_prefetch_issue_order_and_fifo(four):
+    # both prefetched at the turn: U2 is needed first so its copy goes first
+    sim = simulate(four, [Offload(1, 2, 4), Offload(2, 3, 4)])
+    h2d = [c for c in sim.copies if c.direction == "H2D"]
+    assert [(c.stage, c.start, c.end) for c in h2d] == [(2, 4.0, 5.0), (1, 5.0, 6.0)]
+    assert sim.stall_s == 0 and sim.makespan_s == 12.0
+
+
+def test_budget_refusal_names_op_and_excess(four):
+    with pytest.raises(ScheduleRejected, match=r"F4 at t=3 s holds 450 bytes.*over by 50 bytes; 2 ops"):
+        simulate(four, [], budget_bytes=400)
+    with pytest.raises(ScheduleRejected, match="total"):
+        simulate(four, [], budget_bytes=1400, scope="total")
+
+
+def test_floor_is_the_smallest_budget(four):
+    floor = smallest_feasible_budget(four)
+    assert floor == 250  # F2..: the previous unit plus the op's own 150
+    with pytest.raises(ScheduleRejected):
+        simulate(four, [Offload(i, i + 1, i) for i in (1, 2, 3)], budget_bytes=floor - 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(chain_and_budget(max_stages=8))
+def test_channel_mode_never_changes_the_timeline(cb):
+    """All D2H copies end before B_L (releases are <= L) and H2D copies are issued at B_L or
+    later, so the two directions never overlap: `shared` and `duplex` agree."""
+    from solver.memory import floor_offloads
+    chain, _ = cb
+    plan = floor_offloads(chain)
+    other = dataclasses.replace(chain.platform, channels="shared" if chain.platform.channels == "duplex" else "duplex")
+    twin = dataclasses.replace(chain, platform=other)
+    assert simulate(chain, plan).makespan_s == simulate(twin, plan).makespan_s

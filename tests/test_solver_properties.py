@@ -1,0 +1,111 @@
+"""Property tests over random chains: the simulator is the truth, the ILP is exact."""
+import dataclasses
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+
+from solver.bounds import fluid_lp
+from solver.errors import InfeasibleBudget
+from solver.ilp import _Model, solve_ilp
+from solver.methods import METHODS, Options, solve
+from solver.schedule import Offload
+from solver.simulate import simulate
+from tests.strategies import chain_and_budget
+
+EXACT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.2)
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+REL = 1e-7
+
+
+def brute_force(chain, budget):
+    """Best makespan over the whole schedule class, by enumeration."""
+    def options(i):
+        yield None
+        for r in range(i + 1, chain.L + 1):
+            for k in range(int(chain.need[i]), chain.L + 1):
+                yield Offload(i, r, k)
+    best = None
+    for combo in itertools.product(*[list(options(i)) for i in chain.offloadable]):
+        sim = simulate(chain, [o for o in combo if o])
+        if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best):
+            best = sim.makespan_s
+    return best
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(chain_and_budget(max_stages=5))
+def test_ilp_equals_brute_force(cb):
+    chain, budget = cb
+    res = solve(chain, budget, "ilp", EXACT)
+    assert res.status == "optimal"
+    assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget), rel=REL)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(chain_and_budget(max_stages=7))
+def test_every_method_replays_within_budget_and_ilp_is_best(cb):
+    chain, budget = cb
+    ilp = solve(chain, budget, "ilp", EXACT)
+    lp = fluid_lp(chain, budget)
+    assert lp.makespan_s <= ilp.simulation.makespan_s * (1 + REL)
+    assert chain.ideal_makespan_s <= ilp.simulation.makespan_s * (1 + REL)
+    for name in METHODS:
+        try:
+            res = solve(chain, budget, name, EXACT)
+        except InfeasibleBudget:
+            assert name in {"none", "vdnn-all", "vdnn-conv", "vdnn-dyn", "layrub", "save-on-cpu"}
+            continue
+        replay = simulate(chain, res.schedule.offloads, budget)  # raises if over budget
+        assert res.schedule.predicted["makespan_s"] == replay.makespan_s
+        assert res.schedule.predicted["peak_bytes"] == replay.peak_bytes <= budget
+        assert ilp.simulation.makespan_s <= replay.makespan_s * (1 + REL), name
+        assert 0 <= res.gap <= 1
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(chain_and_budget(max_stages=7))
+def test_ilp_objective_equals_simulated_makespan(cb):
+    chain, budget = cb
+    res = solve_ilp(chain, budget, gap=0.0)
+    assert res.outcome.proven
+    assert res.objective_s == pytest.approx(simulate(chain, res.offloads).makespan_s, rel=1e-6)
+    assert res.dual_bound_s <= res.objective_s * (1 + 1e-6)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(chain_and_budget(max_stages=7))
+def test_warm_start_is_the_least_solution_of_the_model(cb):
+    """Loading any schedule sets every variable so that all rows hold and the objective is
+    the simulated makespan: the MILP's rows say exactly what the simulator does."""
+    chain, budget = cb
+    plan = solve(chain, budget, "relax-bw", EXACT).schedule.offloads
+    model = _Model(chain, budget)
+    span = model.load(plan)
+    bad = [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
+    assert not bad
+    assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(chain_and_budget(max_stages=6))
+def test_optimum_never_worse_with_more_budget_or_bandwidth(cb):
+    chain, budget = cb
+    base = solve(chain, budget, "ilp", EXACT).simulation.makespan_s
+    more_mem = solve(chain, budget + max(1, budget // 4), "ilp", EXACT).simulation.makespan_s
+    p = chain.platform
+    faster = dataclasses.replace(chain, platform=dataclasses.replace(p, d2h_bytes_per_s=p.d2h_bytes_per_s * 2,
+                                                                     h2d_bytes_per_s=p.h2d_bytes_per_s * 1.5))
+    more_bw = solve(faster, budget, "ilp", EXACT).simulation.makespan_s
+    assert more_mem <= base * (1 + REL)
+    assert more_bw <= base * (1 + REL)
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(chain_and_budget(min_stages=3, max_stages=6))
+def test_cbc_agrees_with_highs(cb):
+    chain, budget = cb
+    assume(chain.offloadable)
+    highs = solve(chain, budget, "ilp", EXACT).simulation.makespan_s
+    cbc = solve(chain, budget, "ilp", dataclasses.replace(EXACT, solver="cbc")).simulation.makespan_s
+    assert cbc == pytest.approx(highs, rel=1e-6)

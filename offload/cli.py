@@ -7,6 +7,7 @@ traceback for bad input.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from solver import cli as solver_cli
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         if exc.hint:
             print(f"  hint: {exc.hint}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # output piped into `head` and closed: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"offload {args.command}: interrupted; no output written", file=sys.stderr)
         return 130

@@ -1,0 +1,140 @@
+"""Solver benchmark (issue #2): ILP scaling, heuristic quality, and speed at 1000 stages.
+
+Run with ``make bench`` or ``python -m experiments.bench_solver [--quick]``.  Prints
+every figure and writes the raw rows to ``experiments/results/bench_solver*.csv``.
+Chains are ``experiments.synthetic`` chains (seeded; realistic proportions, not
+measured), so each row can be reproduced from its (stages, seed, budget share).
+
+1. ILP time to proven optimality (or its gap at the limit) for 10..200 stages, at a
+   budget one quarter of the way from the smallest feasible budget to the no-offload peak.
+2. Heuristic / ILP makespan ratio over many (chain, budget) pairs, for every method.
+3. relax-lp, relax-bw and simulator time on a 1000-stage chain.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import time
+from pathlib import Path
+
+from experiments.synthetic import synthetic_chain
+from solver.errors import InfeasibleBudget
+from solver.memory import no_offload_peak, smallest_feasible_budget
+from solver.methods import METHODS, Options, solve
+from solver.simulate import simulate
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def budget_at(chain, share: float) -> int:
+    """A budget ``share`` of the way from the smallest feasible one to the no-offload peak."""
+    lo, hi = smallest_feasible_budget(chain), no_offload_peak(chain)
+    return lo + int(share * (hi - lo))
+
+
+def write_csv(name: str, rows: list[dict]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / name
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def ilp_scaling(sizes, limit_for) -> list[dict]:
+    print("\n== 1. ILP: time to prove optimality (budget share 0.25, HiGHS, 2 cores) ==")
+    print(f"{'stages':>6} {'status':>10} {'gap':>8} {'build s':>8} {'solve s':>8} {'total s':>8} {'vars':>7} {'nodes':>7} {'vs warm':>8}")
+    rows = []
+    for L in sizes:
+        chain = synthetic_chain(L, seed=1)
+        t0 = time.perf_counter()
+        r = solve(chain, budget_at(chain, 0.25), "ilp", Options(time_limit_s=limit_for(L)))
+        total = time.perf_counter() - t0
+        i = r.info
+        better = i["warm_start_s"] / r.simulation.makespan_s
+        rows.append({"stages": L, "status": r.status, "gap": r.gap, "build_s": i["build_seconds"],
+                     "solve_s": i["solver_seconds"], "total_s": round(total, 3), "time_limit_s": limit_for(L),
+                     "variables": i["variables"], "constraints": i["constraints"], "nodes": i["nodes"],
+                     "makespan_s": r.simulation.makespan_s, "warm_start_s": i["warm_start_s"], "bound_s": r.bound_s})
+        print(f"{L:>6} {r.status:>10} {100 * r.gap:>7.3f}% {i['build_seconds']:>8.2f} {i['solver_seconds']:>8.2f} "
+              f"{total:>8.2f} {i['variables']:>7} {i['nodes'] or 0:>7} {better:>8.4f}", flush=True)
+    return rows
+
+
+def heuristic_ratios(pairs, ilp_limit: float) -> list[dict]:
+    print(f"\n== 2. makespan / ILP makespan over {len(pairs)} (chain, budget) pairs ==")
+    rows = []
+    for n, (L, seed, share) in enumerate(pairs, start=1):
+        chain = synthetic_chain(L, seed=seed)
+        budget = budget_at(chain, share)
+        ilp = solve(chain, budget, "ilp", Options(time_limit_s=ilp_limit))
+        for name in METHODS:
+            try:
+                r = ilp if name == "ilp" else solve(chain, budget, name)
+                span, ratio = r.simulation.makespan_s, r.simulation.makespan_s / ilp.simulation.makespan_s
+            except InfeasibleBudget:
+                span = ratio = None
+            rows.append({"stages": L, "seed": seed, "share": share, "budget_bytes": budget, "method": name,
+                         "makespan_s": span, "ratio_to_ilp": ratio, "ilp_status": ilp.status, "ilp_gap": ilp.gap})
+        print(f"\r  {n}/{len(pairs)} pairs", end="", flush=True)
+    print()
+    proven = {(r["stages"], r["seed"], r["share"]) for r in rows if r["method"] == "ilp" and r["ilp_status"] == "optimal"}
+    print(f"  ILP proven optimal on {len(proven)}/{len(pairs)} pairs; ratios below use all pairs (ILP incumbent)")
+    print(f"  {'method':<15} {'feasible':>9} {'median':>8} {'p90':>8} {'worst':>8}")
+    for name in METHODS:
+        ratios = sorted(r["ratio_to_ilp"] for r in rows if r["method"] == name and r["ratio_to_ilp"] is not None)
+        if not ratios:
+            print(f"  {name:<15} {0:>9}")
+            continue
+        p90 = ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))]
+        print(f"  {name:<15} {len(ratios):>5}/{len(pairs):<3} {statistics.median(ratios):>8.4f} {p90:>8.4f} {ratios[-1]:>8.4f}")
+    return rows
+
+
+def large_chain_speed(L: int = 1000, repeats: int = 20) -> list[dict]:
+    print(f"\n== 3. speed at {L} stages (budget share 0.25) ==")
+    chain = synthetic_chain(L, seed=7)
+    budget = budget_at(chain, 0.25)
+    rows = []
+    for name in ("relax-lp", "relax-bw"):
+        t0 = time.perf_counter()
+        r = solve(chain, budget, name)
+        sec = time.perf_counter() - t0
+        rows.append({"what": name, "seconds": round(sec, 4), "makespan_s": r.simulation.makespan_s, "gap": r.gap})
+        print(f"  {name:<9} {sec:7.3f} s  (solve() wall time, LP bound included)  makespan {r.simulation.makespan_s:.4f} s, gap {100 * r.gap:.2f}%")
+    plan = r.schedule.offloads
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        simulate(chain, plan, budget)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    rows.append({"what": "simulate", "seconds": round(med, 5), "makespan_s": None, "gap": None})
+    print(f"  simulate  {1e3 * med:7.2f} ms (median of {repeats}, {len(plan)} offloaded units)")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke run, about a minute)")
+    args = ap.parse_args()
+    if args.quick:
+        sizes, pairs, ilp_limit = (10, 25), [(L, s, sh) for L in (8, 12) for s in (1, 2) for sh in (0.1, 0.4)], 10.0
+        large = 300
+    else:
+        sizes, ilp_limit, large = (10, 25, 50, 100, 200), 20.0, 1000
+        pairs = [(L, s, sh) for L in (10, 16, 24) for s in range(1, 6) for sh in (0.05, 0.15, 0.3, 0.5)]
+    suffix = "_quick" if args.quick else ""
+    t0 = time.perf_counter()
+    a = ilp_scaling(sizes, lambda L: 30.0 if L <= 50 else 60.0)
+    b = heuristic_ratios(pairs, ilp_limit)
+    c = large_chain_speed(large)
+    for name, rows in (("ilp_scaling", a), ("ratios", b), ("speed", c)):
+        print(f"wrote {write_csv(f'bench_solver_{name}{suffix}.csv', rows)}")
+    print(f"benchmark wall time {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

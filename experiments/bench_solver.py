@@ -119,6 +119,7 @@ def large_chain_speed(L: int = 1000, repeats: int = 20) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke run, about a minute)")
+    ap.add_argument("--part", choices=("all", "ilp", "ratios", "speed"), default="all", help="run one part only")
     args = ap.parse_args()
     if args.quick:
         sizes, pairs, ilp_limit = (10, 25), [(L, s, sh) for L in (8, 12) for s in (1, 2) for sh in (0.1, 0.4)], 10.0
@@ -128,11 +129,14 @@ def main() -> None:
         pairs = [(L, s, sh) for L in (10, 16, 24) for s in range(1, 6) for sh in (0.05, 0.15, 0.3, 0.5)]
     suffix = "_quick" if args.quick else ""
     t0 = time.perf_counter()
-    a = ilp_scaling(sizes, lambda L: 30.0 if L <= 50 else 60.0)
-    b = heuristic_ratios(pairs, ilp_limit)
-    c = large_chain_speed(large)
-    for name, rows in (("ilp_scaling", a), ("ratios", b), ("speed", c)):
-        print(f"wrote {write_csv(f'bench_solver_{name}{suffix}.csv', rows)}")
+    parts = {
+        "ilp_scaling": lambda: ilp_scaling(sizes, lambda L: 30.0 if L <= 50 else 60.0),
+        "ratios": lambda: heuristic_ratios(pairs, ilp_limit),
+        "speed": lambda: large_chain_speed(large),
+    }
+    for name, run in parts.items():
+        if args.part in ("all", name.split("_")[0]):
+            print(f"wrote {write_csv(f'bench_solver_{name}{suffix}.csv', run())}")
     print(f"benchmark wall time {time.perf_counter() - t0:.0f} s")
 
 

@@ -163,7 +163,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gap", type=float, default=1e-4, help="ILP relative gap at which it stops, proven (default 1e-4)")
     p.add_argument("--threads", type=int, default=None, help="ILP solver threads (default: the solver's choice)")
     p.add_argument("--solver", choices=SOLVERS, default="highs", help="MILP solver for ilp (default highs)")
-    p.add_argument("--heuristic-time", type=float, default=1.5, metavar="S", help="local-search time of relax-* (default 1.5)")
+    p.add_argument("--heuristic-time", type=float, default=1.0, metavar="S", help="local-search time of relax-* (default 1.0)")
     p.add_argument("--verbose", action="store_true", help="show the MILP solver's log")
     p.add_argument("--list-methods", action="store_true", help="print the methods, one per line, and exit")
     p.set_defaults(func=cmd_solve)

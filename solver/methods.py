@@ -29,7 +29,7 @@ class Options:
     gap: float = 1e-4
     threads: int | None = None
     solver: str = "highs"
-    heuristic_time_s: float = 1.5
+    heuristic_time_s: float = 1.0
     verbose: bool = False
 
 

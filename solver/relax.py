@@ -55,12 +55,19 @@ class _Scorer:
 
 
 def _fill(chain: Chain, budget: int, units: set[int], order: list[int]) -> set[int]:
-    """Add units in ``order`` until the set fits memory (the floor schedule always does)."""
+    """Add units in ``order`` until the set fits memory (the floor schedule always does).
+
+    Incremental: adding unit ``i`` lowers the floor memory by ``a_i`` on the ops where it is
+    absent with instant release and on-demand fetch, ``F(i+2) .. B(need_i + 1)``."""
     units = set(units)
+    mem = floor_memory(chain, units)
+    L = chain.L
     for i in order:
-        if set_fits(chain, units, budget):
+        if mem.max() <= budget:
             break
-        units.add(i)
+        if i not in units:
+            units.add(i)
+            mem[i + 1: 2 * L - int(chain.need[i])] -= chain.a[i]
     return units
 
 
@@ -99,7 +106,7 @@ def _finish(chain: Chain, budget: int, score: _Scorer, starts: list[set[int]], d
     return plan if plan is not None else floor_offloads(chain)
 
 
-def relax_lp(chain: Chain, budget: int, lp: FluidLP, time_budget_s: float = 1.5) -> list[Offload]:
+def relax_lp(chain: Chain, budget: int, lp: FluidLP, time_budget_s: float = 1.0) -> list[Offload]:
     """Round the fluid LP's fractional offload and repair it (see module docstring)."""
     deadline = time.perf_counter() + time_budget_s
     score = _Scorer(chain, budget)
@@ -131,7 +138,7 @@ def cover_without_bandwidth(chain: Chain, budget: int) -> set[int]:
         chosen.add(pick)
 
 
-def relax_bw(chain: Chain, budget: int, time_budget_s: float = 1.5) -> list[Offload]:
+def relax_bw(chain: Chain, budget: int, time_budget_s: float = 1.0) -> list[Offload]:
     """Solve the infinite-bandwidth relaxation, then repair its stalls (see module docstring)."""
     deadline = time.perf_counter() + time_budget_s
     score = _Scorer(chain, budget)

@@ -26,10 +26,6 @@ class FluidLP:
     fraction: dict[int, float]  # offloaded share of each offloadable unit
 
 
-def ideal_bound(chain: Chain) -> float:
-    return chain.ideal_makespan_s
-
-
 def fluid_lp(chain: Chain, budget: int) -> FluidLP | None:
     """Solve the fluid relaxation for an activation ``budget``; ``None`` if even it is infeasible."""
     L, U = chain.L, chain.offloadable

@@ -16,11 +16,6 @@ from .chain import Chain
 from .schedule import Offload
 
 
-def op_index(chain: Chain, phase: str, j: int) -> int:
-    """0-based position of ``Fj`` / ``Bj`` in the op sequence."""
-    return j - 1 if phase == "F" else 2 * chain.L - j
-
-
 def op_name(chain: Chain, o: int) -> str:
     L = chain.L
     return f"F{o + 1}" if o < L else f"B{2 * L - o}"

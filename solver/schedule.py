@@ -42,10 +42,6 @@ class Schedule:
     solver: Mapping[str, Any] = field(default_factory=dict)
     predicted: Mapping[str, Any] = field(default_factory=dict)
 
-    @property
-    def offloaded(self) -> frozenset[int]:
-        return frozenset(o.stage for o in self.offloads)
-
 
 def make_schedule(chain: Chain, offloads: Iterable[Offload], **meta: Any) -> Schedule:
     """A schedule for ``chain`` (sorted by stage), with optional metadata fields."""

@@ -30,8 +30,8 @@ from typing import Callable
 import numpy as np
 
 from .chain import Chain
-from .policy import (combine, floor_memory, prefetch_latest, prefetch_lookahead, prefetch_on_demand,
-                     release_asap, release_next, set_fits)
+from .policy import (combine, cover_peaks, prefetch_latest, prefetch_lookahead, prefetch_on_demand,
+                     release_asap, release_next)
 from .schedule import Offload
 from .simulate import simulate
 
@@ -105,7 +105,7 @@ def _idle_times(chain: Chain) -> np.ndarray:
 
 def swap_ranked(chain: Chain, budget: int, by_size: bool) -> Plan | None:
     """Zhang et al.'s swap selection with DOA (``by_size=False``) or AOA ranking."""
-    L, p = chain.L, chain.platform
+    p = chain.platform
     idle = _idle_times(chain)
     score = {}
     for i in chain.offloadable:
@@ -114,13 +114,9 @@ def swap_ranked(chain: Chain, budget: int, by_size: bool) -> Plan | None:
             score[i] = adjusted * chain.a[i] if adjusted > 0 else idle[i] / chain.a[i]
         else:
             score[i] = idle[i]
-    chosen: set[int] = set()
-    while not set_fits(chain, chosen, budget):
-        o = int(floor_memory(chain, chosen).argmax())
-        cands = [i for i in chain.offloadable if i not in chosen and i + 1 <= o < 2 * L - int(chain.need[i])]
-        if not cands:
-            return None
-        chosen.add(max(cands, key=lambda i: (score[i], -i)))
+    chosen = cover_peaks(chain, budget, lambda cands, _: max(cands, key=lambda i: (score[i], -i)))
+    if chosen is None:
+        return None
     units = sorted(chosen)
     release = release_asap(chain, units, budget)
     if release is None:

@@ -18,7 +18,7 @@ rules pick the release and prefetch points.  Heuristics and baselines share them
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -38,6 +38,27 @@ def floor_memory(chain: Chain, units: Iterable[int]) -> np.ndarray:
     """Per-op memory when ``units`` are released at once and fetched on demand: the least
     any schedule offloading exactly these units can hold."""
     return op_memory(chain, [Offload(i, i + 1, int(chain.need[i])) for i in units])
+
+
+def absent_ops(chain: Chain, i: int) -> range:
+    """Ops (execution-order indices) from which unit ``i`` is absent when released at once
+    and fetched on demand: ``F(i+2) .. B(need_i + 1)``."""
+    return range(i + 1, 2 * chain.L - int(chain.need[i]))
+
+
+def cover_peaks(chain: Chain, budget: int, pick: Callable[[list[int], int], int]) -> set[int] | None:
+    """Grow a set until it fits: at each step the op with the most excess memory is covered
+    by ``pick(candidates, excess)``, a unit absent from it.  ``None`` if none can be."""
+    chosen: set[int] = set()
+    while True:
+        over = floor_memory(chain, chosen) - budget
+        if over.max() <= 0:
+            return chosen
+        o = int(over.argmax())
+        cands = [i for i in chain.offloadable if i not in chosen and o in absent_ops(chain, i)]
+        if not cands:
+            return None
+        chosen.add(pick(cands, int(over[o])))
 
 
 def set_fits(chain: Chain, units: Iterable[int], budget: int) -> bool:

@@ -29,7 +29,7 @@ import numpy as np
 from .bounds import FluidLP
 from .chain import Chain
 from .memory import floor_offloads
-from .policy import floor_memory, plan_greedy, set_fits
+from .policy import absent_ops, cover_peaks, floor_memory, plan_greedy
 from .schedule import Offload
 from .simulate import simulate
 
@@ -57,17 +57,16 @@ class _Scorer:
 def _fill(chain: Chain, budget: int, units: set[int], order: list[int]) -> set[int]:
     """Add units in ``order`` until the set fits memory (the floor schedule always does).
 
-    Incremental: adding unit ``i`` lowers the floor memory by ``a_i`` on the ops where it is
-    absent with instant release and on-demand fetch, ``F(i+2) .. B(need_i + 1)``."""
+    Incremental: adding unit ``i`` lowers the floor memory by ``a_i`` on its ``absent_ops``."""
     units = set(units)
     mem = floor_memory(chain, units)
-    L = chain.L
     for i in order:
         if mem.max() <= budget:
             break
         if i not in units:
             units.add(i)
-            mem[i + 1: 2 * L - int(chain.need[i])] -= chain.a[i]
+            span = absent_ops(chain, i)
+            mem[span.start: span.stop] -= chain.a[i]
     return units
 
 
@@ -120,22 +119,13 @@ def relax_lp(chain: Chain, budget: int, lp: FluidLP, time_budget_s: float = 1.0)
 
 
 def cover_without_bandwidth(chain: Chain, budget: int) -> set[int]:
-    """Least-volume set that fits memory when copies are instant (greedy interval cover)."""
-    L = chain.L
-    chosen: set[int] = set()
-    while True:
-        mem = floor_memory(chain, chosen)
-        over = mem - budget
-        if over.max() <= 0:
-            return chosen
-        o = int(over.argmax())
-        # unit i is absent (with instant copies) from op F(i+2) (index i+1) to B(need_i+1)
-        cands = [i for i in chain.offloadable if i not in chosen and i + 1 <= o < 2 * L - int(chain.need[i])]
-        if not cands:
-            return set(chain.offloadable)
-        enough = [i for i in cands if chain.a[i] >= over[o]]
-        pick = min(enough, key=lambda i: (chain.a[i], i)) if enough else max(cands, key=lambda i: (chain.a[i], -i))
-        chosen.add(pick)
+    """Least-volume set that fits memory when copies are instant (greedy interval cover):
+    the smallest unit that covers the peak's excess alone, else the largest."""
+    def pick(cands: list[int], excess: int) -> int:
+        enough = [i for i in cands if chain.a[i] >= excess]
+        return min(enough, key=lambda i: (chain.a[i], i)) if enough else max(cands, key=lambda i: (chain.a[i], -i))
+    chosen = cover_peaks(chain, budget, pick)
+    return chosen if chosen is not None else set(chain.offloadable)
 
 
 def relax_bw(chain: Chain, budget: int, time_budget_s: float = 1.0) -> list[Offload]:

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from profiler import cli as profiler_cli
 from solver import cli as solver_cli
 from solver.errors import OffloadError
 
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `offload COMMAND --help` for each command's options.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    profiler_cli.add_commands(sub)
     solver_cli.add_commands(sub)
     return parser
 

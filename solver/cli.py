@@ -27,12 +27,12 @@ def _line(label: str, text: str) -> None:
     print(f"{label:<12} {text}")
 
 
-def cmd_show(args: argparse.Namespace) -> int:
-    chain = load_chain(args.chain)
+def print_chain(chain: Chain) -> None:
+    """The chain at a glance: source, platform, stages, peak, ideal makespan, smallest budget."""
     src = chain.source
     print(f"chain {chain.name!r}: {chain.L} stages, sha256 {chain.sha256[:12]}…")
     if src:
-        print("source      " + ", ".join(f"{k}={v}" for k, v in src.items()))
+        print("source      " + ", ".join(f"{k}={v}" for k, v in src.items() if not isinstance(v, (dict, list))))
     p = chain.platform
     print(f"platform    D2H {p.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {p.h2d_bytes_per_s / 1e9:.2f} GB/s, "
           f"latency {format_seconds(p.latency_s)}, channels {p.channels}" + (f" ({p.note})" if p.note else ""))
@@ -51,6 +51,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times)")
     _line("smallest", f"feasible activation budget {format_bytes(floor)} ({floor} B, {100 * floor / peak:.1f}% of the peak)"
           if peak else "feasible budget 0 B")
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    chain = load_chain(args.chain)
+    print_chain(chain)
     if args.graphml:
         write_graphml(chain, args.graphml)
         print(f"wrote {args.graphml}")

@@ -37,3 +37,29 @@ def format_seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.3f} ms"
     return f"{s * 1e6:.1f} us"
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second from ``25GB/s``, ``12.5 GiB/s`` or ``2.5e10``."""
+    t = text.strip()
+    body = t[:-2] if t.lower().endswith("/s") else t
+    if body.strip().endswith("%"):
+        raise FormatError(f"cannot read bandwidth {text!r}", "write it as 25GB/s, 12GiB/s or bytes per second")
+    try:
+        rate = float(parse_budget(body, 0))
+    except FormatError:
+        raise FormatError(f"cannot read bandwidth {text!r}", "write it as 25GB/s, 12GiB/s or bytes per second") from None
+    if rate <= 0:
+        raise FormatError(f"bandwidth must be positive, got {text!r}")
+    return rate
+
+
+_SECONDS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_seconds(text: str) -> float:
+    """Seconds from ``0.00001``, ``10us``, ``1.5ms``."""
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zµ]*)", text.strip().lower())
+    if not m or m.group(2) not in _SECONDS:
+        raise FormatError(f"cannot read duration {text!r}", "write seconds (0.00001) or with a unit (10us, 1.5ms)")
+    return float(m.group(1)) * _SECONDS[m.group(2)]

@@ -1,0 +1,101 @@
+"""The profiler's subcommand of ``offload``: ``profile``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tqdm import tqdm
+
+from solver.cli import print_chain
+from solver.chain import CHANNEL_MODES, save_chain
+from solver.errors import FormatError
+from solver.units import parse_rate, parse_seconds
+
+from .bandwidth import given_platform
+from .linearize import write_op_graphml
+from .measure import OPTIMIZERS
+from .models import parse_options, zoo_help
+from .profile import DTYPES, ProfileOptions, profile
+
+
+def _platform(args: argparse.Namespace):
+    if args.bandwidth is None:
+        if args.latency is not None:
+            raise FormatError("--latency needs --bandwidth", "give both to plan for another machine, or neither to measure")
+        return None
+    rates = [parse_rate(r) for r in args.bandwidth.split(",")]
+    if len(rates) > 2:
+        raise FormatError(f"--bandwidth takes one rate or D2H,H2D, got {args.bandwidth!r}")
+    d2h, h2d = rates[0], rates[-1]
+    return given_platform(d2h, h2d, parse_seconds(args.latency) if args.latency else 0.0, args.channels)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    if args.list_models:
+        print(zoo_help())
+        print("torchvision:NAME  any torchvision model (when torchvision is installed). Options: image=224, classes=1000.")
+        print("FILE.py:FN / package.module:FN  FN(batch_size, **options) -> (module, example_input[, loss_fn])")
+        return 0
+    if args.model is None or args.batch is None or args.output is None:
+        raise FormatError("MODEL, --batch and -o are required", "e.g. offload profile resnet50 --batch 32 -o chain.json")
+    opts = ProfileOptions(batch=args.batch, device=args.device, dtype=args.dtype, optimizer=args.optimizer,
+                          repeats=args.repeats, warmup=args.warmup, stages=args.stages, capture=args.capture,
+                          options=parse_options(args.option), seed=args.seed, platform=_platform(args), name=args.name)
+    total = 2 + (opts.warmup > 0) + 1 + opts.repeats  # capture, warm-up, memory pass, repeats, platform
+    with tqdm(total=total * (2 if opts.stages else 1), desc=f"profiling {args.model}", unit="step", file=sys.stderr,
+              disable=args.quiet, leave=False) as bar:
+        def tick(phase: str) -> None:
+            bar.set_postfix_str(phase)
+            bar.update(1)
+        result = profile(args.model, opts, tick)
+    save_chain(result.chain, args.output)
+    if args.graphml:
+        write_op_graphml(result.staged, args.graphml)
+    if not args.quiet:
+        print_chain(result.chain)
+        for note in result.staged.notes:
+            print(f"note        {note}")
+    print(f"wrote {args.output}" + (f" and {args.graphml}" if args.graphml else ""))
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile", help="measure a model: per-stage times, saved bytes, transients, copy bandwidth → chain.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a real PyTorch model and write its chain: the model is cut into stages where every path "
+                    "from input to output meets (torch.fx, or module hooks when fx cannot trace it); each stage's "
+                    "forward/backward time (median of --repeats), bytes saved for backward (deduplicated by storage), "
+                    "transient peaks, and the platform's copy bandwidth are measured on --device.",
+        epilog="MODEL is a zoo name (--list-models), torchvision:NAME, path/file.py:fn or package.module:fn where\n"
+               "fn(batch_size, **options) returns (module, example_input[, loss_fn]).\n\n"
+               "examples:\n"
+               "  offload profile resnet50 --batch 32 -o resnet50.json\n"
+               "  offload profile gpt --batch 8 -O layers=12 -O seq=1024 --dtype bfloat16 -o gpt.json\n"
+               "  offload profile my_model.py:build --batch 16 --stages 24 -o mine.json --graphml mine.graphml\n"
+               "  offload profile resnet101 --batch 64 --bandwidth 25GB/s -o plan.json   # plan for another link")
+    p.add_argument("model", nargs="?", metavar="MODEL", help="what to profile (see below)")
+    p.add_argument("--batch", type=int, help="batch size")
+    p.add_argument("-o", "--output", metavar="CHAIN", help="where to write chain.json")
+    p.add_argument("-O", "--option", action="append", metavar="KEY=VALUE",
+                   help="model option, repeatable (image=224, layers=12, seq=1024, …; see --list-models)")
+    p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="parameter and activation dtype (default float32)")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam",
+                   help="its state counts in base_bytes (default adam: two moments per weight)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps; each stage's time is their median (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--stages", type=int, metavar="N",
+                   help="merge the finest chain into N stages of balanced measured time (profiles twice)")
+    p.add_argument("--capture", choices=["auto", "fx", "hooks"], default="auto",
+                   help="graph capture: torch.fx, module hooks, or fx then hooks (default)")
+    p.add_argument("--bandwidth", metavar="RATE[,RATE]",
+                   help="use these copy rates (D2H[,H2D], e.g. 25GB/s) instead of measuring: plan another machine")
+    p.add_argument("--latency", metavar="SECONDS", help="per-copy latency with --bandwidth (e.g. 10us; default 0)")
+    p.add_argument("--channels", choices=list(CHANNEL_MODES), default="duplex", help="copy engines with --bandwidth")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs (default 0)")
+    p.add_argument("--name", help="chain name (default MODEL-bBATCH)")
+    p.add_argument("--graphml", metavar="FILE", help="also write the op graph with each op's stage (GraphML)")
+    p.add_argument("--list-models", action="store_true", help="list the zoo models and their options")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
+    p.set_defaults(func=cmd_profile)

@@ -26,6 +26,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m experiments.bench_solver
+	$(PY) -m experiments.bench_profiler
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -41,11 +41,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     opts = ProfileOptions(batch=args.batch, device=args.device, dtype=args.dtype, optimizer=args.optimizer,
                           repeats=args.repeats, warmup=args.warmup, stages=args.stages, capture=args.capture,
                           options=parse_options(args.option), seed=args.seed, platform=_platform(args), name=args.name)
-    total = 2 + (opts.warmup > 0) + 1 + opts.repeats  # capture, warm-up, memory pass, repeats, platform
-    with tqdm(total=total * (2 if opts.stages else 1), desc=f"profiling {args.model}", unit="step", file=sys.stderr,
+    per_measure = 2 + opts.repeats  # warm-up, memory pass, the timed steps (twice with --stages)
+    with tqdm(total=2 + per_measure * (2 if opts.stages else 1), desc=f"profiling {args.model}", unit="step", file=sys.stderr,
               disable=args.quiet, leave=False) as bar:
         def tick(phase: str) -> None:
-            bar.set_postfix_str(phase)
+            bar.set_postfix_str(f"{phase} done")
             bar.update(1)
         result = profile(args.model, opts, tick)
     save_chain(result.chain, args.output)

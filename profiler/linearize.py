@@ -140,7 +140,8 @@ def stage_model(cap: Capture, cuts: Sequence[str]) -> StagedModel:
     for op in cuts:
         graph.nodes[op]["cut"] = True
     module: nn.Module = cap.instrument(cuts)
-    return StagedModel(module=module, stages=stages, graph=graph, capture=cap.method, notes=list(cap.notes))
+    return StagedModel(module=module, stages=stages, graph=graph, capture=cap.method, cuts=list(cuts),
+                       notes=list(cap.notes))
 
 
 def write_op_graphml(staged: StagedModel, path: str | os.PathLike) -> None:

@@ -144,15 +144,22 @@ class StepRunner:
             if p.grad is not None:
                 p.grad.zero_()
 
-    def warmup(self, steps: int) -> None:
-        """Full steps (optimizer included) so that gradients and optimizer state exist."""
+    def warmup(self, steps: int) -> float:
+        """Full steps (optimizer included) so that gradients and optimizer state exist.
+
+        Returns the seconds of the last optimizer update (outside the chain, reported apart)."""
+        update_s = 0.0
         for _ in range(max(1, steps)):
             _, loss = self._step(None)
             loss.backward()
             if self.optimizer is not None:
+                self._sync()
+                t = time.perf_counter()
                 self.optimizer.step()
+                self._sync()
+                update_s = time.perf_counter() - t
             self._zero()
-        self._sync()
+        return update_s
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -206,35 +213,22 @@ class StepRunner:
         self._zero()
         return f, b
 
-    def optimizer_pass(self) -> float:
-        if self.optimizer is None:
-            return 0.0
-        _, loss = self._step(None)
-        loss.backward()
-        self._sync()
-        t = time.perf_counter()
-        self.optimizer.step()
-        self._sync()
-        dt = time.perf_counter() - t
-        self._zero()
-        return dt
-
 
 def _spread(values: list[float]) -> float:
     med = statistics.median(values)
     return (max(values) - min(values)) / med if med > 0 else 0.0
 
 
-def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[], None] = lambda: None) -> Measurement:
-    """Warm up, take the memory pass, then ``repeats`` timing passes (``tick`` after each step)."""
-    runner.warmup(warmup)
-    tick()
+def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str], None] = lambda _: None) -> Measurement:
+    """Warm up, take the memory pass, then ``repeats`` timing passes (``tick(phase)`` as each ends)."""
+    update_s = runner.warmup(warmup)
+    tick("warm-up")
     m0, peak_f, peak_b, saved, need = runner.memory_pass()
-    tick()
+    tick("memory pass")
     times = []
     for _ in range(repeats):
         times.append(runner.timing_pass())
-        tick()
+        tick("timed steps")
     L = runner.staged.L
     stages = []
     resident = 0
@@ -247,4 +241,4 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[], No
         stages.append(StageMeasurement(statistics.median(fwd), statistics.median(bwd), saved[i], fwd_peak, bwd_peak,
                                        need[i], _spread(fwd), _spread(bwd)))
     step = [sum(f) + sum(b) for f, b in times]
-    return Measurement(stages, m0, runner.base_parts(), step, runner.optimizer_pass())
+    return Measurement(stages, m0, runner.base_parts(), step, update_s)

@@ -93,7 +93,7 @@ def _model_label(model: str) -> str:
 
 
 def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lambda _: None) -> Profiled:
-    """Profile ``model`` and return its measured chain (``tick(phase)`` reports progress)."""
+    """Profile ``model`` and return its measured chain (``tick(phase)`` as each phase ends)."""
     if opts.optimizer not in OPTIMIZERS:
         raise ModelError(f"unknown optimizer {opts.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
     if opts.dtype not in DTYPES:
@@ -104,20 +104,19 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     spec = resolve(model, opts.batch, opts.options, opts.seed)
     with running(f"running {model}"):
         _place(spec, device, DTYPES[opts.dtype])
-        tick("capture")
         cap = capture(spec.module, spec.inputs, opts.capture)
+        tick("capture")
         cuts = cap.candidates if opts.stages else default_cuts(cap)
         staged = stage_model(cap, cuts)
-        result = measure(StepRunner(staged, spec, device, opts.optimizer), opts.repeats, opts.warmup, lambda: tick("step"))
+        result = measure(StepRunner(staged, spec, device, opts.optimizer), opts.repeats, opts.warmup, tick)
         if opts.stages and opts.stages < staged.L:
             ends = merge_to([s.fwd_s + s.bwd_s for s in result.stages], opts.stages)
             staged = stage_model(cap, [cuts[e] for e in ends])
-            result = measure(StepRunner(staged, spec, device, opts.optimizer), opts.repeats, opts.warmup,
-                             lambda: tick("step"))
+            result = measure(StepRunner(staged, spec, device, opts.optimizer), opts.repeats, opts.warmup, tick)
         elif opts.stages and opts.stages > staged.L:
             staged.notes.append(f"asked for {opts.stages} stages; the model has {staged.L} cut points' worth")
-    tick("platform")
     plat = opts.platform or measure_platform(device)
+    tick("platform")
     chain = _to_chain(model, opts, device, staged, result, plat, spec)
     return Profiled(chain, staged, spec)
 
@@ -135,6 +134,7 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, staged: St
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({pyplatform.processor() or pyplatform.machine()}, {torch.get_num_threads()} threads)",
         "torch": torch.__version__,
         "capture": staged.capture,
+        "cuts": staged.cuts,
         "seed": opts.seed,
         "repeats": opts.repeats,
         "warmup": opts.warmup,

@@ -79,13 +79,16 @@ class StagedModel:
     """A module instrumented with stage boundaries, plus the graph it was cut from.
 
     ``graph`` is the op-level data-flow graph (networkx) with each op's ``stage``;
-    ``capture`` says how it was obtained (``fx`` or ``hooks``).
+    ``capture`` says how it was obtained (``fx`` or ``hooks``); ``cuts`` name the ops the
+    boundaries follow, recorded in the chain so that the executor stages the model the
+    same way.
     """
 
     module: nn.Module
     stages: list[StageInfo]
     graph: nx.DiGraph
     capture: str
+    cuts: list[str] = field(default_factory=list)  # the op ending each stage but the last
     notes: list[str] = field(default_factory=list)
 
     @property

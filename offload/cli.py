@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from executor import cli as executor_cli
 from profiler import cli as profiler_cli
 from solver import cli as solver_cli
 from solver.errors import OffloadError
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     profiler_cli.add_commands(sub)
     solver_cli.add_commands(sub)
+    executor_cli.add_commands(sub)
     return parser
 
 

@@ -31,6 +31,7 @@ class CpuMeter(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._tracked: dict[int, int] = {}  # storage key -> nbytes
+        self._ignored: set[int] = set()
         self._finalizers: list[weakref.finalize] = []
 
     def track(self, tensors: Iterable[Any]) -> None:
@@ -39,13 +40,17 @@ class CpuMeter(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._register(t)
 
+    def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count these storages (the executor's host arena is host memory, not device memory)."""
+        self._ignored.update(t.untyped_storage()._cdata for t in tensors)
+
     def _register(self, t: torch.Tensor) -> None:
         if t.device.type != "cpu" or t.is_meta:
             return
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         key = storage._cdata
-        if nbytes == 0 or key in self._tracked:
+        if nbytes == 0 or key in self._tracked or key in self._ignored:
             return
         self._tracked[key] = nbytes
         self.live += nbytes
@@ -57,9 +62,15 @@ class CpuMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._register(t)
+                key = t.untyped_storage()._cdata if t.device.type == "cpu" else None
+                if key in inputs and key not in self._tracked:
+                    self._ignored.add(key)  # a view of a tensor from before the step: not allocated here
+                else:
+                    self._register(t)
         return out
 
     def boundary(self) -> tuple[int, int]:

@@ -1,0 +1,74 @@
+"""The host arena: pinned memory planned from the schedule, reused across steps.
+
+Per-tensor pinned allocation in the training loop costs milliseconds each and kills
+overlap (research/executor.md pitfalls 9-11), so the arena is one buffer sized from the
+schedule (the bytes of all offloaded units, plus alignment), allocated before the first
+step.  Slots are handed out in the order the runtime asks for them (unit, then storage in
+save order), which is the same at every step, so step 2 reuses step 1's offsets.  If a
+step needs more than planned (a storage the chain did not count) the arena grows once, in
+step 1, and says so (``grown``); it never allocates after that.  Each slot remembers the
+last copy that read it (its H2D), which the next D2H into it must wait for.
+"""
+from __future__ import annotations
+
+import torch
+
+from .backends import Copy
+
+ALIGN = 512
+
+
+def _round(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class HostArena:
+    def __init__(self, planned_bytes: int, pin: bool) -> None:
+        self.pin = pin
+        self.chunks: list[torch.Tensor] = []
+        self.allocations = 0  # host buffers allocated so far (the test: none after step 1)
+        self.grown = 0  # bytes added beyond the plan
+        self._layout: list[tuple[int, int, int]] = []  # slot index -> (chunk, offset, nbytes)
+        self._guards: list[Copy | None] = []
+        self._next = 0
+        self._fill = 0
+        if planned_bytes:  # slack for per-storage alignment, which the chain's byte counts do not include
+            self._add_chunk(planned_bytes + planned_bytes // 50 + 128 * ALIGN)
+
+    def _add_chunk(self, nbytes: int) -> None:
+        self.chunks.append(torch.empty(_round(nbytes), dtype=torch.uint8, pin_memory=self.pin))
+        self.allocations += 1
+        self._fill = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() for c in self.chunks)
+
+    def start_step(self) -> None:
+        self._next = 0
+
+    def slot(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """The next slot of the step (same offsets every step), with room for ``nbytes``."""
+        i = self._next
+        self._next += 1
+        if i < len(self._layout) and self._layout[i][2] >= nbytes:
+            c, off, _ = self._layout[i]
+            return i, self.chunks[c][off:off + nbytes]
+        if i < len(self._layout):
+            raise RuntimeError(f"host slot {i} holds {self._layout[i][2]} B, this step needs {nbytes} B: "
+                               "the saved tensors changed shape between steps")
+        need = _round(nbytes)
+        if not self.chunks or self._fill + need > self.chunks[-1].numel():
+            self.grown += need
+            self._add_chunk(max(need, 64 * 2**20))
+        c, off = len(self.chunks) - 1, self._fill
+        self._fill += need
+        self._layout.append((c, off, need))
+        self._guards.append(None)
+        return i, self.chunks[c][off:off + nbytes]
+
+    def guard(self, i: int) -> Copy | None:
+        return self._guards[i]
+
+    def set_guard(self, i: int, copy: Copy) -> None:
+        self._guards[i] = copy

@@ -1,0 +1,154 @@
+"""Where the copies run: CUDA streams, or the CPU (eager or lazy).
+
+The runtime asks a backend for four things: a D2H copy of a storage into a host slot, an
+H2D copy from the slot into a device buffer (after that D2H), a *wait* of the compute
+stream for a copy, and a device buffer.  The stream/event rules (DESIGN section 6,
+research/executor.md section 3.2) live in ``CudaBackend``:
+
+* D2H on its own stream, after an event recorded on the compute stream *as it is now*
+  (queried live, never cached), and after the slot's last H2D (its guard);
+* the compute stream waits for the D2H event before the runtime drops the GPU reference
+  (so the allocator reuses the block only after the copy); no ``record_stream``;
+* prefetch buffers are allocated on the compute stream; the H2D stream waits for the
+  compute stream and for the D2H event; the compute stream waits for the H2D event before
+  the consuming backward.
+
+``CpuEagerBackend`` runs every copy at once.  ``CpuLazyBackend`` runs a copy only when a
+wait (or an H2D that depends on it) forces it, and poisons what it hands out (device
+buffers before their H2D, host slots before their D2H, and released device storages), so a
+missing synchronization edge reads poison and gives wrong gradients, deterministically.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+POISON = 0xFF  # every float made of these bytes is a NaN
+
+
+@dataclass
+class Copy:
+    """One issued copy: what the compute stream waits on, and what it keeps alive."""
+
+    direction: str
+    nbytes: int
+    event: Any = None  # CUDA event
+    run: Callable[[], None] | None = None  # pending work (lazy CPU)
+    keep: list[torch.Tensor] = field(default_factory=list)
+    after: "Copy | None" = None
+
+    def force(self) -> None:
+        """Run a pending (lazy) copy now, its dependency first."""
+        if self.after is not None:
+            self.after.force()
+        if self.run is not None:
+            run, self.run = self.run, None
+            run()
+
+
+class CpuEagerBackend:
+    """The same protocol on the CPU, each copy done when issued."""
+
+    name = "cpu-eager"
+    pin = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def d2h(self, src: torch.Tensor, slot: torch.Tensor, guard: Copy | None) -> Copy:
+        slot.copy_(src)
+        return Copy("d2h", src.numel())
+
+    def h2d(self, slot: torch.Tensor, dst: torch.Tensor, after: Copy) -> Copy:
+        dst.copy_(slot)
+        return Copy("h2d", dst.numel(), after=after)
+
+    def wait(self, copy: Copy) -> None:
+        copy.force()
+
+    def released(self, src: torch.Tensor) -> None:
+        """The runtime dropped its reference to a device storage (after waiting for its D2H)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CpuLazyBackend(CpuEagerBackend):
+    """Copies run only when forced; poison marks everything not yet legitimately written."""
+
+    name = "cpu-lazy"
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), POISON, dtype=torch.uint8, device=self.device)
+
+    def d2h(self, src: torch.Tensor, slot: torch.Tensor, guard: Copy | None) -> Copy:
+        slot.fill_(POISON)
+        if guard is not None:
+            guard.force()  # the slot's last reader must be done before it is overwritten
+        return Copy("d2h", src.numel(), run=lambda: slot.copy_(src), keep=[src])
+
+    def h2d(self, slot: torch.Tensor, dst: torch.Tensor, after: Copy) -> Copy:
+        return Copy("h2d", dst.numel(), run=lambda: dst.copy_(slot), after=after)
+
+    def released(self, src: torch.Tensor) -> None:
+        src.fill_(POISON)  # what an allocator reusing the block would leave there
+
+
+class CudaBackend:
+    """Side streams and events on one CUDA device."""
+
+    name = "cuda"
+    pin = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.d2h_stream = torch.cuda.Stream(device)
+        self.h2d_stream = torch.cuda.Stream(device)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # on the current (compute) stream
+
+    def _after_compute(self, stream: torch.cuda.Stream) -> None:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))  # live, never cached
+        stream.wait_event(ev)
+
+    def d2h(self, src: torch.Tensor, slot: torch.Tensor, guard: Copy | None) -> Copy:
+        self._after_compute(self.d2h_stream)
+        if guard is not None and guard.event is not None:
+            self.d2h_stream.wait_event(guard.event)
+        with torch.cuda.stream(self.d2h_stream):
+            slot.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.d2h_stream)
+        return Copy("d2h", src.numel(), event=done, keep=[src])
+
+    def h2d(self, slot: torch.Tensor, dst: torch.Tensor, after: Copy) -> Copy:
+        self._after_compute(self.h2d_stream)
+        self.h2d_stream.wait_event(after.event)
+        with torch.cuda.stream(self.h2d_stream):
+            dst.copy_(slot, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.h2d_stream)
+        return Copy("h2d", dst.numel(), event=done, after=after)
+
+    def wait(self, copy: Copy) -> None:
+        torch.cuda.current_stream(self.device).wait_event(copy.event)
+
+    def released(self, src: torch.Tensor) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+BACKENDS = {"cuda": CudaBackend, "cpu-eager": CpuEagerBackend, "cpu-lazy": CpuLazyBackend}
+
+
+def make_backend(name: str, device: torch.device) -> CpuEagerBackend | CudaBackend:
+    return BACKENDS[name](device)

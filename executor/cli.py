@@ -1,0 +1,74 @@
+"""The executor's subcommand of ``offload``: ``train``."""
+from __future__ import annotations
+
+import argparse
+
+from solver.chain import load_chain
+from solver.fileio import write_json
+from solver.schedule import load_schedule
+from solver.units import format_bytes, format_seconds
+
+from .backends import BACKENDS
+from .train import TrainOptions, train
+
+
+def _print_report(r: dict) -> None:
+    m, p = r["measured"], r["predicted"]
+    print(f"trained {r['model']} for {r['steps']} steps with {r['method'] or 'the'} schedule on {r['device']} ({r['backend']})")
+    print(f"{'':<14}{'measured':>16}{'predicted':>16}")
+    print(f"{'step time':<14}{format_seconds(m['step_s']['median']):>16}{format_seconds(p['makespan_s']):>16}"
+          f"   (min {format_seconds(m['step_s']['min'])}, max {format_seconds(m['step_s']['max'])})")
+    print(f"{'peak memory':<14}{format_bytes(m['peak_bytes']):>16}{format_bytes(p['peak_bytes']):>16}"
+          + (f"   budget {format_bytes(r['budget_bytes'])} ({r['budget_scope']})" if r["budget_bytes"] else ""))
+    print(f"{'D2H per step':<14}{format_bytes(m['d2h_bytes_per_step']):>16}{format_bytes(p['d2h_bytes']):>16}")
+    print(f"{'H2D per step':<14}{format_bytes(m['h2d_bytes_per_step']):>16}{format_bytes(p['h2d_bytes']):>16}")
+    print(f"{'host arena':<14}{format_bytes(m['host_arena_bytes']):>16}")
+    if r["grads_match"] is not None:
+        print(f"grads_match   {r['grads_match']} (bit for bit against the same model trained without offloading)")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    chain = load_chain(args.chain)
+    schedule = load_schedule(args.schedule, chain)
+    opts = TrainOptions(steps=args.steps, device=args.device, backend=args.backend, optimizer=args.optimizer,
+                        lr=args.lr, check_grads=args.check_grads)
+    report, error = train(args.model, chain, schedule, opts, batch=args.batch)
+    if args.report:
+        write_json(args.report, report)
+    _print_report(report)
+    if args.report:
+        print(f"wrote {args.report}")
+    if error is not None:
+        raise error
+    if report["grads_match"] is False:
+        print("error: gradients differ from training without offloading")
+        return 7
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model with a schedule; measured vs predicted step time and peak",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Train MODEL on synthetic data with SCHEDULE applied: saved activations go to a "
+                                   "pinned host arena on a D2H stream, come back on an H2D stream, at exactly the "
+                                   "schedule's points. Prints measured step time, peak memory and bytes moved next "
+                                   "to the simulator's prediction.",
+                       epilog="example:\n  offload profile resnet50 --batch 32 -o c.json\n"
+                              "  offload solve c.json --budget 50% -o s.json\n"
+                              "  offload train resnet50 --batch 32 --chain c.json --schedule s.json --steps 20 "
+                              "--check-grads --report run.json")
+    p.add_argument("model", metavar="MODEL", help="the model the chain was profiled from (same string)")
+    p.add_argument("--chain", required=True, help="chain.json the schedule was solved on")
+    p.add_argument("--schedule", required=True, help="schedule.json (refused if made for another chain)")
+    p.add_argument("--batch", type=int, help="batch size (must be the chain's; default: the chain's)")
+    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--backend", choices=list(BACKENDS),
+                   help="cuda (streams), cpu-eager, or cpu-lazy (copies only when a wait forces them: "
+                        "a missing edge shows up as wrong gradients)")
+    p.add_argument("--optimizer", help="default: the one the chain was profiled with")
+    p.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
+    p.add_argument("--check-grads", action="store_true",
+                   help="also train a copy without offloading and compare every gradient bit for bit")
+    p.add_argument("--report", metavar="JSON", help="write the run report here (also when a step fails its budget)")
+    p.set_defaults(func=cmd_train)

@@ -1,0 +1,159 @@
+"""Applying a schedule during a real training step (DESIGN section 6).
+
+``OffloadRuntime`` is a stage listener plus a pair of ``saved_tensors_hooks``:
+
+* pack: every tensor saved for backward is attributed, by storage, to the unit of the first
+  stage that saves it (the profiler's rule, so units match the chain).  Weights, buffers,
+  gradients and optimizer state are never touched.  A tensor of a kept unit is returned as
+  is; one of an offloaded unit is replaced by a small handle, and the runtime holds the
+  storage itself;
+* forward boundary ``k``: D2H of ``Uk``'s storages into host slots, then the releases due
+  at ``k``: wait for those D2H copies, drop the runtime's reference (the storage is freed,
+  the schedule's whole point);
+* backward boundary ``k``: free the prefetched ``U(k+1)``, issue the prefetches whose point
+  is ``k`` into fresh device buffers, wait for the units needed from ``k``;
+* unpack: the handle becomes a view of the prefetched buffer with the saved tensor's dtype,
+  size, stride and offset, bit-identical to what was saved.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from profiler.staged import StagedModel, StageListener, stage_boundary
+
+from .arena import HostArena
+from .backends import Copy, CpuEagerBackend, CudaBackend
+from .plan import StepPlan
+
+
+@dataclass
+class _Stored:
+    """One device storage of an offloaded unit, through its life in one step."""
+
+    unit: int
+    device: torch.Tensor | None  # the whole storage as bytes, until released
+    nbytes: int
+    slot_index: int = -1
+    slot: torch.Tensor | None = None
+    d2h: Copy | None = None
+    h2d: Copy | None = None
+    buffer: torch.Tensor | None = None  # prefetched bytes, from the prefetch to the end of B_unit
+
+
+@dataclass(frozen=True)
+class _Handle:
+    sid: int  # the storage's id in this step (addresses are reused once a storage is released)
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class OffloadRuntime(StageListener):
+    def __init__(self, staged: StagedModel, plan: StepPlan, backend: CpuEagerBackend | CudaBackend,
+                 persistent: list[torch.Tensor]) -> None:
+        if staged.L != plan.L:
+            raise ValueError(f"the model has {staged.L} stages, the schedule's chain {plan.L}")
+        self.staged, self.plan, self.backend = staged, plan, backend
+        self.arena = HostArena(plan.planned_bytes, pin=backend.pin)
+        self.persistent = {storage_key(t) for t in persistent}
+        self.d2h_bytes = self.h2d_bytes = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.stage = 1
+        self.owner: dict[int, int] = {}  # live storage key -> unit (first saver)
+        self.sid: dict[int, int] = {}  # live storage key -> id of its offloaded storage
+        self.stored: list[_Stored] = []  # offloaded storages, by id
+        self.units: dict[int, list[int]] = {i: [] for i in self.plan.offloaded}  # unit -> storage ids
+
+    # ------------------------------------------------------------------ hooks
+    def pack(self, t: torch.Tensor) -> Any:
+        key = storage_key(t)
+        if key in self.persistent:
+            return t
+        unit = self.owner.setdefault(key, self.stage)
+        if unit not in self.plan.offloaded:
+            return t
+        sid = self.sid.get(key)
+        if sid is None:
+            storage = t.untyped_storage()
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            sid = self.sid[key] = len(self.stored)
+            self.stored.append(_Stored(unit, whole, storage.nbytes()))
+            self.units[unit].append(sid)
+        return _Handle(sid, t.dtype, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        s = self.stored[packed.sid]
+        if s.buffer is None:
+            raise RuntimeError(f"U{s.unit} is read by the backward but was not prefetched: the schedule and the "
+                               "model disagree on need_from")
+        return s.buffer.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
+
+    # -------------------------------------------------------------- boundaries
+    def forward_boundary(self, k: int) -> None:
+        if k in self.plan.offloaded:
+            for sid in self.units[k]:
+                s = self.stored[sid]
+                s.slot_index, s.slot = self.arena.slot(s.nbytes)
+                s.d2h = self.backend.d2h(s.device, s.slot, self.arena.guard(s.slot_index))
+                self.d2h_bytes += s.nbytes
+        for i in self.plan.release_at.get(k, ()):
+            for sid in self.units[i]:
+                s = self.stored[sid]
+                self.backend.wait(s.d2h)
+                key = storage_key(s.device)
+                self.backend.released(s.device)
+                s.device = None
+                s.d2h.keep.clear()
+                del self.owner[key], self.sid[key]  # the address may be reused by a new storage from now on
+        self.stage = min(k + 1, self.plan.L)
+
+    def backward_boundary(self, k: int) -> None:
+        self._free(k + 1)
+        for i in self.plan.prefetch_at.get(k, ()):
+            for sid in self.units[i]:
+                s = self.stored[sid]
+                s.buffer = self.backend.empty(s.nbytes)
+                s.h2d = self.backend.h2d(s.slot, s.buffer, s.d2h)
+                self.arena.set_guard(s.slot_index, s.h2d)
+                self.h2d_bytes += s.nbytes
+        for i in self.plan.wait_at.get(k, ()):
+            for sid in self.units[i]:
+                self.backend.wait(self.stored[sid].h2d)
+
+    def _free(self, unit: int) -> None:
+        for sid in self.units.get(unit, ()):
+            self.stored[sid].buffer = None
+
+    # -------------------------------------------------------------------- step
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        """The model's forward with the output boundary (the turn, ``k = L``) appended."""
+        out = self.staged(*inputs)
+        if isinstance(out, torch.Tensor):
+            return stage_boundary(out, self.plan.L)
+        raise TypeError("the executor needs a model whose output is one tensor")
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """One training step: run the forward, the loss and ``backward()`` inside."""
+        self._reset()
+        self.arena.start_step()
+        try:
+            with self.staged.listening(self), torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self._free(1)
+            self.backend.synchronize()
+            self._reset()

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from profiler.measure import storage_key
 from profiler.staged import StagedModel, StageListener, stage_boundary
 
 from .arena import HostArena
@@ -51,10 +52,6 @@ class _Handle:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
-
-
-def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 class OffloadRuntime(StageListener):

@@ -20,10 +20,10 @@ import torch
 
 from profiler.capture import capture
 from profiler.linearize import stage_model
-from profiler.measure import OPTIMIZERS
+from profiler.measure import OPTIMIZERS, persistent_tensors
 from profiler.meters import CpuMeter, make_meter
 from profiler.models import resolve
-from profiler.profile import DTYPES, pick_device, running
+from profiler.profile import DTYPES, pick_device, place, running
 from solver.chain import Chain
 from solver.errors import ChainMismatch, OffloadError
 from solver.schedule import Schedule
@@ -55,9 +55,7 @@ def stage_like_chain(model: str, chain: Chain, device: torch.device) -> tuple[An
     src = chain.source
     spec = resolve(model, int(src.get("batch", 0)), dict(src.get("options", {})), int(src.get("seed", 0)))
     with running(f"running {model}"):
-        spec.module.to(device=device, dtype=DTYPES[src.get("dtype", "float32")])
-        spec.inputs = tuple(t.to(device=device, dtype=DTYPES[src.get("dtype", "float32")] if t.is_floating_point()
-                                 else t.dtype) for t in spec.inputs)
+        place(spec, device, DTYPES[src.get("dtype", "float32")])
         cap = capture(spec.module, spec.inputs, src.get("capture", "auto"))
     cuts = list(src.get("cuts", []))
     missing = [c for c in cuts if c not in cap.candidates]
@@ -92,20 +90,12 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
     spec, staged = stage_like_chain(model, chain, device)
     optimizer_name = opts.optimizer or chain.source.get("optimizer", "adam")
     params = _with_grads(spec.module)
-    make_opt = OPTIMIZERS[optimizer_name]
-    optimizer = make_opt(params) if make_opt else None
-    if optimizer is not None:
-        for group in optimizer.param_groups:
-            group["lr"] = opts.lr
+    optimizer = _optimizer(optimizer_name, params, opts.lr)
     reference = None
     if opts.check_grads:
         ref_spec, ref_staged = stage_like_chain(model, chain, device)
         ref_params = _with_grads(ref_spec.module)
-        ref_opt = make_opt(ref_params) if make_opt else None
-        if ref_opt is not None:
-            for group in ref_opt.param_groups:
-                group["lr"] = opts.lr
-        reference = (ref_spec, ref_staged, ref_params, ref_opt)
+        reference = (ref_spec, ref_staged, ref_params, _optimizer(optimizer_name, ref_params, opts.lr))
 
     plan = StepPlan.from_schedule(chain, schedule)
     runtime = OffloadRuntime(staged, plan, backend, list(spec.module.parameters()) + list(spec.module.buffers()))
@@ -114,10 +104,7 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
     steps, peaks, leaks, allocations, mismatches = [], [], [], [], []
     error: OffloadError | None = None
     for step in range(opts.steps):
-        persistent = list(spec.module.parameters()) + list(spec.module.buffers()) + \
-            [p.grad for p in params if p.grad is not None]
-        if optimizer is not None:
-            persistent += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        persistent = persistent_tensors(spec.module, optimizer, device)
         meter = make_meter(device)
         if isinstance(meter, CpuMeter):
             meter.ignore(runtime.arena.chunks)
@@ -169,6 +156,16 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
         "error": str(error) if error else None,
     }
     return report, error
+
+
+def _optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer | None:
+    make = OPTIMIZERS[name]
+    if make is None:
+        return None
+    optimizer = make(params)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return optimizer
 
 
 def _with_grads(module: torch.nn.Module) -> list[torch.Tensor]:

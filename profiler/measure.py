@@ -75,6 +75,19 @@ def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def persistent_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                       device: torch.device) -> list[torch.Tensor]:
+    """Every tensor that lives across steps on ``device``: weights, buffers, gradients, optimizer
+    state and plain tensor attributes (the constant ``base_bytes``, never part of a unit)."""
+    out = list(module.parameters()) + list(module.buffers())
+    out += [p.grad for p in module.parameters() if p.grad is not None]
+    if optimizer is not None:
+        out += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    for sub in module.modules():
+        out += [v for v in vars(sub).values() if isinstance(v, torch.Tensor)]
+    return [t for t in out if t.device.type == device.type]
+
+
 class _Recorder(StageListener):
     """Tracks the current stage; reads the meter/clock at boundaries; records saved storages."""
 
@@ -117,16 +130,6 @@ class StepRunner:
         self.params = [p for p in spec.module.parameters() if p.requires_grad]
         make = OPTIMIZERS[optimizer]
         self.optimizer = make(self.params) if make and self.params else None
-
-    def _persistent(self) -> list[torch.Tensor]:
-        """Every tensor that lives across steps: weights, buffers, gradients, optimizer state, attributes."""
-        m = self.spec.module
-        out = list(m.parameters()) + list(m.buffers()) + [p.grad for p in self.params if p.grad is not None]
-        if self.optimizer is not None:
-            out += [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        for sub in m.modules():
-            out += [v for v in vars(sub).values() if isinstance(v, torch.Tensor)]
-        return [t for t in out if t.device.type == self.device.type]
 
     def _step(self, listener: StageListener | None, pack: Callable | None = None) -> tuple[Any, torch.Tensor]:
         inputs = tuple(t.clone() for t in self.spec.inputs)
@@ -179,7 +182,8 @@ class StepRunner:
         L = self.staged.L
         meter = make_meter(self.device)
         readings: list[tuple[int, int]] = []
-        persistent = self._persistent()  # never part of a unit: constant memory, counted in M0
+        # never part of a unit: constant memory, counted in M0
+        persistent = persistent_tensors(self.spec.module, self.optimizer, self.device)
         rec = _Recorder(L, lambda: readings.append(meter.boundary()), {storage_key(t) for t in persistent})
         with meter:
             meter.track(persistent)

@@ -82,7 +82,8 @@ def running(what: str) -> Iterator[None]:
                          "check that the model runs forward and backward on this input; run it by hand for the traceback") from exc
 
 
-def _place(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
+def place(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
+    """Move the model and its floating inputs to ``device`` and ``dtype``, in training mode."""
     spec.module.to(device=device, dtype=dtype)
     spec.module.train()
     spec.inputs = tuple(t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) for t in spec.inputs)
@@ -103,7 +104,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     device = pick_device(opts.device)
     spec = resolve(model, opts.batch, opts.options, opts.seed)
     with running(f"running {model}"):
-        _place(spec, device, DTYPES[opts.dtype])
+        place(spec, device, DTYPES[opts.dtype])
         cap = capture(spec.module, spec.inputs, opts.capture)
         tick("capture")
         cuts = cap.candidates if opts.stages else default_cuts(cap)

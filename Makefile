@@ -27,6 +27,9 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m experiments.bench_solver
 	$(PY) -m experiments.bench_profiler
+	@# the executor's benchmark needs a GPU to mean anything (on a CPU its copies are memcpy)
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then $(PY) -m experiments.bench_executor; \
+	else echo "no CUDA GPU: skipping experiments.bench_executor (run it on a GPU machine)"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

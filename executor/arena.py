@@ -13,13 +13,32 @@ from __future__ import annotations
 
 import torch
 
+from solver.units import format_bytes
+
 from .backends import Copy
+from .errors import HostMemoryShortfall
 
 ALIGN = 512
 
 
 def _round(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def available_host_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (``MemAvailable``), if it gives one."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+_SHORTFALL_HINT = ("the arena holds every offloaded unit at once: free host memory, or solve with a larger budget "
+                   "so that fewer bytes are offloaded")
 
 
 class HostArena:
@@ -36,7 +55,18 @@ class HostArena:
             self._add_chunk(planned_bytes + planned_bytes // 50 + 128 * ALIGN)
 
     def _add_chunk(self, nbytes: int) -> None:
-        self.chunks.append(torch.empty(_round(nbytes), dtype=torch.uint8, pin_memory=self.pin))
+        nbytes = _round(nbytes)
+        kind = "pinned host memory" if self.pin else "host memory"
+        available = available_host_bytes()
+        if available is not None and nbytes > available:
+            raise HostMemoryShortfall(f"the host arena needs {format_bytes(nbytes)} of {kind}, but only "
+                                      f"{format_bytes(available)} is available", _SHORTFALL_HINT)
+        try:
+            chunk = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        except RuntimeError as exc:  # cudaHostAlloc refuses, or the host allocator does
+            raise HostMemoryShortfall(f"could not allocate {format_bytes(nbytes)} of {kind} for the host arena "
+                                      f"({str(exc).splitlines()[0][:200]})", _SHORTFALL_HINT) from None
+        self.chunks.append(chunk)
         self.allocations += 1
         self._fill = 0
 

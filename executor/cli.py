@@ -14,7 +14,10 @@ from .train import TrainOptions, train
 
 def _print_report(r: dict) -> None:
     m, p = r["measured"], r["predicted"]
-    print(f"trained {r['model']} for {r['steps']} steps with {r['method'] or 'the'} schedule on {r['device']} ({r['backend']})")
+    print(f"trained {r['model']} for {r['steps_done']} of {r['steps']} steps with {r['method'] or 'the'} schedule "
+          f"on {r['device']} ({r['backend']})")
+    if m["step_s"] is None:
+        return
     print(f"{'':<14}{'measured':>16}{'predicted':>16}")
     print(f"{'step time':<14}{format_seconds(m['step_s']['median']):>16}{format_seconds(p['makespan_s']):>16}"
           f"   (min {format_seconds(m['step_s']['min'])}, max {format_seconds(m['step_s']['max'])})")
@@ -23,6 +26,19 @@ def _print_report(r: dict) -> None:
     print(f"{'D2H per step':<14}{format_bytes(m['d2h_bytes_per_step']):>16}{format_bytes(p['d2h_bytes']):>16}")
     print(f"{'H2D per step':<14}{format_bytes(m['h2d_bytes_per_step']):>16}{format_bytes(p['h2d_bytes']):>16}")
     print(f"{'host arena':<14}{format_bytes(m['host_arena_bytes']):>16}")
+    for name, label in (("no_offload", "no offloading"), ("save_on_cpu", "save_on_cpu")):
+        other = (r["compare"] or {}).get(name)
+        if other and other["step_s"]:
+            print(f"{label:<14}{format_seconds(other['step_s']['median']):>16}   peak "
+                  f"{format_bytes(other['peak_bytes'])}; our step takes "
+                  f"{r['compare'][f'step_time_vs_{name}']:.2f}x its time")
+        elif other:
+            print(f"{label:<14}{'failed':>16}   {other['error']}")
+    if r["trace"]:
+        overlap = r["trace"]["copy_overlap"]
+        print(f"trace         {r['trace']['path']}" + (
+            f"   copies {format_seconds(overlap['copy_s'])}, {overlap['fraction']:.0%} of it under compute"
+            if overlap else "   (no GPU copies in it)"))
     if r["grads_match"] is not None:
         print(f"grads_match   {r['grads_match']} (bit for bit against the same model trained without offloading)")
 
@@ -31,7 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     chain = load_chain(args.chain)
     schedule = load_schedule(args.schedule, chain)
     opts = TrainOptions(steps=args.steps, device=args.device, backend=args.backend, optimizer=args.optimizer,
-                        lr=args.lr, check_grads=args.check_grads)
+                        lr=args.lr, check_grads=args.check_grads, compare=args.compare, trace=args.trace)
     report, error = train(args.model, chain, schedule, opts, batch=args.batch)
     if args.report:
         write_json(args.report, report)
@@ -56,7 +72,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        epilog="example:\n  offload profile resnet50 --batch 32 -o c.json\n"
                               "  offload solve c.json --budget 50% -o s.json\n"
                               "  offload train resnet50 --batch 32 --chain c.json --schedule s.json --steps 20 "
-                              "--check-grads --report run.json")
+                              "--check-grads --compare --report run.json")
     p.add_argument("model", metavar="MODEL", help="the model the chain was profiled from (same string)")
     p.add_argument("--chain", required=True, help="chain.json the schedule was solved on")
     p.add_argument("--schedule", required=True, help="schedule.json (refused if made for another chain)")
@@ -70,5 +86,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     p.add_argument("--check-grads", action="store_true",
                    help="also train a copy without offloading and compare every gradient bit for bit")
+    p.add_argument("--compare", action="store_true",
+                   help="also time the same steps without offloading and under torch's save_on_cpu, and print "
+                        "our step time as a multiple of each")
+    p.add_argument("--trace", metavar="JSON",
+                   help="write a torch.profiler Chrome trace of one more step (open in ui.perfetto.dev); on a GPU "
+                        "it also reports how much of the copy time ran under compute")
     p.add_argument("--report", metavar="JSON", help="write the run report here (also when a step fails its budget)")
     p.set_defaults(func=cmd_train)

@@ -10,11 +10,16 @@ seed) trains without offloading and every gradient is compared bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import json
+import os
 import statistics
+import tempfile
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -29,15 +34,12 @@ from solver.errors import ChainMismatch, OffloadError
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
+from .arena import HostArena
 from .backends import make_backend
+from .errors import BudgetExceeded, HostMemoryShortfall, OutOfMemory
+from .overlap import copy_overlap
 from .plan import StepPlan
 from .runtime import OffloadRuntime
-
-
-class BudgetExceeded(OffloadError):
-    """A measured step went over the schedule's budget (the report is still written)."""
-
-    exit_code = 6
 
 
 @dataclass
@@ -48,6 +50,8 @@ class TrainOptions:
     optimizer: str | None = None  # default: the one the chain was profiled with
     lr: float = 1e-4
     check_grads: bool = False
+    compare: bool = False  # also time the same steps without offloading and under save_on_cpu
+    trace: str | None = None  # write a torch.profiler Chrome trace of one more step here
 
 
 def stage_like_chain(model: str, chain: Chain, device: torch.device) -> tuple[Any, Any]:
@@ -83,7 +87,7 @@ def _check_model_matches(model: str, batch: int | None, chain: Chain) -> None:
 def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
           batch: int | None = None) -> tuple[dict[str, Any], OffloadError | None]:
     """Train ``opts.steps`` steps with ``schedule``: the run report (JSON-able) and the error to raise
-    once the report is written (a step over the budget), if any."""
+    once the report is written (a step over the budget, out of GPU or host memory), if any."""
     _check_model_matches(model, batch, chain)
     device = pick_device(opts.device)
     backend = make_backend(opts.backend or ("cuda" if device.type == "cuda" else "cpu-eager"), device)
@@ -91,71 +95,188 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
     optimizer_name = opts.optimizer or chain.source.get("optimizer", "adam")
     params = _with_grads(spec.module)
     optimizer = _optimizer(optimizer_name, params, opts.lr)
-    reference = None
+    check, mismatches = None, []
     if opts.check_grads:
         ref_spec, ref_staged = stage_like_chain(model, chain, device)
         ref_params = _with_grads(ref_spec.module)
         reference = (ref_spec, ref_staged, ref_params, _optimizer(optimizer_name, ref_params, opts.lr))
+        check = lambda: mismatches.append(_reference_step(reference, params))  # noqa: E731
 
-    plan = StepPlan.from_schedule(chain, schedule)
-    runtime = OffloadRuntime(staged, plan, backend, list(spec.module.parameters()) + list(spec.module.buffers()))
     sim = simulate(chain, schedule.offloads)
     base = chain.base_bytes if schedule.budget_scope == "total" else 0
-    steps, peaks, leaks, allocations, mismatches = [], [], [], [], []
-    error: OffloadError | None = None
-    for step in range(opts.steps):
-        persistent = persistent_tensors(spec.module, optimizer, device)
-        meter = make_meter(device)
-        if isinstance(meter, CpuMeter):
-            meter.ignore(runtime.arena.chunks)
-        with running(f"training step {step + 1}"):
-            backend.synchronize()
-            t0 = time.perf_counter()
-            with meter:
-                meter.track(persistent)
-                meter.boundary()
-                m0 = meter.live
-                inputs = tuple(t.clone() for t in spec.inputs)
-                with runtime.step():
-                    loss = spec.loss(runtime.forward(*inputs))
-                    loss.backward()
-                del loss, inputs
-                gc.collect()  # reference cycles (closures over tensors) are only freed by the collector
-                peak, live = meter.boundary()
-            backend.synchronize()
-            steps.append(time.perf_counter() - t0)
-            meter.close()
-        peaks.append(peak - m0)
-        leaks.append(live - m0)
-        allocations.append(runtime.arena.allocations)
-        if reference is not None:
-            mismatches.append(_reference_step(reference, params))
-        if optimizer is not None:
-            optimizer.step()
-        for p in params:
-            p.grad.zero_()
-        if schedule.budget_bytes is not None and peaks[-1] + base > schedule.budget_bytes and error is None:
-            error = BudgetExceeded(f"step {step + 1} used {peaks[-1] + base} B, over the budget of "
-                                   f"{schedule.budget_bytes} B", "solve again with a lower budget to leave room "
-                                   "for allocator slack, or check that the chain was profiled on this machine")
+    trainer = _Trainer(spec, params, optimizer, device)
+    plan = StepPlan.from_schedule(chain, schedule)
+    runtime, error, trace = None, None, None
+    try:
+        runtime = OffloadRuntime(staged, plan, backend, list(spec.module.parameters()) + list(spec.module.buffers()))
+        run, error = trainer.run(opts.steps, runtime.step, runtime.forward, after_backward=check,
+                                 arena=runtime.arena)
+    except HostMemoryShortfall as exc:
+        run, error = _Run(), exc
+    completed = error is None  # every step ran (it may still have gone over the budget)
+    done = max(1, len(run.step_s))
+    moved = (runtime.d2h_bytes // done, runtime.h2d_bytes // done) if runtime else (0, 0)  # before the traced step
+    if completed and schedule.budget_bytes is not None:
+        over = [(n, p) for n, p in enumerate(run.peaks, 1) if p + base > schedule.budget_bytes]
+        if over:
+            n, peak = over[0]
+            error = BudgetExceeded(f"step {n} used {peak + base} B, over the budget of {schedule.budget_bytes} B",
+                                   "solve again with a lower budget to leave room for allocator slack, or check "
+                                   "that the chain was profiled on this machine")
+    compare = None
+    if completed and opts.compare:
+        compare = _compare(trainer, staged, opts.steps, run, base)
+    if completed and opts.trace:
+        trace = _trace_step(opts.trace, trainer, runtime)
+    arena = runtime.arena if runtime else None
     report = {
         "model": model, "chain": {"name": chain.name, "sha256": chain.sha256}, "method": schedule.method,
-        "backend": backend.name, "device": str(device), "steps": opts.steps,
+        "backend": backend.name, "device": str(device), "steps": opts.steps, "steps_done": len(run.step_s),
         "budget_bytes": schedule.budget_bytes, "budget_scope": schedule.budget_scope,
         "measured": {
-            "step_s": {"median": statistics.median(steps), "min": min(steps), "max": max(steps), "all": steps},
-            "peak_bytes": max(peaks) + base, "peak_activation_bytes": max(peaks),
-            "d2h_bytes_per_step": runtime.d2h_bytes // opts.steps, "h2d_bytes_per_step": runtime.h2d_bytes // opts.steps,
-            "leaked_bytes_after_step": max(leaks), "leaked_by_step": leaks,
-            "host_arena_bytes": runtime.arena.nbytes, "host_allocations": allocations,
+            **run.summary(base),
+            "d2h_bytes_per_step": moved[0], "h2d_bytes_per_step": moved[1],
+            "host_arena_bytes": arena.nbytes if arena else 0, "host_allocations": run.allocations,
         },
         "predicted": {"makespan_s": sim.makespan_s, "peak_bytes": sim.peak_bytes + base, "stall_s": sim.stall_s,
                       "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes},
-        "grads_match": (not any(mismatches)) if reference is not None else None,
-        "grad_mismatches": mismatches if reference is not None else None,
+        "grads_match": (not any(mismatches)) if check is not None and run.step_s else None,
+        "grad_mismatches": mismatches if check is not None else None,
+        "compare": compare,
+        "trace": trace,
         "error": str(error) if error else None,
     }
     return report, error
+
+
+@dataclass
+class _Run:
+    """What the measured steps of one way of training left behind."""
+
+    step_s: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)  # activation bytes: the step's peak over its start
+    leaks: list[int] = field(default_factory=list)  # bytes still live after the step, over its start
+    allocations: list[int] = field(default_factory=list)  # host arena buffers so far, after each step
+
+    def summary(self, base: int) -> dict[str, Any]:
+        if not self.step_s:
+            return {"step_s": None, "peak_bytes": None, "peak_activation_bytes": None,
+                    "leaked_bytes_after_step": None, "leaked_by_step": []}
+        return {"step_s": {"median": statistics.median(self.step_s), "min": min(self.step_s),
+                           "max": max(self.step_s), "all": self.step_s},
+                "peak_bytes": max(self.peaks) + base, "peak_activation_bytes": max(self.peaks),
+                "leaked_bytes_after_step": max(self.leaks), "leaked_by_step": self.leaks}
+
+
+class _Trainer:
+    """Runs measured training steps of one model, whatever wraps the step (offloading or a baseline)."""
+
+    def __init__(self, spec: Any, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                 device: torch.device) -> None:
+        self.spec, self.params, self.optimizer, self.device = spec, params, optimizer, device
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every stream, the copy streams included
+
+    def one_step(self, wrap: Callable[[], ContextManager], forward: Callable[..., torch.Tensor]) -> None:
+        inputs = tuple(t.clone() for t in self.spec.inputs)
+        with wrap():
+            loss = self.spec.loss(forward(*inputs))
+            loss.backward()
+        del loss, inputs
+        gc.collect()  # reference cycles (closures over tensors) are only freed by the collector
+
+    def finish_step(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+        for p in self.params:
+            p.grad.zero_()
+
+    def run(self, steps: int, wrap: Callable[[], ContextManager], forward: Callable[..., torch.Tensor],
+            after_backward: Callable[[], None] | None = None,
+            arena: HostArena | None = None) -> tuple[_Run, OffloadError | None]:
+        """``steps`` measured steps; on running out of memory, the steps before it and the error."""
+        run = _Run()
+        for step in range(1, steps + 1):
+            persistent = persistent_tensors(self.spec.module, self.optimizer, self.device)
+            meter = make_meter(self.device)
+            if isinstance(meter, CpuMeter) and arena is not None:
+                meter.ignore(arena.chunks)
+            try:
+                with _step_errors(f"training step {step}"):
+                    self.synchronize()
+                    t0 = time.perf_counter()
+                    with meter:
+                        meter.track(persistent)
+                        meter.boundary()
+                        m0 = meter.live
+                        self.one_step(wrap, forward)
+                        peak, live = meter.boundary()
+                    self.synchronize()
+                    elapsed = time.perf_counter() - t0
+            except OffloadError as exc:
+                return run, exc
+            finally:
+                meter.close()
+            run.step_s.append(elapsed)
+            run.peaks.append(peak - m0)
+            run.leaks.append(live - m0)
+            run.allocations.append(arena.allocations if arena else 0)
+            if after_backward is not None:
+                after_backward()
+            self.finish_step()
+        return run, None
+
+
+@contextlib.contextmanager
+def _step_errors(what: str) -> Iterator[None]:
+    with running(what):
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError as exc:
+            raise OutOfMemory(f"{what}: out of GPU memory ({str(exc).splitlines()[0][:200]})",
+                              "the step needs more than the chain predicts: solve again with a lower budget to "
+                              "leave room for allocator slack and other processes (`nvidia-smi` shows them), "
+                              "or profile the chain again on this machine") from None
+
+
+def _compare(trainer: _Trainer, staged: Any, steps: int, ours: _Run, base: int) -> dict[str, Any]:
+    """The same steps without offloading and under ``save_on_cpu``, and our step time against both."""
+    pin = trainer.device.type == "cuda"
+    ways = {"no_offload": contextlib.nullcontext,
+            "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)}
+    out: dict[str, Any] = {}
+    ours_s = statistics.median(ours.step_s)
+    for name, wrap in ways.items():
+        run, error = trainer.run(steps, wrap, staged)
+        out[name] = {**run.summary(base), "error": str(error) if error else None}
+        if run.step_s:
+            out[f"step_time_vs_{name}"] = ours_s / statistics.median(run.step_s)
+    return out
+
+
+def _trace_step(path: str, trainer: _Trainer, runtime: OffloadRuntime) -> dict[str, Any]:
+    """One more step with offloading under ``torch.profiler``: a Chrome trace, and how much of its
+    copy time overlaps GPU compute (``None`` on the CPU, where there are no GPU copies)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if trainer.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with _step_errors("the traced step"), torch.profiler.profile(activities=activities) as prof:
+        trainer.one_step(runtime.step, runtime.forward)
+        trainer.synchronize()
+    trainer.finish_step()
+    dest = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent if str(dest.parent) else ".")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        events = json.loads(Path(tmp).read_text())["traceEvents"]
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return {"path": str(dest), "copy_overlap": copy_overlap(events)}
 
 
 def _optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer | None:

@@ -7,7 +7,8 @@ On a GPU (the reference set, realistic sizes)::
 writes ``experiments/chains/<model>-b<batch>[-<image>px]-<device>.json`` for ResNet-50/101/152 and
 DenseNet-121 at 224x224 (batch 64) and the GPT decoder (GPT-2 small, sequence 1024,
 batch 8), each chain recording the device and command that made it.  ``--set small``
-profiles reduced sizes that a CPU finishes in minutes (clearly named ``-cpu``).
+profiles reduced sizes that a CPU finishes in minutes (clearly named ``-cpu``); ``tiny`` is
+for tests.
 """
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ SETS = {
         ("inception", 8, {"image": 128}),
         ("vgg16", 4, {"image": 128}),
         ("gpt", 2, {"layers": 6, "width": 384, "heads": 6, "seq": 256, "vocab": 8192}),
+    ],
+    "tiny": [  # seconds on a CPU: the tests of the experiment scripts
+        ("resnet18", 2, {"image": 32}),
+        ("gpt", 2, {"layers": 2, "width": 32, "heads": 4, "seq": 16, "vocab": 50}),
     ],
 }
 

@@ -3,11 +3,14 @@ no leaks, a reused host arena, measured vs predicted memory, refusals."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
+import torch
 
 from executor.backends import CpuLazyBackend
-from executor.train import BudgetExceeded, TrainOptions, train
+from executor.errors import BudgetExceeded, HostMemoryShortfall, OutOfMemory
+from executor.train import TrainOptions, train
 from offload.cli import main
 from profiler.profile import ProfileOptions, profile
 from solver.chain import save_chain
@@ -77,3 +80,51 @@ def test_cli_train_refuses_another_chains_schedule(chains, tmp_path, capsys):
                "--steps", "2", "--check-grads", "--backend", "cpu-lazy", "--report", str(tmp_path / "run.json")])
     assert rc == 0 and (tmp_path / "run.json").exists()
     assert "grads_match   True" in capsys.readouterr().out
+
+
+def test_host_memory_shortfall_is_reported_with_the_report(chains, tmp_path, monkeypatch, capsys):
+    chain = chains["resnet18"]
+    save_chain(chain, tmp_path / "c.json")
+    save_schedule(schedules(chain)["all"], chain, tmp_path / "s.json")
+    monkeypatch.setattr("executor.arena.available_host_bytes", lambda: 4096)
+    report, error = train("resnet18", chain, schedules(chain)["all"], TrainOptions(steps=1))
+    assert isinstance(error, HostMemoryShortfall) and "only 4.00 KiB is available" in str(error)
+    assert report["steps_done"] == 0 and report["error"] == str(error)
+    rc = main(["train", "resnet18", "--chain", str(tmp_path / "c.json"), "--schedule", str(tmp_path / "s.json"),
+               "--report", str(tmp_path / "run.json")])
+    assert rc == 6 and (tmp_path / "run.json").exists()
+    assert "free host memory, or solve with a larger budget" in capsys.readouterr().err
+
+
+def test_out_of_memory_in_a_step_is_one_clear_error(chains, monkeypatch):
+    chain = chains["resnet18"]
+
+    def refuse(self, k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr("executor.runtime.OffloadRuntime.forward_boundary", refuse)
+    report, error = train("resnet18", chain, schedules(chain)["all"], TrainOptions(steps=2))
+    assert isinstance(error, OutOfMemory) and error.exit_code == 6
+    assert "training step 1: out of GPU memory (CUDA out of memory" in str(error) and "lower budget" in error.hint
+    assert report["steps_done"] == 0 and report["measured"]["step_s"] is None
+
+
+def test_compare_and_trace(chains, tmp_path):
+    """--compare times the same steps without offloading and under save_on_cpu; --trace writes a
+    Chrome trace (on the CPU it has no GPU copies, so no overlap figure)."""
+    chain = chains["gpt"]
+    trace = tmp_path / "trace.json"
+    report, error = train("gpt", chain, schedules(chain)["solver"],
+                          TrainOptions(steps=2, compare=True, trace=str(trace)))
+    assert error is None
+    m, p = report["measured"], report["predicted"]
+    assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes"], p["h2d_bytes"])  # traced step apart
+    for name in ("no_offload", "save_on_cpu"):
+        other = report["compare"][name]
+        assert other["error"] is None and len(other["step_s"]["all"]) == 2
+        assert report["compare"][f"step_time_vs_{name}"] == pytest.approx(
+            report["measured"]["step_s"]["median"] / other["step_s"]["median"])
+    assert report["compare"]["no_offload"]["peak_activation_bytes"] >= report["measured"]["peak_activation_bytes"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::mm" for e in events)
+    assert report["trace"] == {"path": str(trace), "copy_overlap": None}
+    assert not list(tmp_path.glob(".*.tmp"))

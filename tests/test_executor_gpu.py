@@ -25,3 +25,16 @@ def test_cuda_streams_keep_gradients_bit_exact(model, options):
     assert m["peak_activation_bytes"] <= p["peak_bytes"] + 16 * 2**20  # allocator rounding and workspaces
     assert m["leaked_bytes_after_step"] <= 2**20
     assert len(set(m["host_allocations"])) == 1
+
+
+def test_cuda_copies_overlap_compute_in_the_trace(tmp_path):
+    """The D2H/H2D copies show up in a torch.profiler trace, partly under kernels."""
+    chain = profile("resnet18", ProfileOptions(batch=16, device="cuda", repeats=3, options={"image": 64})).chain
+    budget = (smallest_feasible_budget(chain) + no_offload_peak(chain)) // 2
+    sched = solve(chain, budget, "ilp", Options()).schedule
+    report, error = train("resnet18", chain, sched, TrainOptions(steps=3, device="cuda", compare=True,
+                                                                 trace=str(tmp_path / "t.json")))
+    assert error is None and report["measured"]["d2h_bytes_per_step"] > 0
+    overlap = report["trace"]["copy_overlap"]
+    assert overlap is not None and overlap["copy_s"] > 0 and overlap["fraction"] > 0
+    assert report["compare"]["save_on_cpu"]["step_s"] is not None

@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo torch; else echo torch==2.13.0; fi)
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test bench clean
+.PHONY: install test bench demo reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,5 +31,13 @@ bench: $(STAMP)
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then $(PY) -m experiments.bench_executor; \
 	else echo "no CUDA GPU: skipping experiments.bench_executor (run it on a GPU machine)"; fi
 
+# The whole pipeline on the CPU in a few minutes: profile, sweep, plot, solve, train (outputs in demo/).
+demo: $(STAMP)
+	$(PY) -m experiments.demo --out demo
+
+# The makespan-vs-budget reproduction on the committed zoo chains (experiments/results/reproduction/).
+reproduce: $(STAMP)
+	$(PY) -m experiments.reproduce
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis demo

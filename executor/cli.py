@@ -16,11 +16,12 @@ def _print_report(r: dict) -> None:
     m, p = r["measured"], r["predicted"]
     print(f"trained {r['model']} for {r['steps_done']} of {r['steps']} steps with {r['method'] or 'the'} schedule "
           f"on {r['device']} ({r['backend']})")
-    if m["step_s"] is None:
+    if m["peak_bytes"] is None:
         return
     print(f"{'':<14}{'measured':>16}{'predicted':>16}")
-    print(f"{'step time':<14}{format_seconds(m['step_s']['median']):>16}{format_seconds(p['makespan_s']):>16}"
-          f"   (min {format_seconds(m['step_s']['min'])}, max {format_seconds(m['step_s']['max'])})")
+    if m["step_s"] is not None:
+        print(f"{'step time':<14}{format_seconds(m['step_s']['median']):>16}{format_seconds(p['makespan_s']):>16}"
+              f"   (min {format_seconds(m['step_s']['min'])}, max {format_seconds(m['step_s']['max'])})")
     print(f"{'peak memory':<14}{format_bytes(m['peak_bytes']):>16}{format_bytes(p['peak_bytes']):>16}"
           + (f"   budget {format_bytes(r['budget_bytes'])} ({r['budget_scope']})" if r["budget_bytes"] else ""))
     print(f"{'D2H per step':<14}{format_bytes(m['d2h_bytes_per_step']):>16}{format_bytes(p['d2h_bytes']):>16}")

@@ -5,7 +5,9 @@ The model is staged exactly as its chain was (same capture method, the cuts reco
 backward and the optimizer on the same synthetic batch; gradients stay allocated between
 steps (``base_bytes``, as profiled).  Memory is read by the profiler's meters (the CUDA
 allocator, or exact accounting on the CPU); activation memory is the reading minus the
-bytes live at the step's start.  With ``check_grads`` a second copy of the model (same
+bytes live at the step's start.  On the CPU exact accounting slows every op down several
+times, so step times come from as many steps again without the meter (on a GPU the
+allocator's counters cost nothing and every step gives both).  With ``check_grads`` a second copy of the model (same
 seed) trains without offloading and every gradient is compared bit for bit.
 """
 from __future__ import annotations
@@ -109,12 +111,12 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
     runtime, error, trace = None, None, None
     try:
         runtime = OffloadRuntime(staged, plan, backend, list(spec.module.parameters()) + list(spec.module.buffers()))
-        run, error = trainer.run(opts.steps, runtime.step, runtime.forward, after_backward=check,
-                                 arena=runtime.arena)
+        run, error = trainer.measure(opts.steps, runtime.step, runtime.forward, after_backward=check,
+                                     arena=runtime.arena)
     except HostMemoryShortfall as exc:
         run, error = _Run(), exc
     completed = error is None  # every step ran (it may still have gone over the budget)
-    done = max(1, len(run.step_s))
+    done = max(1, run.steps_run)
     moved = (runtime.d2h_bytes // done, runtime.h2d_bytes // done) if runtime else (0, 0)  # before the traced step
     if completed and schedule.budget_bytes is not None:
         over = [(n, p) for n, p in enumerate(run.peaks, 1) if p + base > schedule.budget_bytes]
@@ -131,7 +133,7 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
     arena = runtime.arena if runtime else None
     report = {
         "model": model, "chain": {"name": chain.name, "sha256": chain.sha256}, "method": schedule.method,
-        "backend": backend.name, "device": str(device), "steps": opts.steps, "steps_done": len(run.step_s),
+        "backend": backend.name, "device": str(device), "steps": opts.steps, "steps_done": len(run.peaks),
         "budget_bytes": schedule.budget_bytes, "budget_scope": schedule.budget_scope,
         "measured": {
             **run.summary(base),
@@ -140,7 +142,7 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
         },
         "predicted": {"makespan_s": sim.makespan_s, "peak_bytes": sim.peak_bytes + base, "stall_s": sim.stall_s,
                       "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes},
-        "grads_match": (not any(mismatches)) if check is not None and run.step_s else None,
+        "grads_match": (not any(mismatches)) if check is not None and run.peaks else None,
         "grad_mismatches": mismatches if check is not None else None,
         "compare": compare,
         "trace": trace,
@@ -157,13 +159,19 @@ class _Run:
     peaks: list[int] = field(default_factory=list)  # activation bytes: the step's peak over its start
     leaks: list[int] = field(default_factory=list)  # bytes still live after the step, over its start
     allocations: list[int] = field(default_factory=list)  # host arena buffers so far, after each step
+    metered_step_s: list[float] = field(default_factory=list)  # CPU: the metered steps' times (not step_s)
+
+    @property
+    def steps_run(self) -> int:
+        return len(self.step_s) + len(self.metered_step_s)
 
     def summary(self, base: int) -> dict[str, Any]:
-        if not self.step_s:
+        if not self.peaks:
             return {"step_s": None, "peak_bytes": None, "peak_activation_bytes": None,
                     "leaked_bytes_after_step": None, "leaked_by_step": []}
-        return {"step_s": {"median": statistics.median(self.step_s), "min": min(self.step_s),
-                           "max": max(self.step_s), "all": self.step_s},
+        times = {"median": statistics.median(self.step_s), "min": min(self.step_s), "max": max(self.step_s),
+                 "all": self.step_s} if self.step_s else None
+        return {"step_s": times, **({"metered_step_s": self.metered_step_s} if self.metered_step_s else {}),
                 "peak_bytes": max(self.peaks) + base, "peak_activation_bytes": max(self.peaks),
                 "leaked_bytes_after_step": max(self.leaks), "leaked_by_step": self.leaks}
 
@@ -185,7 +193,6 @@ class _Trainer:
             loss = self.spec.loss(forward(*inputs))
             loss.backward()
         del loss, inputs
-        gc.collect()  # reference cycles (closures over tensors) are only freed by the collector
 
     def finish_step(self) -> None:
         if self.optimizer is not None:
@@ -193,10 +200,38 @@ class _Trainer:
         for p in self.params:
             p.grad.zero_()
 
-    def run(self, steps: int, wrap: Callable[[], ContextManager], forward: Callable[..., torch.Tensor],
-            after_backward: Callable[[], None] | None = None,
-            arena: HostArena | None = None) -> tuple[_Run, OffloadError | None]:
-        """``steps`` measured steps; on running out of memory, the steps before it and the error."""
+    def measure(self, steps: int, wrap: Callable[[], ContextManager], forward: Callable[..., torch.Tensor],
+                after_backward: Callable[[], None] | None = None,
+                arena: HostArena | None = None) -> tuple[_Run, OffloadError | None]:
+        """``steps`` steps with memory metered; on the CPU, where exact accounting slows every op
+        down several times, ``steps`` more without the meter give the step times.  On running out
+        of memory: the steps before it, and the error."""
+        run, error = self._metered(steps, wrap, forward, after_backward, arena)
+        if error is None and self.device.type != "cuda":
+            run.metered_step_s = run.step_s
+            run.step_s, error = self._timed(steps, wrap, forward)
+        return run, error
+
+    def _timed(self, steps: int, wrap: Callable[[], ContextManager],
+               forward: Callable[..., torch.Tensor]) -> tuple[list[float], OffloadError | None]:
+        times: list[float] = []
+        for step in range(1, steps + 1):
+            try:
+                with _step_errors(f"timed step {step}"):
+                    self.synchronize()
+                    t0 = time.perf_counter()
+                    self.one_step(wrap, forward)
+                    self.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    gc.collect()  # outside the timed window: a full collection costs ~0.15 s
+            except OffloadError as exc:
+                return times, exc
+            self.finish_step()
+        return times, None
+
+    def _metered(self, steps: int, wrap: Callable[[], ContextManager], forward: Callable[..., torch.Tensor],
+                 after_backward: Callable[[], None] | None,
+                 arena: HostArena | None) -> tuple[_Run, OffloadError | None]:
         run = _Run()
         for step in range(1, steps + 1):
             persistent = persistent_tensors(self.spec.module, self.optimizer, self.device)
@@ -212,9 +247,10 @@ class _Trainer:
                         meter.boundary()
                         m0 = meter.live
                         self.one_step(wrap, forward)
+                        self.synchronize()
+                        elapsed = time.perf_counter() - t0
+                        gc.collect()  # reference cycles (closures over tensors) are only freed by the collector
                         peak, live = meter.boundary()
-                    self.synchronize()
-                    elapsed = time.perf_counter() - t0
             except OffloadError as exc:
                 return run, exc
             finally:
@@ -247,12 +283,11 @@ def _compare(trainer: _Trainer, staged: Any, steps: int, ours: _Run, base: int) 
     ways = {"no_offload": contextlib.nullcontext,
             "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)}
     out: dict[str, Any] = {}
-    ours_s = statistics.median(ours.step_s)
     for name, wrap in ways.items():
-        run, error = trainer.run(steps, wrap, staged)
+        run, error = trainer.measure(steps, wrap, staged)
         out[name] = {**run.summary(base), "error": str(error) if error else None}
-        if run.step_s:
-            out[f"step_time_vs_{name}"] = ours_s / statistics.median(run.step_s)
+        if run.step_s and ours.step_s:
+            out[f"step_time_vs_{name}"] = statistics.median(ours.step_s) / statistics.median(run.step_s)
     return out
 
 
@@ -265,6 +300,7 @@ def _trace_step(path: str, trainer: _Trainer, runtime: OffloadRuntime) -> dict[s
     with _step_errors("the traced step"), torch.profiler.profile(activities=activities) as prof:
         trainer.one_step(runtime.step, runtime.forward)
         trainer.synchronize()
+    gc.collect()
     trainer.finish_step()
     dest = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent if str(dest.parent) else ".")

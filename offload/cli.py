@@ -11,6 +11,7 @@ import os
 import sys
 
 from executor import cli as executor_cli
+from experiments import cli as experiments_cli
 from profiler import cli as profiler_cli
 from solver import cli as solver_cli
 from solver.errors import OffloadError
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     profiler_cli.add_commands(sub)
     solver_cli.add_commands(sub)
     executor_cli.add_commands(sub)
+    experiments_cli.add_commands(sub)
     return parser
 
 

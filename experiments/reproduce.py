@@ -1,0 +1,164 @@
+"""Paper-style reproduction: makespan vs budget of every method on the zoo chains.
+
+    python -m experiments.reproduce          # or: make reproduce
+
+For each model in ``experiments/chains/`` (the GPU-measured ``-cuda`` chain where there is
+one, else the CPU-measured ``-cpu`` one; the largest size of each model) and two platforms:
+
+* ``measured``: the chain as profiled.  On the CPU chains the "link" is the CPU stand-in
+  (host memcpy, ~10 GB/s) against compute that is ~100x slower than a GPU's, so nearly every
+  copy hides: this platform shows memory savings, not the time trade-off;
+* ``link-bound``: a what-if on the same measured stages, with both copy directions set to
+  the bandwidth at which one D2H of every unit takes exactly the ideal step time, so that
+  offloading everything cannot hide.  This is the regime the seed papers study; the
+  bandwidth is computed, not measured, and named in each chain.
+
+every method is swept over 17 budgets from 20% to 100% of the no-offload activation peak
+(``offload sweep``), and each method's smallest feasible budget is found exactly (the
+floor for the exact methods, the policy's own peak for the fixed ones, bisection for the
+adaptive swap rankings).  Outputs in ``experiments/results/reproduction/``: one CSV and one
+figure per platform, ``smallest.csv`` and ``at_budgets.csv``, whose tables are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from solver.baselines import own_smallest_budget
+from solver.chain import Chain, load_chain
+from solver.errors import InfeasibleBudget
+from solver.fileio import write_atomic
+from solver.memory import no_offload_peak, smallest_feasible_budget
+from solver.methods import METHODS, Options, solve
+
+from .plots import plot_sweep
+from .sweep import Row, parse_budgets, sweep, write_rows
+
+CHAINS = Path(__file__).parent / "chains"
+OUT = Path(__file__).parent / "results" / "reproduction"
+EXACT = ("ilp", "relax-lp", "relax-bw")  # feasible down to the floor by construction
+SHARES = (0.3, 0.5, 0.7)
+
+
+def zoo_chains(folder: Path = CHAINS) -> list[Chain]:
+    """One chain per model: ``-cuda`` over ``-cpu``, then the most saved bytes (the largest size)."""
+    best: dict[str, tuple[tuple, Path]] = {}
+    for path in sorted(folder.glob("*-c*.json")):
+        m = re.fullmatch(r"(.+?)-b\d+(?:-\d+px)?-(cuda|cpu)\.json", path.name)
+        if not m:
+            continue
+        chain = load_chain(path)
+        key = (m.group(2) == "cuda", sum(s.saved_bytes for s in chain.stages))
+        if m.group(1) not in best or key > best[m.group(1)][0]:
+            best[m.group(1)] = (key, path)
+    return [load_chain(p) for _, p in sorted(best.values(), key=lambda kp: kp[1].name)]
+
+
+def link_bound(chain: Chain) -> Chain:
+    """The same stages with the copy bandwidth at which offloading every unit once takes one ideal step."""
+    bw = sum(s.saved_bytes for s in chain.stages) / chain.ideal_makespan_s
+    platform = dataclasses.replace(chain.platform, d2h_bytes_per_s=bw, h2d_bytes_per_s=bw, latency_s=0.0,
+                                   channels="duplex",
+                                   note=f"what-if: {bw / 1e9:.3g} GB/s each way, computed so that one D2H of every "
+                                        f"unit takes the ideal step (not measured)")
+    return dataclasses.replace(chain, platform=platform)
+
+
+def smallest_of(chain: Chain, method: str, options: Options) -> int | None:
+    """The smallest activation budget ``method`` meets on ``chain`` (bisection for adaptive policies)."""
+    floor, peak = smallest_feasible_budget(chain), no_offload_peak(chain)
+    if method in EXACT:
+        return floor
+    own = own_smallest_budget(chain, method)
+    if own is not None:
+        return own
+
+    def fits(budget: int) -> bool:
+        try:
+            solve(chain, budget, method, options)
+            return True
+        except InfeasibleBudget:
+            return False
+    if not fits(peak):
+        return None
+    lo, hi = floor - 1, peak  # fits(hi), not fits(lo)
+    while hi - lo > max(1, peak // 10_000):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    def write(fh) -> None:
+        w = csv.DictWriter(fh, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    write_atomic(path, write)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chains", type=Path, default=CHAINS, help="folder of zoo chains (default experiments/chains)")
+    ap.add_argument("--budgets", default="20%:100%:17", help="sweep budgets (default 20%%:100%%:17)")
+    ap.add_argument("--time-limit", type=float, default=60, help="ILP time limit per solve (default 60 s)")
+    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per core)")
+    ap.add_argument("--out", type=Path, default=OUT, help="results folder (default experiments/results/reproduction)")
+    args = ap.parse_args(argv)
+    chains = zoo_chains(args.chains)
+    if not chains:
+        ap.error(f"no *-cuda.json or *-cpu.json chains in {args.chains}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    options = Options(time_limit_s=args.time_limit)
+    smallest, at_budgets = [], []
+    for scenario, make in (("measured", lambda c: c), ("link-bound", link_bound)):
+        rows: list[Row] = []
+        for chain in tqdm([make(c) for c in chains], desc=scenario, unit="chain", file=sys.stderr):
+            peak = no_offload_peak(chain)
+            budgets = sorted(set(parse_budgets(args.budgets, peak)) | {int(s * peak) for s in SHARES})
+            chain_rows = sweep(chain, budgets, list(METHODS), options, jobs=args.jobs)
+            rows += [r for r in chain_rows if r.budget_bytes in set(parse_budgets(args.budgets, peak))]
+            for method in METHODS:
+                own = smallest_of(chain, method, options)
+                smallest.append({"chain": chain.name, "platform": scenario, "method": method,
+                                 "smallest_bytes": own if own is not None else "",
+                                 "smallest_share": round(own / peak, 4) if own is not None else ""})
+                for share in SHARES:
+                    r = next(r for r in chain_rows if r.method == method and r.budget_bytes == int(share * peak))
+                    at_budgets.append({"chain": chain.name, "platform": scenario, "method": method,
+                                       "budget_share": share, "status": r.status,
+                                       "slowdown": "" if r.slowdown is None else round(r.slowdown, 4)})
+        write_rows(args.out / f"{scenario}.csv", rows)
+        plot_sweep(rows, args.out / f"{scenario}.png", title=f"makespan vs budget, {scenario} platform")
+    _write_csv(args.out / "smallest.csv", smallest)
+    _write_csv(args.out / "at_budgets.csv", at_budgets)
+    _print_tables(chains, smallest, at_budgets)
+    print(f"wrote {args.out}/: measured.csv/png, link-bound.csv/png, smallest.csv, at_budgets.csv")
+    return 0
+
+
+def _print_tables(chains: list[Chain], smallest: list[dict], at_budgets: list[dict]) -> None:
+    names = [c.name for c in chains]
+    print("\nsmallest feasible budget, % of the no-offload activation peak (same on both platforms: memory only)")
+    print(f"{'method':<16}" + "".join(f"{n:>16}" for n in names))
+    for method in METHODS:
+        cells = {r["chain"]: r["smallest_share"] for r in smallest if r["method"] == method and r["platform"] == "measured"}
+        print(f"{method:<16}" + "".join(f"{'never' if cells[n] == '' else f'{100 * cells[n]:.1f}%':>16}" for n in names))
+    for scenario in ("measured", "link-bound"):
+        for share in SHARES:
+            print(f"\nstep time / ideal at {share:.0%} of the peak, {scenario} platform ('-': infeasible)")
+            print(f"{'method':<16}" + "".join(f"{n:>16}" for n in names))
+            for method in METHODS:
+                cells = {r["chain"]: r["slowdown"] for r in at_budgets
+                         if r["method"] == method and r["platform"] == scenario and r["budget_share"] == share}
+                print(f"{method:<16}" + "".join(f"{'-' if cells[n] == '' else f'{cells[n]:.3f}':>16}" for n in names))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""Every method at every budget of a range: the data behind the makespan-vs-budget plot.
+
+A sweep is a grid of independent ``solve()`` calls, so it runs them in worker processes
+(one MILP thread each, so that ``--jobs`` workers do not fight over cores) and writes one
+CSV row per (method, budget).  A budget a method cannot meet is a row with status
+``infeasible``, and a method that fails is a row with status ``error`` and its message:
+the sweep itself never stops for either.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import re
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from solver.chain import Chain
+from solver.errors import FormatError, InfeasibleBudget, OffloadError
+from solver.fileio import write_atomic
+from solver.memory import no_offload_peak, smallest_feasible_budget
+from solver.methods import METHODS, Options, solve
+from solver.units import parse_budget
+
+
+@dataclass
+class Row:
+    """One (method, budget) of a sweep; the CSV's columns, in order."""
+
+    chain: str
+    method: str
+    budget_bytes: int
+    budget_share: float  # of the no-offload peak (activations) or of it plus base_bytes (total)
+    scope: str
+    status: str  # optimal (proven) | feasible | infeasible | error
+    makespan_s: float | None
+    ideal_makespan_s: float
+    slowdown: float | None  # makespan / ideal
+    bound_s: float | None  # best proven lower bound at this budget
+    gap: float | None  # (makespan - bound) / makespan
+    stall_s: float | None
+    peak_bytes: int | None
+    d2h_bytes: int | None
+    h2d_bytes: int | None
+    solve_s: float | None
+    no_offload_peak_bytes: int
+    smallest_feasible_bytes: int
+    detail: str = ""
+
+
+COLUMNS = [f.name for f in fields(Row)]
+STATUSES = ("optimal", "feasible", "infeasible", "error")
+
+
+def parse_budgets(text: str, reference_bytes: int) -> list[int]:
+    """``LO:HI:N`` (N evenly spaced budgets, both ends included) or a comma list; each budget in
+    bytes, a size (``6GiB``) or a share of ``reference_bytes`` (``40%``)."""
+    hint = "write LO:HI:N, e.g. 30%:100%:15, or a list, e.g. 40%,60%,2GiB"
+    parts = text.split(":")
+    if len(parts) == 3:
+        lo, hi = (parse_budget(p, reference_bytes) for p in parts[:2])
+        if not re.fullmatch(r"\s*\d+\s*", parts[2]) or int(parts[2]) < 1:
+            raise FormatError(f"cannot read the number of budgets {parts[2]!r} in {text!r}", hint)
+        n = int(parts[2])
+        if hi < lo or (n == 1 and hi != lo):
+            raise FormatError(f"budget range {text!r} is empty or ambiguous", hint)
+        return sorted({int(round(b)) for b in np.linspace(lo, hi, n)})
+    if len(parts) == 1:
+        return sorted({parse_budget(p, reference_bytes) for p in text.split(",") if p.strip()})
+    raise FormatError(f"cannot read budgets {text!r}", hint)
+
+
+def parse_methods(text: str) -> list[str]:
+    """``all`` or a comma list of method names, checked."""
+    if text.strip() == "all":
+        return list(METHODS)
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        raise FormatError(f"unknown method(s) {', '.join(unknown)}" if unknown else f"no method in {text!r}",
+                          f"use all or a comma list of: {', '.join(METHODS)}")
+    return names
+
+
+def solve_one(chain: Chain, method: str, budget: int, options: Options, scope: str) -> Row:
+    """One cell of the sweep; never raises for a solver's failure (it becomes the row's status)."""
+    base = chain.base_bytes if scope == "total" else 0
+    peak = no_offload_peak(chain)
+    row = Row(chain=chain.name, method=method, budget_bytes=budget, budget_share=budget / (peak + base), scope=scope,
+              status="error", makespan_s=None, ideal_makespan_s=chain.ideal_makespan_s, slowdown=None, bound_s=None,
+              gap=None, stall_s=None, peak_bytes=None, d2h_bytes=None, h2d_bytes=None, solve_s=None,
+              no_offload_peak_bytes=peak + base, smallest_feasible_bytes=smallest_feasible_budget(chain) + base)
+    try:
+        res = solve(chain, budget, method, options, scope)
+    except InfeasibleBudget as exc:
+        return replace(row, status="infeasible", detail=str(exc))
+    except OffloadError as exc:
+        return replace(row, detail=str(exc))
+    except Exception as exc:  # a bug in one method must not cost the other cells
+        return replace(row, detail=f"{type(exc).__name__}: {exc}")
+    sim = res.simulation
+    return replace(row, status="optimal" if res.status == "optimal" else "feasible", makespan_s=sim.makespan_s,
+                   slowdown=sim.makespan_s / chain.ideal_makespan_s, bound_s=res.bound_s, gap=res.gap,
+                   stall_s=sim.stall_s, peak_bytes=sim.peak_bytes + base, d2h_bytes=sim.d2h_bytes,
+                   h2d_bytes=sim.h2d_bytes, solve_s=res.seconds, detail=res.info.get("note", ""))
+
+
+def sweep(chain: Chain, budgets: Iterable[int], methods: Iterable[str], options: Options | None = None,
+          scope: str = "activations", jobs: int | None = None,
+          progress: Callable[[Row], None] = lambda _: None) -> list[Row]:
+    """Every method at every budget, in ``jobs`` processes (default: all cores); rows sorted by
+    method (registry order) then budget.  ``progress(row)`` is called as each cell finishes."""
+    options = options or Options()
+    cells = [(m, b) for m in methods for b in budgets]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(cells)))
+    rows: list[Row] = []
+    if jobs == 1:
+        for m, b in cells:
+            rows.append(solve_one(chain, m, b, options, scope))
+            progress(rows[-1])
+    else:
+        single = replace(options, threads=1)  # jobs processes, one solver thread each
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = [pool.submit(solve_one, chain, m, b, single, scope) for m, b in cells]
+            for future in as_completed(futures):
+                rows.append(future.result())
+                progress(rows[-1])
+    order = {m: k for k, m in enumerate(METHODS)}
+    return sorted(rows, key=lambda r: (order.get(r.method, len(order)), r.budget_bytes))
+
+
+def write_rows(path: str | os.PathLike, rows: list[Row]) -> None:
+    def write(fh) -> None:
+        w = csv.DictWriter(fh, COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in asdict(r).items()})
+    write_atomic(path, write)
+
+
+def read_rows(path: str | os.PathLike) -> list[Row]:
+    """The rows of a sweep CSV, typed; a clear error for anything else."""
+    p = Path(path)
+    try:
+        with p.open(newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+            if missing:
+                raise FormatError(f"{p} is not a sweep CSV: missing column(s) {', '.join(missing[:5])}",
+                                  "make it with `offload sweep CHAIN -o results.csv`")
+            records = list(reader)
+    except FileNotFoundError:
+        raise FormatError(f"sweep CSV not found: {p}", "check the path") from None
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise FormatError(f"{p} is not a readable CSV: {exc}", "make it with `offload sweep CHAIN -o results.csv`") from None
+    types = {f.name: f.type for f in fields(Row)}
+    rows = []
+    for n, rec in enumerate(records, 2):
+        try:
+            rows.append(Row(**{k: _typed(types[k], rec[k]) for k in COLUMNS}))
+        except ValueError as exc:
+            raise FormatError(f"{p}, line {n}: {exc}", "the file was edited or truncated: run the sweep again") from None
+        if rows[-1].status not in STATUSES:
+            raise FormatError(f"{p}, line {n}: unknown status {rows[-1].status!r}", f"expected one of {', '.join(STATUSES)}")
+    if not rows:
+        raise FormatError(f"{p} holds no rows", "run the sweep again")
+    return rows
+
+
+def _typed(kind: str, text: str) -> object:
+    if "None" in kind and text == "":
+        return None
+    if kind.startswith("int"):
+        return int(text)
+    if kind.startswith("float"):
+        return float(text)
+    return text

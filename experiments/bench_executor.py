@@ -20,14 +20,13 @@ the memory and byte columns mean anything there.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
 from executor.train import TrainOptions, train
 from profiler.profile import ProfileOptions, pick_device, profile
 from solver.chain import save_chain
-from solver.fileio import write_atomic, write_json
+from solver.fileio import write_csv, write_json
 from solver.memory import no_offload_peak, smallest_feasible_budget
 from solver.methods import Options, solve
 from solver.schedule import save_schedule
@@ -118,12 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if not todo:
         ap.error(f"none of {args.models} is in the {args.set!r} set")
     rows = [bench_model(m, b, o, device, out, args) for m, b, o in todo]
-
-    def write(fh) -> None:
-        w = csv.DictWriter(fh, FIELDS)
-        w.writeheader()
-        w.writerows(rows)
-    write_atomic(out / "summary.csv", write)
+    write_csv(out / "summary.csv", rows, FIELDS)
     _print(rows)
     print(f"wrote {out / 'summary.csv'}")
     return 0

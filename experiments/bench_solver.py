@@ -13,13 +13,13 @@ measured), so each row can be reproduced from its (stages, seed, budget share).
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 from pathlib import Path
 
 from experiments.synthetic import synthetic_chain
 from solver.errors import InfeasibleBudget
+from solver.fileio import write_csv
 from solver.memory import no_offload_peak, smallest_feasible_budget
 from solver.methods import METHODS, Options, solve
 from solver.simulate import simulate
@@ -33,14 +33,10 @@ def budget_at(chain, share: float) -> int:
     return lo + int(share * (hi - lo))
 
 
-def write_csv(name: str, rows: list[dict]) -> Path:
+def write_results(name: str, rows: list[dict]) -> Path:
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / name
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return path
+    write_csv(RESULTS / name, rows)
+    return RESULTS / name
 
 
 def ilp_scaling(sizes, limit_for) -> list[dict]:
@@ -136,7 +132,7 @@ def main() -> None:
     }
     for name, run in parts.items():
         if args.part in ("all", name.split("_")[0]):
-            print(f"wrote {write_csv(f'bench_solver_{name}{suffix}.csv', run())}")
+            print(f"wrote {write_results(f'bench_solver_{name}{suffix}.csv', run())}")
     print(f"benchmark wall time {time.perf_counter() - t0:.0f} s")
 
 

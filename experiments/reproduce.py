@@ -22,7 +22,6 @@ figure per platform, ``smallest.csv`` and ``at_budgets.csv``, whose tables are p
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import re
 import sys
@@ -33,7 +32,7 @@ from tqdm import tqdm
 from solver.baselines import own_smallest_budget
 from solver.chain import Chain, load_chain
 from solver.errors import InfeasibleBudget
-from solver.fileio import write_atomic
+from solver.fileio import write_csv
 from solver.memory import no_offload_peak, smallest_feasible_budget
 from solver.methods import METHODS, Options, solve
 
@@ -94,14 +93,6 @@ def smallest_of(chain: Chain, method: str, options: Options) -> int | None:
     return hi
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    def write(fh) -> None:
-        w = csv.DictWriter(fh, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    write_atomic(path, write)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "slowdown": "" if r.slowdown is None else round(r.slowdown, 4)})
         write_rows(args.out / f"{scenario}.csv", rows)
         plot_sweep(rows, args.out / f"{scenario}.png", title=f"makespan vs budget, {scenario} platform")
-    _write_csv(args.out / "smallest.csv", smallest)
-    _write_csv(args.out / "at_budgets.csv", at_budgets)
+    write_csv(args.out / "smallest.csv", smallest)
+    write_csv(args.out / "at_budgets.csv", at_budgets)
     _print_tables(chains, smallest, at_budgets)
     print(f"wrote {args.out}/: measured.csv/png, link-bound.csv/png, smallest.csv, at_budgets.csv")
     return 0

@@ -20,7 +20,7 @@ import numpy as np
 
 from solver.chain import Chain
 from solver.errors import FormatError, InfeasibleBudget, OffloadError
-from solver.fileio import write_atomic
+from solver.fileio import write_csv
 from solver.memory import no_offload_peak, smallest_feasible_budget
 from solver.methods import METHODS, Options, solve
 from solver.units import parse_budget
@@ -133,12 +133,7 @@ def sweep(chain: Chain, budgets: Iterable[int], methods: Iterable[str], options:
 
 
 def write_rows(path: str | os.PathLike, rows: list[Row]) -> None:
-    def write(fh) -> None:
-        w = csv.DictWriter(fh, COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if v is None else v) for k, v in asdict(r).items()})
-    write_atomic(path, write)
+    write_csv(path, [asdict(r) for r in rows], COLUMNS)
 
 
 def read_rows(path: str | os.PathLike) -> list[Row]:

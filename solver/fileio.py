@@ -5,6 +5,7 @@ so an interrupted or failed command never leaves a partial or corrupt file behin
 """
 from __future__ import annotations
 
+import csv
 import json
 import os
 import tempfile
@@ -54,3 +55,13 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Any], None], binary: 
 def write_json(path: str | os.PathLike, data: Any) -> None:
     """Write ``data`` as indented JSON, atomically."""
     write_atomic(path, lambda fh: (json.dump(data, fh, indent=2), fh.write("\n")))
+
+
+def write_csv(path: str | os.PathLike, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
+    """Write ``rows`` as CSV with a header (``columns``, default the first row's keys), atomically;
+    ``None`` becomes an empty cell."""
+    def write(fh: Any) -> None:
+        w = csv.DictWriter(fh, columns or list(rows[0]))
+        w.writeheader()
+        w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+    write_atomic(path, write)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -33,6 +32,7 @@ from profiler.models import resolve
 from profiler.profile import DTYPES, pick_device, place, running
 from solver.chain import Chain
 from solver.errors import ChainMismatch, OffloadError
+from solver.fileio import write_atomic
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
@@ -302,17 +302,12 @@ def _trace_step(path: str, trainer: _Trainer, runtime: OffloadRuntime) -> dict[s
         trainer.synchronize()
     gc.collect()
     trainer.finish_step()
-    dest = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent if str(dest.parent) else ".")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(tmp)
-        events = json.loads(Path(tmp).read_text())["traceEvents"]
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return {"path": str(dest), "copy_overlap": copy_overlap(events)}
+    with tempfile.TemporaryDirectory() as scratch:  # the profiler exports to a path, not a file object
+        exported = Path(scratch) / "trace.json"
+        prof.export_chrome_trace(str(exported))
+        text = exported.read_text()
+    write_atomic(path, lambda fh: fh.write(text))
+    return {"path": str(path), "copy_overlap": copy_overlap(json.loads(text)["traceEvents"])}
 
 
 def _optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer | None:

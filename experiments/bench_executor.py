@@ -71,15 +71,16 @@ def bench_model(model: str, batch: int, options: dict, device: str, out: Path, a
         "peak_within_budget": m["peak_bytes"] is not None and m["peak_bytes"] <= budget,
         "d2h_bytes": m["d2h_bytes_per_step"], "h2d_bytes": m["h2d_bytes_per_step"],
         "copy_overlap": overlap["fraction"] if overlap else None,
-        **{f"{way}_{what}": (c.get(way) or {}).get(key) and _median_or_value(c[way][key])
-           for way in ("no_offload", "save_on_cpu") for what, key in (("step_s", "step_s"), ("peak_bytes", "peak_bytes"))},
+        **_baseline(c, "no_offload"), **_baseline(c, "save_on_cpu"),
         "vs_no_offload": c.get("step_time_vs_no_offload"), "vs_save_on_cpu": c.get("step_time_vs_save_on_cpu"),
         "grads_match": report["grads_match"],
     }
 
 
-def _median_or_value(v: dict | int) -> float | int:
-    return v["median"] if isinstance(v, dict) else v
+def _baseline(compare: dict, way: str) -> dict:
+    """The median step time and the peak of one ``--compare`` baseline, as summary columns."""
+    run = compare.get(way) or {}
+    return {f"{way}_step_s": (run.get("step_s") or {}).get("median"), f"{way}_peak_bytes": run.get("peak_bytes")}
 
 
 def _print(rows: list[dict]) -> None:

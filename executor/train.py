@@ -104,7 +104,7 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
         reference = (ref_spec, ref_staged, ref_params, _optimizer(optimizer_name, ref_params, opts.lr))
         check = lambda: mismatches.append(_reference_step(reference, params))  # noqa: E731
 
-    sim = simulate(chain, schedule.offloads)
+    sim = simulate(chain, schedule.offloads, encode=schedule.encode)
     base = chain.base_bytes if schedule.budget_scope == "total" else 0
     trainer = _Trainer(spec, params, optimizer, device)
     plan = StepPlan.from_schedule(chain, schedule)

@@ -12,6 +12,7 @@ from solver.chain import load_chain
 from solver.errors import FormatError
 from solver.fileio import write_atomic
 from solver.memory import no_offload_peak
+from solver.encoding import MODE_HELP, MODES
 from solver.methods import METHODS, Options
 from solver.schedule import load_schedule
 from solver.units import format_bytes, format_seconds
@@ -46,7 +47,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     reference = no_offload_peak(chain) + (chain.base_bytes if args.total else 0)
     budgets = parse_budgets(args.budgets, reference)
     methods = parse_methods(args.methods)
-    options = Options(time_limit_s=args.time_limit, heuristic_time_s=args.heuristic_time)
+    options = Options(time_limit_s=args.time_limit, heuristic_time_s=args.heuristic_time, encodings=args.encodings)
     cells = len(budgets) * len(methods)
     print(f"sweeping {chain.name} ({chain.L} stages): {len(methods)} methods x {len(budgets)} budgets from "
           f"{format_bytes(budgets[0])} to {format_bytes(budgets[-1])} ({scope})", file=sys.stderr)
@@ -101,6 +102,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--total", action="store_true", help="budgets count base_bytes too (weights, grads, optimizer state)")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ILP time limit per solve (default 60)")
     p.add_argument("--heuristic-time", type=float, default=1.0, metavar="S", help="local-search time of relax-* (default 1)")
+    p.add_argument("--encodings", choices=MODES, default="lossless", help=MODE_HELP.replace("%", "%%"))
     p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: one per core)")
     p.add_argument("--output", "-o", required=True, help="results CSV (written atomically)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")

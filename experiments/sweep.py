@@ -21,7 +21,8 @@ import numpy as np
 from solver.chain import Chain
 from solver.errors import FormatError, InfeasibleBudget, OffloadError
 from solver.fileio import write_csv
-from solver.memory import no_offload_peak, smallest_feasible_budget
+from solver.encoding import floor
+from solver.memory import no_offload_peak
 from solver.methods import METHODS, Options, solve
 from solver.units import parse_budget
 
@@ -47,11 +48,14 @@ class Row:
     h2d_bytes: int | None
     solve_s: float | None
     no_offload_peak_bytes: int
-    smallest_feasible_bytes: int
+    smallest_feasible_bytes: int  # with the encodings the sweep allowed
+    encodings: str = "none"  # which encodings the solver could choose (solver.encoding.MODES)
+    encoded_units: int | None = None  # how many units the schedule stores encoded
     detail: str = ""
 
 
 COLUMNS = [f.name for f in fields(Row)]
+ADDED_LATER = {"encodings": "none", "encoded_units": ""}  # CSVs from before encodings lack these
 STATUSES = ("optimal", "feasible", "infeasible", "error")
 
 
@@ -92,7 +96,8 @@ def solve_one(chain: Chain, method: str, budget: int, options: Options, scope: s
     row = Row(chain=chain.name, method=method, budget_bytes=budget, budget_share=budget / (peak + base), scope=scope,
               status="error", makespan_s=None, ideal_makespan_s=chain.ideal_makespan_s, slowdown=None, bound_s=None,
               gap=None, stall_s=None, peak_bytes=None, d2h_bytes=None, h2d_bytes=None, solve_s=None,
-              no_offload_peak_bytes=peak + base, smallest_feasible_bytes=smallest_feasible_budget(chain) + base)
+              no_offload_peak_bytes=peak + base, smallest_feasible_bytes=floor(chain, options.encodings)[0] + base,
+              encodings=options.encodings)
     try:
         res = solve(chain, budget, method, options, scope)
     except InfeasibleBudget as exc:
@@ -105,7 +110,8 @@ def solve_one(chain: Chain, method: str, budget: int, options: Options, scope: s
     return replace(row, status="optimal" if res.status == "optimal" else "feasible", makespan_s=sim.makespan_s,
                    slowdown=sim.makespan_s / chain.ideal_makespan_s, bound_s=res.bound_s, gap=res.gap,
                    stall_s=sim.stall_s, peak_bytes=sim.peak_bytes + base, d2h_bytes=sim.d2h_bytes,
-                   h2d_bytes=sim.h2d_bytes, solve_s=res.seconds, detail=res.info.get("note", ""))
+                   h2d_bytes=sim.h2d_bytes, solve_s=res.seconds, encoded_units=len(res.schedule.encode),
+                   detail=res.info.get("note", ""))
 
 
 def sweep(chain: Chain, budgets: Iterable[int], methods: Iterable[str], options: Options | None = None,
@@ -142,7 +148,7 @@ def read_rows(path: str | os.PathLike) -> list[Row]:
     try:
         with p.open(newline="", encoding="utf-8") as fh:
             reader = csv.DictReader(fh)
-            missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+            missing = [c for c in COLUMNS if c not in (reader.fieldnames or []) and c not in ADDED_LATER]
             if missing:
                 raise FormatError(f"{p} is not a sweep CSV: missing column(s) {', '.join(missing[:5])}",
                                   "make it with `offload sweep CHAIN -o results.csv`")
@@ -155,7 +161,7 @@ def read_rows(path: str | os.PathLike) -> list[Row]:
     rows = []
     for n, rec in enumerate(records, 2):
         try:
-            rows.append(Row(**{k: _typed(types[k], rec[k]) for k in COLUMNS}))
+            rows.append(Row(**{k: _typed(types[k], rec.get(k, ADDED_LATER.get(k))) for k in COLUMNS}))
         except ValueError as exc:
             raise FormatError(f"{p}, line {n}: {exc}", "the file was edited or truncated: run the sweep again") from None
         if rows[-1].status not in STATUSES:

@@ -40,7 +40,7 @@ class Timeline:
 
 
 def timeline(chain: Chain, schedule: Schedule) -> Timeline:
-    sim = simulate(chain, schedule.offloads)
+    sim = simulate(chain, schedule.offloads, encode=schedule.encode)
     base = chain.base_bytes if schedule.budget_scope == "total" else 0
     spans, memory = [], []
     for o in range(2 * chain.L):

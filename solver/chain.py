@@ -1,8 +1,9 @@
 """The chain model and its file format, ``offload-chain/1`` (DESIGN sections 3-4).
 
 A chain has stages ``1..L``; the GPU runs ``F1..FL`` then ``BL..B1``.  Stage ``i`` saves a
-*unit* ``Ui`` of ``saved_bytes`` for its backward, the thing that can be offloaded.  The
-platform gives the copy bandwidths.  Files are validated field by field on load, so a
+*unit* ``Ui`` of ``saved_bytes`` for its backward, the thing that can be offloaded, and may
+offer *encodings* of part of it (``solver.encoding`` gives their meaning).  The platform
+gives the copy bandwidths.  Files are validated field by field on load, so a
 malformed chain is refused with a message naming the field, never half-used.
 """
 from __future__ import annotations
@@ -22,8 +23,51 @@ from .fileio import read_json, write_json
 
 CHAIN_FORMAT = "offload-chain/1"
 CHANNEL_MODES = ("duplex", "shared")
-_STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from"}
+_STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from", "encodings"}
+_ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
+_TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "channels", "note"}
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """One storage of a unit stored encoded: its place among the unit's storages (in the
+    order the forward saves them), the encoder, its raw and encoded size, and whether it is
+    the stage's output (then it stays alive, raw, as the next stage's input)."""
+
+    index: int
+    encoder: str
+    nbytes: int
+    encoded_bytes: int
+    output: bool = False
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One way to store part of a unit in fewer bytes (Gist, Layrub): which storages, with
+    which encoders, what it costs (``encode_s`` in the forward, ``decode_s`` in the backward)
+    and whether gradients stay bit-exact (``lossless``)."""
+
+    name: str
+    lossless: bool
+    encode_s: float
+    decode_s: float
+    tensors: tuple[EncodedTensor, ...]
+
+    @property
+    def covered_bytes(self) -> int:
+        """Raw bytes of the unit this encoding replaces."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def encoded_bytes(self) -> int:
+        """What the covered storages take once encoded."""
+        return sum(t.encoded_bytes for t in self.tensors)
+
+    @property
+    def output_bytes(self) -> int:
+        """Covered raw bytes that stay alive as the next stage's input."""
+        return sum(t.nbytes for t in self.tensors if t.output)
 
 
 @dataclass(frozen=True)
@@ -38,6 +82,14 @@ class Stage:
     fwd_peak_bytes: int
     bwd_peak_bytes: int
     need_from: int  # 1-based index of the first backward op that reads this unit
+    encodings: tuple[Encoding, ...] = ()
+
+    def encoding(self, name: str) -> Encoding:
+        """The encoding called ``name`` (``KeyError`` if the stage offers none by that name)."""
+        for e in self.encodings:
+            if e.name == name:
+                return e
+        raise KeyError(name)
 
 
 @dataclass(frozen=True)
@@ -108,6 +160,10 @@ class Chain:
         exist) and ``saved_bytes > 0``."""
         return tuple(i for i in range(1, self.L) if self.a[i] > 0)
 
+    @cached_property
+    def has_encodings(self) -> bool:
+        return any(s.encodings for s in self.stages)
+
     def d2h_s(self, i: int) -> float:
         return self.platform.d2h_s(float(self.a[i]))
 
@@ -170,6 +226,57 @@ def _no_unknown(d: Mapping, allowed: set[str], ctx: str) -> None:
             f"unknown field(s) {', '.join(repr(k) for k in unknown)} in {ctx}",
             f"allowed fields: {', '.join(sorted(allowed))}",
         )
+
+
+def _flag(d: Mapping, key: str, ctx: str, default: bool) -> bool:
+    v = d.get(key, default)
+    if not isinstance(v, bool):
+        raise FormatError(f"'{_where(ctx, key)}' must be true or false, got {v!r}")
+    return v
+
+
+def _encodings_from_list(raw: Any, saved: int, ctx: str) -> tuple[Encoding, ...]:
+    """Validate a stage's ``encodings``: names unique, sizes consistent with the unit."""
+    if not isinstance(raw, list):
+        raise FormatError(f"{ctx}.encodings must be a list")
+    out, names = [], set()
+    for n, e in enumerate(raw):
+        ectx = f"{ctx}.encodings[{n}]"
+        if not isinstance(e, Mapping):
+            raise FormatError(f"{ectx} must be an object")
+        _no_unknown(e, _ENCODING_KEYS, ectx)
+        name = _string(e, "name", ectx)
+        if name in names:
+            raise FormatError(f"{ectx}.name {name!r} is used twice in this stage")
+        names.add(name)
+        tensors_raw = e.get("tensors")
+        if not isinstance(tensors_raw, list) or not tensors_raw:
+            raise FormatError(f"{ectx}.tensors must be a non-empty list")
+        tensors, seen = [], set()
+        for m, t in enumerate(tensors_raw):
+            tctx = f"{ectx}.tensors[{m}]"
+            if not isinstance(t, Mapping):
+                raise FormatError(f"{tctx} must be an object")
+            _no_unknown(t, _TENSOR_KEYS, tctx)
+            index = t.get("index")
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0 or index in seen:
+                raise FormatError(f"{tctx}.index must be a distinct integer >= 0, got {index!r}")
+            seen.add(index)
+            tensors.append(EncodedTensor(index, _string(t, "encoder", tctx), _bytes(t, "bytes", tctx),
+                                         _bytes(t, "encoded_bytes", tctx), _flag(t, "output", tctx, False)))
+        enc = Encoding(name, _flag(e, "lossless", ectx, False), _number(e, "encode_s", ectx),
+                       _number(e, "decode_s", ectx), tuple(tensors))
+        if enc.covered_bytes > saved:
+            raise FormatError(f"{ectx} covers {enc.covered_bytes} bytes, more than the unit's saved_bytes ({saved})")
+        out.append(enc)
+    return tuple(out)
+
+
+def _encodings_to_list(encodings: tuple[Encoding, ...]) -> list[dict]:
+    return [{"name": e.name, "lossless": e.lossless, "encode_s": e.encode_s, "decode_s": e.decode_s,
+             "tensors": [{"index": t.index, "encoder": t.encoder, "bytes": t.nbytes,
+                          "encoded_bytes": t.encoded_bytes, "output": t.output} for t in e.tensors]}
+            for e in encodings]
 
 
 def platform_from_dict(d: Any) -> Platform:
@@ -239,6 +346,7 @@ def chain_from_dict(d: Any) -> Chain:
                 fwd_peak_bytes=fwd_peak,
                 bwd_peak_bytes=_bytes(s, "bwd_peak_bytes", ctx),
                 need_from=need,
+                encodings=_encodings_from_list(s.get("encodings", []), saved, ctx),
             )
         )
     return Chain(name=name, stages=tuple(stages), platform=platform, base_bytes=base, source=dict(source))
@@ -261,20 +369,26 @@ def to_dict(chain: Chain) -> dict:
         "source": dict(chain.source),
         "platform": platform,
         "base_bytes": chain.base_bytes,
-        "stages": [
-            {
-                "name": s.name,
-                "kind": s.kind,
-                "fwd_s": s.fwd_s,
-                "bwd_s": s.bwd_s,
-                "saved_bytes": s.saved_bytes,
-                "fwd_peak_bytes": s.fwd_peak_bytes,
-                "bwd_peak_bytes": s.bwd_peak_bytes,
-                "need_from": s.need_from,
-            }
-            for s in chain.stages
-        ],
+        "stages": [_stage_to_dict(s) for s in chain.stages],
     }
+
+
+def _stage_to_dict(s: Stage) -> dict:
+    """One stage's object; ``encodings`` only when it has some, so that chains without
+    encodings keep their hash (and files) from before encodings existed."""
+    d = {
+        "name": s.name,
+        "kind": s.kind,
+        "fwd_s": s.fwd_s,
+        "bwd_s": s.bwd_s,
+        "saved_bytes": s.saved_bytes,
+        "fwd_peak_bytes": s.fwd_peak_bytes,
+        "bwd_peak_bytes": s.bwd_peak_bytes,
+        "need_from": s.need_from,
+    }
+    if s.encodings:
+        d["encodings"] = _encodings_to_list(s.encodings)
+    return d
 
 
 def load_chain(path: str | os.PathLike) -> Chain:

@@ -10,6 +10,7 @@ import json
 import sys
 
 from .chain import Chain, load_chain
+from .encoding import MODE_HELP, MODES, allowed, encoded_bytes, floor
 from .errors import FormatError
 from .graph import write_graphml
 from .memory import no_offload_peak, op_memory, op_name, smallest_feasible_budget
@@ -42,15 +43,28 @@ def print_chain(chain: Chain) -> None:
         print(f"{i:>4} {s.name[:22]:<22} {s.kind[:10]:<10} {format_seconds(s.fwd_s):>10} {format_seconds(s.bwd_s):>10} "
               f"{format_bytes(s.saved_bytes):>11} {format_bytes(s.fwd_peak_bytes):>11} {format_bytes(s.bwd_peak_bytes):>11} "
               f"{s.need_from:>5}")
+    if chain.has_encodings:
+        print()
+        print("encodings   (unit size once encoded, encode / decode time)")
+        for i, s in enumerate(chain.stages, start=1):
+            for e in s.encodings:
+                print(f"{i:>4} {e.name:<12} {'lossless' if e.lossless else 'lossy':<9} "
+                      f"{format_bytes(encoded_bytes(chain, i, e)):>11} of {format_bytes(s.saved_bytes):<11} "
+                      f"{format_seconds(e.encode_s):>10} / {format_seconds(e.decode_s):<10} "
+                      + ", ".join(f"{t.encoder}#{t.index}" for t in e.tensors))
     print()
     peak = no_offload_peak(chain)
-    floor = smallest_feasible_budget(chain)
+    plain_floor = smallest_feasible_budget(chain)
     o = int(op_memory(chain, ()).argmax())
     _line("no-offload", f"activation peak {format_bytes(peak)} at {op_name(chain, o)}"
           + (f"; total {format_bytes(peak + chain.base_bytes)} with base {format_bytes(chain.base_bytes)}" if chain.base_bytes else ""))
     _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times)")
-    _line("smallest", f"feasible activation budget {format_bytes(floor)} ({floor} B, {100 * floor / peak:.1f}% of the peak)"
-          if peak else "feasible budget 0 B")
+    _line("smallest", f"feasible activation budget {format_bytes(plain_floor)} ({plain_floor} B, "
+          f"{100 * plain_floor / peak:.1f}% of the peak)" if peak else "feasible budget 0 B")
+    for mode in ("lossless", "lossy"):
+        if allowed(chain, mode):
+            low = floor(chain, mode)[0]
+            _line("", f"with {mode} encodings: {format_bytes(low)} ({low} B, {100 * low / peak:.1f}% of the peak)")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -70,6 +84,8 @@ def _print_simulation(chain: Chain, sim: Simulation, base: int) -> None:
     _line("peak", f"{format_bytes(sim.peak_bytes + base)} at {sim.peak_op}" + (" (total)" if base else " (activations)"))
     _line("moved", f"D2H {format_bytes(sim.d2h_bytes)}, H2D {format_bytes(sim.h2d_bytes)}")
     _line("offloaded", f"{len(sim.offloads)} of {len(chain.offloadable)} offloadable units")
+    if sim.encode:
+        _line("encoded", ", ".join(f"U{i} {name}" for i, name in sorted(sim.encode.items())))
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -81,7 +97,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         scope = "total" if args.total else "activations"
         budget = parse_budget(args.budget, no_offload_peak(chain) + (chain.base_bytes if args.total else 0))
     base = chain.base_bytes if scope == "total" else 0
-    sim = simulate(chain, sched.offloads, budget, scope)
+    sim = simulate(chain, sched.offloads, budget, scope, encode=sched.encode)
     if args.json:
         json.dump({"makespan_s": sim.makespan_s, "peak_bytes": sim.peak_bytes + base, "stall_s": sim.stall_s,
                    "ops": [vars(o) for o in sim.ops], "copies": [vars(c) for c in sim.copies]}, sys.stdout, indent=2)
@@ -112,7 +128,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     ref = no_offload_peak(chain) + (chain.base_bytes if args.total else 0)
     budget = parse_budget(args.budget, ref)
     opts = Options(time_limit_s=args.time_limit, gap=args.gap, threads=args.threads, solver=args.solver,
-                   heuristic_time_s=args.heuristic_time, verbose=args.verbose)
+                   heuristic_time_s=args.heuristic_time, verbose=args.verbose, encodings=args.encodings)
     if args.method == "ilp":
         print(f"solving with {args.solver} (time limit {args.time_limit:g} s, gap {args.gap:g})…", file=sys.stderr, flush=True)
     res = solve(chain, budget, args.method, opts, scope)
@@ -164,6 +180,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="one of: " + ", ".join(METHODS) + " (default: ilp)")
     p.add_argument("--output", "-o", help="write the schedule here (atomically)")
     p.add_argument("--total", action="store_true", help="the budget counts base_bytes too (weights, grads, optimizer state)")
+    p.add_argument("--encodings", choices=MODES, default="lossless", help=MODE_HELP + " (used by ilp, relax-*, gist*)")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ILP solver time limit in seconds (default 60)")
     p.add_argument("--gap", type=float, default=1e-4, help="ILP relative gap at which it stops, proven (default 1e-4)")
     p.add_argument("--threads", type=int, default=None, help="ILP solver threads (default: the solver's choice)")

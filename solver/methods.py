@@ -10,13 +10,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import baselines, relax
+from . import baselines, encoding, relax
 from .bounds import fluid_lp
 from .chain import Chain
 from .errors import InfeasibleBudget, SolverFailure
 from .ilp import solve_ilp
-from .memory import floor_offloads, op_memory, op_name, smallest_feasible_budget
-from .schedule import Offload, Schedule, make_schedule
+from .memory import floor_offloads, op_memory, op_name
+from .schedule import Choice, Offload, Schedule, make_schedule
 from .simulate import Simulation, simulate
 from .units import format_bytes
 
@@ -31,6 +31,7 @@ class Options:
     solver: str = "highs"
     heuristic_time_s: float = 1.0
     verbose: bool = False
+    encodings: str = "lossless"  # which encodings ilp, relax-*, gist* may choose (solver.encoding.MODES)
 
 
 @dataclass
@@ -45,10 +46,19 @@ class Result:
 
 
 @dataclass(frozen=True)
+class Planned:
+    """What a method chose: the offloads, the encodings, notes for ``solver`` info."""
+
+    offloads: list[Offload]
+    encode: Choice = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Method:
     name: str
     description: str
-    run: Callable[["_Context"], tuple[list[Offload] | None, dict[str, Any]]]
+    run: Callable[["_Context"], Planned | None]
 
 
 @dataclass
@@ -59,29 +69,68 @@ class _Context:
     lp_bound_s: float
     lp: Any
 
+    @property
+    def mode(self) -> str:
+        return self.options.encodings
 
-def _fixed(name: str) -> Callable[[_Context], tuple[list[Offload] | None, dict]]:
-    def run(ctx: _Context):
+
+def _fixed(name: str) -> Callable[[_Context], Planned | None]:
+    def run(ctx: _Context) -> Planned | None:
         plan = baselines.FIXED_PLANS[name](ctx.chain)
-        return (plan if baselines.fits(ctx.chain, plan, ctx.budget) else None), {}
+        return Planned(plan) if baselines.fits(ctx.chain, plan, ctx.budget) else None
     return run
 
 
-def _relax_lp(ctx: _Context):
-    return relax.relax_lp(ctx.chain, ctx.budget, ctx.lp, ctx.options.heuristic_time_s), {}
+def _adaptive(policy: Callable[[Chain, int], list[Offload] | None]) -> Callable[[_Context], Planned | None]:
+    def run(ctx: _Context) -> Planned | None:
+        plan = policy(ctx.chain, ctx.budget)
+        return Planned(plan) if plan is not None else None
+    return run
 
 
-def _relax_bw(ctx: _Context):
-    return relax.relax_bw(ctx.chain, ctx.budget, ctx.options.heuristic_time_s), {}
+def _relax_lp(ctx: _Context) -> Planned:
+    t = ctx.options.heuristic_time_s
+    if not encoding.allowed(ctx.chain, ctx.mode):
+        return Planned(relax.relax_lp(ctx.chain, ctx.budget, ctx.lp, t))
+
+    def on(derived: Chain) -> list[Offload]:
+        lp = fluid_lp(derived, ctx.budget)
+        return relax.relax_lp(derived, ctx.budget, lp, t) if lp is not None else floor_offloads(derived)
+    return Planned(*relax.with_encodings(ctx.chain, ctx.budget, ctx.mode, on, t))
 
 
-def _ilp(ctx: _Context):
+def _relax_bw(ctx: _Context) -> Planned:
+    t = ctx.options.heuristic_time_s
+    return Planned(*relax.with_encodings(ctx.chain, ctx.budget, ctx.mode,
+                                         lambda derived: relax.relax_bw(derived, ctx.budget, t), t))
+
+
+def _gist(with_swap: bool) -> Callable[[_Context], Planned | None]:
+    """Gist: every unit stored with its smallest allowed encoding; then no offloading, or
+    Zhang et al.'s swap (size x idle ranking) on the encoded chain."""
+    def run(ctx: _Context) -> Planned | None:
+        choice = encoding.smallest(ctx.chain, ctx.mode)
+        derived = encoding.apply(ctx.chain, choice)
+        plan = baselines.swap_ranked(derived, ctx.budget, by_size=True) if with_swap else []
+        if plan is None or simulate(derived, plan).peak_bytes > ctx.budget:
+            return None
+        return Planned(plan, choice)
+    return run
+
+
+def _span(chain: Chain, p: Planned) -> float:
+    return simulate(chain, p.offloads, encode=p.encode).makespan_s
+
+
+def _ilp(ctx: _Context) -> Planned:
     chain, budget, opt = ctx.chain, ctx.budget, ctx.options
-    warm = min((_relax_lp(ctx)[0], _relax_bw(ctx)[0]), key=lambda p: simulate(chain, p).makespan_s)
-    warm_span = simulate(chain, warm).makespan_s
+    warm = min((_relax_lp(ctx), _relax_bw(ctx)), key=lambda p: _span(chain, p))
+    warm_span = _span(chain, warm)
+    options = encoding.allowed(chain, ctx.mode)
     target = budget
     for _ in range(3):  # a solver tolerance may round a binary onto the wrong side by a few bytes
-        res = solve_ilp(chain, target, warm=warm, lower_bound_s=ctx.lp_bound_s, solver=opt.solver,
+        res = solve_ilp(chain, target, warm=warm.offloads, warm_encode=warm.encode, options=options,
+                        lower_bound_s=ctx.lp_bound_s, solver=opt.solver,
                         time_limit=opt.time_limit_s, gap=opt.gap, threads=opt.threads, msg=opt.verbose)
         out = res.outcome
         info = {"backend": out.backend, "solver_seconds": round(out.seconds, 3), "build_seconds": round(res.build_s, 3),
@@ -89,17 +138,17 @@ def _ilp(ctx: _Context):
                 "objective_s": res.objective_s, "solver_bound_s": res.dual_bound_s,
                 "time_limit_s": opt.time_limit_s, "gap_limit": opt.gap, "warm_start_s": warm_span}
         if res.offloads is None:
-            return warm, {**info, "status": "timed-out", "note": "the solver found no schedule in time; the warm start (best heuristic) is returned"}
-        peak = simulate(chain, res.offloads).peak_bytes
+            return Planned(warm.offloads, warm.encode, {**info, "status": "timed-out", "note": "the solver found no schedule in time; the warm start (best heuristic) is returned"})
+        peak = simulate(chain, res.offloads, encode=res.encode).peak_bytes
         if peak <= budget:
             break
         target -= peak - budget + 1
     else:
         raise SolverFailure("the ILP's schedules exceed the budget after 3 tightened solves (numerical trouble)")
-    span = simulate(chain, res.offloads).makespan_s
-    if span > warm_span:
-        return warm, {**info, "status": "feasible", "note": "the solver's incumbent was worse than the warm start; the warm start is returned"}
-    return res.offloads, {**info, "status": "optimal" if out.proven and target == budget else "feasible"}
+    found = Planned(res.offloads, res.encode)
+    if _span(chain, found) > warm_span:
+        return Planned(warm.offloads, warm.encode, {**info, "status": "feasible", "note": "the solver's incumbent was worse than the warm start; the warm start is returned"})
+    return Planned(res.offloads, res.encode, {**info, "status": "optimal" if out.proven and target == budget else "feasible"})
 
 
 METHODS: dict[str, Method] = {m.name: m for m in [
@@ -109,11 +158,13 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("none", "no offloading (feasible only above the no-offload peak)", _fixed("none")),
     Method("vdnn-all", "vDNN_all: offload every unit, per-layer sync, prefetch one op ahead", _fixed("vdnn-all")),
     Method("vdnn-conv", "vDNN_conv: offload units of conv stages only, per-layer sync, prefetch one op ahead", _fixed("vdnn-conv")),
-    Method("vdnn-dyn", "vDNN_dyn (reduced): first of none, vdnn-conv, vdnn-all that fits the budget", lambda ctx: (baselines.vdnn_dyn(ctx.chain, ctx.budget), {})),
+    Method("vdnn-dyn", "vDNN_dyn (reduced): first of none, vdnn-conv, vdnn-all that fits the budget", _adaptive(baselines.vdnn_dyn)),
     Method("layrub", "Layrub inter-layer: offload all but the first and last three stages, per-layer sync, one-op lookahead", _fixed("layrub")),
-    Method("swap-idle", "Zhang et al.: swap units by longest idle time until memory fits, stick-to-limit timing", lambda ctx: (baselines.swap_ranked(ctx.chain, ctx.budget, by_size=False), {})),
-    Method("swap-size-idle", "Zhang et al.: swap units by (idle time - transfer time) x size until memory fits, stick-to-limit timing", lambda ctx: (baselines.swap_ranked(ctx.chain, ctx.budget, by_size=True), {})),
+    Method("swap-idle", "Zhang et al.: swap units by longest idle time until memory fits, stick-to-limit timing", _adaptive(lambda c, b: baselines.swap_ranked(c, b, by_size=False))),
+    Method("swap-size-idle", "Zhang et al.: swap units by (idle time - transfer time) x size until memory fits, stick-to-limit timing", _adaptive(lambda c, b: baselines.swap_ranked(c, b, by_size=True))),
     Method("save-on-cpu", "torch save_on_cpu: offload everything, release at once, fetch on demand (exposed)", _fixed("save-on-cpu")),
+    Method("gist", "Gist: every unit stored with its smallest allowed encoding (lossless unless --encodings lossy), no offloading", _gist(with_swap=False)),
+    Method("gist-swap", "Gist's encodings, then swap-size-idle on the encoded chain (encode before offloading)", _gist(with_swap=True)),
 ]}
 
 
@@ -127,9 +178,10 @@ def solve(chain: Chain, budget: int, method: str = "ilp", options: Options | Non
     t0 = time.perf_counter()
     base = chain.base_bytes if scope == "total" else 0
     act_budget = budget - base
-    floor = smallest_feasible_budget(chain)
+    floor, floor_choice = encoding.floor(chain, options.encodings)
     if act_budget < floor:
-        o = int(op_memory(chain, floor_offloads(chain)).argmax())
+        derived = encoding.apply(chain, floor_choice)
+        o = int(op_memory(derived, floor_offloads(derived)).argmax())
         raise InfeasibleBudget(
             f"budget {format_bytes(budget)} ({scope}) is below the smallest feasible budget {format_bytes(floor + base)}: "
             f"even with every unit offloaded at once and fetched on demand, {op_name(chain, o)} holds {format_bytes(floor)} of activations"
@@ -137,11 +189,13 @@ def solve(chain: Chain, budget: int, method: str = "ilp", options: Options | Non
             f"use --budget {floor + base} or more, or a smaller batch",
             smallest_bytes=floor + base,
         )
+    encoded = bool(encoding.allowed(chain, options.encodings))
     lp = fluid_lp(chain, act_budget)
-    lp_bound = lp.makespan_s if lp is not None else chain.ideal_makespan_s
+    # the fluid LP knows no encodings: with them it is no lower bound, the ideal still is
+    lp_bound = lp.makespan_s if lp is not None and not encoded else chain.ideal_makespan_s
     ctx = _Context(chain, act_budget, options, lp_bound, lp)
-    plan, info = METHODS[method].run(ctx)
-    if plan is None:
+    planned = METHODS[method].run(ctx)
+    if planned is None:
         own = baselines.own_smallest_budget(chain, method)
         raise InfeasibleBudget(
             f"method {method} cannot meet the budget {format_bytes(budget)} ({scope})"
@@ -149,8 +203,11 @@ def solve(chain: Chain, budget: int, method: str = "ilp", options: Options | Non
             f"the smallest budget any schedule meets is {format_bytes(floor + base)}: try --method ilp or relax-lp",
             smallest_bytes=floor + base,
         )
-    sim = simulate(chain, plan, act_budget)
-    bounds = {"ideal_s": chain.ideal_makespan_s, "lp_s": lp_bound}
+    plan, info = planned.offloads, dict(planned.info)
+    sim = simulate(chain, plan, act_budget, encode=planned.encode)
+    bounds = {"ideal_s": chain.ideal_makespan_s}
+    if not encoded:
+        bounds["lp_s"] = lp_bound
     if info.get("solver_bound_s") is not None:
         bounds["solver_s"] = info["solver_bound_s"]
     bound = max(bounds.values())
@@ -160,10 +217,14 @@ def solve(chain: Chain, budget: int, method: str = "ilp", options: Options | Non
         status = "optimal"  # meets a lower bound: proven whatever the method
     gap = max(0.0, (span - bound) / span) if span > 0 else 0.0
     seconds = time.perf_counter() - t0
-    solver_info = {"status": status, "gap": gap, "seconds": round(seconds, 3), "bound_s": bound, "bounds": bounds, **info}
+    solver_info = {"status": status, "gap": gap, "seconds": round(seconds, 3), "bound_s": bound, "bounds": bounds,
+                   "encodings": options.encodings, **info}
+    lossy = encoding.lossy_stages(chain, planned.encode)
     schedule = make_schedule(
         chain, plan, budget_bytes=budget, budget_scope=scope, method=method, solver=solver_info,
+        encode=dict(planned.encode),
         predicted={"makespan_s": span, "peak_bytes": sim.peak_bytes + base, "stall_s": sim.stall_s,
-                   "ideal_makespan_s": chain.ideal_makespan_s, "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes},
+                   "ideal_makespan_s": chain.ideal_makespan_s, "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes,
+                   "encoded_units": len(planned.encode), "lossy": bool(lossy)},
     )
     return Result(schedule, sim, status, bound, gap, seconds, solver_info)

@@ -18,14 +18,18 @@ within budget (the all-offload floor schedule is the fallback), never a guess.
               least moved volume, earlier stages first on ties (more time to hide).  The
               real bandwidth is then restored and the stalls repaired by local search.
               Cost: O(L) covering steps plus the search; no solver needed.
+
+With encodings allowed, ``with_encodings`` wraps either one: the set heuristic runs on
+the derived chains of a few encoding choices, then single units' encodings are toggled.
 """
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
+from . import encoding
 from .bounds import FluidLP
 from .chain import Chain
 from .memory import floor_offloads
@@ -136,3 +140,47 @@ def relax_bw(chain: Chain, budget: int, time_budget_s: float = 1.0) -> list[Offl
     # second start: the same volume taken from the earliest stages (most time to hide copies)
     early = _fill(chain, budget, set(), sorted(chain.offloadable))
     return _finish(chain, budget, score, [cover, early], deadline)
+
+
+def with_encodings(chain: Chain, budget: int, mode: str, heuristic: Callable[[Chain], list[Offload]],
+                   time_budget_s: float = 1.0) -> tuple[list[Offload], dict[int, str]]:
+    """Choose encodings around a set heuristic: run it on the derived chains of a few
+    choices (none, Gist's smallest everywhere, the floor's), keep the best simulated one,
+    then toggle single units' encodings (keeping the offloaded set, timing re-planned by
+    ``plan_greedy``) while that shortens the step."""
+    opts = encoding.allowed(chain, mode)
+    if not opts:
+        return heuristic(chain), {}
+    deadline = time.perf_counter() + time_budget_s
+    starts = [{}, encoding.smallest(chain, mode), encoding.floor(chain, mode)[1]]
+    best: tuple[float, list[Offload], dict[int, str]] | None = None
+    for choice in {tuple(sorted(c.items())): c for c in starts}.values():
+        derived = encoding.apply(chain, choice)
+        if encoding.floor(derived, "none")[0] > budget:
+            continue
+        plan = heuristic(derived)
+        sim = simulate(derived, plan)
+        if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best[0]):
+            best = (sim.makespan_s, plan, dict(choice))
+    if best is None:  # the floor's choice always fits: unreachable unless the budget is below the floor
+        raise ValueError("no encoding choice fits the budget")
+    span, plan, choice = best
+    gain = sorted(opts, key=lambda i: -(chain.a[i] - min(encoding.encoded_bytes(chain, i, e) for e in opts[i])))
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        units = {o.stage for o in plan}
+        for i in gain:
+            for name in [None] + [e.name for e in opts[i]]:
+                if name == choice.get(i) or time.perf_counter() >= deadline:
+                    continue
+                cand = {k: v for k, v in choice.items() if k != i} | ({i: name} if name else {})
+                derived = encoding.apply(chain, cand)
+                cand_plan = plan_greedy(derived, units, budget)
+                if cand_plan is None:
+                    continue
+                s = simulate(derived, cand_plan).makespan_s
+                if s < span * (1 - 1e-12):
+                    span, plan, choice, improved = s, cand_plan, cand, True
+                    break
+    return plan, choice

@@ -4,6 +4,7 @@ A schedule is, per offloaded unit ``Ui``, a release point ``r`` (``i < r <= L``:
 of ``Fr`` the next op waits for the D2H copy, then ``Ui`` is freed) and a prefetch point
 ``k`` (``need_from <= k <= L``: the H2D copy is issued at the start of ``Bk``).  ``"turn"``
 in a file means ``L``: the boundary between the last forward and the first backward op.
+``encode`` names, per encoded unit (kept or offloaded), the stage's encoding it uses.
 A schedule names its chain by hash and is refused for any other chain.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .errors import ChainMismatch, FormatError, ScheduleRejected
 from .fileio import read_json, write_json
 
 SCHEDULE_FORMAT = "offload-schedule/1"
+Choice = Mapping[int, str]  # stage -> name of the encoding its unit uses
 BUDGET_SCOPES = ("activations", "total")
 
 
@@ -41,6 +43,7 @@ class Schedule:
     method: str = ""
     solver: Mapping[str, Any] = field(default_factory=dict)
     predicted: Mapping[str, Any] = field(default_factory=dict)
+    encode: Mapping[int, str] = field(default_factory=dict)  # stage -> encoding name
 
 
 def make_schedule(chain: Chain, offloads: Iterable[Offload], **meta: Any) -> Schedule:
@@ -71,6 +74,18 @@ def check_offloads(chain: Chain, offloads: Iterable[Offload]) -> None:
             raise ScheduleRejected(f"stage {i}: prefetch point {o.prefetch} not in [{need}, {L}] (need_from={need})")
 
 
+def check_choice(chain: Chain, choice: Choice) -> None:
+    """Refuse a choice naming a stage or an encoding the chain does not have."""
+    for i, name in choice.items():
+        if isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= chain.L:
+            raise ScheduleRejected(f"encoding of stage {i!r}: the chain has stages 1..{chain.L}")
+        try:
+            chain.stage(i).encoding(name)
+        except KeyError:
+            offered = ", ".join(e.name for e in chain.stage(i).encodings) or "none"
+            raise ScheduleRejected(f"stage {i} has no encoding {name!r} (it offers: {offered})") from None
+
+
 # ------------------------------------------------------------------------ file format
 def _point(v: Any, L: int, ctx: str) -> int:
     if v == "turn":
@@ -98,6 +113,20 @@ def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
             f"not for chain {chain.name!r} (sha256 {chain.sha256[:12]}…)",
             "solve again for this chain: offload solve CHAIN --budget B -o schedule.json",
         )
+    raw_encode = d.get("encode", [])
+    if not isinstance(raw_encode, list):
+        raise FormatError("'encode' must be a list of {stage, encoding}")
+    encode: dict[int, str] = {}
+    for n, e in enumerate(raw_encode):
+        ctx = f"encode[{n}]"
+        if not isinstance(e, Mapping) or set(e) != {"stage", "encoding"}:
+            raise FormatError(f"{ctx} must be an object with exactly 'stage' and 'encoding'")
+        if isinstance(e["stage"], bool) or not isinstance(e["stage"], int) or not isinstance(e["encoding"], str):
+            raise FormatError(f"{ctx} must have an integer 'stage' and a string 'encoding'")
+        if e["stage"] in encode:
+            raise FormatError(f"{ctx}: stage {e['stage']} is encoded twice")
+        encode[e["stage"]] = e["encoding"]
+    check_choice(chain, encode)
     raw = d.get("offload")
     if not isinstance(raw, list):
         raise FormatError("'offload' must be a list of {stage, release, prefetch}")
@@ -131,6 +160,7 @@ def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
         method=str(d.get("method", "")),
         solver=dict(d.get("solver", {})),
         predicted=dict(d.get("predicted", {})),
+        encode=encode,
     )
 
 
@@ -153,6 +183,7 @@ def schedule_to_dict(s: Schedule, chain: Chain) -> dict:
             }
             for o in s.offloads
         ],
+        "encode": [{"stage": i, "encoding": name} for i, name in sorted(s.encode.items())],
     }
 
 

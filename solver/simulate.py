@@ -7,15 +7,17 @@ released before it, then (for ``Bk``) issues the prefetches whose point is ``k``
 ``need_from`` is its stage, then runs.  D2H copies are issued at the end of ``Fi`` in
 stage order.  Copies run one at a time per channel in issue order (one FIFO for both
 directions when channels are ``shared``), an H2D copy never before its own D2H has ended.
+Encoded units are replayed on the derived chain of ``solver.encoding.apply``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
 
 import numpy as np
 
 from .chain import Chain
+from .encoding import apply
 from .errors import ScheduleRejected
 from .memory import op_memory, op_name
 from .schedule import Offload, check_offloads
@@ -43,7 +45,8 @@ class CopyRecord:
 
 @dataclass
 class Simulation:
-    """The replayed timeline of one schedule."""
+    """The replayed timeline of one schedule (``chain`` is the one replayed: with the
+    schedule's encodings applied)."""
 
     chain: Chain
     offloads: tuple[Offload, ...]
@@ -52,6 +55,7 @@ class Simulation:
     end: np.ndarray
     memory: np.ndarray  # activation bytes per op
     copies: list[CopyRecord]
+    encode: Mapping[int, str] = field(default_factory=dict)
 
     @property
     def makespan_s(self) -> float:
@@ -102,8 +106,11 @@ class Simulation:
 
 
 def simulate(chain: Chain, offloads: Iterable[Offload], budget_bytes: int | None = None,
-             scope: str = "activations") -> Simulation:
-    """Replay ``offloads`` on ``chain``; with a budget, refuse it if memory exceeds it."""
+             scope: str = "activations", encode: Mapping[int, str] | None = None) -> Simulation:
+    """Replay ``offloads`` (with the units of ``encode`` encoded) on ``chain``; with a
+    budget, refuse it if memory exceeds it."""
+    encode = dict(encode or {})
+    chain = apply(chain, encode)
     offloads = tuple(sorted(offloads))
     check_offloads(chain, offloads)
     L, p = chain.L, chain.platform
@@ -158,7 +165,7 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget_bytes: int | None
             s = max(s, h2d_end[i])
         start[o] = s
         t = end[o] = s + b[j]
-    sim = Simulation(chain, offloads, ready, start, end, op_memory(chain, offloads), copies)
+    sim = Simulation(chain, offloads, ready, start, end, op_memory(chain, offloads), copies, encode)
     if budget_bytes is not None:
         sim.check_budget(budget_bytes, scope)
     return sim

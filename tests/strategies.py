@@ -4,12 +4,31 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from solver import encoding
 from solver.chain import Chain, chain_from_dict
-from solver.memory import no_offload_peak, smallest_feasible_budget
+from solver.memory import no_offload_peak
+
+
+def _encodings(draw, saved: int) -> list[dict]:
+    """0-2 encodings of part of a unit: one or two storages, any size ratio, either kind."""
+    if saved == 0 or draw(st.integers(0, 3)) == 0:
+        return []
+    out = []
+    for n in range(draw(st.integers(1, 2))):
+        first = draw(st.integers(1, saved))
+        tensors = [{"index": 0, "encoder": "sign-mask", "bytes": first,
+                    "encoded_bytes": draw(st.integers(0, first)), "output": draw(st.booleans())}]
+        if first < saved and draw(st.booleans()):
+            rest = draw(st.integers(1, saved - first))
+            tensors.append({"index": 1, "encoder": "sparse", "bytes": rest,
+                            "encoded_bytes": draw(st.integers(0, rest + 5)), "output": False})
+        out.append({"name": f"enc{n}", "lossless": draw(st.integers(0, 3)) > 0, "encode_s": draw(st.integers(0, 3)) / 1000,
+                    "decode_s": draw(st.integers(0, 3)) / 1000, "tensors": tensors})
+    return out
 
 
 @st.composite
-def chains(draw, min_stages: int = 1, max_stages: int = 6) -> Chain:
+def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = False) -> Chain:
     L = draw(st.integers(min_stages, max_stages))
     stages = []
     for i in range(1, L + 1):
@@ -22,6 +41,7 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6) -> Chain:
             "bwd_peak_bytes": draw(st.integers(0, 60)),
             "need_from": draw(st.integers(i, L)) if draw(st.booleans()) else i,
             "kind": draw(st.sampled_from(["conv", "linear", "block"])),
+            "encodings": _encodings(draw, saved) if encodings else [],
         })
     return chain_from_dict({
         "format": "offload-chain/1",
@@ -38,7 +58,10 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6) -> Chain:
 
 
 @st.composite
-def chain_and_budget(draw, min_stages: int = 1, max_stages: int = 6) -> tuple[Chain, int]:
-    chain = draw(chains(min_stages, max_stages))
-    lo, hi = smallest_feasible_budget(chain), no_offload_peak(chain)
-    return chain, draw(st.integers(lo, hi))
+def chain_and_budget(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = False,
+                     mode: str = "lossless") -> tuple[Chain, int]:
+    """A chain and a budget from the smallest feasible one (with ``mode``'s encodings) to
+    the no-offload peak."""
+    chain = draw(chains(min_stages, max_stages, encodings))
+    lo, hi = encoding.floor(chain, mode)[0], no_offload_peak(chain)
+    return chain, draw(st.integers(lo, max(lo, hi)))

@@ -16,6 +16,7 @@ from tests.strategies import chain_and_budget
 EXACT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.2)
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REL = 1e-7
+FIXED_POLICIES = {"none", "vdnn-all", "vdnn-conv", "vdnn-dyn", "layrub", "save-on-cpu", "gist", "gist-swap"}
 
 
 def brute_force(chain, budget):
@@ -54,7 +55,7 @@ def test_every_method_replays_within_budget_and_ilp_is_best(cb):
         try:
             res = solve(chain, budget, name, EXACT)
         except InfeasibleBudget:
-            assert name in {"none", "vdnn-all", "vdnn-conv", "vdnn-dyn", "layrub", "save-on-cpu"}
+            assert name in FIXED_POLICIES
             continue
         replay = simulate(chain, res.schedule.offloads, budget)  # raises if over budget
         assert res.schedule.predicted["makespan_s"] == replay.makespan_s

@@ -1,0 +1,216 @@
+"""Encoded units (issue 6): the model, the joint ILP, the heuristics and the formats."""
+import copy
+import itertools
+
+import pytest
+from hypothesis import given, settings
+
+from solver import encoding
+from solver.chain import chain_from_dict, to_dict
+from solver.errors import FormatError, InfeasibleBudget, ScheduleRejected
+from solver.ilp import _Model, solve_ilp
+from solver.memory import floor_offloads, no_offload_peak, op_memory, smallest_feasible_budget
+from solver.methods import METHODS, Options, solve
+from solver.schedule import Offload, load_schedule, save_schedule
+from solver.simulate import simulate
+from tests.conftest import chain_doc
+from tests.strategies import chain_and_budget
+from tests.test_solver_properties import FIXED_POLICIES, REL, SETTINGS
+
+EXACT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.2)
+LOSSY = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.2, encodings="lossy")
+
+
+def mask(nbytes=80, encoded=10, output=False, lossless=True, name="mask", enc_s=0.5, dec_s=0.25):
+    return {"name": name, "lossless": lossless, "encode_s": enc_s, "decode_s": dec_s,
+            "tensors": [{"index": 0, "encoder": "sign-mask", "bytes": nbytes, "encoded_bytes": encoded, "output": output}]}
+
+
+@pytest.fixture
+def encoded_four():
+    """``four`` (conftest) where stage 2 offers a lossless encoding of 80 of its 100 bytes
+    into 10 (an internal storage), and stage 3 a lossy one."""
+    doc = chain_doc()
+    doc["stages"][1]["encodings"] = [mask()]
+    doc["stages"][2]["encodings"] = [mask(nbytes=100, encoded=50, lossless=False, name="bf16")]
+    return chain_from_dict(doc)
+
+
+def test_derived_chain_follows_the_model(encoded_four):
+    c = encoded_four
+    d = encoding.apply(c, {2: "mask"})
+    s1, s2, s3 = d.stage(1), d.stage(2), d.stage(3)
+    assert s2.saved_bytes == 100 - 80 + 10  # what stays resident and what moves
+    assert s2.fwd_peak_bytes == 150 + 10  # raw and encoded copy live together in F2
+    assert s3.fwd_peak_bytes == 150  # internal storage: nothing raw left in F3
+    assert s2.bwd_peak_bytes == 50 + 80  # decoded storages next to the encoded unit in B2
+    assert s2.fwd_s == 1.5 and s2.bwd_s == 2.25
+    assert s1 == c.stage(1) and d.stage(4) == c.stage(4)
+    out = chain_from_dict({**chain_doc(), "stages": [dict(st, encodings=[mask(output=True)]) if n == 1 else st
+                                                     for n, st in enumerate(chain_doc()["stages"])]})
+    assert encoding.apply(out, {2: "mask"}).stage(3).fwd_peak_bytes == 150 + 80  # the raw output is F3's input
+
+
+def test_keep_encoded_lowers_memory_between_the_raw_windows(encoded_four):
+    plain = op_memory(encoded_four, [])
+    enc = simulate(encoded_four, [], encode={2: "mask"}).memory
+    # F2 holds the encoded copy too (+Q), F3..B3 only the encoded unit (E - A), B2 decodes (+Q)
+    assert list(enc - plain) == [0, 10, -70, -70, -70, -70, 10, 0]
+
+
+def test_lossy_encodings_only_with_the_flag(encoded_four):
+    assert set(encoding.allowed(encoded_four)) == {2}
+    assert set(encoding.allowed(encoded_four, "lossy")) == {2, 3}
+    assert encoding.allowed(encoded_four, "none") == {}
+    budget = no_offload_peak(encoded_four) - 100
+    lossless = solve(encoded_four, budget, "ilp", EXACT)
+    assert 3 not in lossless.schedule.encode and not lossless.schedule.predicted["lossy"]
+    gist = solve(encoded_four, no_offload_peak(encoded_four) - 60, "gist", LOSSY)
+    assert gist.schedule.encode == {2: "mask", 3: "bf16"} and gist.schedule.predicted["lossy"]
+
+
+def test_old_chains_keep_their_hash_and_files(four):
+    assert "encodings" not in to_dict(four)["stages"][0]
+    doc = chain_doc()
+    doc["stages"][1]["encodings"] = []
+    assert chain_from_dict(doc).sha256 == four.sha256
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda e: e["tensors"][0].update(bytes=101), "more than the unit's saved_bytes"),
+    (lambda e: e.update(tensors=[]), "non-empty list"),
+    (lambda e: e["tensors"][0].update(index=-1), "index must be a distinct integer"),
+    (lambda e: e.update(lossless="yes"), "must be true or false"),
+    (lambda e: e.update(encode_s=-1), "must be >= 0"),
+    (lambda e: e.update(colour=1), "unknown field"),
+])
+def test_bad_encodings_are_refused_with_the_field(mutate, message):
+    doc = chain_doc()
+    e = mask(nbytes=100)
+    mutate(e)
+    doc["stages"][0]["encodings"] = [e]
+    with pytest.raises(FormatError, match=message):
+        chain_from_dict(doc)
+
+
+def test_schedule_file_keeps_encodings_and_refuses_unknown_ones(encoded_four, tmp_path):
+    res = solve(encoded_four, no_offload_peak(encoded_four) - 60, "gist", EXACT)
+    path = tmp_path / "s.json"
+    save_schedule(res.schedule, encoded_four, path)
+    assert load_schedule(path, encoded_four).encode == {2: "mask"}
+    text = path.read_text().replace('"mask"', '"nope"')
+    path.write_text(text)
+    with pytest.raises(ScheduleRejected, match="stage 2 has no encoding 'nope'"):
+        load_schedule(path, encoded_four)
+
+
+def brute_force(chain, budget, mode):
+    """Best makespan over encodings x offloads, by enumeration."""
+    opts = encoding.allowed(chain, mode)
+
+    def offloads(i):
+        yield None
+        if i in chain.offloadable:
+            for r in range(i + 1, chain.L + 1):
+                for k in range(int(chain.need[i]), chain.L + 1):
+                    yield Offload(i, r, k)
+    best = None
+    choices = [[None] + [e.name for e in opts.get(i, ())] for i in range(1, chain.L + 1)]
+    for choice in itertools.product(*choices):
+        enc = {i: n for i, n in enumerate(choice, start=1) if n}
+        for combo in itertools.product(*[list(offloads(i)) for i in chain.offloadable]):
+            sim = simulate(chain, [o for o in combo if o], encode=enc)
+            if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best):
+                best = sim.makespan_s
+    return best
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(chain_and_budget(max_stages=3, encodings=True, mode="lossy"))
+def test_ilp_equals_brute_force_with_encodings(cb):
+    chain, budget = cb
+    res = solve(chain, budget, "ilp", LOSSY)
+    assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget, "lossy"), rel=REL)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(chain_and_budget(max_stages=6, encodings=True))
+def test_ilp_objective_is_the_simulated_makespan_with_encodings(cb):
+    chain, budget = cb
+    res = solve_ilp(chain, budget, gap=0.0, options=encoding.allowed(chain))
+    assert res.outcome.proven
+    sim = simulate(chain, res.offloads, encode=res.encode)
+    assert sim.peak_bytes <= budget + 1  # solver tolerance; methods.solve tightens it away
+    assert res.objective_s == pytest.approx(sim.makespan_s, rel=1e-6)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(chain_and_budget(max_stages=6, encodings=True, mode="lossy"))
+def test_warm_start_is_the_least_solution_with_encodings(cb):
+    chain, budget = cb
+    planned = solve(chain, budget, "relax-bw", LOSSY).schedule
+    model = _Model(chain, budget, options=encoding.allowed(chain, "lossy"))
+    span = model.load(planned.offloads, planned.encode)
+    assert not [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
+    assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(chain_and_budget(max_stages=6, encodings=True))
+def test_every_method_with_encodings_replays_within_budget_and_ilp_is_best(cb):
+    chain, budget = cb
+    ilp = solve(chain, budget, "ilp", EXACT)
+    assert chain.ideal_makespan_s <= ilp.simulation.makespan_s * (1 + REL)
+    for name in METHODS:
+        try:
+            res = solve(chain, budget, name, EXACT)
+        except InfeasibleBudget as exc:  # fixed policies, and plain ones below the plain floor
+            assert name in FIXED_POLICIES or (name not in {"ilp", "relax-lp", "relax-bw"}
+                                              and budget < smallest_feasible_budget(chain)), (name, exc)
+            continue
+        s = res.schedule
+        assert not encoding.lossy_stages(chain, s.encode)
+        replay = simulate(chain, s.offloads, budget, encode=s.encode)
+        assert s.predicted["makespan_s"] == replay.makespan_s
+        assert s.predicted["peak_bytes"] == replay.peak_bytes <= budget
+        assert ilp.simulation.makespan_s <= replay.makespan_s * (1 + REL), name
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(chain_and_budget(max_stages=6, encodings=True))
+def test_encodings_never_hurt_the_optimum(cb):
+    chain, budget = cb
+    if budget < smallest_feasible_budget(chain):
+        return  # only feasible with encodings
+    plain = solve(chain, budget, "ilp", Options(gap=0.0, encodings="none")).simulation.makespan_s
+    assert solve(chain, budget, "ilp", EXACT).simulation.makespan_s <= plain * (1 + REL)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(chain_and_budget(max_stages=5, encodings=True))
+def test_encoded_floor_is_the_least_floor_peak(cb):
+    chain, _ = cb
+    value, choice = encoding.floor(chain)
+    opts = encoding.allowed(chain)
+    best = min(
+        int(op_memory(d, floor_offloads(d)).max())
+        for combo in itertools.product(*[[None] + [e.name for e in opts[i]] for i in opts])
+        for d in [encoding.apply(chain, {i: n for i, n in zip(opts, combo) if n})]
+    ) if opts else smallest_feasible_budget(chain)
+    assert value == best <= smallest_feasible_budget(chain)
+    derived = encoding.apply(chain, choice)
+    assert int(op_memory(derived, floor_offloads(derived)).max()) == value
+    solve(chain, value, "relax-lp", EXACT)  # feasible exactly from the floor
+
+
+def test_budget_below_the_encoded_floor_is_refused(encoded_four):
+    value, _ = encoding.floor(encoded_four)
+    with pytest.raises(InfeasibleBudget) as err:
+        solve(encoded_four, value - 1, "ilp", EXACT)
+    assert err.value.smallest_bytes == value
+
+
+def test_chain_copy_with_encodings_round_trips(encoded_four):
+    doc = to_dict(encoded_four)
+    again = chain_from_dict(copy.deepcopy(doc))
+    assert again == encoded_four and again.sha256 == encoded_four.sha256

@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo torch; else echo torch==2.13.0; fi)
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test bench demo reproduce clean
+.PHONY: install test bench demo reproduce encodings clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ demo: $(STAMP)
 # The makespan-vs-budget reproduction on the committed zoo chains (experiments/results/reproduction/).
 reproduce: $(STAMP)
 	$(PY) -m experiments.reproduce
+
+# Encoding + offloading vs offloading alone on the zoo CNNs (experiments/results/encodings/).
+encodings: $(STAMP)
+	$(PY) -m experiments.encodings
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis demo

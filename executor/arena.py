@@ -84,17 +84,19 @@ class HostArena:
         if i < len(self._layout) and self._layout[i][2] >= nbytes:
             c, off, _ = self._layout[i]
             return i, self.chunks[c][off:off + nbytes]
-        if i < len(self._layout):
-            raise RuntimeError(f"host slot {i} holds {self._layout[i][2]} B, this step needs {nbytes} B: "
-                               "the saved tensors changed shape between steps")
+        # a new slot, or a larger one: a sparse blob grows when its storage has fewer zeros
+        # than in earlier steps (counted in ``allocations`` when it takes a new chunk)
         need = _round(nbytes)
         if not self.chunks or self._fill + need > self.chunks[-1].numel():
             self.grown += need
             self._add_chunk(max(need, 64 * 2**20))
         c, off = len(self.chunks) - 1, self._fill
         self._fill += need
-        self._layout.append((c, off, need))
-        self._guards.append(None)
+        if i < len(self._layout):  # the old place is abandoned: the new one has no reader yet
+            self._layout[i], self._guards[i] = (c, off, need), None
+        else:
+            self._layout.append((c, off, need))
+            self._guards.append(None)
         return i, self.chunks[c][off:off + nbytes]
 
     def guard(self, i: int) -> Copy | None:

@@ -4,13 +4,15 @@ Boundary ``k`` in the forward (the end of ``Fk``; ``k = L`` is the model's outpu
 the D2H of ``Uk`` and performs the releases due at ``k``.  Boundary ``k`` in the backward
 (the start of ``Bk``) frees the prefetched ``U(k+1)``, issues the prefetches whose point is
 ``k`` (larger ``need_from`` first, then larger stage: DESIGN's order) and waits for the
-units whose ``need_from`` is ``k``.
+units whose ``need_from`` is ``k``.  ``encoders`` says, for each encoded unit, which of its
+storages (by their index in first-save order) are stored with which encoder.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from solver.chain import Chain
+from solver.encoding import encoded_bytes
 from solver.schedule import Schedule
 
 
@@ -21,7 +23,8 @@ class StepPlan:
     release_at: dict[int, tuple[int, ...]]
     prefetch_at: dict[int, tuple[int, ...]]
     wait_at: dict[int, tuple[int, ...]]
-    planned_bytes: int  # all offloaded units' bytes (the host arena's size)
+    planned_bytes: int  # all offloaded units' bytes, encoded ones as encoded (the host arena's size)
+    encoders: dict[int, dict[int, str]]  # encoded unit -> storage index -> encoder name
 
     @classmethod
     def from_schedule(cls, chain: Chain, schedule: Schedule) -> "StepPlan":
@@ -33,11 +36,14 @@ class StepPlan:
             prefetch.setdefault(o.prefetch, []).append(o.stage)
             wait.setdefault(chain.stage(o.stage).need_from, []).append(o.stage)
         need = {o.stage: chain.stage(o.stage).need_from for o in schedule.offloads}
+        chosen = {i: chain.stage(i).encoding(name) for i, name in schedule.encode.items()}
+        size = {i: encoded_bytes(chain, i, chosen[i]) if i in chosen else chain.stage(i).saved_bytes for i in need}
         return cls(
             L=chain.L,
             offloaded=frozenset(need),
             release_at={k: tuple(sorted(v)) for k, v in release.items()},
             prefetch_at={k: tuple(sorted(v, key=lambda i: (-need[i], -i))) for k, v in prefetch.items()},
             wait_at={k: tuple(sorted(v)) for k, v in wait.items()},
-            planned_bytes=sum(chain.stage(i).saved_bytes for i in need),
+            planned_bytes=sum(size.values()),
+            encoders={i: {t.index: t.encoder for t in e.tensors} for i, e in chosen.items()},
         )

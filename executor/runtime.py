@@ -3,26 +3,31 @@
 ``OffloadRuntime`` is a stage listener plus a pair of ``saved_tensors_hooks``:
 
 * pack: every tensor saved for backward is attributed, by storage, to the unit of the first
-  stage that saves it (the profiler's rule, so units match the chain).  Weights, buffers,
+  stage that saves it (the profiler's rule, so units match the chain), and numbered within
+  it in first-save order (the chain's ``EncodedTensor.index``).  Weights, buffers,
   gradients and optimizer state are never touched.  A tensor of a kept unit is returned as
-  is; one of an offloaded unit is replaced by a small handle, and the runtime holds the
-  storage itself;
+  is; one of an offloaded or encoded unit is replaced by a small handle, and the runtime
+  holds the storage itself, or the blob its encoder made of it (then the raw storage is
+  freed as soon as the forward drops it: that is the encoding's saving);
 * forward boundary ``k``: D2H of ``Uk``'s storages into host slots, then the releases due
   at ``k``: wait for those D2H copies, drop the runtime's reference (the storage is freed,
   the schedule's whole point);
 * backward boundary ``k``: free the prefetched ``U(k+1)``, issue the prefetches whose point
   is ``k`` into fresh device buffers, wait for the units needed from ``k``;
 * unpack: the handle becomes a view of the prefetched buffer with the saved tensor's dtype,
-  size, stride and offset, bit-identical to what was saved.
+  size, stride and offset, bit-identical to what was saved; an encoded storage is decoded
+  once, by its first reader, and the decoded storage kept until the unit is freed.
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
+from profiler.encoders import ENCODERS, Encoder, flat_storage
 from profiler.measure import storage_key
 from profiler.staged import StagedModel, StageListener, stage_boundary
 
@@ -36,13 +41,16 @@ class _Stored:
     """One device storage of an offloaded unit, through its life in one step."""
 
     unit: int
-    device: torch.Tensor | None  # the whole storage as bytes, until released
+    key: int  # the raw storage's key when it was saved
+    device: torch.Tensor | None  # the whole storage as bytes (or its blob), until released
     nbytes: int
     slot_index: int = -1
     slot: torch.Tensor | None = None
     d2h: Copy | None = None
     h2d: Copy | None = None
-    buffer: torch.Tensor | None = None  # prefetched bytes, from the prefetch to the end of B_unit
+    buffer: torch.Tensor | None = None  # readable bytes: prefetched, or resident when kept encoded
+    codec: tuple[Encoder, torch.dtype, int] | None = None  # encoder, dtype and element count of the raw storage
+    decoded: torch.Tensor | None = None  # the raw storage again, from its first reader to the end of B_unit
 
 
 @dataclass(frozen=True)
@@ -63,31 +71,58 @@ class OffloadRuntime(StageListener):
         self.arena = HostArena(plan.planned_bytes, pin=backend.pin)
         self.persistent = {storage_key(t) for t in persistent}
         self.d2h_bytes = self.h2d_bytes = 0
+        self.encoded_bytes = 0  # blobs made by the encoders, all steps
         self._reset()
 
     def _reset(self) -> None:
+        self.generation = getattr(self, "generation", 0) + 1
         self.stage = 1
         self.owner: dict[int, int] = {}  # live storage key -> unit (first saver)
-        self.sid: dict[int, int] = {}  # live storage key -> id of its offloaded storage
-        self.stored: list[_Stored] = []  # offloaded storages, by id
-        self.units: dict[int, list[int]] = {i: [] for i in self.plan.offloaded}  # unit -> storage ids
+        self.sid: dict[int, int] = {}  # live storage key -> id of its held storage
+        self.stored: list[_Stored] = []  # held storages (offloaded or encoded), by id
+        self.count: dict[int, int] = {}  # unit -> storages numbered so far
+        self.units: dict[int, list[int]] = {i: [] for i in self.plan.offloaded | set(self.plan.encoders)}
 
     # ------------------------------------------------------------------ hooks
     def pack(self, t: torch.Tensor) -> Any:
         key = storage_key(t)
         if key in self.persistent:
             return t
-        unit = self.owner.setdefault(key, self.stage)
-        if unit not in self.plan.offloaded:
-            return t
+        if key not in self.owner:
+            self.owner[key] = self.stage
+            index = self.count[self.stage] = self.count.get(self.stage, 0) + 1
+            self._hold(key, t, self.stage, index - 1)
         sid = self.sid.get(key)
         if sid is None:
-            storage = t.untyped_storage()
-            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            sid = self.sid[key] = len(self.stored)
-            self.stored.append(_Stored(unit, whole, storage.nbytes()))
-            self.units[unit].append(sid)
+            return t
         return _Handle(sid, t.dtype, t.size(), t.stride(), t.storage_offset())
+
+    def _hold(self, key: int, t: torch.Tensor, unit: int, index: int) -> None:
+        """Take a new storage of ``unit`` into the runtime's hands if the schedule moves or encodes it."""
+        encoder = self.plan.encoders.get(unit, {}).get(index)
+        if unit not in self.plan.offloaded and encoder is None:
+            return
+        sid = len(self.stored)
+        if encoder is not None:
+            flat = flat_storage(t)
+            codec = (ENCODERS[encoder], flat.dtype, flat.numel())
+            held = codec[0].encode(flat)
+            self.encoded_bytes += held.numel()
+            # the raw storage dies with the forward's last use of it; its address may then be
+            # reused by a new storage, which must not be taken for this one
+            weakref.finalize(t.untyped_storage(), self._forget, key, sid, self.generation)
+        else:
+            codec = None
+            held = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        self.sid[key] = sid
+        offloaded = unit in self.plan.offloaded
+        self.stored.append(_Stored(unit, key, held if offloaded else None, held.numel(), codec=codec,
+                                   buffer=None if offloaded else held))
+        self.units[unit].append(sid)
+
+    def _forget(self, key: int, sid: int, generation: int) -> None:
+        if generation == self.generation and self.sid.get(key) == sid:
+            del self.sid[key], self.owner[key]
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -96,7 +131,13 @@ class OffloadRuntime(StageListener):
         if s.buffer is None:
             raise RuntimeError(f"U{s.unit} is read by the backward but was not prefetched: the schedule and the "
                                "model disagree on need_from")
-        return s.buffer.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
+        raw = s.buffer
+        if s.codec is not None:
+            if s.decoded is None:
+                encoder, dtype, numel = s.codec
+                s.decoded = encoder.decode(s.buffer, dtype, numel).view(torch.uint8)
+            raw = s.decoded
+        return raw.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
 
     # -------------------------------------------------------------- boundaries
     def forward_boundary(self, k: int) -> None:
@@ -110,11 +151,11 @@ class OffloadRuntime(StageListener):
             for sid in self.units[i]:
                 s = self.stored[sid]
                 self.backend.wait(s.d2h)
-                key = storage_key(s.device)
                 self.backend.released(s.device)
                 s.device = None
                 s.d2h.keep.clear()
-                del self.owner[key], self.sid[key]  # the address may be reused by a new storage from now on
+                if s.codec is None:  # the address may be reused by a new storage from now on
+                    del self.owner[s.key], self.sid[s.key]
         self.stage = min(k + 1, self.plan.L)
 
     def backward_boundary(self, k: int) -> None:
@@ -132,7 +173,7 @@ class OffloadRuntime(StageListener):
 
     def _free(self, unit: int) -> None:
         for sid in self.units.get(unit, ()):
-            self.stored[sid].buffer = None
+            self.stored[sid].buffer = self.stored[sid].decoded = None
 
     # -------------------------------------------------------------------- step
     def forward(self, *inputs: torch.Tensor) -> Any:

@@ -33,6 +33,7 @@ from profiler.profile import DTYPES, pick_device, place, running
 from solver.chain import Chain
 from solver.errors import ChainMismatch, OffloadError
 from solver.fileio import write_atomic
+from solver.encoding import lossy_stages
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
@@ -97,12 +98,15 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
     optimizer_name = opts.optimizer or chain.source.get("optimizer", "adam")
     params = _with_grads(spec.module)
     optimizer = _optimizer(optimizer_name, params, opts.lr)
-    check, mismatches = None, []
+    check, mismatches, diffs = None, [], []
     if opts.check_grads:
         ref_spec, ref_staged = stage_like_chain(model, chain, device)
         ref_params = _with_grads(ref_spec.module)
         reference = (ref_spec, ref_staged, ref_params, _optimizer(optimizer_name, ref_params, opts.lr))
-        check = lambda: mismatches.append(_reference_step(reference, params))  # noqa: E731
+        def check() -> None:
+            differ, rel = _reference_step(reference, params)
+            mismatches.append(differ)
+            diffs.append(rel)
 
     sim = simulate(chain, schedule.offloads, encode=schedule.encode)
     base = chain.base_bytes if schedule.budget_scope == "total" else 0
@@ -118,6 +122,7 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
     completed = error is None  # every step ran (it may still have gone over the budget)
     done = max(1, run.steps_run)
     moved = (runtime.d2h_bytes // done, runtime.h2d_bytes // done) if runtime else (0, 0)  # before the traced step
+    encoded = runtime.encoded_bytes // done if runtime else 0
     if completed and schedule.budget_bytes is not None:
         over = [(n, p) for n, p in enumerate(run.peaks, 1) if p + base > schedule.budget_bytes]
         if over:
@@ -137,13 +142,18 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
         "budget_bytes": schedule.budget_bytes, "budget_scope": schedule.budget_scope,
         "measured": {
             **run.summary(base),
-            "d2h_bytes_per_step": moved[0], "h2d_bytes_per_step": moved[1],
+            "d2h_bytes_per_step": moved[0], "h2d_bytes_per_step": moved[1], "encoded_bytes_per_step": encoded,
             "host_arena_bytes": arena.nbytes if arena else 0, "host_allocations": run.allocations,
         },
         "predicted": {"makespan_s": sim.makespan_s, "peak_bytes": sim.peak_bytes + base, "stall_s": sim.stall_s,
                       "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes},
         "grads_match": (not any(mismatches)) if check is not None and run.peaks else None,
         "grad_mismatches": mismatches if check is not None else None,
+        # lossy encodings change gradients on purpose: by how much (||ours - reference|| / ||reference||)
+        # (per step: the models drift apart as they train on different gradients)
+        "grad_rel_diff": diffs if check is not None else None,
+        "encoded_units": {str(i): name for i, name in sorted(schedule.encode.items())},
+        "lossy": bool(lossy_stages(chain, schedule.encode)),
         "compare": compare,
         "trace": trace,
         "error": str(error) if error else None,
@@ -328,15 +338,19 @@ def _with_grads(module: torch.nn.Module) -> list[torch.Tensor]:
     return params
 
 
-def _reference_step(reference: tuple, params: list[torch.Tensor]) -> int:
-    """One step of the reference model without offloading; how many gradients differ."""
+def _reference_step(reference: tuple, params: list[torch.Tensor]) -> tuple[int, float]:
+    """One step of the reference model without offloading: how many gradients differ, and
+    the relative L2 distance of all gradients together (``||ours - ref|| / ||ref||``)."""
     spec, staged, ref_params, ref_opt = reference
     loss = spec.loss(staged(*(t.clone() for t in spec.inputs)))
     loss.backward()
     differ = sum(not torch.equal(a.grad, b.grad) for a, b in zip(params, ref_params))
+    diff = sum(float((a.grad.double() - b.grad.double()).square().sum()) for a, b in zip(params, ref_params))
+    norm = sum(float(b.grad.double().square().sum()) for b in ref_params)
+    rel = (diff / norm) ** 0.5 if norm > 0 else 0.0
     if ref_opt is not None:
         ref_opt.step()
     for p in ref_params:
         p.grad.zero_()
-    return differ
+    return differ, rel
 

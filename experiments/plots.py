@@ -165,3 +165,28 @@ def plot_timeline(t: Timeline, path: str | os.PathLike) -> None:
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     _save(fig, path)
+
+
+def plot_bars(panels: dict[str, dict[str, list[float | None]]], groups: list[str], ylabel: str,
+              path: str | os.PathLike, legend: str = "", columns: int = 2) -> None:
+    """Grouped bars, one panel per key of ``panels`` (series name -> one value per group);
+    ``None`` is drawn as a cross on the 1.0 line: no value there (infeasible)."""
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 3.5 * rows), sharey=True, squeeze=False)
+    for ax, (title, series) in zip(axes.flat, panels.items()):
+        width = 0.8 / len(series)
+        for k, (name, values) in enumerate(series.items()):
+            xs = [n + (k - (len(series) - 1) / 2) * width for n in range(len(groups))]
+            ax.bar([x for x, v in zip(xs, values) if v is not None], [v for v in values if v is not None], width,
+                   label=f"{legend}{name}", color=f"C{k}")
+            ax.plot([x for x, v in zip(xs, values) if v is None], [1.0] * sum(v is None for v in values), "x",
+                    color=f"C{k}", markersize=9)
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax.set_xticks(range(len(groups)), groups, rotation=20)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    axes[0][0].legend(fontsize=8, title="x: infeasible", title_fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)

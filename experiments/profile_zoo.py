@@ -55,10 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--only", nargs="*", help="profile only these models of the set")
+    ap.add_argument("--out", type=Path, default=CHAINS, help=f"where to write the chains (default {CHAINS})")
     args = ap.parse_args(argv)
     device = pick_device(args.device)
     todo = [m for m in SETS[args.set] if not args.only or m[0] in args.only]
-    CHAINS.mkdir(exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     for model, batch, options in tqdm(todo, desc="zoo", unit="model", file=sys.stderr):
         opts = ProfileOptions(batch=batch, device=str(device), dtype=args.dtype, repeats=args.repeats, options=options)
         result = profile(model, opts)
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--repeats", str(args.repeats)] + [a for k, v in options.items() for a in ("-O", f"{k}={v}")]
         chain.source["command"] = shlex.join(command)
         size = f"-{options['image']}px" if "image" in options else ""
-        path = CHAINS / f"{model}-b{batch}{size}-{device.type}.json"
+        path = args.out / f"{model}-b{batch}{size}-{device.type}.json"
         save_chain(chain, path)
         peak = max(s.fwd_peak_bytes for s in chain.stages)
         print(f"{path}: {chain.L} stages, step {chain.ideal_makespan_s:.3f} s, "

@@ -42,6 +42,7 @@ from .sweep import Row, parse_budgets, sweep, write_rows
 CHAINS = Path(__file__).parent / "chains"
 OUT = Path(__file__).parent / "results" / "reproduction"
 EXACT = ("ilp", "relax-lp", "relax-bw")  # feasible down to the floor by construction
+POLICIES = [m for m in METHODS if not m.startswith("gist")]  # offloading only (encodings: experiments.encodings)
 SHARES = (0.3, 0.5, 0.7)
 
 
@@ -106,16 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     if not chains:
         ap.error(f"no *-cuda.json or *-cpu.json chains in {args.chains}")
     args.out.mkdir(parents=True, exist_ok=True)
-    options = Options(time_limit_s=args.time_limit)
+    options = Options(time_limit_s=args.time_limit, encodings="none")  # the literature's policies, offloading only
     smallest, at_budgets = [], []
     for scenario, make in (("measured", lambda c: c), ("link-bound", link_bound)):
         rows: list[Row] = []
         for chain in tqdm([make(c) for c in chains], desc=scenario, unit="chain", file=sys.stderr):
             peak = no_offload_peak(chain)
             budgets = sorted(set(parse_budgets(args.budgets, peak)) | {int(s * peak) for s in SHARES})
-            chain_rows = sweep(chain, budgets, list(METHODS), options, jobs=args.jobs)
+            chain_rows = sweep(chain, budgets, POLICIES, options, jobs=args.jobs)
             rows += [r for r in chain_rows if r.budget_bytes in set(parse_budgets(args.budgets, peak))]
-            for method in METHODS:
+            for method in POLICIES:
                 own = smallest_of(chain, method, options)
                 smallest.append({"chain": chain.name, "platform": scenario, "method": method,
                                  "smallest_bytes": own if own is not None else "",
@@ -138,14 +139,14 @@ def _print_tables(chains: list[Chain], smallest: list[dict], at_budgets: list[di
     names = [c.name for c in chains]
     print("\nsmallest feasible budget, % of the no-offload activation peak (same on both platforms: memory only)")
     print(f"{'method':<16}" + "".join(f"{n:>16}" for n in names))
-    for method in METHODS:
+    for method in POLICIES:
         cells = {r["chain"]: r["smallest_share"] for r in smallest if r["method"] == method and r["platform"] == "measured"}
         print(f"{method:<16}" + "".join(f"{'never' if cells[n] == '' else f'{100 * cells[n]:.1f}%':>16}" for n in names))
     for scenario in ("measured", "link-bound"):
         for share in SHARES:
             print(f"\nstep time / ideal at {share:.0%} of the peak, {scenario} platform ('-': infeasible)")
             print(f"{'method':<16}" + "".join(f"{n:>16}" for n in names))
-            for method in METHODS:
+            for method in POLICIES:
                 cells = {r["chain"]: r["slowdown"] for r in at_budgets
                          if r["method"] == method and r["platform"] == scenario and r["budget_share"] == share}
                 print(f"{method:<16}" + "".join(f"{'-' if cells[n] == '' else f'{cells[n]:.3f}':>16}" for n in names))

@@ -40,9 +40,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise FormatError("MODEL, --batch and -o are required", "e.g. offload profile resnet50 --batch 32 -o chain.json")
     opts = ProfileOptions(batch=args.batch, device=args.device, dtype=args.dtype, optimizer=args.optimizer,
                           repeats=args.repeats, warmup=args.warmup, stages=args.stages, capture=args.capture,
-                          options=parse_options(args.option), seed=args.seed, platform=_platform(args), name=args.name)
+                          options=parse_options(args.option), seed=args.seed, platform=_platform(args), name=args.name,
+                          encodings=not args.no_encodings)
     per_measure = 2 + opts.repeats  # warm-up, memory pass, the timed steps (twice with --stages)
-    with tqdm(total=2 + per_measure * (2 if opts.stages else 1), desc=f"profiling {args.model}", unit="step", file=sys.stderr,
+    with tqdm(total=2 + per_measure * (2 if opts.stages else 1) + opts.encodings, desc=f"profiling {args.model}", unit="step", file=sys.stderr,
               disable=args.quiet, leave=False) as bar:
         def tick(phase: str) -> None:
             bar.set_postfix_str(f"{phase} done")
@@ -93,6 +94,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="use these copy rates (D2H[,H2D], e.g. 25GB/s) instead of measuring: plan another machine")
     p.add_argument("--latency", metavar="SECONDS", help="per-copy latency with --bandwidth (e.g. 10us; default 0)")
     p.add_argument("--channels", choices=list(CHANNEL_MODES), default="duplex", help="copy engines with --bandwidth")
+    p.add_argument("--no-encodings", action="store_true",
+                   help="do not look for encodable storages (ReLU sign masks, sparse storage, bf16); they are found, "
+                        "sized and timed by default, one extra step")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs (default 0)")
     p.add_argument("--name", help="chain name (default MODEL-bBATCH)")
     p.add_argument("--graphml", metavar="FILE", help="also write the op graph with each op's stage (GraphML)")

@@ -131,7 +131,7 @@ class StepRunner:
         make = OPTIMIZERS[optimizer]
         self.optimizer = make(self.params) if make and self.params else None
 
-    def _step(self, listener: StageListener | None, pack: Callable | None = None) -> tuple[Any, torch.Tensor]:
+    def run_step(self, listener: StageListener | None, pack: Callable | None = None) -> tuple[Any, torch.Tensor]:
         inputs = tuple(t.clone() for t in self.spec.inputs)
         ctx = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if pack else contextlib.nullcontext())
         if listener is None:
@@ -142,7 +142,7 @@ class StepRunner:
             loss = self.spec.loss(out)
         return out, loss
 
-    def _zero(self) -> None:
+    def zero_grads(self) -> None:
         for p in self.params:
             if p.grad is not None:
                 p.grad.zero_()
@@ -153,18 +153,18 @@ class StepRunner:
         Returns the seconds of the last optimizer update (outside the chain, reported apart)."""
         update_s = 0.0
         for _ in range(max(1, steps)):
-            _, loss = self._step(None)
+            _, loss = self.run_step(None)
             loss.backward()
             if self.optimizer is not None:
-                self._sync()
+                self.sync()
                 t = time.perf_counter()
                 self.optimizer.step()
-                self._sync()
+                self.sync()
                 update_s = time.perf_counter() - t
-            self._zero()
+            self.zero_grads()
         return update_s
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -189,13 +189,13 @@ class StepRunner:
             meter.track(persistent)
             meter.boundary()
             m0 = meter.live
-            out, loss = self._step(rec, rec.pack)
+            out, loss = self.run_step(rec, rec.pack)
             readings.append(meter.boundary())
             loss.backward()
             readings.append(meter.boundary())
             del out, loss
         meter.close()
-        self._zero()
+        self.zero_grads()
         if len(readings) != 2 * L:
             raise RuntimeError(f"expected {2 * L} stage boundaries in a step, saw {len(readings)}")
         saved, need = rec.units()
@@ -205,16 +205,16 @@ class StepRunner:
         """(forward seconds of each stage, backward seconds of each stage) of one step."""
         fwd, bwd = Clock(self.device), Clock(self.device)
         rec = _Recorder(self.staged.L, lambda: (bwd if bwd.marks else fwd).mark())
-        self._sync()
+        self.sync()
         fwd.mark()
-        out, loss = self._step(rec)
+        out, loss = self.run_step(rec)
         fwd.mark()
         bwd.mark()
         loss.backward()
         bwd.mark()
         f, b = fwd.intervals(), bwd.intervals()[::-1]
         del out, loss
-        self._zero()
+        self.zero_grads()
         return f, b
 
 

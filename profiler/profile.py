@@ -2,7 +2,7 @@
 
 resolve the MODEL → place it on the device → capture its graph → cut it into stages →
 measure the step → (if a stage count is asked for: group the finest stages by measured
-time and measure again) → platform → ``Chain``.
+time and measure again) → find, size and time the encodable storages → platform → ``Chain``.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from solver.errors import OffloadError
 
 from .bandwidth import measure_platform
 from .capture import capture
+from .encodable import encodings_pass, stage_encodings
 from .linearize import default_cuts, merge_to, stage_model
 from .measure import OPTIMIZERS, Measurement, StepRunner, measure
 from .models import ModelError, resolve
@@ -42,6 +43,7 @@ class ProfileOptions:
     seed: int = 0
     platform: Platform | None = None  # given instead of measured
     name: str | None = None
+    encodings: bool = True  # find and measure encodable storages (profiler.encodable)
 
 
 @dataclass
@@ -109,21 +111,27 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
         tick("capture")
         cuts = cap.candidates if opts.stages else default_cuts(cap)
         staged = stage_model(cap, cuts)
-        result = measure(StepRunner(staged, spec, device, opts.optimizer), opts.repeats, opts.warmup, tick)
+        runner = StepRunner(staged, spec, device, opts.optimizer)
+        result = measure(runner, opts.repeats, opts.warmup, tick)
         if opts.stages and opts.stages < staged.L:
             ends = merge_to([s.fwd_s + s.bwd_s for s in result.stages], opts.stages)
             staged = stage_model(cap, [cuts[e] for e in ends])
-            result = measure(StepRunner(staged, spec, device, opts.optimizer), opts.repeats, opts.warmup, tick)
+            runner = StepRunner(staged, spec, device, opts.optimizer)
+            result = measure(runner, opts.repeats, opts.warmup, tick)
         elif opts.stages and opts.stages > staged.L:
             staged.notes.append(f"asked for {opts.stages} stages; the model has {staged.L} cut points' worth")
+        encodings = [[] for _ in range(staged.L)]
+        if opts.encodings:
+            encodings = [stage_encodings(s) for s in encodings_pass(runner, staged.L)]
+            tick("encodings")
     plat = opts.platform or measure_platform(device)
     tick("platform")
-    chain = _to_chain(model, opts, device, staged, result, plat, spec)
+    chain = _to_chain(model, opts, device, staged, result, plat, spec, encodings)
     return Profiled(chain, staged, spec)
 
 
 def _to_chain(model: str, opts: ProfileOptions, device: torch.device, staged: StagedModel, m: Measurement,
-              plat: Platform, spec: ModelSpec) -> Chain:
+              plat: Platform, spec: ModelSpec, encodings: list[list[dict]]) -> Chain:
     steps = sorted(m.step_s)
     source: dict[str, Any] = {
         "model": model,
@@ -156,7 +164,7 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, staged: St
         "base_bytes": m.base_bytes,
         "stages": [{"name": info.name, "kind": info.kind, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
                     "saved_bytes": s.saved_bytes, "fwd_peak_bytes": s.fwd_peak_bytes,
-                    "bwd_peak_bytes": s.bwd_peak_bytes, "need_from": s.need_from}
-                   for info, s in zip(staged.stages, m.stages)],
+                    "bwd_peak_bytes": s.bwd_peak_bytes, "need_from": s.need_from, "encodings": enc}
+                   for info, s, enc in zip(staged.stages, m.stages, encodings)],
     }
     return chain_from_dict(doc)

@@ -37,6 +37,9 @@ class StageListener:
     def backward_boundary(self, k: int) -> None:  # pragma: no cover - default no-op
         pass
 
+    def stage_output(self, k: int, x: torch.Tensor) -> None:
+        """The value stage ``k`` hands to stage ``k+1`` (called just before ``forward_boundary``)."""
+
 
 _active = threading.local()
 
@@ -58,6 +61,7 @@ def stage_boundary(x: torch.Tensor, k: int) -> torch.Tensor:
     listener = getattr(_active, "listener", None)
     if listener is None:
         return x
+    listener.stage_output(k, x)
     listener.forward_boundary(k)
     if not x.requires_grad:  # nothing flows back through here (a frozen prefix)
         return x

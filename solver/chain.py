@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -235,16 +235,23 @@ def _flag(d: Mapping, key: str, ctx: str, default: bool) -> bool:
     return v
 
 
+def _objects(raw: list, ctx: str, allowed: set[str]) -> Iterator[tuple[str, Mapping]]:
+    """Each item of a list of objects with its context, refused unless it is an object with
+    only ``allowed`` fields."""
+    for n, item in enumerate(raw):
+        where = f"{ctx}[{n}]"
+        if not isinstance(item, Mapping):
+            raise FormatError(f"{where} must be an object")
+        _no_unknown(item, allowed, where)
+        yield where, item
+
+
 def _encodings_from_list(raw: Any, saved: int, ctx: str) -> tuple[Encoding, ...]:
     """Validate a stage's ``encodings``: names unique, sizes consistent with the unit."""
     if not isinstance(raw, list):
         raise FormatError(f"{ctx}.encodings must be a list")
     out, names = [], set()
-    for n, e in enumerate(raw):
-        ectx = f"{ctx}.encodings[{n}]"
-        if not isinstance(e, Mapping):
-            raise FormatError(f"{ectx} must be an object")
-        _no_unknown(e, _ENCODING_KEYS, ectx)
+    for ectx, e in _objects(raw, f"{ctx}.encodings", _ENCODING_KEYS):
         name = _string(e, "name", ectx)
         if name in names:
             raise FormatError(f"{ectx}.name {name!r} is used twice in this stage")
@@ -253,11 +260,7 @@ def _encodings_from_list(raw: Any, saved: int, ctx: str) -> tuple[Encoding, ...]
         if not isinstance(tensors_raw, list) or not tensors_raw:
             raise FormatError(f"{ectx}.tensors must be a non-empty list")
         tensors, seen = [], set()
-        for m, t in enumerate(tensors_raw):
-            tctx = f"{ectx}.tensors[{m}]"
-            if not isinstance(t, Mapping):
-                raise FormatError(f"{tctx} must be an object")
-            _no_unknown(t, _TENSOR_KEYS, tctx)
+        for tctx, t in _objects(tensors_raw, f"{ectx}.tensors", _TENSOR_KEYS):
             index = t.get("index")
             if isinstance(index, bool) or not isinstance(index, int) or index < 0 or index in seen:
                 raise FormatError(f"{tctx}.index must be a distinct integer >= 0, got {index!r}")

@@ -38,3 +38,19 @@ def test_cuda_copies_overlap_compute_in_the_trace(tmp_path):
     overlap = report["trace"]["copy_overlap"]
     assert overlap is not None and overlap["copy_s"] > 0 and overlap["fraction"] > 0
     assert report["compare"]["save_on_cpu"]["step_s"] is not None
+
+
+def test_cuda_lossless_encodings_keep_gradients_bit_exact():
+    """Keep-encoded and offload-encoded units on CUDA streams: encoders in pack, decoders in unpack."""
+    from solver import encoding
+    from solver.schedule import Offload, make_schedule
+
+    chain = profile("resnet18", ProfileOptions(batch=4, device="cuda", repeats=3, options={"image": 64})).chain
+    choice = encoding.smallest(chain, "lossless")
+    assert choice
+    offloads = [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable][::2]
+    for sched in (make_schedule(chain, [], encode=choice), make_schedule(chain, offloads, encode=choice)):
+        report, error = train("resnet18", chain, sched, TrainOptions(steps=3, device="cuda", check_grads=True))
+        assert error is None and report["grads_match"] is True
+        m, p = report["measured"], report["predicted"]
+        assert m["peak_activation_bytes"] <= p["peak_bytes"] + 16 * 2**20

@@ -145,3 +145,33 @@ def test_demo_pipeline_at_a_small_size(tmp_path, capsys):
     _is_png(tmp_path / "makespan.png")
     _is_png(tmp_path / "timeline.png")
     assert json.loads((tmp_path / "run.json").read_text())["grads_match"] is True
+
+
+def test_encodings_experiment_compares_modes(tmp_path, capsys):
+    from experiments import encodings
+    from profiler.profile import ProfileOptions, profile
+    from solver.chain import save_chain
+
+    folder = tmp_path / "chains"
+    folder.mkdir()
+    save_chain(profile("resnet18", ProfileOptions(batch=2, repeats=1, warmup=1, options={"image": 32})).chain,
+               folder / "resnet18-b2-32px-cpu.json")
+    assert encodings.main(["--chains", str(folder), "--out", str(tmp_path / "out"), "--time-limit", "20",
+                           "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "smallest feasible activation budget" in out and "link-bound platform" in out
+    smallest = list(csv.DictReader((tmp_path / "out" / "smallest.csv").open()))
+    s = smallest[0]
+    assert int(s["offload+lossy"]) <= int(s["offload+lossless"]) <= int(s["offload"])
+    assert int(s["gist-lossless"]) <= int(s["no_offload_peak"])
+    rows = list(csv.DictReader((tmp_path / "out" / "at_budgets_by_platform.csv").open()))
+    assert len(rows) == 2 * 3 * 2  # platforms x modes x budgets
+    for platform in ("measured", "link-bound"):
+        for share in (0.5, 0.3):
+            cell = {r["encodings"]: r for r in rows
+                    if r["platform"] == platform and abs(float(r["budget_share"]) - share) < 1e-3}
+            assert len(cell) == 3
+            done = {m: float(r["makespan_s"]) for m, r in cell.items() if r["status"] == "optimal"}
+            if "none" in done and "lossless" in done:  # more choices never hurt a proven optimum
+                assert done["lossless"] <= done["none"] * (1 + 1e-6)
+    assert (tmp_path / "out" / "encodings.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

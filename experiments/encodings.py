@@ -1,0 +1,116 @@
+"""Encoding with offloading vs offloading alone, on the zoo CNNs (issue 6's figures).
+
+    python -m experiments.encodings          # or: make encodings
+
+For each chain in ``experiments/chains/encoded/`` (the zoo CNNs profiled with their
+encodings: ReLU sign masks, sparse storage, bf16), on the measured platform and on the
+link-bound what-if of the reproduction (``reproduce.link_bound``):
+
+* the smallest feasible budget, offloading alone (the plain floor) against encoding and
+  offloading (the exact encoded floor, lossless, then lossy), and without any offloading:
+  the no-offload peak against Gist (every unit encoded, lossless, then lossy);
+* the ILP's step time at 50% and 30% of the no-offload peak with encodings none, lossless
+  and lossy (the solver chooses per unit: keep, keep encoded, offload, offload encoded).
+
+Outputs in ``experiments/results/encodings/``: ``smallest.csv``, ``at_budgets.csv`` (one sweep
+row per cell, with status, gap and encoded units), ``encodings.png``; the tables are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from solver import encoding
+from solver.chain import Chain, load_chain
+from solver.fileio import write_csv
+from solver.memory import no_offload_peak, smallest_feasible_budget
+from solver.methods import Options
+from solver.simulate import simulate
+
+from .plots import plot_bars
+from .reproduce import link_bound
+from .sweep import Row, sweep, write_rows
+
+CHAINS = Path(__file__).parent / "chains" / "encoded"
+OUT = Path(__file__).parent / "results" / "encodings"
+SHARES = (0.5, 0.3)
+
+
+def smallest_budgets(chain: Chain) -> dict:
+    """Every smallest budget of the module docstring, in bytes and as a share of the peak."""
+    peak = no_offload_peak(chain)
+    cells = {"no_offload_peak": peak, "offload": smallest_feasible_budget(chain)}
+    for mode in ("lossless", "lossy"):
+        cells[f"offload+{mode}"] = encoding.floor(chain, mode)[0]
+        cells[f"gist-{mode}"] = simulate(chain, [], encode=encoding.smallest(chain, mode)).peak_bytes
+    return {"chain": chain.name, **{k: v for k, v in cells.items()},
+            **{f"{k}_share": round(v / peak, 4) for k, v in cells.items() if k != "no_offload_peak"}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chains", type=Path, default=CHAINS, help=f"folder of chains with encodings (default {CHAINS})")
+    ap.add_argument("--time-limit", type=float, default=60, help="ILP time limit per solve (default 60 s)")
+    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per core)")
+    ap.add_argument("--out", type=Path, default=OUT, help=f"results folder (default {OUT})")
+    args = ap.parse_args(argv)
+    chains = [load_chain(p) for p in sorted(args.chains.glob("*.json"))]
+    chains = [c for c in chains if c.has_encodings]
+    if not chains:
+        ap.error(f"no chain with encodings in {args.chains}: profile them with python -m experiments.profile_zoo "
+                 f"--set small --out {args.chains}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    smallest = [smallest_budgets(c) for c in chains]
+    rows: list[dict] = []
+    for platform, make in (("measured", lambda c: c), ("link-bound", link_bound)):
+        for chain in (make(c) for c in chains):
+            peak = no_offload_peak(chain)
+            for mode in encoding.MODES:
+                opts = Options(time_limit_s=args.time_limit, encodings=mode)
+                for r in sweep(chain, [int(s * peak) for s in SHARES], ["ilp"], opts, jobs=args.jobs):
+                    rows.append({"platform": platform, **vars(r)})
+            print(f"{platform:<11} {chain.name} done", file=sys.stderr, flush=True)
+    write_csv(args.out / "smallest.csv", smallest)
+    write_rows(args.out / "at_budgets.csv", [Row(**{k: v for k, v in r.items() if k != "platform"}) for r in rows])
+    write_csv(args.out / "at_budgets_by_platform.csv", rows)
+    names = [c.name for c in chains]
+    panels = {f"{platform}, budget {share:.0%} of the peak":
+              {mode: [_slowdown(rows, platform, n, mode, share)[0] for n in names] for mode in encoding.MODES}
+              for platform in ("measured", "link-bound") for share in SHARES}
+    plot_bars(panels, [n.split("-b")[0] for n in names], "ILP step time / ideal", args.out / "encodings.png",
+              legend="encodings: ")
+    _print_tables(smallest, rows, [c.name for c in chains])
+    print(f"wrote {args.out}/: smallest.csv, at_budgets.csv, at_budgets_by_platform.csv, encodings.png")
+    return 0
+
+
+def _slowdown(rows: list[dict], platform: str, chain: str, mode: str, share: float) -> tuple[float | None, str]:
+    for r in rows:
+        if (r["platform"], r["chain"], r["encodings"]) == (platform, chain, mode) and abs(r["budget_share"] - share) < 1e-3:
+            return r["slowdown"], r["status"]
+    return None, "missing"
+
+
+def _print_tables(smallest: list[dict], rows: list[dict], names: list[str]) -> None:
+    print("\nsmallest feasible activation budget, % of the no-offload peak")
+    cols = ("offload", "offload+lossless", "offload+lossy", "gist-lossless", "gist-lossy")
+    print(f"{'chain':<28}" + "".join(f"{c:>18}" for c in cols))
+    for s in smallest:
+        print(f"{s['chain']:<28}" + "".join(f"{100 * s[c + '_share']:>17.1f}%" for c in cols))
+    for platform in ("measured", "link-bound"):
+        for share in SHARES:
+            print(f"\nILP step time / ideal at {share:.0%} of the peak, {platform} platform "
+                  "('-': infeasible; '*': time limit, best found)")
+            print(f"{'chain':<28}" + "".join(f"{m:>14}" for m in encoding.MODES))
+            for name in names:
+                cells = []
+                for mode in encoding.MODES:
+                    slow, status = _slowdown(rows, platform, name, mode, share)
+                    cells.append("-" if slow is None else f"{slow:.3f}{'' if status == 'optimal' else '*'}")
+                print(f"{name:<28}" + "".join(f"{c:>14}" for c in cells))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,171 @@
+"""Which saved storages can be encoded, how small they get, and what it costs (issue 6).
+
+One extra step of the staged model (after the warm-up, like the memory pass):
+
+* a pack hook numbers each stage's storages in the order the forward first saves them,
+  which is how the chain and the executor name them (``EncodedTensor.index``);
+* after the forward, a walk of the autograd graph lists every node that saved each storage
+  (``ReluBackward0._saved_result``, ``ConvolutionBackward0._saved_input``, ...).  A storage
+  whose every reader needs only its sign (ReLU's output, max-pool's input) may take
+  ``sign-mask``; any storage may take ``sparse`` (kept where it saves at least 10%); 32- and
+  64-bit floats other than normalization statistics may take the lossy ``bf16``;
+* each candidate is encoded and decoded on the real tensor, timed (median of 3, CUDA
+  synchronized), and sized by the blob it produced; ``sparse`` must round-trip bit for bit
+  (``sign-mask`` is exact only for its readers: the executor's tests compare gradients).
+
+Each stage then offers ``lossless`` (per storage the smallest lossless encoding) and
+``lossy`` (the smallest of all, only where it differs), the chain's ``encodings``.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .encoders import ENCODERS, encoded_size, flat_storage
+from .measure import StepRunner, persistent_tensors, storage_key
+from .staged import StageListener
+
+SIGN_ONLY = {("ReluBackward0", "_saved_result"), ("MaxPool2DWithIndicesBackward0", "_saved_self")}
+# normalization statistics (batch/layer norm's saved mean and inverse std, secondary outputs):
+# tiny, and a lower precision there is amplified by every element they scale
+STATISTICS = re.compile(r"_saved_result\d|mean|invstd|rstd|var")
+SPARSE_WORTH = 0.9  # keep ``sparse`` only when the blob is at most this share of the storage
+
+
+@dataclass
+class Candidate:
+    encoder: str
+    nbytes: int  # the blob
+    encode_s: float
+    decode_s: float
+
+
+@dataclass
+class SavedStorage:
+    index: int  # among the stage's storages, in first-save order
+    nbytes: int
+    output: bool  # the stage's output (alive in the next stage's forward)
+    readers: set[tuple[str, str]] = field(default_factory=set)
+    candidates: list[Candidate] = field(default_factory=list)
+
+
+class _Numbering(StageListener):
+    """Pack hook and boundary listener of the encodings pass."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        self.stage, self.excluded = 1, excluded
+        self.owner: dict[int, tuple[int, int]] = {}  # storage key -> (stage, index)
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.outputs: set[int] = set()
+        self.count: dict[int, int] = {}
+
+    def stage_output(self, k: int, x: torch.Tensor) -> None:
+        self.outputs.add(storage_key(x))
+
+    def forward_boundary(self, k: int) -> None:
+        self.stage = k + 1
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in self.excluded and key not in self.owner:
+            n = self.count.get(self.stage, 0)
+            self.count[self.stage] = n + 1
+            self.owner[key] = (self.stage, n)
+            self.tensors[key] = t
+        return t
+
+
+def _readers(root: Any) -> dict[int, set[tuple[str, str]]]:
+    """Storage key -> the (node type, attribute) pairs that saved it, over the whole graph."""
+    found: dict[int, set[tuple[str, str]]] = {}
+    seen, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        kind = type(node).__name__
+        names = [n for n in dir(node) if n.startswith("_saved_")] + (["saved_tensors"] if hasattr(node, "saved_tensors") else [])
+        for name in names:
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # freed or not a tensor
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    found.setdefault(storage_key(t), set()).add((kind, name))
+        todo.extend(fn for fn, _ in getattr(node, "next_functions", ()))
+    return found
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = 3) -> tuple[Any, float]:
+    times, out = [], None
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return out, statistics.median(times)
+
+
+def _try(name: str, flat: torch.Tensor, sync: Callable[[], None]) -> Candidate:
+    enc = ENCODERS[name]
+    blob, enc_s = _timed(lambda: enc.encode(flat), sync)
+    back, dec_s = _timed(lambda: enc.decode(blob, flat.dtype, flat.numel()), sync)
+    if name == "sparse" and not torch.equal(back.view(torch.uint8), flat.view(torch.uint8)):
+        raise RuntimeError("the sparse encoder did not round-trip bit for bit")  # a bug, never data
+    return Candidate(name, blob.numel(), enc_s, dec_s)
+
+
+def encodings_pass(runner: StepRunner, L: int) -> list[list[SavedStorage]]:
+    """Per stage, its saved storages with their encoding candidates (module docstring)."""
+    persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
+    numbering = _Numbering({storage_key(t) for t in persistent})
+    out, loss = runner.run_step(numbering, numbering.pack)
+    readers = _readers(loss.grad_fn)
+    stages: list[list[SavedStorage]] = [[] for _ in range(L)]
+    for key, (stage, index) in numbering.owner.items():
+        t = numbering.tensors[key]
+        flat = flat_storage(t)
+        saved = SavedStorage(index, t.untyped_storage().nbytes(), key in numbering.outputs, readers.get(key, set()))
+        names = []
+        if t.is_floating_point() and saved.readers and saved.readers <= SIGN_ONLY:
+            names.append("sign-mask")
+        if ENCODERS["sparse"].applies(t.dtype) and encoded_size("sparse", flat) <= SPARSE_WORTH * saved.nbytes:
+            names.append("sparse")
+        if ENCODERS["bf16"].applies(t.dtype) and not all(STATISTICS.search(a) for _, a in saved.readers):
+            names.append("bf16")
+        saved.candidates = [_try(n, flat, runner.sync) for n in names]
+        stages[stage - 1].append(saved)
+    loss.backward()
+    del out, loss
+    runner.zero_grads()
+    return [sorted(s, key=lambda x: x.index) for s in stages]
+
+
+def stage_encodings(storages: list[SavedStorage]) -> list[dict]:
+    """The ``encodings`` of one stage in ``chain.json`` form: ``lossless``, then ``lossy``
+    where it differs (module docstring)."""
+    out = []
+    for name, lossless in (("lossless", True), ("lossy", False)):
+        tensors, enc_s, dec_s = [], 0.0, 0.0
+        for s in storages:
+            usable = [c for c in s.candidates if ENCODERS[c.encoder].lossless or not lossless]
+            if not usable:
+                continue
+            best = min(usable, key=lambda c: (c.nbytes, c.encode_s + c.decode_s))
+            if best.nbytes >= s.nbytes:
+                continue
+            tensors.append({"index": s.index, "encoder": best.encoder, "bytes": s.nbytes,
+                            "encoded_bytes": best.nbytes, "output": s.output})
+            enc_s += best.encode_s
+            dec_s += best.decode_s
+        if tensors and not (out and out[0]["tensors"] == tensors):
+            out.append({"name": name, "lossless": lossless, "encode_s": enc_s, "decode_s": dec_s, "tensors": tensors})
+    return out

@@ -1,0 +1,125 @@
+"""The encoders of saved activations (Gist, ISCA 2018; Layrub, PPoPP 2018): real byte formats.
+
+Each encoder turns one whole storage, seen as a flat tensor of its dtype, into one ``uint8``
+blob (one storage: what stays resident or crosses the bus), and back.  The profiler sizes
+and times them on the model's own tensors; the executor runs them in its pack and unpack
+hooks.
+
+* ``sign-mask`` (Gist's Binarize; Layrub keeps the same mask in a byte): one bit per element,
+  ``x > 0``, decoded as 1.0 / 0.0.  Lossless only for storages whose every backward reader
+  needs the sign alone (ReLU's saved output, max-pool's saved input, which its backward
+  reads only for the shape): the profiler checks who reads each storage.
+* ``sparse`` (Gist's sparse storage, dense compute): the non-zero elements (zero tested on
+  the bits, so ``-0.0`` is kept) with a one-byte column in rows of 256 and a 4-byte count
+  per row.  Lossless for any storage; smaller once about a fifth of it is zero (ReLU).
+* ``bf16`` (Gist's delayed precision reduction): bfloat16 for the backward use only.
+  Lossy: gradients change, and the executor reports by how much.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ROW = 256  # elements per sparse row: a column index fits one byte
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class Encoder:
+    name: str
+    lossless: bool  # for the storages the profiler allows it on
+    encode: Callable[[torch.Tensor], torch.Tensor]  # flat tensor -> uint8 blob
+    decode: Callable[[torch.Tensor, torch.dtype, int], torch.Tensor]  # blob, dtype, numel -> flat tensor
+    applies: Callable[[torch.dtype], bool]
+
+
+def _bits(device: torch.device) -> torch.Tensor:
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+
+
+def _mask_encode(flat: torch.Tensor) -> torch.Tensor:
+    n = flat.numel()
+    bits = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=flat.device)
+    bits[:n] = flat > 0
+    return (bits.view(-1, 8) * _bits(flat.device)).sum(1, dtype=torch.uint8)
+
+
+def _mask_decode(blob: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    bits = (blob.unsqueeze(1) & _bits(blob.device)) != 0
+    return bits.view(-1)[:numel].to(dtype)
+
+
+def _as_bits(flat: torch.Tensor) -> torch.Tensor:
+    return flat.view(_INT_OF[flat.element_size()])
+
+
+def _sparse_encode(flat: torch.Tensor) -> torch.Tensor:
+    n, size = flat.numel(), flat.element_size()
+    rows = -(-n // ROW)
+    nonzero = _as_bits(flat) != 0
+    idx = nonzero.nonzero().view(-1)
+    counts = torch.zeros(rows, dtype=torch.int32, device=flat.device)
+    counts.index_add_(0, idx // ROW, torch.ones_like(idx, dtype=torch.int32))
+    values = flat[idx]
+    blob = torch.empty(4 * rows + idx.numel() * (size + 1), dtype=torch.uint8, device=flat.device)
+    blob[: 4 * rows] = counts.view(torch.uint8)
+    end = 4 * rows + idx.numel() * size
+    blob[4 * rows: end] = values.view(torch.uint8)
+    blob[end:] = (idx % ROW).to(torch.uint8)
+    return blob
+
+
+def _sparse_decode(blob: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    size = torch.empty(0, dtype=dtype).element_size()
+    rows = -(-numel // ROW)
+    counts = blob[: 4 * rows].view(torch.int32)
+    nnz = (blob.numel() - 4 * rows) // (size + 1)
+    end = 4 * rows + nnz * size
+    raw = blob[4 * rows: end]
+    values = (raw if (4 * rows) % size == 0 else raw.clone()).view(dtype)
+    cols = blob[end:].to(torch.int64)
+    row_of = torch.repeat_interleave(torch.arange(rows, device=blob.device), counts.to(torch.int64), output_size=nnz)
+    out = torch.zeros(numel, dtype=dtype, device=blob.device)
+    out[row_of * ROW + cols] = values
+    return out
+
+
+def _bf16_encode(flat: torch.Tensor) -> torch.Tensor:
+    return flat.to(torch.bfloat16).view(torch.uint8)
+
+
+def _bf16_decode(blob: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    return blob.view(torch.bfloat16).to(dtype)
+
+
+ENCODERS: dict[str, Encoder] = {e.name: e for e in [
+    Encoder("sign-mask", True, _mask_encode, _mask_decode, lambda dt: dt.is_floating_point),
+    Encoder("sparse", True, _sparse_encode, _sparse_decode, lambda dt: dt.itemsize in _INT_OF),
+    Encoder("bf16", False, _bf16_encode, _bf16_decode, lambda dt: dt in (torch.float32, torch.float64)),
+]}
+
+
+def flat_storage(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage behind ``t`` as a flat tensor of ``t``'s dtype."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (storage.nbytes() // t.element_size(),))
+
+
+def sparse_bytes(flat: torch.Tensor) -> int:
+    """Size of ``sparse``'s blob for ``flat`` without building it."""
+    nnz = int((_as_bits(flat) != 0).sum())
+    return 4 * (-(-flat.numel() // ROW)) + nnz * (flat.element_size() + 1)
+
+
+def encoded_size(name: str, flat: torch.Tensor) -> int:
+    """Bytes of ``name``'s blob for ``flat``."""
+    n = flat.numel()
+    if name == "sign-mask":
+        return -(-n // 8)
+    if name == "sparse":
+        return sparse_bytes(flat)
+    if name == "bf16":
+        return 2 * n
+    raise KeyError(name)

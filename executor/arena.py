@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from profiler.meters import host_allocation
 from solver.units import format_bytes
 
 from .backends import Copy
@@ -62,7 +63,8 @@ class HostArena:
             raise HostMemoryShortfall(f"the host arena needs {format_bytes(nbytes)} of {kind}, but only "
                                       f"{format_bytes(available)} is available", _SHORTFALL_HINT)
         try:
-            chunk = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            with host_allocation():
+                chunk = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         except RuntimeError as exc:  # cudaHostAlloc refuses, or the host allocator does
             raise HostMemoryShortfall(f"could not allocate {format_bytes(nbytes)} of {kind} for the host arena "
                                       f"({str(exc).splitlines()[0][:200]})", _SHORTFALL_HINT) from None
@@ -77,8 +79,9 @@ class HostArena:
     def start_step(self) -> None:
         self._next = 0
 
-    def slot(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """The next slot of the step (same offsets every step), with room for ``nbytes``."""
+    def slot(self, nbytes: int, spare: int = 0) -> tuple[int, torch.Tensor]:
+        """The next slot of the step (same offsets every step), with room for ``nbytes``, and
+        ``spare`` more when it is first placed (for blobs whose size varies between steps)."""
         i = self._next
         self._next += 1
         if i < len(self._layout) and self._layout[i][2] >= nbytes:
@@ -86,7 +89,7 @@ class HostArena:
             return i, self.chunks[c][off:off + nbytes]
         # a new slot, or a larger one: a sparse blob grows when its storage has fewer zeros
         # than in earlier steps (counted in ``allocations`` when it takes a new chunk)
-        need = _round(nbytes)
+        need = _round(nbytes + spare)
         if not self.chunks or self._fill + need > self.chunks[-1].numel():
             self.grown += need
             self._add_chunk(max(need, 64 * 2**20))

@@ -144,7 +144,8 @@ class OffloadRuntime(StageListener):
         if k in self.plan.offloaded:
             for sid in self.units[k]:
                 s = self.stored[sid]
-                s.slot_index, s.slot = self.arena.slot(s.nbytes)
+                varies = s.codec is not None and s.codec[0].name == "sparse"  # its size follows the zeros
+                s.slot_index, s.slot = self.arena.slot(s.nbytes, spare=s.nbytes // 8 if varies else 0)
                 s.d2h = self.backend.d2h(s.device, s.slot, self.arena.guard(s.slot_index))
                 self.d2h_bytes += s.nbytes
         for i in self.plan.release_at.get(k, ()):

@@ -14,13 +14,30 @@ synchronisation inside the step), ``perf_counter`` on the CPU, where ops are syn
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+
+_host = threading.local()
+
+
+@contextlib.contextmanager
+def host_allocation() -> Iterator[None]:
+    """Tensors made in this block are host memory (the executor's arena), never counted as
+    device memory by a ``CpuMeter``, even when the CPU is also the device."""
+    previous = getattr(_host, "active", False)
+    _host.active = True
+    try:
+        yield
+    finally:
+        _host.active = previous
 
 
 class CpuMeter(TorchDispatchMode):
@@ -62,6 +79,9 @@ class CpuMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if getattr(_host, "active", False):  # host memory that stands in for pinned memory
+            self._ignored.update(t.untyped_storage()._cdata for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+            return out
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
         for t in tree_flatten(out)[0]:

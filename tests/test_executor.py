@@ -136,3 +136,23 @@ def test_compare_and_trace(chains, tmp_path):
     assert any(e.get("name") == "aten::mm" for e in events)
     assert report["trace"] == {"path": str(trace), "copy_overlap": None}
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_host_arena_is_never_device_memory_and_grows_a_slot_in_place():
+    """A sparse blob may outgrow its slot in a later step: the slot moves to new host memory,
+    which a CPU meter (the CPU being the device too) must not count."""
+    from executor.arena import HostArena
+    from profiler.meters import CpuMeter
+
+    meter = CpuMeter()
+    with meter:
+        arena = HostArena(0, pin=False)
+        arena.start_step()
+        first, small = arena.slot(1000, spare=100)
+        arena.start_step()
+        again, same = arena.slot(1100)  # within the spare: the same place
+        arena.start_step()
+        moved, large = arena.slot(5000)
+    meter.close()
+    assert first == again == moved and same.data_ptr() == small.data_ptr() and large.numel() == 5000
+    assert meter.peak == 0 and meter.live == 0

@@ -7,7 +7,7 @@ it breaks the budget), and attaches the lower bounds so that every result carrie
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from . import baselines, encoding, relax
@@ -90,11 +90,9 @@ def _adaptive(policy: Callable[[Chain, int], list[Offload] | None]) -> Callable[
 
 def _relax_lp(ctx: _Context) -> Planned:
     t = ctx.options.heuristic_time_s
-    if not encoding.allowed(ctx.chain, ctx.mode):
-        return Planned(relax.relax_lp(ctx.chain, ctx.budget, ctx.lp, t))
 
-    def on(derived: Chain) -> list[Offload]:
-        lp = fluid_lp(derived, ctx.budget)
+    def on(derived: Chain) -> list[Offload]:  # the fluid LP of the chain as encoded
+        lp = ctx.lp if derived is ctx.chain else fluid_lp(derived, ctx.budget)
         return relax.relax_lp(derived, ctx.budget, lp, t) if lp is not None else floor_offloads(derived)
     return Planned(*relax.with_encodings(ctx.chain, ctx.budget, ctx.mode, on, t))
 
@@ -138,7 +136,7 @@ def _ilp(ctx: _Context) -> Planned:
                 "objective_s": res.objective_s, "solver_bound_s": res.dual_bound_s,
                 "time_limit_s": opt.time_limit_s, "gap_limit": opt.gap, "warm_start_s": warm_span}
         if res.offloads is None:
-            return Planned(warm.offloads, warm.encode, {**info, "status": "timed-out", "note": "the solver found no schedule in time; the warm start (best heuristic) is returned"})
+            return replace(warm, info={**info, "status": "timed-out", "note": "the solver found no schedule in time; the warm start (best heuristic) is returned"})
         peak = simulate(chain, res.offloads, encode=res.encode).peak_bytes
         if peak <= budget:
             break
@@ -147,7 +145,7 @@ def _ilp(ctx: _Context) -> Planned:
         raise SolverFailure("the ILP's schedules exceed the budget after 3 tightened solves (numerical trouble)")
     found = Planned(res.offloads, res.encode)
     if _span(chain, found) > warm_span:
-        return Planned(warm.offloads, warm.encode, {**info, "status": "feasible", "note": "the solver's incumbent was worse than the warm start; the warm start is returned"})
+        return replace(warm, info={**info, "status": "feasible", "note": "the solver's incumbent was worse than the warm start; the warm start is returned"})
     return Planned(res.offloads, res.encode, {**info, "status": "optimal" if out.proven and target == budget else "feasible"})
 
 

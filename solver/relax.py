@@ -32,7 +32,7 @@ import numpy as np
 from . import encoding
 from .bounds import FluidLP
 from .chain import Chain
-from .memory import floor_offloads
+from .memory import floor_offloads, smallest_feasible_budget
 from .policy import absent_ops, cover_peaks, floor_memory, plan_greedy
 from .schedule import Offload
 from .simulate import simulate
@@ -156,7 +156,7 @@ def with_encodings(chain: Chain, budget: int, mode: str, heuristic: Callable[[Ch
     best: tuple[float, list[Offload], dict[int, str]] | None = None
     for choice in {tuple(sorted(c.items())): c for c in starts}.values():
         derived = encoding.apply(chain, choice)
-        if encoding.floor(derived, "none")[0] > budget:
+        if smallest_feasible_budget(derived) > budget:
             continue
         plan = heuristic(derived)
         sim = simulate(derived, plan)

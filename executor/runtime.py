@@ -5,7 +5,7 @@
 * pack: every tensor saved for backward is attributed, by storage, to the unit of the first
   stage that saves it (the profiler's rule, so units match the chain), and numbered within
   it in first-save order (the chain's ``EncodedTensor.index``).  Weights, buffers,
-  gradients and optimizer state are never touched.  A tensor of a kept unit is returned as
+  gradients, optimizer state and the input batch are never touched.  A tensor of a kept unit is returned as
   is; one of an offloaded or encoded unit is replaced by a small handle, and the runtime
   holds the storage itself, or the blob its encoder made of it (then the raw storage is
   freed as soon as the forward drops it: that is the encoding's saving);
@@ -16,7 +16,9 @@
   is ``k`` into fresh device buffers, wait for the units needed from ``k``;
 * unpack: the handle becomes a view of the prefetched buffer with the saved tensor's dtype,
   size, stride and offset, bit-identical to what was saved; an encoded storage is decoded
-  once, by its first reader, and the decoded storage kept until the unit is freed.
+  once, by its first reader.  The runtime drops its buffer when the last saved reference
+  is read, as autograd frees a saved tensor once its node has run: holding a unit's
+  buffers to the end of its stage would keep more than the profiled step did.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class _Stored:
     h2d: Copy | None = None
     buffer: torch.Tensor | None = None  # readable bytes: prefetched, or resident when kept encoded
     codec: tuple[Encoder, torch.dtype, int] | None = None  # encoder, dtype and element count of the raw storage
+    readers: int = 0  # saved references not yet read by the backward
     decoded: torch.Tensor | None = None  # the raw storage again, from its first reader to the end of B_unit
 
 
@@ -70,6 +73,7 @@ class OffloadRuntime(StageListener):
         self.staged, self.plan, self.backend = staged, plan, backend
         self.arena = HostArena(plan.planned_bytes, pin=backend.pin)
         self.persistent = {storage_key(t) for t in persistent}
+        self.batch: set[int] = set()  # storages of this step's inputs
         self.d2h_bytes = self.h2d_bytes = 0
         self.encoded_bytes = 0  # blobs made by the encoders, all steps
         self._reset()
@@ -86,7 +90,7 @@ class OffloadRuntime(StageListener):
     # ------------------------------------------------------------------ hooks
     def pack(self, t: torch.Tensor) -> Any:
         key = storage_key(t)
-        if key in self.persistent:
+        if key in self.persistent or key in self.batch:
             return t
         if key not in self.owner:
             self.owner[key] = self.stage
@@ -95,6 +99,7 @@ class OffloadRuntime(StageListener):
         sid = self.sid.get(key)
         if sid is None:
             return t
+        self.stored[sid].readers += 1
         return _Handle(sid, t.dtype, t.size(), t.stride(), t.storage_offset())
 
     def _hold(self, key: int, t: torch.Tensor, unit: int, index: int) -> None:
@@ -137,7 +142,11 @@ class OffloadRuntime(StageListener):
                 encoder, dtype, numel = s.codec
                 s.decoded = encoder.decode(s.buffer, dtype, numel).view(torch.uint8)
             raw = s.decoded
-        return raw.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
+        out = raw.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
+        s.readers -= 1
+        if s.readers == 0:  # the last saved reference is read: autograd would free it after this node
+            s.buffer = s.decoded = None
+        return out
 
     # -------------------------------------------------------------- boundaries
     def forward_boundary(self, k: int) -> None:
@@ -178,7 +187,9 @@ class OffloadRuntime(StageListener):
 
     # -------------------------------------------------------------------- step
     def forward(self, *inputs: torch.Tensor) -> Any:
-        """The model's forward with the output boundary (the turn, ``k = L``) appended."""
+        """The model's forward with the output boundary (the turn, ``k = L``) appended.  The
+        batch is the training loop's, alive through the step: never offloaded (as profiled)."""
+        self.batch = {storage_key(t) for t in inputs}
         out = self.staged(*inputs)
         if isinstance(out, torch.Tensor):
             return stage_boundary(out, self.plan.L)

@@ -127,7 +127,7 @@ def encodings_pass(runner: StepRunner, L: int) -> list[list[SavedStorage]]:
     """Per stage, its saved storages with their encoding candidates (module docstring)."""
     persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
     numbering = _Numbering({storage_key(t) for t in persistent})
-    out, loss = runner.run_step(numbering, numbering.pack)
+    out, loss = runner.run_step(numbering, numbering.pack, numbering.excluded)
     readers = _readers(loss.grad_fn)
     stages: list[list[SavedStorage]] = [[] for _ in range(L)]
     for key, (stage, index) in numbering.owner.items():

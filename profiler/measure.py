@@ -7,7 +7,8 @@ the optimizer's update is outside the chain and timed apart):
   ``saved_tensors_hooks`` pack hook records every storage saved for backward with the
   stage that saved it.  Storages are deduplicated across the whole model; a unit belongs
   to the first stage that saves it, and its ``need_from`` is the last stage that saves it
-  (the first backward to read it).  Parameters and buffers are never part of a unit.
+  (the first backward to read it).  Parameters, buffers and the input batch are never part
+  of a unit.
   With ``M0`` the bytes live when the step starts (weights, gradients, optimizer state)
   and ``U_j`` the units, the transients are ``fwd_peak_i = peak(F_i) − M0 − Σ_{j<i} U_j``
   and ``bwd_peak_i = peak(B_i) − M0 − Σ_{j≤i} U_j``: exactly what the chain model adds on
@@ -91,10 +92,10 @@ def persistent_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | Non
 class _Recorder(StageListener):
     """Tracks the current stage; reads the meter/clock at boundaries; records saved storages."""
 
-    def __init__(self, L: int, on_boundary: Callable[[], None], excluded: frozenset[int] | set[int] = frozenset()) -> None:
+    def __init__(self, L: int, on_boundary: Callable[[], None], excluded: set[int] | None = None) -> None:
         self.L, self.stage = L, 1
         self.on_boundary = on_boundary
-        self.excluded = excluded
+        self.excluded = excluded if excluded is not None else set()
         self.first: dict[int, int] = {}
         self.last: dict[int, int] = {}
         self.nbytes: dict[int, int] = {}
@@ -131,8 +132,14 @@ class StepRunner:
         make = OPTIMIZERS[optimizer]
         self.optimizer = make(self.params) if make and self.params else None
 
-    def run_step(self, listener: StageListener | None, pack: Callable | None = None) -> tuple[Any, torch.Tensor]:
+    def run_step(self, listener: StageListener | None, pack: Callable | None = None,
+                 exclude: set[int] | None = None) -> tuple[Any, torch.Tensor]:
+        """Forward and loss of one step on a fresh copy of the batch; its storages are added
+        to ``exclude``: the batch belongs to the training loop, which holds it through the
+        step, so it is never part of a unit (offloading it would free nothing)."""
         inputs = tuple(t.clone() for t in self.spec.inputs)
+        if exclude is not None:
+            exclude.update(storage_key(t) for t in inputs)
         ctx = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if pack else contextlib.nullcontext())
         if listener is None:
             out = self.staged(*inputs)
@@ -189,7 +196,7 @@ class StepRunner:
             meter.track(persistent)
             meter.boundary()
             m0 = meter.live
-            out, loss = self.run_step(rec, rec.pack)
+            out, loss = self.run_step(rec, rec.pack, rec.excluded)
             readings.append(meter.boundary())
             loss.backward()
             readings.append(meter.boundary())

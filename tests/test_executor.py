@@ -33,15 +33,16 @@ def schedules(chain):
     return {"none": make_schedule(chain, []), "all": everything, "solver": solved}
 
 
-def train_bit_exact(model, chain, sched, backend, name):
+def train_bit_exact(model, chain, sched, backend, name, slack=0):
     """Three steps checked against training without offloading: gradients bit for bit, no
-    leak (device accounting back to its base after every step), peak within the prediction."""
+    leak (device accounting back to its base after every step), peak within the prediction
+    (exactly: the CPU meter is exact; ``slack`` for blobs whose size follows the data)."""
     report, error = train(model, chain, sched, TrainOptions(steps=3, backend=backend, check_grads=True))
     assert error is None
     assert report["grads_match"] is True, (name, report["grad_mismatches"])
     m, p = report["measured"], report["predicted"]
     assert m["leaked_bytes_after_step"] == 0
-    assert m["peak_bytes"] <= p["peak_bytes"] * 1.02 + 64 * 1024, name
+    assert p["peak_bytes"] * 0.9 <= m["peak_bytes"] <= p["peak_bytes"] + slack, name  # (the loss is in F_L)
     return report
 
 

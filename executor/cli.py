@@ -39,6 +39,11 @@ def _print_report(r: dict) -> None:
                   f"{r['compare'][f'step_time_vs_{name}']:.2f}x its time")
         elif other:
             print(f"{label:<14}{'failed':>16}   {other['error']}")
+    if "op_peak_bytes" in m:
+        over = {op: b - p["op_bytes"][op] for op, b in m["op_peak_bytes"].items() if b > p["op_bytes"][op]}
+        worst = max(over, key=over.get) if over else None
+        print("op memory     " + (f"all {len(m['op_peak_bytes'])} ops within their prediction (step 1)" if not over else
+                                   f"{len(over)} op(s) above their prediction in step 1, most {format_bytes(over[worst])} at {worst}"))
     if r["trace"]:
         overlap = r["trace"]["copy_overlap"]
         print(f"trace         {r['trace']['path']}" + (
@@ -56,7 +61,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     chain = load_chain(args.chain)
     schedule = load_schedule(args.schedule, chain)
     opts = TrainOptions(steps=args.steps, device=args.device, backend=args.backend, optimizer=args.optimizer,
-                        lr=args.lr, check_grads=args.check_grads, compare=args.compare, trace=args.trace)
+                        lr=args.lr, check_grads=args.check_grads, compare=args.compare, trace=args.trace,
+                        op_memory=args.op_memory)
     report, error = train(args.model, chain, schedule, opts, batch=args.batch)
     if args.report:
         write_json(args.report, report)
@@ -101,5 +107,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", metavar="JSON",
                    help="write a torch.profiler Chrome trace of one more step (open in ui.perfetto.dev); on a GPU "
                         "it also reports how much of the copy time ran under compute")
+    p.add_argument("--op-memory", action="store_true",
+                   help="read memory at every op's end in step 1 and compare each op with the simulator's (report: "
+                        "measured.op_peak_bytes, predicted.op_bytes); on a GPU this synchronizes step 1 at every boundary")
     p.add_argument("--report", metavar="JSON", help="write the run report here (also when a step fails its budget)")
     p.set_defaults(func=cmd_train)

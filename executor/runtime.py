@@ -74,6 +74,8 @@ class OffloadRuntime(StageListener):
         self.arena = HostArena(plan.planned_bytes, pin=backend.pin)
         self.persistent = {storage_key(t) for t in persistent}
         self.batch: set[int] = set()  # storages of this step's inputs
+        self.meter: Any = None  # when set (one step), read at every op's end: ``op_peaks``
+        self.op_peaks: dict[str, int] = {}  # op name -> the most bytes live during it
         self.d2h_bytes = self.h2d_bytes = 0
         self.encoded_bytes = 0  # blobs made by the encoders, all steps
         self._reset()
@@ -166,10 +168,13 @@ class OffloadRuntime(StageListener):
                 s.d2h.keep.clear()
                 if s.codec is None:  # the address may be reused by a new storage from now on
                     del self.owner[s.key], self.sid[s.key]
+        self._read(f"F{k}")
         self.stage = min(k + 1, self.plan.L)
 
     def backward_boundary(self, k: int) -> None:
+        self._read(f"B{min(k + 1, self.plan.L)}")  # at the turn: the loss, counted with B_L
         self._free(k + 1)
+        self._read(None)  # the frees belong to the op that ended, the prefetches to the next
         for i in self.plan.prefetch_at.get(k, ()):
             for sid in self.units[i]:
                 s = self.stored[sid]
@@ -180,6 +185,13 @@ class OffloadRuntime(StageListener):
         for i in self.plan.wait_at.get(k, ()):
             for sid in self.units[i]:
                 self.backend.wait(self.stored[sid].h2d)
+
+    def _read(self, op: str | None) -> None:
+        """The peak since the last reading, as the memory of ``op`` (``None``: just restart)."""
+        if self.meter is not None:
+            peak, _ = self.meter.boundary()
+            if op is not None:
+                self.op_peaks[op] = max(peak, self.op_peaks.get(op, 0))
 
     def _free(self, unit: int) -> None:
         for sid in self.units.get(unit, ()):

@@ -55,6 +55,7 @@ class TrainOptions:
     check_grads: bool = False
     compare: bool = False  # also time the same steps without offloading and under save_on_cpu
     trace: str | None = None  # write a torch.profiler Chrome trace of one more step here
+    op_memory: bool = False  # read memory at every stage boundary of the first step (per-op peaks)
 
 
 def stage_like_chain(model: str, chain: Chain, device: torch.device) -> tuple[Any, Any]:
@@ -116,7 +117,7 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
     try:
         runtime = OffloadRuntime(staged, plan, backend, list(spec.module.parameters()) + list(spec.module.buffers()))
         run, error = trainer.measure(opts.steps, runtime.step, runtime.forward, after_backward=check,
-                                     arena=runtime.arena)
+                                     arena=runtime.arena, probe=runtime if opts.op_memory else None)
     except HostMemoryShortfall as exc:
         run, error = _Run(), exc
     completed = error is None  # every step ran (it may still have gone over the budget)
@@ -143,10 +144,12 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
         "measured": {
             **run.summary(base),
             "d2h_bytes_per_step": moved[0], "h2d_bytes_per_step": moved[1], "encoded_bytes_per_step": encoded,
+            **({"op_peak_bytes": {op: b + base for op, b in run.op_peaks.items()}} if run.op_peaks else {}),
             "host_arena_bytes": arena.nbytes if arena else 0, "host_allocations": run.allocations,
         },
         "predicted": {"makespan_s": sim.makespan_s, "peak_bytes": sim.peak_bytes + base, "stall_s": sim.stall_s,
-                      "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes},
+                      "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes,
+                      **({"op_bytes": {o.name: o.mem_bytes + base for o in sim.ops}} if opts.op_memory else {})},
         "grads_match": (not any(mismatches)) if check is not None and run.peaks else None,
         "grad_mismatches": mismatches if check is not None else None,
         # lossy encodings change gradients on purpose: by how much (||ours - reference|| / ||reference||)
@@ -169,6 +172,7 @@ class _Run:
     peaks: list[int] = field(default_factory=list)  # activation bytes: the step's peak over its start
     leaks: list[int] = field(default_factory=list)  # bytes still live after the step, over its start
     allocations: list[int] = field(default_factory=list)  # host arena buffers so far, after each step
+    op_peaks: dict[str, int] = field(default_factory=dict)  # first step, per op (with TrainOptions.op_memory)
     metered_step_s: list[float] = field(default_factory=list)  # CPU: the metered steps' times (not step_s)
 
     @property
@@ -211,12 +215,13 @@ class _Trainer:
             p.grad.zero_()
 
     def measure(self, steps: int, wrap: Callable[[], ContextManager], forward: Callable[..., torch.Tensor],
-                after_backward: Callable[[], None] | None = None,
-                arena: HostArena | None = None) -> tuple[_Run, OffloadError | None]:
+                after_backward: Callable[[], None] | None = None, arena: HostArena | None = None,
+                probe: OffloadRuntime | None = None) -> tuple[_Run, OffloadError | None]:
         """``steps`` steps with memory metered; on the CPU, where exact accounting slows every op
         down several times, ``steps`` more without the meter give the step times.  On running out
-        of memory: the steps before it, and the error."""
-        run, error = self._metered(steps, wrap, forward, after_backward, arena)
+        of memory: the steps before it, and the error.  With a ``probe`` runtime, the first step's
+        memory is read at every op's end too (``run.op_peaks``)."""
+        run, error = self._metered(steps, wrap, forward, after_backward, arena, probe)
         if error is None and self.device.type != "cuda":
             run.metered_step_s = run.step_s
             run.step_s, error = self._timed(steps, wrap, forward)
@@ -240,8 +245,8 @@ class _Trainer:
         return times, None
 
     def _metered(self, steps: int, wrap: Callable[[], ContextManager], forward: Callable[..., torch.Tensor],
-                 after_backward: Callable[[], None] | None,
-                 arena: HostArena | None) -> tuple[_Run, OffloadError | None]:
+                 after_backward: Callable[[], None] | None, arena: HostArena | None,
+                 probe: OffloadRuntime | None = None) -> tuple[_Run, OffloadError | None]:
         run = _Run()
         for step in range(1, steps + 1):
             persistent = persistent_tensors(self.spec.module, self.optimizer, self.device)
@@ -256,15 +261,23 @@ class _Trainer:
                         meter.track(persistent)
                         meter.boundary()
                         m0 = meter.live
+                        if probe is not None and step == 1:
+                            probe.meter = meter
                         self.one_step(wrap, forward)
                         self.synchronize()
                         elapsed = time.perf_counter() - t0
                         gc.collect()  # reference cycles (closures over tensors) are only freed by the collector
                         peak, live = meter.boundary()
+                        if probe is not None and step == 1:
+                            probe.op_peaks["B1"] = peak
+                            run.op_peaks = {op: p - m0 for op, p in probe.op_peaks.items()}
+                            peak = max(probe.op_peaks.values())
             except OffloadError as exc:
                 return run, exc
             finally:
                 meter.close()
+                if probe is not None:
+                    probe.meter = None
             run.step_s.append(elapsed)
             run.peaks.append(peak - m0)
             run.leaks.append(live - m0)

@@ -196,11 +196,11 @@ class StepRunner:
             meter.track(persistent)
             meter.boundary()
             m0 = meter.live
-            out, loss = self.run_step(rec, rec.pack, rec.excluded)
+            loss = self.run_step(rec, rec.pack, rec.excluded)[1]  # the output is not held (a loop holds the loss)
             readings.append(meter.boundary())
             loss.backward()
             readings.append(meter.boundary())
-            del out, loss
+            del loss
         meter.close()
         self.zero_grads()
         if len(readings) != 2 * L:

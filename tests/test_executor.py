@@ -157,3 +157,20 @@ def test_host_arena_is_never_device_memory_and_grows_a_slot_in_place():
     meter.close()
     assert first == again == moved and same.data_ptr() == small.data_ptr() and large.numel() == 5000
     assert meter.peak == 0 and meter.live == 0
+
+
+@pytest.mark.parametrize("backend", ["cpu-eager", "cpu-lazy"])
+@pytest.mark.parametrize("model", list(OPTIONS))
+def test_every_op_holds_exactly_the_predicted_memory(chains, model, backend):
+    """With the CPU's exact accounting, each op of a step holds at most what the simulator
+    says, and no more than 5% of the peak below it (ResNet-18: byte for byte).  F_L is apart:
+    the profiler counts the loss's forward in it, the executor's reading falls in B_L."""
+    chain = chains[model]
+    for name, sched in schedules(chain).items():
+        report, error = train(model, chain, sched, TrainOptions(steps=1, backend=backend, op_memory=True))
+        assert error is None
+        measured, predicted = report["measured"]["op_peak_bytes"], report["predicted"]["op_bytes"]
+        assert list(measured) == list(predicted)
+        assert all(measured[op] <= predicted[op] for op in measured), name
+        slack = 0 if model == "resnet18" else max(predicted.values()) // 20
+        assert all(predicted[op] - measured[op] <= slack for op in measured if op != f"F{chain.L}"), name

@@ -81,9 +81,10 @@ class OffloadRuntime(StageListener):
         self._reset()
 
     def _reset(self) -> None:
-        self.generation = getattr(self, "generation", 0) + 1
         self.stage = 1
-        self.owner: dict[int, int] = {}  # live storage key -> unit (first saver)
+        # storage key -> (unit of its first saver, the storage itself, weakly): a key is an
+        # address, which a new storage may take once an encoded raw storage has died
+        self.owner: dict[int, tuple[int, weakref.ref]] = {}
         self.sid: dict[int, int] = {}  # live storage key -> id of its held storage
         self.stored: list[_Stored] = []  # held storages (offloaded or encoded), by id
         self.count: dict[int, int] = {}  # unit -> storages numbered so far
@@ -94,8 +95,14 @@ class OffloadRuntime(StageListener):
         key = storage_key(t)
         if key in self.persistent or key in self.batch:
             return t
-        if key not in self.owner:
-            self.owner[key] = self.stage
+        storage = t.untyped_storage()
+        known = self.owner.get(key)
+        if known is not None and known[1]() is not storage:  # the address of a storage that died
+            del self.owner[key]
+            self.sid.pop(key, None)
+            known = None
+        if known is None:
+            self.owner[key] = (self.stage, weakref.ref(storage))
             index = self.count[self.stage] = self.count.get(self.stage, 0) + 1
             self._hold(key, t, self.stage, index - 1)
         sid = self.sid.get(key)
@@ -114,10 +121,7 @@ class OffloadRuntime(StageListener):
             flat = flat_storage(t)
             codec = (ENCODERS[encoder], flat.dtype, flat.numel())
             held = codec[0].encode(flat)
-            self.encoded_bytes += held.numel()
-            # the raw storage dies with the forward's last use of it; its address may then be
-            # reused by a new storage, which must not be taken for this one
-            weakref.finalize(t.untyped_storage(), self._forget, key, sid, self.generation)
+            self.encoded_bytes += held.numel()  # the raw storage dies with the forward's last use of it
         else:
             codec = None
             held = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
@@ -126,10 +130,6 @@ class OffloadRuntime(StageListener):
         self.stored.append(_Stored(unit, key, held if offloaded else None, held.numel(), codec=codec,
                                    buffer=None if offloaded else held))
         self.units[unit].append(sid)
-
-    def _forget(self, key: int, sid: int, generation: int) -> None:
-        if generation == self.generation and self.sid.get(key) == sid:
-            del self.sid[key], self.owner[key]
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):

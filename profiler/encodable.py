@@ -10,7 +10,8 @@ One extra step of the staged model (after the warm-up, like the memory pass):
   ``sign-mask``; any storage may take ``sparse`` (kept where it saves at least 10%); 32- and
   64-bit floats other than normalization statistics may take the lossy ``bf16``;
 * each candidate is encoded and decoded on the real tensor, timed (median of 3, CUDA
-  synchronized), and sized by the blob it produced; ``sparse`` must round-trip bit for bit
+  synchronized), sized by the blob it produced, and metered for the temporary memory the
+  codec needs (its workspace, which the model adds where the codec runs); ``sparse`` must round-trip bit for bit
   (``sign-mask`` is exact only for its readers: the executor's tests compare gradients).
 
 Each stage then offers ``lossless`` (per storage the smallest lossless encoding) and
@@ -28,6 +29,7 @@ import torch
 
 from .encoders import ENCODERS, encoded_size, flat_storage
 from .measure import StepRunner, persistent_tensors, storage_key
+from .meters import make_meter
 from .staged import StageListener
 
 SIGN_ONLY = {("ReluBackward0", "_saved_result"), ("MaxPool2DWithIndicesBackward0", "_saved_self")}
@@ -43,6 +45,7 @@ class Candidate:
     nbytes: int  # the blob
     encode_s: float
     decode_s: float
+    workspace_bytes: int  # temporaries of the encoder or decoder, beyond input and output
 
 
 @dataclass
@@ -114,13 +117,30 @@ def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = 3) ->
     return out, statistics.median(times)
 
 
+def _workspace(name: str, flat: torch.Tensor) -> int:
+    """The most temporary memory encoding or decoding ``flat`` takes beyond input and output."""
+    enc = ENCODERS[name]
+    meter = make_meter(flat.device)
+    with meter:
+        meter.track([flat])
+        meter.boundary()
+        blob = enc.encode(flat)
+        peak, live = meter.boundary()
+        enc_ws = peak - live
+        back = enc.decode(blob, flat.dtype, flat.numel())
+        peak, live = meter.boundary()
+        del back, blob
+    meter.close()
+    return max(enc_ws, peak - live, 0)
+
+
 def _try(name: str, flat: torch.Tensor, sync: Callable[[], None]) -> Candidate:
     enc = ENCODERS[name]
     blob, enc_s = _timed(lambda: enc.encode(flat), sync)
     back, dec_s = _timed(lambda: enc.decode(blob, flat.dtype, flat.numel()), sync)
     if name == "sparse" and not torch.equal(back.view(torch.uint8), flat.view(torch.uint8)):
         raise RuntimeError("the sparse encoder did not round-trip bit for bit")  # a bug, never data
-    return Candidate(name, blob.numel(), enc_s, dec_s)
+    return Candidate(name, blob.numel(), enc_s, dec_s, _workspace(name, flat))
 
 
 def encodings_pass(runner: StepRunner, L: int) -> list[list[SavedStorage]]:
@@ -162,8 +182,8 @@ def stage_encodings(storages: list[SavedStorage]) -> list[dict]:
             best = min(usable, key=lambda c: (c.nbytes, c.encode_s + c.decode_s))
             if best.nbytes >= s.nbytes:
                 continue
-            tensors.append({"index": s.index, "encoder": best.encoder, "bytes": s.nbytes,
-                            "encoded_bytes": best.nbytes, "output": s.output})
+            tensors.append({"index": s.index, "encoder": best.encoder, "bytes": s.nbytes, "encoded_bytes": best.nbytes,
+                            "output": s.output, "workspace_bytes": best.workspace_bytes})
             enc_s += best.encode_s
             dec_s += best.decode_s
         if tensors and not (out and out[0]["tensors"] == tensors):

@@ -59,7 +59,16 @@ class CpuMeter(TorchDispatchMode):
 
     def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these storages (the executor's host arena is host memory, not device memory)."""
-        self._ignored.update(t.untyped_storage()._cdata for t in tensors)
+        for t in tensors:
+            self._ignore(t)
+
+    def _ignore(self, t: torch.Tensor) -> None:
+        """Ignore ``t``'s storage while it lives: its address may later be another storage's."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self._ignored:
+            self._ignored.add(key)
+            self._finalizers.append(weakref.finalize(storage, self._ignored.discard, key))
 
     def _register(self, t: torch.Tensor) -> None:
         if t.device.type != "cpu" or t.is_meta:
@@ -80,7 +89,9 @@ class CpuMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if getattr(_host, "active", False):  # host memory that stands in for pinned memory
-            self._ignored.update(t.untyped_storage()._cdata for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._ignore(t)
             return out
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
@@ -88,7 +99,7 @@ class CpuMeter(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 key = t.untyped_storage()._cdata if t.device.type == "cpu" else None
                 if key in inputs and key not in self._tracked:
-                    self._ignored.add(key)  # a view of a tensor from before the step: not allocated here
+                    self._ignore(t)  # a view of a tensor from before the step: not allocated here
                 else:
                     self._register(t)
         return out

@@ -25,21 +25,23 @@ CHAIN_FORMAT = "offload-chain/1"
 CHANNEL_MODES = ("duplex", "shared")
 _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from", "encodings"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
-_TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output"}
+_TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "channels", "note"}
 
 
 @dataclass(frozen=True)
 class EncodedTensor:
     """One storage of a unit stored encoded: its place among the unit's storages (in the
-    order the forward saves them), the encoder, its raw and encoded size, and whether it is
-    the stage's output (then it stays alive, raw, as the next stage's input)."""
+    order the forward saves them), the encoder, its raw and encoded size, whether it is the
+    stage's output (then it stays alive, raw, as the next stage's input), and the temporary
+    memory the encoder or the decoder needs beyond its input and output."""
 
     index: int
     encoder: str
     nbytes: int
     encoded_bytes: int
     output: bool = False
+    workspace_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,22 @@ class Encoding:
     def output_bytes(self) -> int:
         """Covered raw bytes that stay alive as the next stage's input."""
         return sum(t.nbytes for t in self.tensors if t.output)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Temporary memory of the codecs, which run one storage at a time."""
+        return max((t.workspace_bytes for t in self.tensors), default=0)
+
+    @property
+    def fwd_extra_bytes(self) -> int:
+        """What ``Fi`` holds on top of its raw peak: the encoded copies and the encoder's workspace."""
+        return self.encoded_bytes + self.workspace_bytes
+
+    @property
+    def bwd_extra_bytes(self) -> int:
+        """What ``B(need_i) .. Bi`` hold on top of the encoded unit: the decoded storages and
+        the decoder's workspace."""
+        return self.covered_bytes + self.workspace_bytes
 
 
 @dataclass(frozen=True)
@@ -266,7 +284,8 @@ def _encodings_from_list(raw: Any, saved: int, ctx: str) -> tuple[Encoding, ...]
                 raise FormatError(f"{tctx}.index must be a distinct integer >= 0, got {index!r}")
             seen.add(index)
             tensors.append(EncodedTensor(index, _string(t, "encoder", tctx), _bytes(t, "bytes", tctx),
-                                         _bytes(t, "encoded_bytes", tctx), _flag(t, "output", tctx, False)))
+                                         _bytes(t, "encoded_bytes", tctx), _flag(t, "output", tctx, False),
+                                         _bytes(t, "workspace_bytes", tctx) if "workspace_bytes" in t else 0))
         enc = Encoding(name, _flag(e, "lossless", ectx, False), _number(e, "encode_s", ectx),
                        _number(e, "decode_s", ectx), tuple(tensors))
         if enc.covered_bytes > saved:
@@ -277,8 +296,8 @@ def _encodings_from_list(raw: Any, saved: int, ctx: str) -> tuple[Encoding, ...]
 
 def _encodings_to_list(encodings: tuple[Encoding, ...]) -> list[dict]:
     return [{"name": e.name, "lossless": e.lossless, "encode_s": e.encode_s, "decode_s": e.decode_s,
-             "tensors": [{"index": t.index, "encoder": t.encoder, "bytes": t.nbytes,
-                          "encoded_bytes": t.encoded_bytes, "output": t.output} for t in e.tensors]}
+             "tensors": [{"index": t.index, "encoder": t.encoder, "bytes": t.nbytes, "encoded_bytes": t.encoded_bytes,
+                          "output": t.output, "workspace_bytes": t.workspace_bytes} for t in e.tensors]}
             for e in encodings]
 
 

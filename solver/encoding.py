@@ -7,11 +7,12 @@ are the stage's output, encoded into ``Q`` bytes) means:
 * the unit is ``E = A - P + Q`` bytes from then on: what stays resident, and what crosses
   the bus when it is offloaded;
 * ``Fi`` runs the encoders after its ops (``+ encode_s``) and holds the encoded copy on top
-  of its raw peak (``+ Q``);
+  of its raw peak, with the codec's workspace ``W`` (``+ Q + W``);
 * during ``F(i+1)`` the raw stage output is still alive as that stage's input (``+ Pout``),
   while the raw storages internal to stage ``i`` are already gone;
 * the first backward reader ``B(need_i)`` decodes (``+ decode_s``), and from ``B(need_i)``
-  to ``Bi`` the decoded storages live next to the encoded unit (``+ P``).
+  to ``Bi`` the decoded storages live next to the encoded unit, with the workspace
+  (``+ P + W``).
 
 Each of these is a change of the stage fields, so a choice of encodings turns a chain into
 a plain derived chain (``apply``) on which the simulator, the timing rules and the
@@ -75,12 +76,12 @@ def apply(chain: Chain, choice: Choice) -> Chain:
         need = chain.stage(i).need_from
         me = st[i - 1]
         me["saved_bytes"] = encoded_bytes(chain, i, e)
-        me["fwd_peak_bytes"] += e.encoded_bytes
+        me["fwd_peak_bytes"] += e.fwd_extra_bytes
         me["fwd_s"] += e.encode_s
         if i < chain.L:
             st[i]["fwd_peak_bytes"] += e.output_bytes
         for j in range(i, need + 1):
-            st[j - 1]["bwd_peak_bytes"] += e.covered_bytes
+            st[j - 1]["bwd_peak_bytes"] += e.bwd_extra_bytes
         st[need - 1]["bwd_s"] += e.decode_s
     stages = tuple(replace(s, encodings=(), **fields) for s, fields in zip(chain.stages, st))
     return replace(chain, stages=stages)

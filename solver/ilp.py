@@ -143,7 +143,7 @@ class _Model:
                 for o in self.opts[i]:
                     held = chosen(i, o) - released(i, o, j - 1) if i in U else chosen(i, o)
                     terms.append(size[i, o] * held)
-            row = pulp.lpSum(terms) + chain.fp[j] / mu + extra(j, "encoded_bytes")
+            row = pulp.lpSum(terms) + chain.fp[j] / mu + extra(j, "fwd_extra_bytes")
             if j > 1:
                 row += extra(j - 1, "output_bytes")
             if j > 1 or len(self.opts[1]) > 1:
@@ -157,7 +157,7 @@ class _Model:
                     else:
                         terms.append(size[i, o] * (chosen(i, o) - x[i, o] + fetched(i, o, j)))
                 if j <= need[i]:
-                    terms.append(extra(i, "covered_bytes"))
+                    terms.append(extra(i, "bwd_extra_bytes"))
             lp += pulp.lpSum(terms) + chain.bp[j] / mu <= B, f"memB{j}"
 
         # --- op durations: encoders run at the end of F_i, decoders in B(need_i)

@@ -16,8 +16,8 @@ def _encodings(draw, saved: int) -> list[dict]:
     out = []
     for n in range(draw(st.integers(1, 2))):
         first = draw(st.integers(1, saved))
-        tensors = [{"index": 0, "encoder": "sign-mask", "bytes": first,
-                    "encoded_bytes": draw(st.integers(0, first)), "output": draw(st.booleans())}]
+        tensors = [{"index": 0, "encoder": "sign-mask", "bytes": first, "encoded_bytes": draw(st.integers(0, first)),
+                    "output": draw(st.booleans()), "workspace_bytes": draw(st.sampled_from([0, 0, 5, 20]))}]
         if first < saved and draw(st.booleans()):
             rest = draw(st.integers(1, saved - first))
             tensors.append({"index": 1, "encoder": "sparse", "bytes": rest,

@@ -41,7 +41,7 @@ def test_derived_chain_follows_the_model(encoded_four):
     d = encoding.apply(c, {2: "mask"})
     s1, s2, s3 = d.stage(1), d.stage(2), d.stage(3)
     assert s2.saved_bytes == 100 - 80 + 10  # what stays resident and what moves
-    assert s2.fwd_peak_bytes == 150 + 10  # raw and encoded copy live together in F2
+    assert s2.fwd_peak_bytes == 150 + 10  # raw and encoded copy live together in F2 (no workspace here)
     assert s3.fwd_peak_bytes == 150  # internal storage: nothing raw left in F3
     assert s2.bwd_peak_bytes == 50 + 80  # decoded storages next to the encoded unit in B2
     assert s2.fwd_s == 1.5 and s2.bwd_s == 2.25
@@ -214,3 +214,14 @@ def test_chain_copy_with_encodings_round_trips(encoded_four):
     doc = to_dict(encoded_four)
     again = chain_from_dict(copy.deepcopy(doc))
     assert again == encoded_four and again.sha256 == encoded_four.sha256
+
+
+def test_codec_workspace_counts_where_the_codec_runs():
+    doc = chain_doc()
+    e = mask()
+    e["tensors"][0]["workspace_bytes"] = 7
+    doc["stages"][1]["encodings"] = [e]
+    d = encoding.apply(chain_from_dict(doc), {2: "mask"})
+    assert d.stage(2).fwd_peak_bytes == 150 + 10 + 7  # the encoder runs in F2
+    assert d.stage(2).bwd_peak_bytes == 50 + 80 + 7  # the decoder in B2
+    assert d.stage(3).fwd_peak_bytes == 150 and d.stage(3).bwd_peak_bytes == 50

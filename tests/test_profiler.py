@@ -67,8 +67,10 @@ def quick(model: str, **kw) -> ProfileOptions:
 
 
 def independent_saved_bytes(spec: ModelSpec) -> int:
-    """Bytes saved for backward by one forward of the *uninstrumented* model, counted here."""
-    params = {t.untyped_storage().data_ptr() for t in itertools.chain(spec.module.parameters(), spec.module.buffers())}
+    """Bytes saved for backward by one forward of the *uninstrumented* model, counted here
+    (the weights and the input batch are never part of a unit)."""
+    inputs = [t.clone() for t in spec.inputs]
+    params = {t.untyped_storage().data_ptr() for t in itertools.chain(spec.module.parameters(), spec.module.buffers(), inputs)}
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -78,7 +80,7 @@ def independent_saved_bytes(spec: ModelSpec) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = spec.loss(spec.module(*[t.clone() for t in spec.inputs]))
+        loss = spec.loss(spec.module(*inputs))
     loss.backward()
     return sum(storages.values())
 
@@ -111,12 +113,12 @@ def test_hand_counted_mlp():
     staged = stage_model(cap, default_cuts(cap))
     assert [st.name for st in staged.stages] == ["0", "2"]  # the ReLU joins the first Linear
     m = measure(StepRunner(staged, spec, torch.device("cpu"), "sgd"), repeats=1, warmup=1)
-    # stage 1 saves its input (32 B) and the ReLU output (64 B), which Linear 2 saves too: need_from 2
-    # stage 2 saves its output (24 B) for the square in the loss
-    assert [s.saved_bytes for s in m.stages] == [96, 24]
+    # stage 1 saves its input (the batch, 32 B: the loop's, never a unit) and the ReLU output
+    # (64 B), which Linear 2 saves too: need_from 2; stage 2 saves its output (24 B) for the loss
+    assert [s.saved_bytes for s in m.stages] == [64, 24]
     assert [s.need_from for s in m.stages] == [2, 2]
-    # F1: input 32 + Linear output 64 + ReLU output 64;  F2: output 24 + square 24 + mean 4
-    assert [s.fwd_peak_bytes for s in m.stages] == [160, 52]
+    # F1: input 32 + Linear output 64 + ReLU output 64;  F2: input 32 + output 24 + square 24 + mean 4
+    assert [s.fwd_peak_bytes for s in m.stages] == [160, 84]
     assert m.base_bytes == 3 * (4 * 8 + 8 + 8 * 3 + 3) * 4  # weights, gradients, SGD momentum
 
 

@@ -82,9 +82,9 @@ class OffloadRuntime(StageListener):
 
     def _reset(self) -> None:
         self.stage = 1
-        # storage key -> (unit of its first saver, the storage itself, weakly): a key is an
+        # storage key -> the storage, weakly: the storages numbered this step.  A key is an
         # address, which a new storage may take once an encoded raw storage has died
-        self.owner: dict[int, tuple[int, weakref.ref]] = {}
+        self.seen: dict[int, weakref.ref] = {}
         self.sid: dict[int, int] = {}  # live storage key -> id of its held storage
         self.stored: list[_Stored] = []  # held storages (offloaded or encoded), by id
         self.count: dict[int, int] = {}  # unit -> storages numbered so far
@@ -96,13 +96,13 @@ class OffloadRuntime(StageListener):
         if key in self.persistent or key in self.batch:
             return t
         storage = t.untyped_storage()
-        known = self.owner.get(key)
-        if known is not None and known[1]() is not storage:  # the address of a storage that died
-            del self.owner[key]
+        known = self.seen.get(key)
+        if known is not None and known() is not storage:  # the address of a storage that died
+            del self.seen[key]
             self.sid.pop(key, None)
             known = None
         if known is None:
-            self.owner[key] = (self.stage, weakref.ref(storage))
+            self.seen[key] = weakref.ref(storage)
             index = self.count[self.stage] = self.count.get(self.stage, 0) + 1
             self._hold(key, t, self.stage, index - 1)
         sid = self.sid.get(key)
@@ -167,7 +167,7 @@ class OffloadRuntime(StageListener):
                 s.device = None
                 s.d2h.keep.clear()
                 if s.codec is None:  # the address may be reused by a new storage from now on
-                    del self.owner[s.key], self.sid[s.key]
+                    del self.seen[s.key], self.sid[s.key]
         self._read(f"F{k}")
         self.stage = min(k + 1, self.plan.L)
 

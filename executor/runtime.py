@@ -43,7 +43,6 @@ class _Stored:
     """One device storage of an offloaded unit, through its life in one step."""
 
     unit: int
-    key: int  # the raw storage's key when it was saved
     device: torch.Tensor | None  # the whole storage as bytes (or its blob), until released
     nbytes: int
     slot_index: int = -1
@@ -53,7 +52,7 @@ class _Stored:
     buffer: torch.Tensor | None = None  # readable bytes: prefetched, or resident when kept encoded
     codec: tuple[Encoder, torch.dtype, int] | None = None  # encoder, dtype and element count of the raw storage
     readers: int = 0  # saved references not yet read by the backward
-    decoded: torch.Tensor | None = None  # the raw storage again, from its first reader to the end of B_unit
+    decoded: torch.Tensor | None = None  # the raw storage again, from its first reader to its last
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ class OffloadRuntime(StageListener):
     def _reset(self) -> None:
         self.stage = 1
         # storage key -> the storage, weakly: the storages numbered this step.  A key is an
-        # address, which a new storage may take once an encoded raw storage has died
+        # address, which a new storage may take once a released or encoded storage has died
         self.seen: dict[int, weakref.ref] = {}
         self.sid: dict[int, int] = {}  # live storage key -> id of its held storage
         self.stored: list[_Stored] = []  # held storages (offloaded or encoded), by id
@@ -120,14 +119,14 @@ class OffloadRuntime(StageListener):
         if encoder is not None:
             flat = flat_storage(t)
             codec = (ENCODERS[encoder], flat.dtype, flat.numel())
-            held = codec[0].encode(flat)
-            self.encoded_bytes += held.numel()  # the raw storage dies with the forward's last use of it
+            held = codec[0].encode(flat)  # the raw storage dies with the forward's last use of it
+            self.encoded_bytes += held.numel()
         else:
             codec = None
             held = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
         self.sid[key] = sid
         offloaded = unit in self.plan.offloaded
-        self.stored.append(_Stored(unit, key, held if offloaded else None, held.numel(), codec=codec,
+        self.stored.append(_Stored(unit, held if offloaded else None, held.numel(), codec=codec,
                                    buffer=None if offloaded else held))
         self.units[unit].append(sid)
 
@@ -166,8 +165,6 @@ class OffloadRuntime(StageListener):
                 self.backend.released(s.device)
                 s.device = None
                 s.d2h.keep.clear()
-                if s.codec is None:  # the address may be reused by a new storage from now on
-                    del self.seen[s.key], self.sid[s.key]
         self._read(f"F{k}")
         self.stage = min(k + 1, self.plan.L)
 

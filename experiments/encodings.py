@@ -12,8 +12,8 @@ link-bound what-if of the reproduction (``reproduce.link_bound``):
 * the ILP's step time at 50% and 30% of the no-offload peak with encodings none, lossless
   and lossy (the solver chooses per unit: keep, keep encoded, offload, offload encoded).
 
-Outputs in ``experiments/results/encodings/``: ``smallest.csv``, ``at_budgets.csv`` (one sweep
-row per cell, with status, gap and encoded units), ``encodings.png``; the tables are printed.
+Outputs in ``experiments/results/encodings/``: ``smallest.csv``, ``at_budgets_by_platform.csv`` (one sweep
+row per platform and cell, with status, gap and encoded units), ``encodings.png``; the tables are printed.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from solver.simulate import simulate
 
 from .plots import plot_bars
 from .reproduce import link_bound
-from .sweep import Row, sweep, write_rows
+from .sweep import sweep
 
 CHAINS = Path(__file__).parent / "chains" / "encoded"
 OUT = Path(__file__).parent / "results" / "encodings"
@@ -44,7 +44,7 @@ def smallest_budgets(chain: Chain) -> dict:
     for mode in ("lossless", "lossy"):
         cells[f"offload+{mode}"] = encoding.floor(chain, mode)[0]
         cells[f"gist-{mode}"] = simulate(chain, [], encode=encoding.smallest(chain, mode)).peak_bytes
-    return {"chain": chain.name, **{k: v for k, v in cells.items()},
+    return {"chain": chain.name, **cells,
             **{f"{k}_share": round(v / peak, 4) for k, v in cells.items() if k != "no_offload_peak"}}
 
 
@@ -73,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({"platform": platform, **vars(r)})
             print(f"{platform:<11} {chain.name} done", file=sys.stderr, flush=True)
     write_csv(args.out / "smallest.csv", smallest)
-    write_rows(args.out / "at_budgets.csv", [Row(**{k: v for k, v in r.items() if k != "platform"}) for r in rows])
     write_csv(args.out / "at_budgets_by_platform.csv", rows)
     names = [c.name for c in chains]
     panels = {f"{platform}, budget {share:.0%} of the peak":
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_bars(panels, [n.split("-b")[0] for n in names], "ILP step time / ideal", args.out / "encodings.png",
               legend="encodings: ")
     _print_tables(smallest, rows, [c.name for c in chains])
-    print(f"wrote {args.out}/: smallest.csv, at_budgets.csv, at_budgets_by_platform.csv, encodings.png")
+    print(f"wrote {args.out}/: smallest.csv, at_budgets_by_platform.csv, encodings.png")
     return 0
 
 

@@ -95,19 +95,13 @@ def flat_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (storage.nbytes() // t.element_size(),))
 
 
-def sparse_bytes(flat: torch.Tensor) -> int:
-    """Size of ``sparse``'s blob for ``flat`` without building it."""
-    nnz = int((_as_bits(flat) != 0).sum())
-    return -(-flat.numel() // 8) + nnz * flat.element_size()
-
-
 def encoded_size(name: str, flat: torch.Tensor) -> int:
     """Bytes of ``name``'s blob for ``flat``."""
     n = flat.numel()
     if name == "sign-mask":
         return -(-n // 8)
     if name == "sparse":
-        return sparse_bytes(flat)
+        return -(-n // 8) + int((_as_bits(flat) != 0).sum()) * flat.element_size()
     if name == "bf16":
         return 2 * n
     raise KeyError(name)

@@ -2,9 +2,10 @@
 
     python -m experiments.encodings          # or: make encodings
 
-For each chain in ``experiments/chains/encoded/`` (the zoo CNNs profiled with their
-encodings: ReLU sign masks, sparse storage, bf16), on the measured platform and on the
-link-bound what-if of the reproduction (``reproduce.link_bound``):
+For each zoo chain the reproduction uses (``reproduce.zoo_chains``: one per model in
+``experiments/chains/``) that offers encodings (ReLU sign masks, sparse storage, bf16), on
+the measured platform and on the link-bound what-if of the reproduction
+(``reproduce.link_bound``):
 
 * the smallest feasible budget, offloading alone (the plain floor) against encoding and
   offloading (the exact encoded floor, lossless, then lossy), and without any offloading:
@@ -22,17 +23,16 @@ import sys
 from pathlib import Path
 
 from solver import encoding
-from solver.chain import Chain, load_chain
+from solver.chain import Chain
 from solver.fileio import write_csv
 from solver.memory import no_offload_peak, smallest_feasible_budget
 from solver.methods import Options
 from solver.simulate import simulate
 
 from .plots import plot_bars
-from .reproduce import link_bound
+from .reproduce import CHAINS, link_bound, zoo_chains
 from .sweep import sweep
 
-CHAINS = Path(__file__).parent / "chains" / "encoded"
 OUT = Path(__file__).parent / "results" / "encodings"
 SHARES = (0.5, 0.3)
 
@@ -51,13 +51,12 @@ def smallest_budgets(chain: Chain) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chains", type=Path, default=CHAINS, help=f"folder of chains with encodings (default {CHAINS})")
+    ap.add_argument("--chains", type=Path, default=CHAINS, help=f"folder of profiled chains (default {CHAINS})")
     ap.add_argument("--time-limit", type=float, default=60, help="ILP time limit per solve (default 60 s)")
     ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per core)")
     ap.add_argument("--out", type=Path, default=OUT, help=f"results folder (default {OUT})")
     args = ap.parse_args(argv)
-    chains = [load_chain(p) for p in sorted(args.chains.glob("*.json"))]
-    chains = [c for c in chains if c.has_encodings]
+    chains = [c for c in zoo_chains(args.chains) if c.has_encodings]
     if not chains:
         ap.error(f"no chain with encodings in {args.chains}: profile them with python -m experiments.profile_zoo "
                  f"--set small --out {args.chains}")

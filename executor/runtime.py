@@ -65,13 +65,14 @@ class _Handle:
 
 
 class OffloadRuntime(StageListener):
-    def __init__(self, staged: StagedModel, plan: StepPlan, backend: CpuEagerBackend | CudaBackend,
-                 persistent: list[torch.Tensor]) -> None:
+    def __init__(self, staged: StagedModel, plan: StepPlan, backend: CpuEagerBackend | CudaBackend) -> None:
         if staged.L != plan.L:
             raise ValueError(f"the model has {staged.L} stages, the schedule's chain {plan.L}")
         self.staged, self.plan, self.backend = staged, plan, backend
         self.arena = HostArena(plan.planned_bytes, pin=backend.pin)
-        self.persistent = {storage_key(t) for t in persistent}
+        # the staged module shares the user's parameters and buffers: never offloaded
+        module = staged.module
+        self.persistent = {storage_key(t) for t in [*module.parameters(), *module.buffers()]}
         self.batch: set[int] = set()  # storages of this step's inputs
         self.meter: Any = None  # when set (one step), read at every op's end: ``op_peaks``
         self.op_peaks: dict[str, int] = {}  # op name -> the most bytes live during it

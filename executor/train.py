@@ -93,7 +93,7 @@ def train(model: str, chain: Chain, schedule: Schedule, opts: TrainOptions,
     plan = StepPlan.from_schedule(chain, schedule)
     runtime, error, trace = None, None, None
     try:
-        runtime = OffloadRuntime(staged, plan, backend, list(spec.module.parameters()) + list(spec.module.buffers()))
+        runtime = OffloadRuntime(staged, plan, backend)
         run, error = trainer.measure(opts.steps, runtime.step, runtime.forward, after_backward=check,
                                      arena=runtime.arena, probe=runtime if opts.op_memory else None)
     except HostMemoryShortfall as exc:

@@ -8,6 +8,7 @@ from collections import defaultdict
 
 from tqdm import tqdm
 
+from solver.argtypes import integer, seconds
 from solver.chain import load_chain
 from solver.errors import FormatError
 from solver.fileio import write_atomic
@@ -100,10 +101,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "the no-offload peak (40%%) (default 20%%:100%%:17)")
     p.add_argument("--methods", default="all", help=f"all, or a comma list of: {', '.join(METHODS)} (default all)")
     p.add_argument("--total", action="store_true", help="budgets count base_bytes too (weights, grads, optimizer state)")
-    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ILP time limit per solve (default 60)")
-    p.add_argument("--heuristic-time", type=float, default=1.0, metavar="S", help="local-search time of relax-* (default 1)")
+    p.add_argument("--time-limit", type=seconds(), default=60.0, metavar="S",
+                   help="wall time of each solve in seconds (default 60)")
+    p.add_argument("--heuristic-time", type=seconds(strict=False), default=1.0, metavar="S",
+                   help="search time of each relax-* heuristic (default 1)")
     p.add_argument("--encodings", choices=MODES, default="lossless", help=MODE_HELP.replace("%", "%%"))
-    p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: one per core)")
+    p.add_argument("--jobs", "-j", type=integer(1, 256), default=None, help="worker processes (default: one per core)")
     p.add_argument("--output", "-o", required=True, help="results CSV (written atomically)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_sweep)

@@ -9,9 +9,10 @@ the sweep itself never stops for either.
 from __future__ import annotations
 
 import csv
+import multiprocessing
 import os
 import re
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import signal
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Iterable
@@ -129,13 +130,23 @@ def sweep(chain: Chain, budgets: Iterable[int], methods: Iterable[str], options:
             progress(rows[-1])
     else:
         single = replace(options, threads=1)  # jobs processes, one solver thread each
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = [pool.submit(solve_one, chain, m, b, single, scope) for m, b in cells]
-            for future in as_completed(futures):
-                rows.append(future.result())
-                progress(rows[-1])
+        pool = multiprocessing.Pool(jobs, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+        try:  # workers ignore Ctrl-C; the parent stops them all at once (queued cells are dropped)
+            for row in pool.imap_unordered(_solve_cell, [(chain, m, b, single, scope) for m, b in cells]):
+                rows.append(row)
+                progress(row)
+            pool.close()
+        except BaseException:
+            pool.terminate()
+            raise
+        finally:
+            pool.join()
     order = {m: k for k, m in enumerate(METHODS)}
     return sorted(rows, key=lambda r: (order.get(r.method, len(order)), r.budget_bytes))
+
+
+def _solve_cell(cell: tuple) -> Row:
+    return solve_one(*cell)
 
 
 def write_rows(path: str | os.PathLike, rows: list[Row]) -> None:

@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:
-        print(f"offload {args.command}: interrupted; no output written", file=sys.stderr)
-        return 130
+        print(f"offload {args.command}: interrupted; no output written", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)  # now: a cancelled MILP solver thread may still be finishing its presolve
 
 
 if __name__ == "__main__":

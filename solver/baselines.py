@@ -114,7 +114,8 @@ def swap_ranked(chain: Chain, budget: int, by_size: bool) -> Plan | None:
             score[i] = adjusted * chain.a[i] if adjusted > 0 else idle[i] / chain.a[i]
         else:
             score[i] = idle[i]
-    chosen = cover_peaks(chain, budget, lambda cands, _: max(cands, key=lambda i: (score[i], -i)))
+    ranked = np.array([score.get(i, -np.inf) for i in range(chain.L + 1)])
+    chosen = cover_peaks(chain, budget, lambda cands, _: cands[np.lexsort((-cands, ranked[cands]))[-1]])
     if chosen is None:
         return None
     units = sorted(chosen)

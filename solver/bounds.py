@@ -12,11 +12,12 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import pulp
 
-from .chain import Chain
+from .chain import Chain, Stage
 from .pulp_backend import run
 
 
@@ -86,3 +87,41 @@ def fluid_lp(chain: Chain, budget: int) -> FluidLP | None:
         return None
     frac = {i: min(1.0, max(0.0, float(x[i].varValue or 0.0))) for i in U}
     return FluidLP(makespan_s=max(out.objective * tau, chain.ideal_makespan_s), fraction=frac)
+
+
+def coarsened(chain: Chain, groups: int) -> tuple[Chain, np.ndarray]:
+    """The chain with runs of consecutive stages merged into ``groups`` stages, and the group of
+    each stage (index 0 unused).  A merged stage holds its stages' units until it ends, so it
+    is a cruder model: its fluid LP is no lower bound, only a guide to what to offload."""
+    L = chain.L
+    edges = np.linspace(0, L, min(groups, L) + 1).round().astype(int)
+    group = np.zeros(L + 1, dtype=np.int64)
+    stages = []
+    for g, (lo, hi) in enumerate(zip(edges[:-1] + 1, edges[1:]), start=1):
+        group[lo: hi + 1] = g
+        a = chain.a[lo: hi + 1]
+        before = np.concatenate([[0], np.cumsum(a)[:-1]])  # own units saved earlier in the group
+        after = a.sum() - np.cumsum(a)  # own units of later stages of the group
+        stages.append(Stage(name=f"{chain.stage(lo).name}..{chain.stage(hi).name}", kind="group",
+                            fwd_s=float(chain.f[lo: hi + 1].sum()), bwd_s=float(chain.b[lo: hi + 1].sum()),
+                            saved_bytes=int(a.sum()), fwd_peak_bytes=int(max(a.sum(), (chain.fp[lo: hi + 1] + before).max())),
+                            bwd_peak_bytes=int(max(0, (chain.bp[lo: hi + 1] - after).max())), need_from=0))
+    need = [int(group[chain.need[lo: hi + 1].max()]) for lo, hi in zip(edges[:-1] + 1, edges[1:])]
+    stages = [replace(s, need_from=n) for s, n in zip(stages, need)]
+    return replace(chain, stages=tuple(stages)), group
+
+
+def rounding_lp(chain: Chain, budget: int, max_stages: int) -> FluidLP | None:
+    """The fluid LP whose fractions ``relax-lp`` rounds: the chain's own up to ``max_stages``
+    stages, beyond that the coarsened chain's (each stage takes its group's fraction; the
+    value is then no bound)."""
+    if chain.L <= max_stages:
+        return fluid_lp(chain, budget)
+    coarse, group = coarsened(chain, max_stages)
+    lp = fluid_lp(coarse, budget)
+    if lp is None:  # the cruder model did not fit: guide by the largest budget it can take
+        lp = fluid_lp(coarse, int(np.iinfo(np.int64).max // 4))
+        if lp is None:
+            return None
+    fraction = {i: lp.fraction.get(int(group[i]), 1.0) for i in chain.offloadable}
+    return FluidLP(makespan_s=chain.ideal_makespan_s, fraction=fraction)

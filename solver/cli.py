@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from .argtypes import fraction, integer, seconds
 from .chain import Chain, load_chain
 from .encoding import MODE_HELP, MODES, allowed, encoded_bytes, floor
 from .errors import FormatError
@@ -181,11 +182,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", "-o", help="write the schedule here (atomically)")
     p.add_argument("--total", action="store_true", help="the budget counts base_bytes too (weights, grads, optimizer state)")
     p.add_argument("--encodings", choices=MODES, default="lossless", help=MODE_HELP + " (used by ilp, relax-*, gist*)")
-    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ILP solver time limit in seconds (default 60)")
-    p.add_argument("--gap", type=float, default=1e-4, help="ILP relative gap at which it stops, proven (default 1e-4)")
-    p.add_argument("--threads", type=int, default=None, help="ILP solver threads (default: the solver's choice)")
+    p.add_argument("--time-limit", type=seconds(), default=60.0, metavar="S",
+                   help="wall time of the whole solve in seconds: heuristics, bounds, building and solving the MILP "
+                        "(default 60); the best schedule found by then is returned, with its gap")
+    p.add_argument("--gap", type=fraction, default=1e-4, help="ILP relative gap at which it stops, proven (default 1e-4)")
+    p.add_argument("--threads", type=integer(1, 1024), default=None,
+                   help="MILP solver threads (default: the solver's choice)")
     p.add_argument("--solver", choices=SOLVERS, default="highs", help="MILP solver for ilp (default highs)")
-    p.add_argument("--heuristic-time", type=float, default=1.0, metavar="S", help="local-search time of relax-* (default 1.0)")
+    p.add_argument("--heuristic-time", type=seconds(strict=False), default=1.0, metavar="S",
+                   help="search time of each relax-* heuristic (default 1.0)")
     p.add_argument("--verbose", action="store_true", help="show the MILP solver's log")
     p.add_argument("--list-methods", action="store_true", help="print the methods, one per line, and exit")
     p.set_defaults(func=cmd_solve)

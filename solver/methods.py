@@ -10,9 +10,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from . import baselines, encoding, relax
+from . import baselines, encoding, lns, relax
 from .bounds import fluid_lp
 from .chain import Chain
+from .deadline import Deadline, OutOfTime
 from .errors import InfeasibleBudget, SolverFailure
 from .ilp import solve_ilp
 from .memory import floor_offloads, op_memory, op_name
@@ -21,11 +22,15 @@ from .simulate import Simulation, simulate
 from .units import format_bytes
 
 
+LP_BOUND_MAX_STAGES = 2000  # above, the fluid LP's solve grows past seconds: cheaper bounds only
+FULL_MILP_MAX_STAGES = 120  # above, the ILP re-optimizes windows of the MILP (solver.lns)
+
+
 @dataclass
 class Options:
     """Knobs of the solvers; the defaults are what the CLI uses."""
 
-    time_limit_s: float = 60.0
+    time_limit_s: float = 60.0  # wall time of the whole solve (heuristics, bounds, build, solver, replay)
     gap: float = 1e-4
     threads: int | None = None
     solver: str = "highs"
@@ -68,10 +73,16 @@ class _Context:
     options: Options
     lp_bound_s: float
     lp: Any
+    deadline: Deadline
 
     @property
     def mode(self) -> str:
         return self.options.encodings
+
+    @property
+    def heuristic_s(self) -> float:
+        """Local-search time of one relax heuristic: its option, within a quarter of what is left."""
+        return min(self.options.heuristic_time_s, self.deadline.share(0.25))
 
 
 def _fixed(name: str) -> Callable[[_Context], Planned | None]:
@@ -89,18 +100,11 @@ def _adaptive(policy: Callable[[Chain, int], list[Offload] | None]) -> Callable[
 
 
 def _relax_lp(ctx: _Context) -> Planned:
-    t = ctx.options.heuristic_time_s
-
-    def on(derived: Chain) -> list[Offload]:  # the fluid LP of the chain as encoded
-        lp = ctx.lp if derived is ctx.chain else fluid_lp(derived, ctx.budget)
-        return relax.relax_lp(derived, ctx.budget, lp, t) if lp is not None else floor_offloads(derived)
-    return Planned(*relax.with_encodings(ctx.chain, ctx.budget, ctx.mode, on, t))
+    return Planned(*relax.relax_lp(ctx.chain, ctx.budget, ctx.lp, ctx.heuristic_s, ctx.mode, LP_BOUND_MAX_STAGES))
 
 
 def _relax_bw(ctx: _Context) -> Planned:
-    t = ctx.options.heuristic_time_s
-    return Planned(*relax.with_encodings(ctx.chain, ctx.budget, ctx.mode,
-                                         lambda derived: relax.relax_bw(derived, ctx.budget, t), t))
+    return Planned(*relax.relax_bw(ctx.chain, ctx.budget, ctx.heuristic_s, ctx.mode))
 
 
 def _gist(with_swap: bool) -> Callable[[_Context], Planned | None]:
@@ -125,18 +129,28 @@ def _ilp(ctx: _Context) -> Planned:
     warm = min((_relax_lp(ctx), _relax_bw(ctx)), key=lambda p: _span(chain, p))
     warm_span = _span(chain, warm)
     options = encoding.allowed(chain, ctx.mode)
+    base = {"backend": opt.solver, "time_limit_s": opt.time_limit_s, "gap_limit": opt.gap, "warm_start_s": warm_span}
+    if chain.L > FULL_MILP_MAX_STAGES:
+        return _ilp_windows(ctx, warm, warm_span, options, base)
     target = budget
     for _ in range(3):  # a solver tolerance may round a binary onto the wrong side by a few bytes
-        res = solve_ilp(chain, target, warm=warm.offloads, warm_encode=warm.encode, options=options,
-                        lower_bound_s=ctx.lp_bound_s, solver=opt.solver,
-                        time_limit=opt.time_limit_s, gap=opt.gap, threads=opt.threads, msg=opt.verbose)
+        try:
+            res = solve_ilp(chain, target, warm=warm.offloads, warm_encode=warm.encode, options=options,
+                            lower_bound_s=ctx.lp_bound_s, solver=opt.solver, time_limit=None, gap=opt.gap,
+                            threads=opt.threads, msg=opt.verbose, deadline=ctx.deadline)
+        except OutOfTime:
+            return replace(warm, info={**base, "status": "timed-out", "note": "the time limit passed while the "
+                                       "MILP was built; the warm start (best heuristic) is returned"})
         out = res.outcome
-        info = {"backend": out.backend, "solver_seconds": round(out.seconds, 3), "build_seconds": round(res.build_s, 3),
+        info = {**base, "solver_seconds": round(out.seconds, 3), "build_seconds": round(res.build_s, 3),
                 "variables": res.variables, "constraints": res.constraints, "nodes": out.nodes,
-                "objective_s": res.objective_s, "solver_bound_s": res.dual_bound_s,
-                "time_limit_s": opt.time_limit_s, "gap_limit": opt.gap, "warm_start_s": warm_span}
+                "solver_stop": out.stop, "objective_s": res.objective_s, "solver_bound_s": res.dual_bound_s}
         if res.offloads is None:
-            return replace(warm, info={**info, "status": "timed-out", "note": "the solver found no schedule in time; the warm start (best heuristic) is returned"})
+            if out.stop != "time-limit":
+                raise SolverFailure(f"the MILP solver stopped without a schedule ({out.stop})",
+                                    "try --solver cbc, or report the chain: the warm start proves one exists")
+            return replace(warm, info={**info, "status": "timed-out",
+                                       "note": "the solver found no schedule in time; the warm start (best heuristic) is returned"})
         peak = simulate(chain, res.offloads, encode=res.encode).peak_bytes
         if peak <= budget:
             break
@@ -147,6 +161,19 @@ def _ilp(ctx: _Context) -> Planned:
     if _span(chain, found) > warm_span:
         return replace(warm, info={**info, "status": "feasible", "note": "the solver's incumbent was worse than the warm start; the warm start is returned"})
     return Planned(res.offloads, res.encode, {**info, "status": "optimal" if out.proven and target == budget else "feasible"})
+
+
+def _ilp_windows(ctx: _Context, warm: Planned, warm_span: float, options: dict, base: dict) -> Planned:
+    """The ILP on a long chain: the warm start improved window by window (``solver.lns``)."""
+    opt = ctx.options
+    start = lns.Incumbent(list(warm.offloads), dict(warm.encode), warm_span)
+    best = lns.improve(ctx.chain, ctx.budget, start, options=options, deadline=ctx.deadline, solver=opt.solver,
+                       threads=opt.threads, msg=opt.verbose)
+    gained = sum(e.get("gain_s", 0.0) for e in best.log)
+    info = {**base, "status": "feasible", "windows": len(best.log), "windows_improved": sum("gain_s" in e for e in best.log),
+            "note": f"{ctx.chain.L} stages: the MILP was solved window by window (large-neighbourhood search, "
+                    f"{len(best.log)} windows), improving the best heuristic by {100 * gained / warm_span:.2f}%"}
+    return Planned(best.offloads, best.encode, info)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in [
@@ -174,6 +201,7 @@ def solve(chain: Chain, budget: int, method: str = "ilp", options: Options | Non
         raise SolverFailure(f"unknown method {method!r}", f"choose one of: {', '.join(METHODS)} (offload solve --list-methods)")
     options = options or Options()
     t0 = time.perf_counter()
+    deadline = Deadline(options.time_limit_s)
     base = chain.base_bytes if scope == "total" else 0
     act_budget = budget - base
     floor, floor_choice = encoding.floor(chain, options.encodings)
@@ -188,10 +216,10 @@ def solve(chain: Chain, budget: int, method: str = "ilp", options: Options | Non
             smallest_bytes=floor + base,
         )
     encoded = bool(encoding.allowed(chain, options.encodings))
-    lp = fluid_lp(chain, act_budget)
+    lp = fluid_lp(chain, act_budget) if chain.L <= LP_BOUND_MAX_STAGES else None
     # the fluid LP knows no encodings: with them it is no lower bound, the ideal still is
     lp_bound = lp.makespan_s if lp is not None and not encoded else chain.ideal_makespan_s
-    ctx = _Context(chain, act_budget, options, lp_bound, lp)
+    ctx = _Context(chain, act_budget, options, lp_bound, lp, deadline)
     planned = METHODS[method].run(ctx)
     if planned is None:
         own = baselines.own_smallest_budget(chain, method)
@@ -204,8 +232,11 @@ def solve(chain: Chain, budget: int, method: str = "ilp", options: Options | Non
     plan, info = planned.offloads, dict(planned.info)
     sim = simulate(chain, plan, act_budget, encode=planned.encode)
     bounds = {"ideal_s": chain.ideal_makespan_s}
-    if not encoded:
+    if lp is not None and not encoded:
         bounds["lp_s"] = lp_bound
+    elif lp is None:
+        info.setdefault("bound_note", f"fluid LP bound skipped above {LP_BOUND_MAX_STAGES} stages (its solve grows "
+                                      "past seconds); the gap is to the ideal makespan")
     if info.get("solver_bound_s") is not None:
         bounds["solver_s"] = info["solver_bound_s"]
     bound = max(bounds.values())

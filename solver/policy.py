@@ -46,19 +46,32 @@ def absent_ops(chain: Chain, i: int) -> range:
     return range(i + 1, 2 * chain.L - int(chain.need[i]))
 
 
-def cover_peaks(chain: Chain, budget: int, pick: Callable[[list[int], int], int]) -> set[int] | None:
-    """Grow a set until it fits: at each step the op with the most excess memory is covered
-    by ``pick(candidates, excess)``, a unit absent from it.  ``None`` if none can be."""
-    chosen: set[int] = set()
+def cover_peaks(chain: Chain, budget: int, pick: Callable[[np.ndarray, int], int],
+                start: Iterable[int] = ()) -> set[int] | None:
+    """Grow a set (from ``start``) until it fits: at each step the op with the most excess
+    memory is covered by ``pick(candidates, excess)``, a unit absent from it (``candidates``:
+    an array of stage indices).  ``None`` if none can be.  Incremental: O(L) array work per
+    unit added."""
+    L = chain.L
+    units = np.array(chain.offloadable, dtype=np.int64)
+    first = units + 1  # a unit released at once is absent from op i+1 ...
+    stop = 2 * L - chain.need[units]  # ... to op 2L - need_i (excluded): ``absent_ops``
+    chosen = set(start)
+    left = ~np.isin(units, list(chosen))
+    where = {int(u): n for n, u in enumerate(units)}
+    mem = floor_memory(chain, chosen)
     while True:
-        over = floor_memory(chain, chosen) - budget
-        if over.max() <= 0:
+        o = int(mem.argmax())
+        excess = int(mem[o]) - budget
+        if excess <= 0:
             return chosen
-        o = int(over.argmax())
-        cands = [i for i in chain.offloadable if i not in chosen and o in absent_ops(chain, i)]
-        if not cands:
+        cands = units[left & (first <= o) & (o < stop)]
+        if not len(cands):
             return None
-        chosen.add(pick(cands, int(over[o])))
+        i = int(pick(cands, excess))
+        chosen.add(i)
+        left[where[i]] = False
+        mem[i + 1: 2 * L - int(chain.need[i])] -= chain.a[i]
 
 
 def set_fits(chain: Chain, units: Iterable[int], budget: int) -> bool:

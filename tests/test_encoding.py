@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from solver import encoding
 from solver.chain import chain_from_dict, to_dict
 from solver.errors import FormatError, InfeasibleBudget, ScheduleRejected
-from solver.ilp import _Model, solve_ilp
+from solver.ilp import Model, solve_ilp
 from solver.memory import floor_offloads, no_offload_peak, op_memory, smallest_feasible_budget
 from solver.methods import METHODS, Options, solve
 from solver.schedule import Offload, load_schedule, save_schedule
@@ -150,7 +150,7 @@ def test_ilp_objective_is_the_simulated_makespan_with_encodings(cb):
 def test_warm_start_is_the_least_solution_with_encodings(cb):
     chain, budget = cb
     planned = solve(chain, budget, "relax-bw", LOSSY).schedule
-    model = _Model(chain, budget, options=encoding.allowed(chain, "lossy"))
+    model = Model(chain, budget, options=encoding.allowed(chain, "lossy"))
     span = model.load(planned.offloads, planned.encode)
     assert not [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
     assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
@@ -239,7 +239,7 @@ def test_every_schedule_satisfies_every_row_of_the_model(cb, data):
     encode = {i: data.draw(st.sampled_from([e.name for e in es])) for i, es in opts.items() if data.draw(st.booleans())}
     offloads = [Offload(i, data.draw(st.integers(i + 1, chain.L)), data.draw(st.integers(int(chain.need[i]), chain.L)))
                 for i in chain.offloadable if data.draw(st.booleans())]
-    model = _Model(chain, 10 * no_offload_peak(chain) + 10**6, options=opts)
+    model = Model(chain, 10 * no_offload_peak(chain) + 10**6, options=opts)
     span = model.load(offloads, encode)
     bad = [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
     assert not bad

@@ -7,13 +7,13 @@ from hypothesis import HealthCheck, assume, given, settings
 
 from solver.bounds import fluid_lp
 from solver.errors import InfeasibleBudget
-from solver.ilp import _Model, solve_ilp
+from solver.ilp import Model, solve_ilp
 from solver.methods import METHODS, Options, solve
 from solver.schedule import Offload
 from solver.simulate import simulate
 from tests.strategies import chain_and_budget
 
-EXACT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.2)
+EXACT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.02)
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REL = 1e-7
 FIXED_POLICIES = {"none", "vdnn-all", "vdnn-conv", "vdnn-dyn", "layrub", "save-on-cpu", "gist", "gist-swap"}
@@ -81,7 +81,7 @@ def test_warm_start_is_the_least_solution_of_the_model(cb):
     the simulated makespan: the MILP's rows say exactly what the simulator does."""
     chain, budget = cb
     plan = solve(chain, budget, "relax-bw", EXACT).schedule.offloads
-    model = _Model(chain, budget)
+    model = Model(chain, budget)
     span = model.load(plan)
     bad = [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
     assert not bad

@@ -1,0 +1,184 @@
+"""The solver call is honest: the MILP really runs whatever the thread count, statuses say
+what happened, the time limit is wall time, Ctrl-C stops a solve or a sweep at once."""
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments.reproduce import link_bound
+from experiments.sweep import sweep
+from experiments.synthetic import synthetic_chain
+from solver.chain import save_chain
+from solver.memory import no_offload_peak, smallest_feasible_budget
+from solver.methods import Options, solve
+
+OFFLOAD = [sys.executable, "-m", "offload"]
+
+
+def _budget(chain, share):
+    lo, hi = smallest_feasible_budget(chain), no_offload_peak(chain)
+    return lo + int(share * (hi - lo))
+
+
+def _ran(res):
+    """The MILP was built and solved to proven optimality (not a returned warm start)."""
+    return res.status == "optimal" and res.info["solver_stop"] == "optimal" and res.info["variables"] > 0
+
+
+def test_ilp_runs_with_any_thread_count_after_another_solve():
+    """HiGHS sizes a scheduler per thread at its first solve; a later solve asking for
+    another thread count was refused and read as "timed out".  Every order must work."""
+    chain = synthetic_chain(10, seed=2)
+    budget = _budget(chain, 0.3)
+    spans = set()
+    for threads in (None, 1, 2, 1, None):
+        res = solve(chain, budget, "ilp", Options(threads=threads, time_limit_s=60, heuristic_time_s=0.05))
+        assert _ran(res), (threads, res.info)
+        spans.add(round(res.simulation.makespan_s, 12))
+    assert len(spans) == 1
+
+
+def test_parallel_sweep_runs_the_ilp_in_every_worker():
+    chain = synthetic_chain(10, seed=3)
+    solve(chain, _budget(chain, 0.5), "ilp", Options(threads=2))  # a HiGHS solve in the parent first
+    budgets = [_budget(chain, s) for s in (0.1, 0.3, 0.6, 0.9)]
+    rows = sweep(chain, budgets, ["ilp"], Options(time_limit_s=60), jobs=2)
+    assert [r.status for r in rows] == ["optimal"] * 4, [r.detail for r in rows]
+
+
+def test_timed_out_only_when_the_solver_ran_out_of_time():
+    chain = link_bound(synthetic_chain(60, seed=4))
+    res = solve(chain, _budget(chain, 0.2), "ilp", Options(time_limit_s=3, heuristic_time_s=0.2))
+    if res.status == "timed-out":
+        assert res.info["solver_stop"] == "time-limit" or "built" in res.info["note"]
+    else:
+        assert res.status in ("feasible", "optimal")
+        assert res.info["solver_stop"] in ("time-limit", "optimal")
+    assert res.info["solver_stop"] != "optimal" or res.status == "optimal"
+
+
+@pytest.mark.parametrize("stages", [300, 2500])
+def test_time_limit_is_wall_time_on_large_chains(stages):
+    """The whole solve (heuristics, bounds, build, solver, replay) within the limit, with slack
+    for a loaded machine (the promise is 10% + 2 s)."""
+    chain = synthetic_chain(stages, seed=5)
+    limit = 6.0
+    t0 = time.perf_counter()
+    res = solve(chain, _budget(chain, 0.25), "ilp", Options(time_limit_s=limit))
+    assert time.perf_counter() - t0 < 1.1 * limit + 2 + 4
+    assert res.simulation.peak_bytes <= _budget(chain, 0.25)
+
+
+def test_full_model_terms_grow_quadratically(monkeypatch):
+    """The cut families are O(L^2) rows of O(L) terms: beyond a size (here made small) only
+    close pairs are kept, so the model's terms grow like L^2, not L^3 (2.4 GB at 300
+    stages before)."""
+    from solver import ilp
+    monkeypatch.setattr(ilp, "CUT_NONZEROS", 10_000)
+    sizes = {}
+    for L in (40, 80):
+        chain = synthetic_chain(L, seed=1)
+        model = ilp.Model(chain, _budget(chain, 0.25))
+        sizes[L] = sum(len(row) for row in model.lp.constraints.values())
+    assert sizes[80] < 5 * sizes[40]
+
+
+@pytest.fixture
+def long_solve(tmp_path):
+    chain = link_bound(synthetic_chain(70, seed=6))
+    path = tmp_path / "c.json"
+    save_chain(chain, path)
+    return path
+
+
+def _interrupt_after(cmd, wait_for, cwd, delay=1.0):
+    """Start ``cmd`` in its own process group, wait until stderr shows ``wait_for``, then send
+    SIGINT to the group (what Ctrl-C does); returns (seconds to exit, return code)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    seen = ""
+    while wait_for not in seen:
+        line = proc.stderr.readline()
+        assert line or proc.poll() is None, f"exited before {wait_for!r}: {seen}"
+        seen += line
+    time.sleep(delay)
+    assert proc.poll() is None
+    t0 = time.perf_counter()
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=60)
+    return time.perf_counter() - t0, proc.returncode, seen + proc.stderr.read()
+
+
+def test_ctrl_c_stops_a_solve_at_once_and_writes_nothing(long_solve, tmp_path):
+    out = tmp_path / "s.json"
+    seconds, rc, err = _interrupt_after(OFFLOAD + ["solve", str(long_solve), "--budget", "30%", "--time-limit", "300",
+                                                   "-o", str(out)], "solving with", tmp_path, delay=4.0)
+    assert rc == 130 and "interrupted" in err
+    assert seconds < 2
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".s.json")]
+
+
+def test_ctrl_c_stops_a_sweep_and_its_workers(long_solve, tmp_path):
+    out = tmp_path / "r.csv"
+    seconds, rc, err = _interrupt_after(OFFLOAD + ["sweep", str(long_solve), "--methods", "ilp", "--budgets",
+                                                   "30%:60%:6", "-j", "2", "--time-limit", "300", "-o", str(out)],
+                                        "sweeping", tmp_path, delay=4.0)
+    assert rc == 130
+    assert seconds < 5
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag,value", [("--time-limit", "-5"), ("--time-limit", "nan"), ("--time-limit", "inf"),
+                                        ("--gap", "-1"), ("--gap", "nan"), ("--heuristic-time", "-1"),
+                                        ("--threads", "0")])
+def test_solver_flags_are_range_checked(flag, value, tmp_path):
+    from offload.cli import main
+    chain = synthetic_chain(4, seed=1)
+    save_chain(chain, tmp_path / "c.json")
+    with pytest.raises(SystemExit) as exc:
+        main(["solve", str(tmp_path / "c.json"), "--budget", "50%", flag, value])
+    assert exc.value.code == 2
+
+
+def test_window_model_keeps_the_incumbent_or_improves_it():
+    """A window of the MILP with every other unit decided: warm-started from the incumbent,
+    its schedule replays within budget and is never worse."""
+    from solver.deadline import Deadline
+    from solver import lns
+    chain = link_bound(synthetic_chain(40, seed=8))
+    budget = _budget(chain, 0.2)
+    warm = solve(chain, budget, "relax-bw", Options(heuristic_time_s=0.1))
+    start = lns.Incumbent(list(warm.schedule.offloads), {}, warm.simulation.makespan_s)
+    best = lns.improve(chain, budget, start, options={}, deadline=Deadline(8.0), width=8)
+    from solver.simulate import simulate
+    replay = simulate(chain, best.offloads, budget, encode=best.encode)
+    assert replay.makespan_s == pytest.approx(best.makespan_s)
+    assert best.makespan_s <= warm.simulation.makespan_s * (1 + 1e-12)
+    assert best.log
+
+
+def test_relax_heuristics_find_several_small_copies(zoo_densenet):
+    """Link-bound DenseNet-121 at 85%: the least-volume pair of units cannot hide its copies,
+    five smaller ones can (the optimum is the ideal step); the search's kicks find them."""
+    chain = link_bound(zoo_densenet)
+    budget = int(0.85 * no_offload_peak(chain))
+    for method in ("relax-lp", "relax-bw"):
+        res = solve(chain, budget, method, Options(heuristic_time_s=10))
+        assert res.simulation.makespan_s == pytest.approx(chain.ideal_makespan_s, rel=1e-9), method
+
+
+@pytest.fixture
+def zoo_densenet():
+    from solver.chain import load_chain
+    from pathlib import Path
+    return load_chain(Path(__file__).parent.parent / "experiments" / "chains" / "densenet121-b4-128px-cpu.json")
+
+
+def test_cbc_is_used_when_asked():
+    chain = synthetic_chain(6, seed=1)
+    res = solve(chain, _budget(chain, 0.3), "ilp", dataclasses.replace(Options(), solver="cbc"))
+    assert res.info["backend"] == "cbc"

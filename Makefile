@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo torch; else echo torch==2.13.0; fi)
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test bench demo reproduce encodings gpu clean
+.PHONY: install test test-all bench demo reproduce encodings realmodels gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the slow variants too (ResNet-18 gradient tests)
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ""
 
 bench: $(STAMP)
 	$(PY) -m experiments.bench_solver

@@ -23,14 +23,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from executor.train import TrainOptions, train
-from profiler.profile import ProfileOptions, pick_device, profile
-from solver.chain import save_chain
-from solver.fileio import write_csv, write_json
-from solver.memory import no_offload_peak, smallest_feasible_budget
-from solver.methods import Options, solve
-from solver.schedule import save_schedule
-from solver.units import format_bytes, format_seconds
+from offload.executor.train import TrainOptions, train
+from offload.core.devices import pick_device
+from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.chainfile import save_chain
+from offload.solver.fileio import write_csv, write_json
+from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.methods import Options, solve
+from offload.solver.schedulefile import save_schedule
+from offload.solver.units import format_bytes, format_seconds
 
 from .profile_zoo import SETS
 
@@ -54,7 +55,7 @@ def bench_model(model: str, batch: int, options: dict, device: str, out: Path, a
               f"{budget / peak:.0%}", file=sys.stderr)
     res = solve(chain, budget, "ilp", Options(time_limit_s=args.time_limit))
     save_schedule(res.schedule, chain, out / f"{model}-schedule.json")
-    report, error = train(model, chain, res.schedule, TrainOptions(
+    report, error = train(None, chain, res.schedule, TrainOptions(
         steps=args.steps, device=device, check_grads=True, compare=True, trace=str(out / f"{model}-trace.json")))
     write_json(out / f"{model}-run.json", report)
     if error is not None:

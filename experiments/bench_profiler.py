@@ -20,8 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
-from profiler.profile import ProfileOptions, profile
-from solver.chain import save_chain
+from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.chainfile import save_chain
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 from experiments.synthetic import synthetic_chain
-from solver.errors import InfeasibleBudget
-from solver.fileio import write_csv
-from solver.memory import no_offload_peak, smallest_feasible_budget
-from solver.methods import METHODS, Options, solve
-from solver.simulate import simulate
+from offload.errors import InfeasibleBudget
+from offload.solver.fileio import write_csv
+from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.methods import METHODS, Options, solve
+from offload.solver.simulate import simulate
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -9,7 +9,7 @@ before it runs, so the demo's output is exactly what those commands print::
     offload solve demo/chain.json --budget <B> -o demo/schedule.json
     offload plot --timeline demo/chain.json demo/schedule.json -o demo/timeline.png
     offload trace demo/chain.json demo/schedule.json -o demo/trace.json
-    offload train resnet18 --chain demo/chain.json --schedule demo/schedule.json --steps 3 --check-grads
+    offload train --chain demo/chain.json --schedule demo/schedule.json --steps 3 --check-grads
 
 The budget ``<B>`` is halfway between the smallest feasible budget and the no-offload peak
 (printed), so that the schedule offloads something at every model size.  On a CPU it all
@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from offload.cli import main as offload
-from solver.chain import load_chain
-from solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.chainfile import load_chain
+from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 
 
 def run(argv: list[str]) -> None:

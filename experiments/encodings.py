@@ -22,16 +22,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from solver import encoding
-from solver.chain import Chain
-from solver.fileio import write_csv
-from solver.memory import no_offload_peak, smallest_feasible_budget
-from solver.methods import Options
-from solver.simulate import simulate
+from offload.solver import encoding
+from offload.solver.chain import Chain
+from offload.solver.fileio import write_csv
+from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.methods import Options
+from offload.solver.simulate import simulate
 
-from .plots import plot_bars
+from offload.analysis.plots import plot_bars
 from .reproduce import CHAINS, link_bound, zoo_chains
-from .sweep import sweep
+from offload.analysis.sweep import sweep
 
 OUT = Path(__file__).parent / "results" / "encodings"
 SHARES = (0.5, 0.3)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from profiler.profile import ProfileOptions, pick_device, profile
-from solver.chain import save_chain
+from offload.profiler.profile import ProfileOptions, pick_device, profile
+from offload.solver.chainfile import save_chain
 
 CHAINS = Path(__file__).parent / "chains"
 

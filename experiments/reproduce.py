@@ -29,15 +29,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from solver.baselines import own_smallest_budget
-from solver.chain import Chain, load_chain
-from solver.errors import InfeasibleBudget
-from solver.fileio import write_csv
-from solver.memory import no_offload_peak, smallest_feasible_budget
-from solver.methods import METHODS, Options, solve
+from offload.solver.baselines import own_smallest_budget
+from offload.solver.chain import Chain
+from offload.solver.chainfile import load_chain
+from offload.errors import InfeasibleBudget
+from offload.solver.fileio import write_csv
+from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.methods import METHODS, Options, solve
 
-from .plots import plot_sweep
-from .sweep import Row, parse_budgets, sweep, write_rows
+from offload.analysis.plots import plot_sweep
+from offload.analysis.sweep import Row, parse_budgets, sweep, write_rows
 
 CHAINS = Path(__file__).parent / "chains"
 OUT = Path(__file__).parent / "results" / "reproduction"
@@ -64,7 +65,6 @@ def link_bound(chain: Chain) -> Chain:
     """The same stages with the copy bandwidth at which offloading every unit once takes one ideal step."""
     bw = sum(s.saved_bytes for s in chain.stages) / chain.ideal_makespan_s
     platform = dataclasses.replace(chain.platform, d2h_bytes_per_s=bw, h2d_bytes_per_s=bw, latency_s=0.0,
-                                   channels="duplex",
                                    note=f"what-if: {bw / 1e9:.3g} GB/s each way, computed so that one D2H of every "
                                         f"unit takes the ideal step (not measured)")
     return dataclasses.replace(chain, platform=platform)
@@ -113,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         rows: list[Row] = []
         for chain in tqdm([make(c) for c in chains], desc=scenario, unit="chain", file=sys.stderr):
             peak = no_offload_peak(chain)
-            budgets = sorted(set(parse_budgets(args.budgets, peak)) | {int(s * peak) for s in SHARES})
+            swept = {b.nbytes for b in parse_budgets(args.budgets, chain)}
+            budgets = sorted(swept | {int(s * peak) for s in SHARES})
             chain_rows = sweep(chain, budgets, POLICIES, options, jobs=args.jobs)
-            rows += [r for r in chain_rows if r.budget_bytes in set(parse_budgets(args.budgets, peak))]
+            rows += [r for r in chain_rows if r.budget_bytes in swept]
             for method in POLICIES:
                 own = smallest_of(chain, method, options)
                 smallest.append({"chain": chain.name, "platform": scenario, "method": method,

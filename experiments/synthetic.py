@@ -15,7 +15,9 @@ import argparse
 
 import numpy as np
 
-from solver.chain import Chain, chain_from_dict, save_chain
+from offload.solver.chain import Chain
+
+from offload.solver.chainfile import chain_from_dict, save_chain
 
 KINDS = ("conv", "conv", "conv", "block", "linear", "attention")
 
@@ -38,11 +40,11 @@ def synthetic_chain(stages: int, seed: int = 0, name: str | None = None) -> Chai
             "need_from": min(stages, i + 1) if rng.random() < 0.25 else i,
         })
     return chain_from_dict({
-        "format": "offload-chain/1",
+        "format": "offload-chain/2",
         "name": name or f"synthetic-{stages}-s{seed}",
         "source": {"model": "synthetic", "generator": "experiments.synthetic", "seed": seed},
         "platform": {"d2h_bytes_per_s": round(bw, -6), "h2d_bytes_per_s": round(bw * float(rng.uniform(0.9, 1.1)), -6),
-                     "latency_s": 1e-5, "channels": "duplex", "note": "synthetic, not measured"},
+                     "latency_s": 1e-5, "note": "synthetic, not measured"},
         "base_bytes": int(rng.uniform(1e9, 8e9)),
         "stages": rows,
     })

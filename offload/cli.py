@@ -1,8 +1,9 @@
 """Entry point of the ``offload`` console command.
 
-Each stage package adds its own subcommands; this module only assembles them, maps
+Each package adds its own subcommands; this module only assembles them, maps
 ``OffloadError`` to one clear message and a non-zero exit code, and never shows a
-traceback for bad input.
+traceback for bad input.  Every ``cli`` module builds its parser without importing torch
+or matplotlib (its commands import them when they run), so ``offload solve`` starts fast.
 """
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import argparse
 import os
 import sys
 
-from executor import cli as executor_cli
-from experiments import cli as experiments_cli
-from profiler import cli as profiler_cli
-from solver import cli as solver_cli
-from solver.errors import OffloadError
+from offload.analysis import cli as analysis_cli
+from offload.errors import OffloadError
+from offload.executor import cli as executor_cli
+from offload.profiler import cli as profiler_cli
+from offload.solver import cli as solver_cli
+from offload.solver.units import printable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     profiler_cli.add_commands(sub)
     solver_cli.add_commands(sub)
     executor_cli.add_commands(sub)
-    experiments_cli.add_commands(sub)
+    analysis_cli.add_commands(sub)
     return parser
 
 
@@ -37,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except OffloadError as exc:
-        print(f"offload {args.command}: error: {exc}", file=sys.stderr)
+        print(f"offload {args.command}: error: {printable(exc)}", file=sys.stderr)
         if exc.hint:
-            print(f"  hint: {exc.hint}", file=sys.stderr)
+            print(f"  hint: {printable(exc.hint)}", file=sys.stderr)
         return exc.exit_code
     except BrokenPipeError:  # output piped into `head` and closed: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

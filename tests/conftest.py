@@ -2,16 +2,16 @@ import json
 
 import pytest
 
-from solver.chain import chain_from_dict
+from offload.solver.chainfile import chain_from_dict
 
 
 def chain_doc(**over):
     """A small valid chain document; keyword arguments override top-level fields."""
     doc = {
-        "format": "offload-chain/1",
+        "format": "offload-chain/2",
         "name": "four",
         "source": {"model": "hand-made"},
-        "platform": {"d2h_bytes_per_s": 100.0, "h2d_bytes_per_s": 100.0, "latency_s": 0.0, "channels": "duplex"},
+        "platform": {"d2h_bytes_per_s": 100.0, "h2d_bytes_per_s": 100.0, "latency_s": 0.0},
         "base_bytes": 1000,
         "stages": [
             {"name": f"s{i}", "kind": "conv", "fwd_s": 1.0, "bwd_s": 2.0, "saved_bytes": 100,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from solver import encoding
-from solver.chain import Chain, chain_from_dict
-from solver.memory import no_offload_peak
+from offload.solver import encoding
+from offload.solver.chain import Chain
+from offload.solver.chainfile import chain_from_dict
+from offload.solver.memory import no_offload_peak
 
 
 def _encodings(draw, saved: int) -> list[dict]:
@@ -43,14 +44,15 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             "kind": draw(st.sampled_from(["conv", "linear", "block"])),
             "encodings": _encodings(draw, saved) if encodings else [],
         })
+        if saved and i + 2 <= L and draw(st.integers(0, 3)) == 0:  # part held by the model's own code
+            stages[-1].update(held_bytes=draw(st.integers(1, saved)), held_until=draw(st.integers(i + 2, L)))
     return chain_from_dict({
-        "format": "offload-chain/1",
+        "format": "offload-chain/2",
         "name": "random",
         "platform": {
             "d2h_bytes_per_s": draw(st.sampled_from([4e3, 1e4, 3e4, 1e5])),
             "h2d_bytes_per_s": draw(st.sampled_from([4e3, 1e4, 3e4, 1e5])),
             "latency_s": draw(st.sampled_from([0.0, 1e-4])),
-            "channels": draw(st.sampled_from(["duplex", "shared"])),
         },
         "base_bytes": draw(st.integers(0, 1000)),
         "stages": stages,

@@ -7,9 +7,9 @@ import networkx as nx
 import pytest
 
 from offload.cli import main
-from solver.chain import save_chain
-from solver.schedule import load_schedule
-from solver.units import parse_budget
+from offload.solver.chainfile import save_chain
+from offload.solver.schedulefile import load_schedule
+from offload.solver.units import parse_budget
 from experiments.synthetic import synthetic_chain
 
 
@@ -59,7 +59,7 @@ def test_baseline_that_cannot_fit_says_so(chain_file, capsys):
 
 def test_malformed_chain_is_one_clear_message(tmp_path, capsys):
     bad = tmp_path / "bad.json"
-    bad.write_text('{"format": "offload-chain/1", "name": "x"')
+    bad.write_text('{"format": "offload-chain/2", "name": "x"')
     assert main(["show", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "not valid JSON" in err and "Traceback" not in err
@@ -83,12 +83,12 @@ def test_list_methods_one_per_line_name_first(capsys):
 
 
 def test_total_budget_counts_base_bytes(chain_file, tmp_path):
-    from solver.chain import load_chain
+    from offload.solver.chainfile import load_chain
     chain = load_chain(chain_file)
     out = tmp_path / "s.json"
     assert main(["solve", str(chain_file), "--budget", "70%", "--total", "-m", "relax-bw", "-o", str(out)]) == 0
     s = load_schedule(out, chain)
-    assert s.budget_scope == "total" and s.predicted["peak_bytes"] <= s.budget_bytes
+    assert s.budget.scope == "total" and s.predicted["peak_bytes"] <= s.budget.nbytes
     assert s.predicted["peak_bytes"] > chain.base_bytes
 
 
@@ -103,6 +103,23 @@ def test_budget_units(text, ref, expected):
 def test_bad_budget_unit(chain_file, capsys):
     assert main(["solve", str(chain_file), "--budget", "6 parsecs"]) == 2
     assert "unknown unit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, words", [("0.3", "fraction of a byte"), ("1e400", "more than"), ("1e300", "more than")])
+def test_budgets_that_mean_something_else_are_refused(text, words):
+    from offload.errors import FormatError
+    with pytest.raises(FormatError, match=words):
+        parse_budget(text, 1000)
+
+
+def test_solver_commands_do_not_load_torch_or_matplotlib(chain_file):
+    """`offload show/solve/simulate` start fast: torch and matplotlib stay unloaded (issue: 6.5 s before)."""
+    code = ("import sys; from offload.cli import main; "
+            f"main(['solve', {str(chain_file)!r}, '--budget', '60%', '-m', 'vdnn-all']); "
+            f"main(['show', {str(chain_file)!r}]); "
+            "assert not {'torch', 'matplotlib'} & set(sys.modules), sorted({'torch', 'matplotlib'} & set(sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
 
 
 def test_console_script_entry_point(chain_file):

@@ -2,9 +2,11 @@ import json
 
 import pytest
 
-from solver.chain import chain_from_dict, load_chain, save_chain, to_dict
-from solver.errors import ChainMismatch, FormatError, ScheduleRejected
-from solver.schedule import Offload, load_schedule, make_schedule, save_schedule, schedule_from_dict, schedule_to_dict
+from offload.solver.chainfile import chain_from_dict, load_chain, save_chain, to_dict
+from offload.errors import ChainMismatch, FormatError, ScheduleRejected
+from offload.solver.budget import Budget
+from offload.solver.schedule import Offload, make_schedule
+from offload.solver.schedulefile import load_schedule, save_schedule, schedule_from_dict, schedule_to_dict
 from tests.conftest import chain_doc
 
 
@@ -33,8 +35,20 @@ def test_hash_ignores_source_but_not_content():
     (lambda d: d["stages"][2].update(fwd_peak_bytes=10), "fwd_peak_bytes"),
     (lambda d: d["stages"][2].update(need_from=2), "need_from"),
     (lambda d: d["stages"][0].update(speed=1), "speed"),
-    (lambda d: d["platform"].update(channels="triplex"), "channels"),
+    (lambda d: d["platform"].update(channels="duplex"), "channels"),
     (lambda d: d["platform"].update(d2h_bytes_per_s=0), "d2h_bytes_per_s"),
+    (lambda d: d["platform"].update(d2h_bytes_per_s=1e-300), "d2h_bytes_per_s"),
+    (lambda d: d["stages"][0].update(fwd_s=1e300), "stages[1].fwd_s"),
+    (lambda d: d["stages"][0].update(saved_bytes=2 ** 63 - 1), "stages[1].saved_bytes"),
+    (lambda d: d["stages"][0].update(held_bytes=500, held_until=3), "stages[1].held_bytes"),
+    (lambda d: d["stages"][0].update(held_bytes=50, held_until=2), "stages[1].held_until"),
+    (lambda d: d.update(recipe={"model": "m", "batch": 0}), "recipe.batch"),
+    (lambda d: d.update(recipe={"model": "m", "batch": 2, "dtype": "float64"}), "recipe.dtype"),
+    (lambda d: d.update(recipe={"model": "m", "batch": 2, "cuts": ["a@b"]}), "recipe.cuts"),
+    (lambda d: d["stages"][0].update(encodings=[{"name": "x", "encode_s": 0, "decode_s": 0, "tensors": [
+        {"index": 0, "encoder": "zip", "bytes": 10, "encoded_bytes": 5}]}]), "encoder 'zip'"),
+    (lambda d: d["stages"][0].update(encodings=[{"name": "x", "encode_s": 0, "decode_s": 0, "tensors": [
+        {"index": 0, "encoder": "sparse", "bytes": 10, "encoded_bytes": 10 ** 6}]}]), "far above"),
     (lambda d: d.update(stages=[]), "stages"),
 ])
 def test_malformed_chain_names_the_field(mutate, words):
@@ -42,6 +56,37 @@ def test_malformed_chain_names_the_field(mutate, words):
     mutate(doc)
     with pytest.raises(FormatError, match=words.replace("[", r"\[").replace("]", r"\]")):
         chain_from_dict(doc)
+
+
+def test_byte_counts_that_would_overflow_are_refused():
+    doc = chain_doc()
+    for st in doc["stages"][:2]:
+        st.update(saved_bytes=2 ** 53, fwd_peak_bytes=2 ** 53)
+    doc["stages"] = doc["stages"] * 200
+    with pytest.raises(FormatError, match="add up to"):
+        chain_from_dict(doc)
+
+
+def test_format_1_files_still_load_for_solving():
+    doc = chain_doc(format="offload-chain/1")
+    doc["platform"]["channels"] = "shared"
+    chain = chain_from_dict(doc)
+    assert chain.recipe is None and chain.L == 4
+
+
+def test_recipe_round_trips_and_is_part_of_the_identity(four):
+    recipe = {"model": "resnet18", "batch": 8, "options": {"image": 32}, "dtype": "float32", "seed": 0,
+              "optimizer": "adam", "cuts": ["layer1.0", "relu@2", "block@0[1]"], "inputs": ["0:float32[8,3,32,32]"]}
+    a = chain_from_dict(chain_doc(recipe=recipe))
+    assert chain_from_dict(to_dict(a)) == a
+    b = chain_from_dict(chain_doc(recipe={**recipe, "batch": 2}))
+    assert a.sha256 != b.sha256 != four.sha256
+
+
+def test_deeply_nested_json_is_refused(write):
+    p = write("deep.json", "[" * 100000)
+    with pytest.raises(FormatError, match="deeper than"):
+        load_chain(p)
 
 
 def test_not_json_names_file_and_position(write):
@@ -56,13 +101,13 @@ def test_missing_file(tmp_path):
 
 
 def test_schedule_round_trip_writes_turn(four, tmp_path):
-    s = make_schedule(four, [Offload(1, 2, 4), Offload(2, 4, 2)], budget_bytes=300, method="test")
+    s = make_schedule(four, [Offload(1, 2, 4), Offload(2, 4, 2)], budget=Budget(300), method="test")
     doc = schedule_to_dict(s, four)
     assert doc["offload"][0]["prefetch"] == "turn" and doc["offload"][1]["release"] == "turn"
     p = tmp_path / "s.json"
     save_schedule(s, four, p)
     again = load_schedule(p, four)
-    assert again.offloads == s.offloads and again.budget_bytes == 300
+    assert again.offloads == s.offloads and again.budget == Budget(300)
 
 
 def test_schedule_for_another_chain_is_refused(four):
@@ -93,6 +138,10 @@ def test_schedule_with_bad_fields(four):
     doc = json.loads(json.dumps(schedule_to_dict(make_schedule(four, []), four)))
     doc["format"] = "offload-schedule/0"
     with pytest.raises(FormatError, match="not a schedule file"):
+        schedule_from_dict(doc, four)
+    doc = schedule_to_dict(make_schedule(four, []), four)
+    doc["extra"] = 1
+    with pytest.raises(FormatError, match="unknown field"):
         schedule_from_dict(doc, four)
 
 

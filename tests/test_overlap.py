@@ -1,7 +1,7 @@
 """The overlap figure read from a torch.profiler Chrome trace."""
 import pytest
 
-from executor.overlap import copy_overlap
+from offload.executor.overlap import copy_overlap
 
 
 def event(cat, name, ts, dur):

@@ -10,11 +10,11 @@ import time
 import pytest
 
 from experiments.reproduce import link_bound
-from experiments.sweep import sweep
+from offload.analysis.sweep import sweep
 from experiments.synthetic import synthetic_chain
-from solver.chain import save_chain
-from solver.memory import no_offload_peak, smallest_feasible_budget
-from solver.methods import Options, solve
+from offload.solver.chainfile import save_chain
+from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.methods import Options, solve
 
 OFFLOAD = [sys.executable, "-m", "offload"]
 
@@ -77,7 +77,7 @@ def test_full_model_terms_grow_quadratically(monkeypatch):
     """The cut families are O(L^2) rows of O(L) terms: beyond a size (here made small) only
     close pairs are kept, so the model's terms grow like L^2, not L^3 (2.4 GB at 300
     stages before)."""
-    from solver import ilp
+    from offload.solver import ilp
     monkeypatch.setattr(ilp, "CUT_NONZEROS", 10_000)
     sizes = {}
     for L in (40, 80):
@@ -147,14 +147,14 @@ def test_solver_flags_are_range_checked(flag, value, tmp_path):
 def test_window_model_keeps_the_incumbent_or_improves_it():
     """A window of the MILP with every other unit decided: warm-started from the incumbent,
     its schedule replays within budget and is never worse."""
-    from solver.deadline import Deadline
-    from solver import lns
+    from offload.solver.deadline import Deadline
+    from offload.solver import lns
     chain = link_bound(synthetic_chain(40, seed=8))
     budget = _budget(chain, 0.2)
     warm = solve(chain, budget, "relax-bw", Options(heuristic_time_s=0.1))
     start = lns.Incumbent(list(warm.schedule.offloads), {}, warm.simulation.makespan_s)
     best = lns.improve(chain, budget, start, options={}, deadline=Deadline(8.0), width=8)
-    from solver.simulate import simulate
+    from offload.solver.simulate import simulate
     replay = simulate(chain, best.offloads, budget, encode=best.encode)
     assert replay.makespan_s == pytest.approx(best.makespan_s)
     assert best.makespan_s <= warm.simulation.makespan_s * (1 + 1e-12)
@@ -173,7 +173,7 @@ def test_relax_heuristics_find_several_small_copies(zoo_densenet):
 
 @pytest.fixture
 def zoo_densenet():
-    from solver.chain import load_chain
+    from offload.solver.chainfile import load_chain
     from pathlib import Path
     return load_chain(Path(__file__).parent.parent / "experiments" / "chains" / "densenet121-b4-128px-cpu.json")
 

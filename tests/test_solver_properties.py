@@ -5,12 +5,12 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
-from solver.bounds import fluid_lp
-from solver.errors import InfeasibleBudget
-from solver.ilp import Model, solve_ilp
-from solver.methods import METHODS, Options, solve
-from solver.schedule import Offload
-from solver.simulate import simulate
+from offload.solver.bounds import fluid_lp
+from offload.errors import InfeasibleBudget
+from offload.solver.ilp import Model, solve_ilp
+from offload.solver.methods import METHODS, Options, solve
+from offload.solver.schedule import Offload
+from offload.solver.simulate import simulate
 from tests.strategies import chain_and_budget
 
 EXACT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.02)

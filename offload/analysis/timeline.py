@@ -1,0 +1,81 @@
+"""One schedule's replayed timeline as lanes (compute, D2H, H2D), stalls and a memory curve,
+and its export as a Chrome / Perfetto trace.
+
+Both the timeline plot and the trace are drawn from ``timeline()``, which reads the
+simulator's replay and nothing else, so the picture is exactly what the numbers say.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload.solver.chain import Chain
+from offload.solver.memory import op_name
+from offload.solver.schedule import Schedule
+from offload.solver.simulate import Simulation, simulate
+
+LANES = ("compute", "D2H", "H2D")
+
+
+@dataclass(frozen=True)
+class Span:
+    lane: str  # compute | D2H | H2D
+    name: str  # F3, B3, U3 (a copy of unit 3), stall
+    start: float
+    end: float
+    nbytes: int = 0
+
+
+@dataclass
+class Timeline:
+    chain: Chain
+    schedule: Schedule
+    simulation: Simulation
+    spans: list[Span]  # ops, stalls and copies
+    memory: list[tuple[float, float, int]]  # (from, to, activation bytes + base) per op, stall included
+    base_bytes: int  # added to memory: base_bytes for a total budget, 0 for an activation one
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.schedule.budget.nbytes if self.schedule.budget else None
+
+
+def timeline(chain: Chain, schedule: Schedule) -> Timeline:
+    sim = simulate(chain, schedule.offloads, encode=schedule.encode)
+    base = schedule.budget.base(chain) if schedule.budget else 0
+    spans, memory = [], []
+    for o in range(2 * chain.L):
+        ready, start, end = (float(a[o]) for a in (sim.ready, sim.start, sim.end))
+        if start > ready:
+            spans.append(Span("compute", "stall", ready, start))
+        spans.append(Span("compute", op_name(chain, o), start, end))
+        memory.append((ready, end, int(sim.memory[o]) + base))
+    spans += [Span(c.direction, f"U{c.stage}", c.start, c.end, c.nbytes) for c in sim.copies]
+    return Timeline(chain, schedule, sim, spans, memory, base)
+
+
+def chrome_trace(t: Timeline) -> dict:
+    """The trace-event format (``traceEvents`` of complete ``X`` events, ``C`` counters for
+    memory, ``M`` names for the lanes); times in microseconds, as the format wants."""
+    us = 1e6
+    pid = 1
+    events: list[dict] = [{"ph": "M", "pid": pid, "name": "process_name",
+                           "args": {"name": f"{t.chain.name}: {t.schedule.method or 'schedule'} (simulated)"}}]
+    for tid, lane in enumerate(LANES, 1):
+        events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": lane}})
+        events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
+    tids = {lane: tid for tid, lane in enumerate(LANES, 1)}
+    for s in t.spans:
+        kind = "stall" if s.name == "stall" else ("copy" if s.lane != "compute" else s.name[0])
+        args = {"bytes": s.nbytes} if s.nbytes else {}
+        events.append({"ph": "X", "pid": pid, "tid": tids[s.lane], "name": s.name, "cat": kind,
+                       "ts": s.start * us, "dur": (s.end - s.start) * us, "args": args})
+    for start, _, nbytes in t.memory:
+        events.append({"ph": "C", "pid": pid, "name": "memory", "ts": start * us, "args": {"bytes": nbytes}})
+    if t.memory:
+        events.append({"ph": "C", "pid": pid, "name": "memory", "ts": t.memory[-1][1] * us, "args": {"bytes": t.base_bytes}})
+    sim = t.simulation
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"chain": t.chain.name, "chain_sha256": t.chain.sha256, "method": t.schedule.method,
+                          "makespan_s": sim.makespan_s, "stall_s": sim.stall_s, "peak_bytes": sim.peak_bytes + t.base_bytes,
+                          "budget_bytes": t.budget_bytes,
+                          "budget_scope": t.schedule.budget.scope if t.schedule.budget else None}}

@@ -1,0 +1,87 @@
+"""Devices, dtypes, optimizers and what lives across steps: the conventions the profiler and
+the executor must share so that a chain describes the training step that runs.
+
+* ``pick_device``: ``cuda`` when available; a CUDA device is made the current one (events,
+  streams and the caching allocator default to the current device).
+* ``OPTIMIZERS``: the optimizers a chain can be profiled with; their state is constant
+  memory (``base_bytes``).
+* ``persistent_tensors``: weights, buffers, gradients, optimizer state and plain tensor
+  attributes of the modules: the constant ``base_bytes``, never part of a unit.
+* ``running``: the user's model failing becomes one ``ModelError`` with a hint.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from offload.errors import ModelError, OffloadError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer] | None] = {
+    "adam": lambda p, lr: torch.optim.Adam(p, lr=lr),
+    "adamw": lambda p, lr: torch.optim.AdamW(p, lr=lr),
+    "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9),
+    "none": None,
+}
+
+
+def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer | None:
+    """The optimizer ``name`` over ``params`` (``None`` for ``none`` or no trainable parameter)."""
+    if name not in OPTIMIZERS:
+        raise ModelError(f"unknown optimizer {name!r}", f"use one of {', '.join(OPTIMIZERS)}")
+    make = OPTIMIZERS[name]
+    return make(params, lr) if make is not None and params else None
+
+
+def pick_device(name: str | None) -> torch.device:
+    """``name`` (``cpu``, ``cuda``, ``cuda:1``) checked, or CUDA when available; CUDA becomes current."""
+    if name is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(name)
+        except RuntimeError as exc:
+            raise ModelError(f"unknown device {name!r}: {exc}", "use cpu or cuda (cuda:1 for a second GPU)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ModelError(f"device type {device.type!r} is not supported", "use cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelError("--device cuda, but this PyTorch sees no CUDA GPU",
+                             f"use --device cpu (torch {torch.__version__}, CUDA build: {torch.version.cuda is not None})")
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+def persistent_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                       device: torch.device) -> list[torch.Tensor]:
+    """Every tensor that lives across steps on ``device``: weights, buffers, gradients, optimizer
+    state and plain tensor attributes (the constant ``base_bytes``, never part of a unit)."""
+    out = list(module.parameters()) + list(module.buffers())
+    out += [p.grad for p in module.parameters() if p.grad is not None]
+    if optimizer is not None:
+        out += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    for sub in module.modules():
+        out += [v for v in vars(sub).values() if isinstance(v, torch.Tensor)]
+    return [t for t in out if t.device.type == device.type]
+
+
+@contextlib.contextmanager
+def running(what: str, hint: str = "check that the model runs forward and backward on this input; run it by "
+                                   "hand for the traceback") -> Iterator[None]:
+    """Turn a failure of the user's model into one clear ``ModelError``."""
+    try:
+        yield
+    except OffloadError:
+        raise
+    except torch.cuda.OutOfMemoryError as exc:
+        raise ModelError(f"{what}: out of GPU memory ({str(exc).splitlines()[0][:200]})",
+                         "the step must fit once without offloading to be profiled: use a smaller --batch (times "
+                         "and bytes scale about linearly with it) or --dtype bfloat16") from None
+    except Exception as exc:
+        first = str(exc).splitlines()[0][:300] if str(exc) else ""
+        raise ModelError(f"{what} failed: {type(exc).__name__}: {first}", hint) from exc

@@ -1,0 +1,182 @@
+"""Memory and time readings at stage boundaries, on CUDA and on the CPU.
+
+A meter answers two questions at each boundary: how many bytes are live now, and what was
+the most live since the last boundary.  On CUDA the caching allocator's counters answer
+them (``memory_allocated`` / ``max_memory_allocated``, so cuDNN/cuBLAS workspaces count).
+The CPU has no such counters, so ``CpuMeter`` keeps exact tensor accounting: a
+``TorchDispatchMode`` sees every op's outputs, registers each new storage once, and a
+``weakref.finalize`` on the storage (PyTorch keeps one Python object per live storage)
+subtracts it when it is really freed, whoever held it (autograd's saved tensors included).
+Its peak is exact at op granularity; workspace inside a CPU kernel is not seen.  It also
+counts the ops it sees, and says at which op each interval's peak was reached
+(``peak_op``), which the profiler's holding pass compares with when storages died.
+
+A clock takes timestamps at the same boundaries: CUDA events on the current stream (no
+synchronisation inside the step), ``perf_counter`` on the CPU, where ops are synchronous.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+_host = threading.local()
+
+
+@contextlib.contextmanager
+def host_allocation() -> Iterator[None]:
+    """Tensors made in this block are host memory (the executor's arena), never counted as
+    device memory by a ``CpuMeter``, even when the CPU is also the device."""
+    previous = getattr(_host, "active", False)
+    _host.active = True
+    try:
+        yield
+    finally:
+        _host.active = previous
+
+
+class CpuMeter(TorchDispatchMode):
+    """Exact live-bytes accounting of CPU tensors; enter it around the measured step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.ops = 0  # ops seen so far
+        self.peak_op = 0  # the op at which the current interval's peak was reached
+        self.interval_peak_op = 0  # the same, for the interval the last boundary() closed
+        self._tracked: dict[int, int] = {}  # storage key -> nbytes
+        self._ignored: set[int] = set()
+        self._finalizers: list[weakref.finalize] = []
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        """Count tensors that exist before the step (weights, gradients, optimizer state, inputs)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._register(t)
+
+    def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count these storages (the executor's host arena is host memory, not device memory)."""
+        for t in tensors:
+            self._ignore(t)
+
+    def _ignore(self, t: torch.Tensor) -> None:
+        """Ignore ``t``'s storage while it lives: its address may later be another storage's."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self._ignored:
+            self._ignored.add(key)
+            self._finalizers.append(weakref.finalize(storage, self._ignored.discard, key))
+
+    def _register(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu" or t.is_meta:
+            return
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        key = storage._cdata
+        if nbytes == 0 or key in self._tracked or key in self._ignored:
+            return
+        self._tracked[key] = nbytes
+        self.live += nbytes
+        if self.live > self.peak:
+            self.peak, self.peak_op = self.live, self.ops
+        self._finalizers.append(weakref.finalize(storage, self._free, key))
+
+    def _free(self, key: int) -> None:
+        self.live -= self._tracked.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        out = func(*args, **(kwargs or {}))
+        if getattr(_host, "active", False):  # host memory that stands in for pinned memory
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._ignore(t)
+            return out
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage()._cdata if t.device.type == "cpu" else None
+                if key in inputs and key not in self._tracked:
+                    self._ignore(t)  # a view of a tensor from before the step: not allocated here
+                else:
+                    self._register(t)
+        return out
+
+    def boundary(self) -> tuple[int, int]:
+        """(peak since the last boundary, live now); starts the next interval."""
+        peak, self.peak = self.peak, self.live
+        self.interval_peak_op, self.peak_op = self.peak_op, self.ops
+        return peak, self.live
+
+    def close(self) -> None:
+        """Stop watching storages (the finalizers would otherwise outlive the meter)."""
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+        self._tracked.clear()
+
+
+class CudaMeter:
+    """The CUDA caching allocator's counters (all tensors on the device, workspaces included)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def track(self, tensors: Iterable[Any]) -> None:  # the allocator already sees everything
+        pass
+
+    @property
+    def live(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def boundary(self) -> tuple[int, int]:
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak, self.live
+
+    def __enter__(self) -> "CudaMeter":
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Clock:
+    """Timestamps at boundaries; ``intervals()`` gives the seconds between consecutive marks."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def make_meter(device: torch.device) -> CpuMeter | CudaMeter:
+    return CudaMeter(device) if device.type == "cuda" else CpuMeter()

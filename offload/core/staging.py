@@ -1,0 +1,178 @@
+"""Stage boundaries on the user's own module: the seam the profiler and the executor share.
+
+A chain's stages end at *call sites*: a submodule's path in the model and which of its
+calls in one forward (``Site``), chosen by the profiler's capture.  ``Staging`` puts a
+forward hook on each such submodule of the user's module; while a listener is attached
+and the model's forward runs, the hook passes the stage's output through a *boundary*,
+an identity autograd function, so that the listener hears the end of stage ``k`` in the
+forward (``forward_boundary(k)``) and the end of stage ``k+1``'s backward
+(``backward_boundary(k)``, just before stage ``k``'s backward).  An identity function
+fires reliably where a ``grad_fn`` hook may not.  It returns ``x.detach()`` rather than a
+view, so a later in-place op on the cut value (``ReLU(inplace=True)``) stays legal.
+
+The *turn* (the end of the last stage's forward, the start of the backward) is the model's
+output: ``forward_boundary(L)`` when the forward returns, ``backward_boundary(L)`` once,
+when the first of the output's differentiable values receives its gradient
+(``register_multi_grad_hook``, mode ``any``): the loss may be computed inside the model
+(``labels=``) or by the training loop from any part of the output.
+
+Nothing else changes: the user's forward, its other hooks, checkpointing and compilation
+run as written, and calls after the forward (a checkpoint's recomputation in the
+backward) pass no boundary.  Without a listener the hooks return the output untouched.
+The listener is held by this object and by each boundary's autograd context, never in a
+thread-local: the backward may run on another thread (CUDA's autograd device threads).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+@dataclass(frozen=True, order=True)
+class Site:
+    """A submodule call in one forward: ``module`` (its path, ``""`` the root), ``occurrence``
+    (0: its first call), ``leaf`` (which value of its output, in pytree order)."""
+
+    module: str
+    occurrence: int = 0
+    leaf: int = 0
+
+    @property
+    def text(self) -> str:
+        """``h.3``, ``relu@2`` (third call), ``block@0[1]`` (second output value)."""
+        out = self.module + (f"@{self.occurrence}" if self.occurrence or self.leaf else "")
+        return out + (f"[{self.leaf}]" if self.leaf else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "Site":
+        """The inverse of ``text``; ``ValueError`` for anything else."""
+        body, leaf = text, 0
+        if body.endswith("]") and "[" in body:
+            body, _, index = body[:-1].rpartition("[")
+            leaf = int(index)
+        name, at, occurrence = body.rpartition("@")
+        if not at:
+            return cls(body, 0, leaf)
+        return cls(name, int(occurrence), leaf)
+
+
+class StageListener:
+    """Told where the computation is: subclass and override what you need.
+
+    ``forward_boundary(k)`` runs when the forward of stage ``k`` has ended (``1 <= k <= L``,
+    ``L``: the model returned), ``backward_boundary(k)`` when the backward of stage ``k+1``
+    has ended, just before the backward of stage ``k`` (``k = L``: the backward starts).
+    """
+
+    def forward_boundary(self, k: int) -> None:  # pragma: no cover - default no-op
+        pass
+
+    def backward_boundary(self, k: int) -> None:  # pragma: no cover - default no-op
+        pass
+
+    def stage_output(self, k: int, x: torch.Tensor) -> None:
+        """The value stage ``k`` hands to stage ``k+1`` (called just before ``forward_boundary``)."""
+
+
+class _Boundary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, k: int, listener: StageListener) -> torch.Tensor:
+        ctx.k, ctx.listener = k, listener
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.listener.backward_boundary(ctx.k)
+        return grad, None, None
+
+
+def stage_boundary(x: torch.Tensor, k: int, listener: StageListener) -> torch.Tensor:
+    """The end of stage ``k``'s forward on its output ``x``."""
+    listener.stage_output(k, x)
+    listener.forward_boundary(k)
+    if not x.requires_grad:  # nothing flows back through here (a frozen prefix)
+        return x
+    return _Boundary.apply(x, k, listener)
+
+
+class Staging:
+    """Boundaries at ``sites`` (stage ``k`` ends at ``sites[k-1]``) on ``module`` itself."""
+
+    def __init__(self, module: nn.Module, sites: Sequence[Site]) -> None:
+        self.module, self.sites = module, list(sites)
+        self.L = len(self.sites) + 1
+        modules = dict(module.named_modules())
+        missing = [s.text for s in self.sites if s.module not in modules]
+        if missing:
+            raise KeyError(f"no submodule {missing[0]!r} in {type(module).__name__}")
+        self.cuts: dict[str, dict[int, tuple[int, int]]] = {}  # module -> occurrence -> (k, leaf)
+        for k, s in enumerate(self.sites, start=1):
+            self.cuts.setdefault(s.module, {})[s.occurrence] = (k, s.leaf)
+        self.listener: StageListener | None = None
+        self.calls: Counter[str] = Counter()
+        self.seen = 0  # boundaries passed in the current forward
+        self.forwarding = False
+        self._handles = [module.register_forward_pre_hook(self._begin),
+                         module.register_forward_hook(self._end)]
+        for name in self.cuts:
+            self._handles.append(modules[name].register_forward_hook(self._cut(name)))
+
+    def remove(self) -> None:
+        """Take the hooks off the module."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def listening(self, listener: StageListener) -> Iterator[None]:
+        """Route the boundaries of the forwards (and their backwards) in this block to ``listener``."""
+        previous, self.listener = self.listener, listener
+        try:
+            yield
+        finally:
+            self.listener = previous
+
+    # -- hooks
+    def _begin(self, module: nn.Module, args: tuple) -> None:
+        if self.listener is not None:
+            self.calls.clear()
+            self.seen, self.forwarding = 0, True
+
+    def _end(self, module: nn.Module, args: tuple, out: Any) -> Any:
+        listener = self.listener
+        if listener is None or not self.forwarding:
+            return None
+        self.forwarding = False
+        if self.seen != self.L - 1:
+            raise RuntimeError(f"{self.seen} of the {self.L - 1} stage boundaries were passed in this forward: the "
+                               "model's calls differ from the profiled ones (control flow that depends on the input?)")
+        listener.forward_boundary(self.L)
+        grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if grads:
+            torch.autograd.graph.register_multi_grad_hook(grads, lambda _: listener.backward_boundary(self.L), mode="any")
+        return None
+
+    def _cut(self, name: str):
+        def hook(module: nn.Module, args: tuple, out: Any) -> Any:
+            if self.listener is None or not self.forwarding:
+                return None
+            n = self.calls[name]
+            self.calls[name] += 1
+            cut = self.cuts[name].get(n)
+            if cut is None:
+                return None
+            k, leaf = cut
+            if k != self.seen + 1:
+                raise RuntimeError(f"stage boundary {k} came after {self.seen}: the model's calls differ from the "
+                                   "profiled ones")
+            self.seen = k
+            leaves, spec = tree_flatten(out)
+            leaves[leaf] = stage_boundary(leaves[leaf], k, self.listener)
+            return tree_unflatten(leaves, spec)
+        return hook

@@ -1,0 +1,100 @@
+"""Which unit each saved storage belongs to: one rule for the profiler and the executor.
+
+Autograd saves tensors for the backward through ``saved_tensors_hooks``; the pack hook
+sees each one.  The chain's unit ``Ui`` is the storages that stage ``i`` is the *first* to
+save, deduplicated by storage (views of one storage are one thing to move), numbered in
+first-save order (the chain's ``EncodedTensor.index``); a storage's ``need_from`` is the
+*last* stage that saves it (the first backward to read it).  The profiler sizes the units
+with this rule and the executor moves them with it, so they match byte for byte.
+
+Never part of a unit: storages that live across steps (weights, buffers, gradients,
+optimizer state: the chain's constant ``base_bytes``), the step's input batch (the
+training loop holds it anyway), and tensors a copy engine cannot move as plain bytes
+(on another device than the model, e.g. the CPU random-number state that flash attention
+saves on CUDA; sparse or other non-strided layouts; tensor subclasses such as DTensor or
+float8).  A storage is known by a weak reference: once it dies, its address may belong to
+a new storage, which starts afresh.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage behind ``t`` while it lives (shared by all its views)."""
+    return t.untyped_storage()._cdata
+
+
+def movable(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether a copy engine can move ``t``'s storage as bytes: a plain strided tensor on ``device``."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.device == device
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A saved tensor's storage, as the tracker knows it."""
+
+    key: int  # storage_key, valid while the storage lives
+    unit: int  # the first stage that saved it
+    index: int  # its place among the unit's storages, in first-save order
+    nbytes: int
+    new: bool  # first time this step
+
+
+class UnitTracker:
+    """Attribute saved tensors to units (module docstring); ``stage`` is the stage running now."""
+
+    def __init__(self, device: torch.device, excluded: Iterable[torch.Tensor] = ()) -> None:
+        self.device = device
+        self.excluded: set[int] = {storage_key(t) for t in excluded}
+        self.stage = 1
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: every storage starts afresh."""
+        self.stage = 1
+        self._refs: dict[int, weakref.ref] = {}
+        self._known: dict[int, int] = {}  # live storage key -> its record
+        self.records: list[Saved] = []  # every storage saved this step, in first-save order
+        self.last: list[int] = []  # per record, the last stage that saved it
+        self.count: dict[int, int] = {}  # unit -> storages so far
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never attribute these storages (the step's input batch, say)."""
+        self.excluded.update(storage_key(t) for t in tensors)
+
+    def saw(self, t: torch.Tensor) -> Saved | None:
+        """The storage of a tensor being saved now, or ``None`` if it is never part of a unit."""
+        if not movable(t, self.device):
+            return None
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.excluded:
+            return None
+        ref = self._refs.get(key)
+        if ref is not None and ref() is storage:
+            n = self._known[key]
+            self.last[n] = self.stage
+            known = self.records[n]
+            return Saved(key, known.unit, known.index, known.nbytes, False)
+        self._refs[key] = weakref.ref(storage)  # new, or an address reused by a new storage
+        index = self.count.get(self.stage, 0)
+        self.count[self.stage] = index + 1
+        saved = Saved(key, self.stage, index, storage.nbytes(), True)
+        self._known[key] = len(self.records)
+        self.records.append(saved)
+        self.last.append(self.stage)
+        return saved
+
+    def units(self, L: int) -> tuple[list[int], list[int]]:
+        """(bytes of each unit, need_from of each unit), stages ``1..L`` (a unit's ``need_from``
+        is the latest last saver among its storages, at least its own stage)."""
+        saved, need = [0] * (L + 1), list(range(L + 1))
+        for s, last in zip(self.records, self.last):
+            saved[s.unit] += s.nbytes
+            need[s.unit] = max(need[s.unit], last)
+        return saved[1:], need[1:]

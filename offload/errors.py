@@ -1,0 +1,79 @@
+"""Errors a user can act on, for every part of the tool.
+
+Every error the tool raises on bad input or an exhausted resource is an ``OffloadError``:
+one message naming the problem, and a ``hint`` saying what to do about it.  The CLI prints
+both and exits with the class's code; nothing else is ever shown to the user as a
+traceback.  Codes: 2 bad input (a file, a model, a chain that does not match), 3 a
+schedule the simulator refuses, 4 a budget that cannot be met, 5 a solver failure, 6 a
+training step out of its budget or of GPU or host memory (the run report is still
+written), 7 gradients that differ from training without offloading.
+"""
+from __future__ import annotations
+
+
+class OffloadError(Exception):
+    """Base class: ``str(err)`` is the problem, ``err.hint`` what to do."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+class FormatError(OffloadError):
+    """A chain or schedule file is not valid JSON or breaks its format."""
+
+    exit_code = 2
+
+
+class ChainMismatch(OffloadError):
+    """A schedule was made for another chain (its sha256 differs)."""
+
+    exit_code = 2
+
+
+class ScheduleRejected(OffloadError):
+    """The simulator refuses a schedule: invalid action, or the budget is exceeded."""
+
+    exit_code = 3
+
+
+class InfeasibleBudget(OffloadError):
+    """No schedule (or none of this method) fits the budget."""
+
+    exit_code = 4
+
+    def __init__(self, message: str, hint: str = "", smallest_bytes: int | None = None) -> None:
+        super().__init__(message, hint)
+        self.smallest_bytes = smallest_bytes
+
+
+class SolverFailure(OffloadError):
+    """A MILP/LP solver is unavailable or failed without producing a schedule."""
+
+    exit_code = 5
+
+
+class ModelError(OffloadError):
+    """The MODEL string is unknown, or building or running the model failed."""
+
+    exit_code = 2
+
+
+class ResourceExhausted(OffloadError):
+    """A training step ran out of something; the steps before it are in the report."""
+
+    exit_code = 6
+
+
+class BudgetExceeded(ResourceExhausted):
+    """A measured step went over the schedule's budget."""
+
+
+class OutOfMemory(ResourceExhausted):
+    """The allocator refused a block during a step with offloading."""
+
+
+class HostMemoryShortfall(ResourceExhausted):
+    """The pinned host arena does not fit in the host's available memory."""

@@ -1,0 +1,100 @@
+"""The executor in your own training loop: ``Offloaded`` wraps the module a chain was profiled from.
+
+``offload train`` runs synthetic steps of a named model; a real job has its own data,
+loss, optimizer, scheduler and logging.  ``Offloaded`` gives it the schedule and nothing
+else to learn::
+
+    model = build_model().cuda()                   # the module `offload profile` measured
+    run = Offloaded(model, "chain.json", "schedule.json")
+    for x, y in loader:
+        loss = loss_fn(run(x), y)                  # the forward offloads as scheduled
+        loss.backward()                            # the backward prefetches as scheduled
+        optimizer.step(); optimizer.zero_grad(set_to_none=False)
+
+``Offloaded`` is an ``nn.Module`` holding the user's module (``run.module``), so its
+parameters are the model's: the optimizer, ``DDP(run)``, ``state_dict`` and ``.to()`` see
+them.  Stage boundaries are forward hooks on the chain's cut sites of the module itself
+(``offload.core.staging``): its forward, hooks and checkpointing run as written.  Nothing
+runs at construction: the chain's recipe says where to cut, and the schedule is checked to
+belong to the chain.  Every forward checks its batch against the profiled one.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.core.staging import Site, Staging
+from offload.errors import ChainMismatch
+from offload.models.spec import signature
+from offload.solver.chain import Chain
+from offload.solver.chainfile import load_chain
+from offload.solver.schedule import Schedule
+from offload.solver.schedulefile import load_schedule
+
+from .backends import make_backend
+from .plan import StepPlan
+from .runtime import OffloadRuntime
+
+PathLike = str | os.PathLike
+
+
+def stage_like_chain(module: nn.Module, chain: Chain) -> Staging:
+    """Boundaries on ``module`` at ``chain``'s cut sites, or ``ChainMismatch`` saying why not."""
+    if chain.recipe is None:
+        raise ChainMismatch(f"chain {chain.name!r} has no recipe (profiled by an older version, or not from a model): "
+                            "it says where to cut the model", "profile the model again with `offload profile`")
+    sites = [Site.parse(c) for c in chain.recipe.cuts]
+    if len(sites) != chain.L - 1:
+        raise ChainMismatch(f"chain {chain.name!r} has {chain.L} stages but {len(sites)} cut sites", "profile again")
+    try:
+        return Staging(module, sites)
+    except KeyError as exc:
+        raise ChainMismatch(f"the model cannot be staged like chain {chain.name!r}: {exc.args[0]}",
+                            "the chain was profiled from another model or version: profile it again") from None
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+class Offloaded(nn.Module):
+    """``module`` with ``schedule`` applied at every forward and its backward.
+
+    ``chain`` and ``schedule``: objects or JSON paths.  ``backend``: ``cuda`` (side streams;
+    the default on a GPU), ``cpu-eager`` (the default on the CPU) or ``cpu-lazy`` (the
+    checking backend of the tests).  Under ``torch.no_grad()`` the module runs plainly."""
+
+    def __init__(self, module: nn.Module, chain: Chain | PathLike, schedule: Schedule | PathLike,
+                 backend: str | None = None) -> None:
+        super().__init__()
+        self.chain = chain if isinstance(chain, Chain) else load_chain(chain)
+        self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(schedule, self.chain)
+        if self.schedule.chain_sha256 != self.chain.sha256:
+            raise ChainMismatch(f"the schedule was made for chain {self.schedule.chain_name!r}, not for "
+                                f"{self.chain.name!r} (sha256 differs)", "solve again on this chain")
+        self.module = module
+        device = _device_of(module)
+        self.runtime = OffloadRuntime(stage_like_chain(module, self.chain),
+                                      StepPlan.from_schedule(self.chain, self.schedule), make_backend(backend, device),
+                                      device)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward, offloading as scheduled (plainly under ``torch.no_grad()``)."""
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        expected = self.chain.recipe.inputs
+        got = signature(args, kwargs)
+        if expected and got != expected:
+            raise ChainMismatch(f"this batch is {', '.join(got)}; the chain was profiled with {', '.join(expected)}",
+                                "a schedule is made for one batch shape: profile and solve again for this one, or pad "
+                                "the batch")
+        return self.runtime.forward(args, kwargs)
+
+    @property
+    def moved_bytes(self) -> tuple[int, int]:
+        """Bytes copied so far: (device to host, host to device)."""
+        return self.runtime.d2h_bytes, self.runtime.h2d_bytes

@@ -1,0 +1,121 @@
+"""The executor's subcommand of ``offload``: ``train``.  Importing this module is cheap (the
+parser only); torch is imported when the command runs."""
+from __future__ import annotations
+
+import argparse
+
+from offload.solver.argtypes import integer, number
+from offload.solver.chainfile import OPTIMIZERS, load_chain
+from offload.solver.fileio import check_output, write_json
+from offload.solver.schedulefile import load_schedule
+from offload.solver.units import format_bytes, format_seconds, printable
+
+BACKENDS = ("cuda", "cpu-eager", "cpu-lazy")  # offload.executor.backends implements them (a test checks)
+
+
+def _print_report(r: dict) -> None:
+    m, p = r["measured"], r["predicted"]
+    print(printable(f"trained {r['model']} for {r['steps_done']} of {r['steps']} steps with {r['method'] or 'the'} "
+                    f"schedule on {r['device']} ({r['backend']})"))
+    if m["peak_bytes"] is None:
+        return
+    print(f"{'':<14}{'measured':>16}{'predicted':>16}")
+    if m["step_s"] is not None:
+        print(f"{'step time':<14}{format_seconds(m['step_s']['median']):>16}{format_seconds(p['makespan_s']):>16}"
+              f"   (min {format_seconds(m['step_s']['min'])}, max {format_seconds(m['step_s']['max'])})")
+    print(f"{'peak memory':<14}{format_bytes(m['peak_bytes']):>16}{format_bytes(p['peak_bytes']):>16}"
+          + (f"   budget {format_bytes(r['budget_bytes'])} ({r['budget_scope']})" if r["budget_bytes"] else ""))
+    print(f"{'D2H per step':<14}{format_bytes(m['d2h_bytes_per_step']):>16}{format_bytes(p['d2h_bytes']):>16}")
+    print(f"{'H2D per step':<14}{format_bytes(m['h2d_bytes_per_step']):>16}{format_bytes(p['h2d_bytes']):>16}")
+    print(f"{'host arena':<14}{format_bytes(m['host_arena_bytes']):>16}")
+    if r["encoded_units"]:
+        print(f"{'encoded':<14}{format_bytes(m['encoded_bytes_per_step']):>16}   per step, units "
+              + ", ".join(f"U{i} {name}" for i, name in r["encoded_units"].items())
+              + (" (lossy)" if r["lossy"] else " (lossless)"))
+    for name, label in (("no_offload", "no offloading"), ("save_on_cpu", "save_on_cpu")):
+        other = (r["compare"] or {}).get(name)
+        if other and other["step_s"]:
+            print(f"{label:<14}{format_seconds(other['step_s']['median']):>16}   peak "
+                  f"{format_bytes(other['peak_bytes'])}; our step takes "
+                  f"{r['compare'][f'step_time_vs_{name}']:.2f}x its time")
+        elif other:
+            print(f"{label:<14}{'failed':>16}   {other['error']}")
+    if "op_peak_bytes" in m:
+        over = {op: b - p["op_bytes"][op] for op, b in m["op_peak_bytes"].items() if b > p["op_bytes"][op]}
+        worst = max(over, key=over.get) if over else None
+        print("op memory     " + (f"all {len(m['op_peak_bytes'])} ops within their prediction (step 1)" if not over else
+                                   f"{len(over)} op(s) above their prediction in step 1, most {format_bytes(over[worst])} at {worst}"))
+    if r["trace"]:
+        overlap = r["trace"]["copy_overlap"]
+        print(f"trace         {r['trace']['path']}" + (
+            f"   copies {format_seconds(overlap['copy_s'])}, {overlap['fraction']:.0%} of it under compute"
+            if overlap else "   (no GPU copies in it)"))
+    if r["grads_match"] is not None:
+        print(f"grads_match   {r['grads_match']} (bit for bit against the same model trained without offloading)")
+        if r["lossy"]:
+            d = r["grad_rel_diff"]
+            print(f"grad diff     ||ours - reference|| / ||reference|| from the same weights: at most {max(d):.3g} "
+                  f"in {len(d)} steps (lossy encodings)")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .train import TrainOptions, train
+    inputs = [args.chain, args.schedule]
+    for path in (args.report, args.trace):
+        if path:
+            check_output(path, inputs)  # before the steps run, not after
+    chain = load_chain(args.chain)
+    schedule = load_schedule(args.schedule, chain)
+    opts = TrainOptions(steps=args.steps, device=args.device, backend=args.backend, optimizer=args.optimizer,
+                        lr=args.lr, check_grads=args.check_grads, compare=args.compare, trace=args.trace,
+                        op_memory=args.op_memory)
+    report, error = train(args.model, chain, schedule, opts, batch=args.batch)
+    if args.report:
+        write_json(args.report, report, inputs)
+    _print_report(report)
+    if args.report:
+        print(f"wrote {args.report}")
+    if error is not None:
+        raise error
+    if report["grads_match"] is False and not report["lossy"]:
+        print("error: gradients differ from training without offloading")
+        return 7
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model with a schedule; measured vs predicted step time and peak",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Train MODEL on synthetic data with SCHEDULE applied: saved activations go to a "
+                                   "pinned host arena on a D2H stream, come back on an H2D stream, at exactly the "
+                                   "schedule's points. Prints measured step time, peak memory and bytes moved next "
+                                   "to the simulator's prediction.",
+                       epilog="example:\n  offload profile resnet50 --batch 32 -o c.json\n"
+                              "  offload solve c.json --budget 50% -o s.json\n"
+                              "  offload train --chain c.json --schedule s.json --steps 20 "
+                              "--check-grads --compare --report run.json")
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="the model the chain was profiled from (default: the one its recipe names)")
+    p.add_argument("--chain", required=True, help="chain.json the schedule was solved on")
+    p.add_argument("--schedule", required=True, help="schedule.json (refused if made for another chain)")
+    p.add_argument("--batch", type=integer(1), help="batch size (must be the chain's; default: the chain's)")
+    p.add_argument("--steps", type=integer(1, 100000), default=5, help="training steps (default 5)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="cuda (streams), cpu-eager, or cpu-lazy (copies only when a wait forces them: "
+                        "a missing edge shows up as wrong gradients)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the one the chain was profiled with")
+    p.add_argument("--lr", type=number(0, 1e3, strict=False, what="a learning rate"), default=1e-4, metavar="LR", help="learning rate (default 1e-4)")
+    p.add_argument("--check-grads", action="store_true",
+                   help="also train a copy without offloading and compare every gradient bit for bit")
+    p.add_argument("--compare", action="store_true",
+                   help="also time the same steps without offloading and under torch's save_on_cpu, and print "
+                        "our step time as a multiple of each")
+    p.add_argument("--trace", metavar="JSON",
+                   help="write a torch.profiler Chrome trace of one more step (open in ui.perfetto.dev); on a GPU "
+                        "it also reports how much of the copy time ran under compute")
+    p.add_argument("--op-memory", action="store_true",
+                   help="read memory at every op's end in step 1 and compare each op with the simulator's (report: "
+                        "measured.op_peak_bytes, predicted.op_bytes); on a GPU this synchronizes step 1 at every boundary")
+    p.add_argument("--report", metavar="JSON", help="write the run report here (also when a step fails its budget)")
+    p.set_defaults(func=cmd_train)

@@ -1,0 +1,237 @@
+"""Applying a schedule during a real training step (docs/executor.md).
+
+``OffloadRuntime`` runs one ``_Step`` per forward of the user's module: a stage listener
+plus a pair of ``saved_tensors_hooks``.
+
+* pack: every tensor saved for backward is attributed, by storage, to the unit of the first
+  stage that saves it (``offload.core.units``: the profiler's rule, so units match the
+  chain), numbered within it in first-save order (the chain's ``EncodedTensor.index``).
+  Parameters and buffers (recognized at every forward, never from a snapshot), the
+  forward's inputs and tensors a copy engine cannot move are never touched.  A tensor of a
+  kept unit is returned as is; one of an offloaded or encoded unit is replaced by a small
+  handle, and the step holds the storage itself, or the blob its encoder made of it (then
+  the raw storage is freed as soon as the forward drops it: that is the encoding's saving);
+* forward boundary ``k < L``: D2H of ``Uk``'s storages into host slots, then the releases due
+  at ``k``: wait for those D2H copies, drop the step's reference (the storage is freed, the
+  schedule's whole point);
+* backward boundary ``L`` (the backward starts; the loss was the end of ``FL``): the releases
+  due at ``L``; then at every backward boundary ``k``: free the prefetched ``U(k+1)``, issue
+  the prefetches whose point is ``k`` into fresh device buffers, wait for the units needed
+  from ``k``;
+* unpack: the handle becomes a view of the prefetched buffer with the saved tensor's dtype,
+  size, stride and offset, bit-identical to what was saved; an encoded storage is decoded
+  once, by its first reader.  The step drops its buffer when the last saved reference is
+  read, as autograd frees a saved tensor once its node has run.
+
+A handle points at its own step, so a step's backward may run after later forwards have
+started; but a forward while an earlier step's graph is alive and its backward unfinished
+is refused (the schedule covers one forward and backward at a time).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from offload.core.encoders import ENCODERS, Encoder, flat_storage
+from offload.core.staging import StageListener, Staging
+from offload.core.units import UnitTracker
+from offload.models.spec import tensors_in
+
+from .arena import HostArena
+from .backends import Copy, CpuEagerBackend, CudaBackend
+from .plan import StepPlan
+
+
+@dataclass
+class _Stored:
+    """One device storage of an offloaded or encoded unit, through its life in one step."""
+
+    unit: int
+    device: torch.Tensor | None  # the whole storage as bytes (or its blob), until released
+    nbytes: int
+    slot_index: int = -1
+    slot: torch.Tensor | None = None
+    d2h: Copy | None = None
+    h2d: Copy | None = None
+    buffer: torch.Tensor | None = None  # readable bytes: prefetched, or resident when kept encoded
+    codec: tuple[Encoder, torch.dtype, int] | None = None  # encoder, dtype and element count of the raw storage
+    readers: int = 0  # saved references not yet read by the backward
+    decoded: torch.Tensor | None = None  # the raw storage again, from its first reader to its last
+
+
+@dataclass(frozen=True)
+class _Handle:
+    step: "_Step"
+    sid: int  # the storage's id in its step (addresses are reused once a storage is released)
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _Step(StageListener):
+    """The state of one forward and its backward."""
+
+    def __init__(self, runtime: "OffloadRuntime", excluded: list[torch.Tensor]) -> None:
+        self.runtime, self.plan, self.backend = runtime, runtime.plan, runtime.backend
+        self.tracker = UnitTracker(runtime.device, excluded)
+        self.sid: dict[int, int] = {}  # live storage key -> id of its held storage
+        self.stored: list[_Stored] = []  # held storages (offloaded or encoded), by id
+        self.units: dict[int, list[int]] = {i: [] for i in self.plan.offloaded | set(self.plan.encoders)}
+        self.backward_started = self.finished = False
+
+    # ------------------------------------------------------------------ hooks
+    def pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, nn.Parameter):
+            return t
+        saved = self.tracker.saw(t)
+        if saved is None:
+            return t
+        if saved.new:
+            self._hold(saved.key, t, saved.unit, saved.index)
+        sid = self.sid.get(saved.key)
+        if sid is None:
+            return t
+        self.stored[sid].readers += 1
+        return _Handle(self, sid, t.dtype, t.size(), t.stride(), t.storage_offset())
+
+    def _hold(self, key: int, t: torch.Tensor, unit: int, index: int) -> None:
+        """Take a new storage of ``unit`` into the step's hands if the schedule moves or encodes it."""
+        self.sid.pop(key, None)  # an address reused by a new storage
+        encoder = self.plan.encoders.get(unit, {}).get(index)
+        if unit not in self.plan.offloaded and encoder is None:
+            return
+        sid = len(self.stored)
+        if encoder is not None:
+            flat = flat_storage(t)
+            codec = (ENCODERS[encoder], flat.dtype, flat.numel())
+            held = codec[0].encode(flat)  # the raw storage dies with the forward's last use of it
+            self.runtime.encoded_bytes += held.numel()
+        else:
+            codec = None
+            held = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        self.sid[key] = sid
+        offloaded = unit in self.plan.offloaded
+        self.stored.append(_Stored(unit, held if offloaded else None, held.numel(), codec=codec,
+                                   buffer=None if offloaded else held))
+        self.units[unit].append(sid)
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        s = packed.step.stored[packed.sid]
+        if s.buffer is None:
+            raise RuntimeError(f"U{s.unit} is read by the backward but was not prefetched: the schedule and the "
+                               "model disagree on need_from")
+        raw = s.buffer
+        if s.codec is not None:
+            if s.decoded is None:
+                encoder, dtype, numel = s.codec
+                s.decoded = encoder.decode(s.buffer, dtype, numel).view(torch.uint8)
+            raw = s.decoded
+        out = raw.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
+        s.readers -= 1
+        if s.readers == 0:  # the last saved reference is read: autograd would free it after this node
+            s.buffer = s.decoded = None
+        return out
+
+    # -------------------------------------------------------------- boundaries
+    def forward_boundary(self, k: int) -> None:
+        if k == self.plan.L:
+            return  # the model returned; the loss still belongs to F_L (the turn is at the backward's start)
+        arena = self.runtime.arena
+        if k in self.plan.offloaded:
+            for sid in self.units[k]:
+                s = self.stored[sid]
+                varies = s.codec is not None and s.codec[0].name == "sparse"  # its size follows the zeros
+                s.slot_index, s.slot = arena.slot(s.nbytes, spare=s.nbytes // 8 if varies else 0)
+                s.d2h = self.backend.d2h(s.device, s.slot, arena.guard(s.slot_index))
+                self.runtime.d2h_bytes += s.nbytes
+        self._release(k)
+        self.runtime.read(f"F{k}")
+        self.tracker.stage = k + 1
+
+    def _release(self, k: int) -> None:
+        for i in self.plan.release_at.get(k, ()):
+            for sid in self.units[i]:
+                s = self.stored[sid]
+                self.backend.wait(s.d2h)
+                self.backend.released(s.device)
+                s.device = None
+                s.d2h.keep.clear()
+
+    def backward_boundary(self, k: int) -> None:
+        L = self.plan.L
+        if k == L:
+            self.backward_started = True
+            self.runtime.read(f"F{L}")  # the last stage and the loss
+            self._release(L)
+        else:
+            self.runtime.read(f"B{k + 1}")
+            self._free(k + 1)
+        self.runtime.read(None)  # the frees belong to the op that ended, the prefetches to the next
+        arena = self.runtime.arena
+        for i in self.plan.prefetch_at.get(k, ()):
+            for sid in self.units[i]:
+                s = self.stored[sid]
+                s.buffer = self.backend.empty(s.nbytes)
+                s.h2d = self.backend.h2d(s.slot, s.buffer, s.d2h)
+                arena.set_guard(s.slot_index, s.h2d)
+                self.runtime.h2d_bytes += s.nbytes
+        for i in self.plan.wait_at.get(k, ()):
+            for sid in self.units[i]:
+                self.backend.wait(self.stored[sid].h2d)
+        if k == 1:
+            self.finished = True
+
+    def _free(self, unit: int) -> None:
+        for sid in self.units.get(unit, ()):
+            self.stored[sid].buffer = self.stored[sid].decoded = None
+
+
+class OffloadRuntime:
+    """A schedule applied to every forward of a staged module (and its backward)."""
+
+    def __init__(self, staging: Staging, plan: StepPlan, backend: CpuEagerBackend | CudaBackend,
+                 device: torch.device) -> None:
+        if staging.L != plan.L:
+            raise ValueError(f"the model has {staging.L} stages, the schedule's chain {plan.L}")
+        self.staging, self.plan, self.backend, self.device = staging, plan, backend, device
+        self.arena = HostArena(plan.planned_bytes, pin=backend.pin)
+        self.meter: Any = None  # when set (one step), read at every op's end: ``op_peaks``
+        self.op_peaks: dict[str, int] = {}  # op name -> the most bytes live during it
+        self.d2h_bytes = self.h2d_bytes = 0
+        self.encoded_bytes = 0  # blobs made by the encoders, all steps
+        self.steps = 0
+        self._last: Callable[[], _Step | None] = lambda: None
+
+    def read(self, op: str | None) -> None:
+        """The peak since the last reading, as the memory of ``op`` (``None``: just restart)."""
+        if self.meter is not None:
+            peak, _ = self.meter.boundary()
+            if op is not None:
+                self.op_peaks[op] = max(peak, self.op_peaks.get(op, 0))
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        """One forward of the staged module with the schedule applied (its backward follows)."""
+        last = self._last()
+        if last is not None and not last.finished and self.plan.L > 1:
+            raise RuntimeError("a forward while the previous forward's backward has not finished: the schedule covers "
+                               "one forward and its backward at a time; call backward() first (several micro-batches: "
+                               "forward and backward each in turn), or evaluate under torch.no_grad()")
+        module = self.staging.module
+        excluded = [*module.parameters(), *module.buffers(), *tensors_in((args, kwargs))]
+        step = _Step(self, excluded)
+        self._last = weakref.ref(step)  # alive as long as its autograd graph holds a handle or a boundary
+        self.steps += 1
+        self.arena.start_step()
+        with self.staging.listening(step), torch.autograd.graph.saved_tensors_hooks(step.pack, _Step.unpack):
+            return module(*args, **kwargs)
+
+    def synchronize(self) -> None:
+        self.backend.synchronize()

@@ -1,0 +1,189 @@
+"""Measured training steps of one model, whatever runs its forward (offloading or a baseline).
+
+Each step: a fresh batch (held through the step, as a training loop holds it), forward,
+loss, backward, the optimizer, gradients zeroed in place (kept allocated: ``base_bytes``).
+Memory is read by the shared meters (the CUDA allocator, or exact accounting on the CPU);
+a step's activation memory is the reading over the bytes live when it starts, the batch
+included there, as the profiler counts it.  On the CPU exact accounting slows every op
+down several times, so step times come from as many steps again without the meter (on a
+GPU the allocator's counters cost nothing and every step gives both).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+
+from offload.core.devices import persistent_tensors, running
+from offload.core.meters import CpuMeter, make_meter
+from offload.errors import OffloadError, OutOfMemory
+from offload.models.spec import ModelSpec, tensors_in
+
+from .runtime import OffloadRuntime
+
+Forward = Callable[[tuple, dict], Any]  # (args, kwargs) -> the model's output
+
+
+@dataclass
+class Run:
+    """What the measured steps of one way of training left behind."""
+
+    step_s: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)  # activation bytes: the step's peak over its start
+    leaks: list[int] = field(default_factory=list)  # bytes still live after the step, over its start
+    allocations: list[int] = field(default_factory=list)  # host arena buffers so far, after each step
+    op_peaks: dict[str, int] = field(default_factory=dict)  # first step, per op (with the probe)
+    metered_step_s: list[float] = field(default_factory=list)  # CPU: the metered steps' times (not step_s)
+
+    @property
+    def steps_run(self) -> int:
+        return len(self.step_s) + len(self.metered_step_s)
+
+    def summary(self, base: int) -> dict[str, Any]:
+        if not self.peaks:
+            return {"step_s": None, "peak_bytes": None, "peak_activation_bytes": None,
+                    "leaked_bytes_after_step": None, "leaked_by_step": []}
+        times = {"median": statistics.median(self.step_s), "min": min(self.step_s), "max": max(self.step_s),
+                 "all": self.step_s} if self.step_s else None
+        return {"step_s": times, **({"metered_step_s": self.metered_step_s} if self.metered_step_s else {}),
+                "peak_bytes": max(self.peaks) + base, "peak_activation_bytes": max(self.peaks),
+                "leaked_bytes_after_step": max(self.leaks), "leaked_by_step": self.leaks}
+
+
+@contextlib.contextmanager
+def step_errors(what: str) -> Iterator[None]:
+    """A failing step becomes one ``OffloadError``: out of GPU memory, or the model's failure."""
+    with running(what):
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError as exc:
+            raise OutOfMemory(f"{what}: out of GPU memory ({str(exc).splitlines()[0][:200]})",
+                              "the step needs more than the chain predicts: solve again with a lower budget to "
+                              "leave room for allocator slack and other processes (`nvidia-smi` shows them), "
+                              "or profile the chain again on this machine") from None
+
+
+class StepHooks:
+    """Called around each metered step (the gradient check replays the step's random numbers)."""
+
+    def before_step(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+
+class Trainer:
+    """Runs measured training steps of one model."""
+
+    def __init__(self, spec: ModelSpec, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                 device: torch.device) -> None:
+        self.spec, self.params, self.optimizer, self.device = spec, params, optimizer, device
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every stream, the copy streams included
+
+    def one_step(self, forward: Forward, batch: tuple[tuple, dict], wrap: Callable[[], ContextManager]) -> None:
+        args, kwargs = batch
+        with wrap():
+            loss = self.spec.loss(forward(args, kwargs))
+            loss.backward()
+        del loss
+
+    def finish_step(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+        for p in self.params:
+            p.grad.zero_()
+
+    def measure(self, steps: int, forward: Forward, wrap: Callable[[], ContextManager] = contextlib.nullcontext,
+                hooks: StepHooks | None = None, runtime: OffloadRuntime | None = None,
+                probe: bool = False) -> tuple[Run, OffloadError | None]:
+        """``steps`` steps with memory metered, then (on the CPU) ``steps`` more timed without the
+        meter.  On running out of memory: the steps before it, and the error.  With ``probe``, the
+        first step's memory is read at every op's end too (``run.op_peaks``, from ``runtime``)."""
+        run, error = self._metered(steps, forward, wrap, hooks or StepHooks(), runtime, probe)
+        if error is None and self.device.type != "cuda":
+            run.metered_step_s = run.step_s
+            run.step_s, error = self._timed(steps, forward, wrap)
+        return run, error
+
+    def _timed(self, steps: int, forward: Forward, wrap: Callable[[], ContextManager]) -> tuple[list[float], OffloadError | None]:
+        times: list[float] = []
+        for step in range(1, steps + 1):
+            try:
+                with step_errors(f"timed step {step}"):
+                    batch = self.spec.batch()
+                    self.synchronize()
+                    t0 = time.perf_counter()
+                    self.one_step(forward, batch, wrap)
+                    self.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    del batch
+                    gc.collect()  # outside the timed window: a full collection costs ~0.15 s
+            except OffloadError as exc:
+                return times, exc
+            self.finish_step()
+        return times, None
+
+    def _metered(self, steps: int, forward: Forward, wrap: Callable[[], ContextManager], hooks: StepHooks,
+                 runtime: OffloadRuntime | None, probe: bool) -> tuple[Run, OffloadError | None]:
+        run = _Metering(self, runtime, probe)
+        for step in range(1, steps + 1):
+            try:
+                with step_errors(f"training step {step}"):
+                    hooks.before_step()
+                    run.step(step == 1, lambda batch: self.one_step(forward, batch, wrap))
+            except OffloadError as exc:
+                return run.run, exc
+            hooks.after_step()
+            self.finish_step()
+        return run.run, None
+
+
+class _Metering:
+    """One metered step at a time, its readings added to ``run``."""
+
+    def __init__(self, trainer: Trainer, runtime: OffloadRuntime | None, probe: bool) -> None:
+        self.trainer, self.runtime, self.probe = trainer, runtime, probe and runtime is not None
+        self.run = Run()
+
+    def step(self, first: bool, body: Callable[[tuple[tuple, dict]], None]) -> None:
+        t = self.trainer
+        meter = make_meter(t.device)
+        if isinstance(meter, CpuMeter) and self.runtime is not None:
+            meter.ignore(self.runtime.arena.chunks)
+        probing = self.probe and first
+        try:
+            with meter:
+                batch = t.spec.batch()  # the loop's batch: live before the step, like the weights
+                meter.track(persistent_tensors(t.spec.module, t.optimizer, t.device) + tensors_in(batch))
+                t.synchronize()
+                meter.boundary()
+                m0 = meter.live
+                t0 = time.perf_counter()
+                if probing:
+                    self.runtime.meter = meter
+                body(batch)
+                t.synchronize()
+                elapsed = time.perf_counter() - t0
+                gc.collect()  # reference cycles (closures over tensors) are only freed by the collector
+                peak, live = meter.boundary()  # the batch still alive: it is in m0
+                if probing:
+                    self.runtime.op_peaks["B1"] = peak
+                    self.run.op_peaks = {op: p - m0 for op, p in self.runtime.op_peaks.items()}
+                    peak = max(self.runtime.op_peaks.values())
+        finally:
+            meter.close()
+            if self.runtime is not None:
+                self.runtime.meter = None
+        self.run.step_s.append(elapsed)
+        self.run.peaks.append(peak - m0)
+        self.run.leaks.append(live - m0)
+        self.run.allocations.append(self.runtime.arena.allocations if self.runtime else 0)

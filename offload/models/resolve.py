@@ -1,0 +1,169 @@
+"""Turn a ``MODEL`` string into a model to profile or train.
+
+``MODEL`` is one of:
+
+* a zoo name (``resnet50``, ``gpt``, … and the transformers models ``gpt2``, ``llama``,
+  ``bert``, ``vit``, ``convnext``; ``offload profile --list-models``);
+* ``torchvision:NAME`` (``torchvision.models.get_model(NAME)``, random weights), when
+  torchvision is installed;
+* ``path/to/file.py:fn`` or ``package.module:fn``, where ``fn(batch_size, **options)``
+  returns ``(module, example_input)`` or ``(module, example_input, loss_fn)``.  The example
+  input is a tensor, a tuple of tensors (positional arguments) or a dict of tensors
+  (keyword arguments, ``input_ids=…, labels=…``); ``loss_fn(output)`` gives the scalar to
+  differentiate, by default ``output.loss`` / ``output["loss"]`` when the model computes
+  one, else the mean of the squared floating outputs.
+
+Every way this can go wrong ends in one ``ModelError`` that says what and what to do.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from offload.errors import ModelError
+
+from .hf import HF_ZOO
+from .spec import ModelSpec, default_loss
+from .zoo import ZOO, image_batch
+
+ALL_ZOO: dict[str, Callable[..., ModelSpec]] = {**ZOO, **HF_ZOO}
+
+
+def _parse_value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``["layers=4", "seq=256"]`` -> ``{"layers": 4, "seq": 256}``."""
+    options: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ModelError(f"cannot read model option {pair!r}", "write options as KEY=VALUE, e.g. -O layers=4")
+        options[key.strip()] = _parse_value(value.strip())
+    return options
+
+
+def _call_builder(fn: Callable[..., Any], what: str, batch: int, options: dict[str, Any]) -> Any:
+    try:
+        inspect.signature(fn).bind(batch, **options)
+    except TypeError as exc:
+        raise ModelError(f"{what} does not accept these arguments: {exc}",
+                         "see `offload profile --list-models` for each zoo model's options") from None
+    except ValueError:
+        pass  # builtins without a signature: just call them
+    try:
+        return fn(batch, **options)
+    except ModelError:
+        raise
+    except (Exception, SystemExit) as exc:
+        raise ModelError(f"building {what} failed: {type(exc).__name__}: {exc}",
+                         "fix the model function or its options; run it by hand to see the traceback") from exc
+
+
+def _from_user(result: Any, what: str) -> ModelSpec:
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise ModelError(f"{what} returned {type(result).__name__}, expected (module, example_input[, loss_fn])",
+                         "return a tuple: the nn.Module and an example input (a tensor, a tuple of tensors, or a "
+                         "dict of keyword tensors)")
+    module, example = result[0], result[1]
+    loss = result[2] if len(result) == 3 else default_loss
+    if not isinstance(module, nn.Module):
+        raise ModelError(f"{what} returned a {type(module).__name__} where an nn.Module was expected")
+    if isinstance(example, Mapping):
+        args, kwargs = (), dict(example)
+    else:
+        args, kwargs = (tuple(example) if isinstance(example, (tuple, list)) else (example,)), {}
+    values = list(args) + list(kwargs.values())
+    if not values or not all(isinstance(t, torch.Tensor) for t in values):
+        found = ", ".join(sorted({type(v).__name__ for v in values})) or "nothing"
+        raise ModelError(f"{what}: the example input must be a tensor, a tuple of tensors or a dict of tensors; "
+                         f"found {found}")
+    if not callable(loss):
+        raise ModelError(f"{what}: the third element (loss_fn) must be callable")
+    return ModelSpec(module, args, kwargs, loss, what)
+
+
+def _load_function(ref: str) -> Callable[..., Any]:
+    target, _, fname = ref.rpartition(":")
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = Path(target)
+        if not path.is_file():
+            raise ModelError(f"model file not found: {path}", "give path/to/file.py:function")
+        name = f"offload_user_model_{abs(hash(str(path.resolve())))}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ModelError(f"cannot import {path} as a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except (Exception, SystemExit) as exc:
+            raise ModelError(f"importing {path} failed: {type(exc).__name__}: {exc}",
+                             "run `python FILE` to see the traceback") from exc
+    else:
+        try:
+            module = importlib.import_module(target)
+        except (Exception, SystemExit) as exc:
+            raise ModelError(f"cannot import module {target!r}: {type(exc).__name__}: {exc}",
+                             "check that the package is installed in this environment, or give "
+                             "path/to/file.py:function") from exc
+    fn = getattr(module, fname, None)
+    if not callable(fn):
+        raise ModelError(f"{ref}: no function {fname!r} in {target}",
+                         "name a function fn(batch_size) returning (module, input)")
+    return fn
+
+
+def _torchvision(name: str, batch: int, options: dict[str, Any]) -> ModelSpec:
+    try:
+        from torchvision.models import get_model  # optional dependency
+    except (ImportError, RuntimeError) as exc:
+        raise ModelError(f"torchvision cannot be imported ({type(exc).__name__})",
+                         "pip install a torchvision that matches your torch, or use a zoo model "
+                         f"({', '.join(ALL_ZOO)})") from None
+    image, classes = int(options.pop("image", 224)), int(options.pop("classes", 1000))
+    try:
+        module = get_model(name, weights=None, num_classes=classes, **options)
+    except Exception as exc:
+        raise ModelError(f"torchvision cannot build {name!r}: {exc}", "see torchvision.models.list_models()") from exc
+    inputs, loss = image_batch(batch, image, classes)
+    return ModelSpec(module, inputs, {}, loss, f"torchvision {name}, {image}x{image} images")
+
+
+def resolve(model: str, batch: int, options: dict[str, Any] | None = None, seed: int = 0) -> ModelSpec:
+    """Build the model named by ``model`` for ``batch`` samples (random weights and inputs from ``seed``)."""
+    if batch < 1:
+        raise ModelError(f"--batch must be at least 1, got {batch}")
+    options = dict(options or {})
+    torch.manual_seed(seed)
+    if model in ALL_ZOO:
+        spec = _call_builder(ALL_ZOO[model], f"zoo model {model!r}", batch, options)
+    elif model.startswith("torchvision:"):
+        spec = _torchvision(model.split(":", 1)[1], batch, options)
+    elif ":" in model:
+        fn = _load_function(model)
+        spec = _from_user(_call_builder(fn, model, batch, options), model)
+    else:
+        raise ModelError(f"unknown model {model!r}",
+                         f"use a zoo model ({', '.join(ALL_ZOO)}), torchvision:NAME, path/file.py:fn or "
+                         "package.module:fn")
+    spec.options = options
+    return spec
+
+
+def zoo_help() -> str:
+    """One line per zoo model with its options (for ``--list-models``)."""
+    return "\n".join(f"{name:<12} {' '.join((fn.__doc__ or '').split())}" for name, fn in ALL_ZOO.items())

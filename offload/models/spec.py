@@ -1,0 +1,93 @@
+"""A model ready to profile or train: the module, one example batch, and its loss.
+
+The batch is what a training loop hands the model each step: positional tensors
+(``model(x)``), keyword tensors (``model(input_ids=..., labels=...)``), or both.  The
+loss turns the model's output into the scalar to differentiate; models that compute
+their own (Hugging Face ``labels=``) give it as ``output.loss`` or ``output["loss"]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from offload.errors import OffloadError
+
+
+def _describe(output: Any) -> str:
+    leaves = tree_flatten(output)[0]
+    kinds = sorted({f"{type(t).__name__}({t.dtype})" if isinstance(t, torch.Tensor) else type(t).__name__
+                    for t in leaves})
+    return f"{type(output).__name__} holding {len(leaves)} value(s): {', '.join(kinds) or 'none'}"
+
+
+def output_loss(output: Any) -> torch.Tensor:
+    """The loss a model computed itself: ``output.loss`` (Hugging Face ``ModelOutput``) or
+    ``output["loss"]``; ``ModelError`` naming what the output holds otherwise."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ModelError(f"the model's output has no loss: {_describe(output)}",
+                         "pass labels to the model (Hugging Face), or return a loss_fn from your model function")
+    return loss
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """``output_loss`` when the output carries a loss, else the mean of the squares of its
+    floating-point tensors (a stand-in objective: the memory and time of a real one)."""
+    has_loss = isinstance(output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None),
+                          torch.Tensor)
+    if has_loss:
+        return output_loss(output)
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise ModelError(f"the model's output holds no floating-point tensor to differentiate: {_describe(output)}",
+                         "return a loss_fn as the third element of your model function")
+    return sum(t.float().square().mean() for t in tensors)
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a nested value (a batch, an output)."""
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class ModelSpec:
+    """A module, one example batch (``args``, ``kwargs``) and the loss of its output."""
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss: Callable[[Any], torch.Tensor]
+    description: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The batch's tensors."""
+        return tensors_in((self.args, self.kwargs))
+
+    def batch(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A fresh copy of the batch, as a training loop hands the model a new one each step."""
+        fresh = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, (self.args, self.kwargs))
+        return fresh[0], fresh[1]
+
+    def place(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move the module and the batch to ``device``; floating parameters and inputs to ``dtype``."""
+        self.module.to(device=device, dtype=dtype)
+        self.module.train()
+
+        def move(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            return v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+        self.args, self.kwargs = tree_map(move, (self.args, self.kwargs))
+
+
+def signature(args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """``name:dtype[shape]`` of each tensor of a batch (positional ones named by position):
+    what a chain's recipe records, and what every step's batch is checked against."""
+    named = [(str(n), v) for n, v in enumerate(args)] + sorted(kwargs.items())
+    return tuple(f"{name}:{str(t.dtype).removeprefix('torch.')}[{','.join(map(str, t.shape))}]"
+                 for name, t in named if isinstance(t, torch.Tensor))

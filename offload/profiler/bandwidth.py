@@ -1,0 +1,94 @@
+"""The platform of a chain: copy bandwidths and latency between GPU and host, measured.
+
+On CUDA: pinned host buffers and device buffers, copies on their own streams (as the
+executor issues them), timed with CUDA events at a large and a small size; the linear
+model ``t = latency + bytes / bandwidth`` is fitted through the two medians.  Whether the
+two directions can overlap does not matter: in the schedule class every D2H copy ends
+before the first H2D copy starts.
+
+On a machine without a GPU there is no link to measure.  The stand-in measures host
+memory-copy bandwidth (what the executor's CPU backend pays per copy) and says so in the
+platform's ``note``; ``--bandwidth`` plans for a real machine instead.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from offload.solver.chain import Platform
+
+LARGE, SMALL = 256 * 2**20, 64 * 2**10
+
+
+def _fit(large_s: float, small_s: float, large: int, small: int) -> tuple[float, float]:
+    """(bandwidth B/s, latency s) of the line through the two (bytes, seconds) points."""
+    slope = (large_s - small_s) / (large - small)
+    bandwidth = 1.0 / slope if slope > 0 else large / large_s
+    return bandwidth, max(0.0, small_s - small / bandwidth)
+
+
+def _median(fn: Callable[[], float], repeats: int) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def _cuda_platform(device: torch.device, repeats: int, size: int) -> Platform:
+    host = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    dev = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+    d2h, h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def timed(copies: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]]) -> float:
+        compute = torch.cuda.current_stream(device)
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        for stream, dst, src in copies:
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            compute.wait_stream(stream)
+        end.record(compute)
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def one(direction: str, n: int) -> float:
+        if direction == "d2h":
+            return _median(lambda: timed([(d2h, host[0][:n], dev[0][:n])]), repeats)
+        return _median(lambda: timed([(h2d, dev[1][:n], host[1][:n])]), repeats)
+
+    d2h_bw, d2h_lat = _fit(one("d2h", size), one("d2h", SMALL), size, SMALL)
+    h2d_bw, h2d_lat = _fit(one("h2d", size), one("h2d", SMALL), size, SMALL)
+    name = torch.cuda.get_device_name(device)
+    note = (f"measured on {name}: pinned host buffers, {size // 2**20} MiB and {SMALL // 2**10} KiB copies, "
+            f"median of {repeats}")
+    return Platform(d2h_bytes_per_s=d2h_bw, h2d_bytes_per_s=h2d_bw, latency_s=(d2h_lat + h2d_lat) / 2, note=note)
+
+
+def _cpu_standin(repeats: int, size: int) -> Platform:
+    src, dst = torch.empty(size, dtype=torch.uint8).fill_(1), torch.empty(size, dtype=torch.uint8)
+
+    def timed(n: int) -> float:
+        t = time.perf_counter()
+        dst[:n].copy_(src[:n])
+        return time.perf_counter() - t
+
+    bw, lat = _fit(_median(lambda: timed(size), repeats), _median(lambda: timed(SMALL), repeats), size, SMALL)
+    note = ("CPU stand-in, not a GPU link: host memory-copy bandwidth of this machine "
+            "(what the CPU executor pays per copy); plan for a real GPU with --bandwidth")
+    return Platform(d2h_bytes_per_s=bw, h2d_bytes_per_s=bw, latency_s=lat, note=note)
+
+
+def measure_platform(device: torch.device, repeats: int = 5, size: int = LARGE) -> Platform:
+    """The copy platform of ``device``: measured on CUDA, a labelled stand-in on the CPU."""
+    if device.type == "cuda":
+        return _cuda_platform(device, repeats, size)
+    return _cpu_standin(repeats, min(size, 64 * 2**20))
+
+
+def given_platform(d2h: float, h2d: float, latency_s: float) -> Platform:
+    """A platform the user states (``--bandwidth``), for planning another machine."""
+    return Platform(d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d, latency_s=latency_s,
+                    note="given on the command line (--bandwidth), not measured")

@@ -1,0 +1,198 @@
+"""Find where a model can be cut into stages, by running it once.
+
+One real forward and loss of the user's own module, under a ``TorchFunctionMode`` that
+records every torch call and forward hooks on every submodule, gives two things:
+
+* the **differentiable activation graph**: a node per torch call whose output depends on
+  the model's inputs *and* requires grad, an edge per such value it reads.  Values that
+  carry no gradient (attention masks, position ids, rotary tables, a frozen prefix) and
+  values computed from parameters alone (a transposed weight) are left out: they can be
+  shared between stages without changing the order of the backward, which is all a
+  stage boundary needs.  (Left in, a mask read by every layer would make no layer's
+  output a cut; that is why earlier fx and top-level captures collapsed Hugging Face
+  models to two stages.)
+* the **module call sites**: each call of each submodule (its path in the model and which
+  call of it this is), with the values it returned.
+
+A *cut candidate* is a call site that returned exactly one value on the way to the loss,
+produced by a node that every source-to-loss path of the graph passes through (a
+dominator of the loss, networkx); a boundary there splits the computation in two and
+fires in the backward.  Where several nested calls return the same value (a block and
+its last layer), the outermost is kept.  Stage boundaries are then forward hooks at these
+call sites on the user's own module (``offload.core.staging``), so its forward, hooks,
+checkpointing and compilation run as written.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import networkx as nx
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from offload.core.staging import Site
+
+SOURCE, SINK = "source", "sink"
+
+
+@dataclass
+class CallRecord:
+    """One call of a submodule during the captured forward."""
+
+    site: Site  # its path and occurrence (leaf: which output value, once chosen)
+    depth: int  # nesting depth (0: a child of the root)
+    outputs: list[tuple[int, int | None]]  # (pytree leaf index, producing node) of each differentiable activation
+
+
+@dataclass
+class Capture:
+    """The differentiable activation graph of one model and its cut candidates."""
+
+    graph: nx.DiGraph  # nodes: call index (execution order) with attributes op, module, kind, params; SOURCE, SINK
+    order: list[int]  # the nodes in execution order
+    candidates: list[Site]  # in execution order
+    ends: dict[Site, int]  # candidate -> the node producing its value
+    notes: list[str] = field(default_factory=list)
+
+
+class CaptureError(Exception):
+    """The model cannot be cut (its loss does not depend on a trainable activation, say)."""
+
+
+def _kind(name: str) -> str:
+    name = name.lower()
+    for key, kind in (("norm", "norm"), ("conv", "conv"), ("attention", "attention"), ("attn", "attention"),
+                      ("softmax", "attention"), ("linear", "linear"), ("embedding", "embedding"), ("pool", "pool"),
+                      ("relu", "activation"), ("gelu", "activation"), ("dropout", "dropout")):
+        if key in name:
+            return kind
+    return name
+
+
+class _Recorder(TorchFunctionMode):
+    """Records torch calls (the graph) and submodule calls (the sites) of one forward."""
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        self.names = {m: n for n, m in root.named_modules()}
+        self.kinds = {n: _kind(type(m).__name__) for m, n in self.names.items()}
+        self.params = {id(p) for p in root.parameters()}
+        self.graph = nx.DiGraph()
+        self.order: list[int] = []
+        self.values: dict[int, tuple[weakref.ref, int | None, bool]] = {}  # id -> (tensor, producer node, from data)
+        self.stack: list[str] = []
+        self.count: Counter[str] = Counter()
+        self.calls: list[CallRecord] = []
+        self.open: list[tuple[str, int, int]] = []  # (module, occurrence, depth) of the calls running now
+
+    # -- values
+    def _lookup(self, t: torch.Tensor) -> tuple[int | None, bool]:
+        entry = self.values.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None, False
+        return entry[1], entry[2]
+
+    def mark_inputs(self, inputs: Any) -> None:
+        """The model's inputs: the data every activation comes from."""
+        for t in tree_flatten(inputs)[0]:
+            if isinstance(t, torch.Tensor):
+                self.values[id(t)] = (weakref.ref(t), None, True)
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outs:
+            return out
+        looked = [self._lookup(t) for t in ins]
+        from_data = any(data for _, data in looked)
+        node = None
+        if from_data and any(t.requires_grad for t in outs):
+            node = len(self.order)
+            name = getattr(func, "__name__", str(func))
+            inner = self.stack[-1] if self.stack else ""
+            self.graph.add_node(node, op=name, module=inner, kind=self.kinds[inner] if inner else _kind(name),
+                                params=any(id(t) in self.params and t.requires_grad for t in ins))
+            self.order.append(node)
+            for t, (producer, _) in zip(ins, looked):
+                if producer is not None and t.requires_grad:
+                    self.graph.add_edge(producer, node)
+            if not any(p is not None and t.requires_grad for t, (p, _) in zip(ins, looked)):
+                self.graph.add_edge(SOURCE, node)
+        for t in outs:
+            self.values[id(t)] = (weakref.ref(t), node if t.requires_grad else None, from_data)
+        return out
+
+    # -- module calls
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        name = self.names.get(module, "?")
+        self.stack.append(name)
+        self.open.append((name, self.count[name], len(self.open)))
+        self.count[name] += 1
+
+    def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        self.stack.pop()
+        name, occurrence, depth = self.open.pop()
+        outputs = []
+        for n, t in enumerate(tree_flatten(out)[0]):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                producer, data = self._lookup(t)
+                if data and producer is not None:
+                    outputs.append((n, producer))
+        self.calls.append(CallRecord(Site(name, occurrence), depth, outputs))
+
+
+def _dominators(g: nx.DiGraph) -> list[int]:
+    """Nodes on every SOURCE -> SINK path, in path order."""
+    relevant = (nx.descendants(g, SOURCE) | {SOURCE}) & (nx.ancestors(g, SINK) | {SINK})
+    if SINK not in relevant:
+        raise CaptureError("the loss does not depend on any trainable activation of the model's inputs")
+    idom = nx.immediate_dominators(g.subgraph(relevant), SOURCE)
+    chain, node = [], idom[SINK]
+    while node != SOURCE:
+        chain.append(node)
+        node = idom[node]
+    return chain[::-1]
+
+
+def capture(module: nn.Module, run: Callable[[], torch.Tensor], inputs: Any) -> Capture:
+    """Run ``run()`` (the forward and the loss of ``module`` on ``inputs``) once and find the
+    cut candidates (module docstring).  ``run`` must return the scalar loss."""
+    rec = _Recorder(module)
+    rec.graph.add_node(SOURCE)
+    handles = []
+    for sub in module.modules():
+        if sub is not module:
+            handles.append(sub.register_forward_pre_hook(rec.pre, with_kwargs=True))
+            handles.append(sub.register_forward_hook(rec.post, with_kwargs=True, always_call=True))
+    try:
+        rec.mark_inputs(inputs)
+        with rec:
+            loss = run()
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise CaptureError("the loss must be one number that requires grad")
+    producer, _ = rec._lookup(loss)
+    if producer is None:
+        raise CaptureError("the loss does not depend on any trainable activation of the model's inputs")
+    rec.graph.add_edge(producer, SINK)
+    dominators = set(_dominators(rec.graph)) - {producer}
+    ancestors = nx.ancestors(rec.graph, SINK)
+    best: dict[int, CallRecord] = {}  # dominator -> its outermost call site
+    for call in rec.calls:
+        live = [(leaf, node) for leaf, node in call.outputs if node in ancestors]
+        if len(live) != 1 or live[0][1] not in dominators:
+            continue
+        leaf, node = live[0]
+        if node not in best or call.depth < best[node].depth:
+            best[node] = CallRecord(Site(call.site.module, call.site.occurrence, leaf), call.depth, call.outputs)
+    ends = {call.site: node for node, call in sorted(best.items())}
+    return Capture(graph=rec.graph, order=rec.order, candidates=list(ends), ends=ends)

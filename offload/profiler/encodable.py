@@ -1,0 +1,194 @@
+"""Which saved storages can be encoded, how small they get, and what it costs (issue 6).
+
+One extra step of the staged model (after the warm-up, like the memory pass):
+
+* a pack hook numbers each stage's storages in the order the forward first saves them,
+  which is how the chain and the executor name them (``EncodedTensor.index``);
+* after the forward, a walk of the autograd graph lists every node that saved each storage
+  (``ReluBackward0._saved_result``, ``ConvolutionBackward0._saved_input``, ...).  A storage
+  whose every reader needs only its sign (ReLU's output, max-pool's input) may take
+  ``sign-mask``; any storage may take ``sparse`` (kept where it saves at least 10%); 32- and
+  64-bit floats other than normalization statistics may take the lossy ``bf16``;
+* each candidate is encoded and decoded on the real tensor, timed (median of 3, CUDA
+  synchronized), sized by the blob it produced, and metered for the temporary memory the
+  codec needs (its workspace, which the model adds where the codec runs); ``sparse`` must round-trip bit for bit
+  (``sign-mask`` is exact only for its readers: the executor's tests compare gradients).
+
+Each stage then offers ``lossless`` (per storage the smallest lossless encoding) and
+``lossy`` (the smallest of all, only where it differs), the chain's ``encodings``.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from offload.core.devices import persistent_tensors
+from offload.core.encoders import ENCODERS, encoded_size, flat_storage
+from offload.core.meters import make_meter
+from offload.core.staging import StageListener
+from offload.core.units import Saved, UnitTracker, storage_key
+from offload.models.spec import tensors_in
+from offload.solver.chain import EncodedTensor, Encoding
+
+from .measure import StepRunner
+
+SIGN_ONLY = {("ReluBackward0", "_saved_result"), ("MaxPool2DWithIndicesBackward0", "_saved_self")}
+# normalization statistics (batch/layer norm's saved mean and inverse std, secondary outputs):
+# tiny, and a lower precision there is amplified by every element they scale
+STATISTICS = re.compile(r"_saved_result\d|mean|invstd|rstd|var")
+SPARSE_WORTH = 0.9  # keep ``sparse`` only when the blob is at most this share of the storage
+
+
+@dataclass
+class Candidate:
+    encoder: str
+    nbytes: int  # the blob
+    encode_s: float
+    decode_s: float
+    workspace_bytes: int  # temporaries of the encoder or decoder, beyond input and output
+
+
+@dataclass
+class SavedStorage:
+    index: int  # among the stage's storages, in first-save order
+    nbytes: int
+    output: bool  # the stage's output (alive in the next stage's forward)
+    readers: set[tuple[str, str]] = field(default_factory=set)
+    candidates: list[Candidate] = field(default_factory=list)
+
+
+class _Numbering(StageListener):
+    """Boundary listener of the encodings pass: the tracker's current stage, the stage outputs."""
+
+    def __init__(self, L: int, tracker: UnitTracker) -> None:
+        self.L, self.tracker = L, tracker
+        self.outputs: set[int] = set()
+
+    def stage_output(self, k: int, x: torch.Tensor) -> None:
+        self.outputs.add(storage_key(x))
+
+    def forward_boundary(self, k: int) -> None:
+        if k < self.L:
+            self.tracker.stage = k + 1
+
+
+def _readers(root: Any) -> dict[int, set[tuple[str, str]]]:
+    """Storage key -> the (node type, attribute) pairs that saved it, over the whole graph."""
+    found: dict[int, set[tuple[str, str]]] = {}
+    seen, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        kind = type(node).__name__
+        names = [n for n in dir(node) if n.startswith("_saved_")] + (["saved_tensors"] if hasattr(node, "saved_tensors") else [])
+        for name in names:
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # freed or not a tensor
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    found.setdefault(storage_key(t), set()).add((kind, name))
+        todo.extend(fn for fn, _ in getattr(node, "next_functions", ()))
+    return found
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = 3) -> tuple[Any, float]:
+    times, out = [], None
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return out, statistics.median(times)
+
+
+def _workspace(name: str, flat: torch.Tensor) -> int:
+    """The most temporary memory encoding or decoding ``flat`` takes beyond input and output."""
+    enc = ENCODERS[name]
+    meter = make_meter(flat.device)
+    with meter:
+        meter.track([flat])
+        meter.boundary()
+        blob = enc.encode(flat)
+        peak, live = meter.boundary()
+        enc_ws = peak - live
+        back = enc.decode(blob, flat.dtype, flat.numel())
+        peak, live = meter.boundary()
+        del back, blob
+    meter.close()
+    return max(enc_ws, peak - live, 0)
+
+
+def _try(name: str, flat: torch.Tensor, sync: Callable[[], None]) -> Candidate:
+    enc = ENCODERS[name]
+    blob, enc_s = _timed(lambda: enc.encode(flat), sync)
+    back, dec_s = _timed(lambda: enc.decode(blob, flat.dtype, flat.numel()), sync)
+    if name == "sparse" and not torch.equal(back.view(torch.uint8), flat.view(torch.uint8)):
+        raise RuntimeError("the sparse encoder did not round-trip bit for bit")  # a bug, never data
+    return Candidate(name, blob.numel(), enc_s, dec_s, _workspace(name, flat))
+
+
+def encodings_pass(runner: StepRunner) -> list[list[SavedStorage]]:
+    """Per stage, its saved storages with their encoding candidates (module docstring)."""
+    persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
+    tracker = UnitTracker(runner.device, persistent)
+    numbering = _Numbering(runner.L, tracker)
+    tensors: dict[int, tuple[Saved, torch.Tensor]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved = tracker.saw(t)
+        if saved is not None and saved.new:
+            tensors[saved.key] = (saved, t)
+        return t
+
+    stages: list[list[SavedStorage]] = [[] for _ in range(runner.L)]
+    with runner.batch() as (args, kwargs):
+        tracker.exclude(tensors_in((args, kwargs)))
+        loss = runner.forward(args, kwargs, numbering, pack)
+        readers = _readers(loss.grad_fn)
+        for key, (saved, t) in tensors.items():
+            flat = flat_storage(t)
+            stored = SavedStorage(saved.index, saved.nbytes, key in numbering.outputs, readers.get(key, set()))
+            names = []
+            if t.is_floating_point() and stored.readers and stored.readers <= SIGN_ONLY:
+                names.append("sign-mask")
+            if ENCODERS["sparse"].applies(t.dtype) and encoded_size("sparse", flat) <= SPARSE_WORTH * stored.nbytes:
+                names.append("sparse")
+            if ENCODERS["bf16"].applies(t.dtype) and not all(STATISTICS.search(a) for _, a in stored.readers):
+                names.append("bf16")
+            stored.candidates = [_try(n, flat, runner.sync) for n in names]
+            stages[saved.unit - 1].append(stored)
+        del tensors
+        loss.backward()
+        del loss
+    runner.zero_grads()
+    return [sorted(s, key=lambda x: x.index) for s in stages]
+
+
+def stage_encodings(storages: list[SavedStorage]) -> tuple[Encoding, ...]:
+    """The ``encodings`` of one stage: ``lossless``, then ``lossy`` where it differs (module docstring)."""
+    out: list[Encoding] = []
+    for name, lossless in (("lossless", True), ("lossy", False)):
+        tensors, enc_s, dec_s = [], 0.0, 0.0
+        for s in storages:
+            usable = [c for c in s.candidates if ENCODERS[c.encoder].lossless or not lossless]
+            if not usable:
+                continue
+            best = min(usable, key=lambda c: (c.nbytes, c.encode_s + c.decode_s))
+            if best.nbytes >= s.nbytes:
+                continue
+            tensors.append(EncodedTensor(s.index, best.encoder, s.nbytes, best.nbytes, s.output, best.workspace_bytes))
+            enc_s += best.encode_s
+            dec_s += best.decode_s
+        if tensors and not (out and out[0].tensors == tuple(tensors)):
+            out.append(Encoding(name, lossless, enc_s, dec_s, tuple(tensors)))
+    return tuple(out)

@@ -1,0 +1,300 @@
+"""Measure a staged model's training step, stage by stage (docs/profiling.md).
+
+One *memory pass* and several *timing passes* of the same step (forward, loss, backward;
+the optimizer's update is outside the chain and timed apart), on the user's own module
+with stage boundaries at its cut sites (``offload.core.staging``):
+
+* memory pass: a meter (``offload.core.meters``) is read at every stage boundary, and the
+  shared ``UnitTracker`` attributes every storage saved for backward to its unit (the first
+  stage that saves it) and finds each unit's ``need_from``.  With ``M0`` the bytes live
+  when the step starts (weights, gradients, optimizer state and the batch, which the
+  training loop holds through the step) and ``U_j`` the units, the transients are
+  ``fwd_peak_i = peak(F_i) - M0 - sum_{j<i} U_j`` and ``bwd_peak_i = peak(B_i) - M0 -
+  sum_{j<=i} U_j``: exactly what the chain model adds on top of the resident units.  The
+  turn (``F_L`` ends, ``B_L`` starts) is when the model's output gets its gradient, as in
+  the executor (``offload.core.staging``): the loss, and the loss's own backward when the
+  loss is computed outside the model, count in ``F_L``.  The model's output is not held
+  through the backward (a loop holds the loss);
+* timing passes: warm-up steps, then ``repeats`` steps timed at the boundaries (CUDA events
+  or ``perf_counter``); each stage's time is the median over the repeats, and the spread
+  of the repeats is reported (``source.timing``).
+
+Gradients are kept allocated between steps (``zero_grad(set_to_none=False)``), so that
+they are part of the constant ``base_bytes`` as the chain model assumes.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from offload.core.devices import make_optimizer, persistent_tensors
+from offload.core.meters import Clock, CpuMeter, make_meter
+from offload.core.staging import StageListener, Staging
+from offload.core.units import Saved, UnitTracker, storage_key
+from offload.models.spec import ModelSpec, tensors_in
+
+
+@dataclass
+class StageMeasurement:
+    fwd_s: float
+    bwd_s: float
+    saved_bytes: int
+    fwd_peak_bytes: int
+    bwd_peak_bytes: int
+    need_from: int
+    held_bytes: int = 0
+    held_until: int = 0
+
+
+@dataclass
+class Measurement:
+    stages: list[StageMeasurement]
+    base_bytes: int
+    base_parts: dict[str, int]
+    step_s: list[float]  # forward + backward of each timed repeat
+    optimizer_step_s: float
+    notes: list[str] = field(default_factory=list)
+
+
+def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen.setdefault(storage_key(t), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+class _Boundaries(StageListener):
+    """Calls ``on_boundary`` where an op ends: the inner forward boundaries, the turn (the first
+    backward boundary) and the inner backward ones; keeps the tracker's current stage."""
+
+    def __init__(self, L: int, on_boundary: Callable[[], None], tracker: UnitTracker | None = None) -> None:
+        self.L, self.on_boundary, self.tracker = L, on_boundary, tracker
+
+    def forward_boundary(self, k: int) -> None:
+        if k < self.L:
+            self.on_boundary()
+            if self.tracker is not None:
+                self.tracker.stage = k + 1
+
+    def backward_boundary(self, k: int) -> None:
+        self.on_boundary()
+
+
+class StepRunner:
+    """The user's module with its stage boundaries, its batch and optimizer on one device:
+    runs and measures training steps."""
+
+    def __init__(self, staging: Staging, spec: ModelSpec, device: torch.device, optimizer: str, lr: float = 1e-4) -> None:
+        self.staging, self.spec, self.device = staging, spec, device
+        self.params = [p for p in spec.module.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(optimizer, self.params, lr)
+
+    @property
+    def L(self) -> int:
+        return self.staging.L
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[tuple[tuple, dict]]:
+        """A fresh copy of the batch, held through the step as a training loop holds it."""
+        args, kwargs = self.spec.batch()
+        yield args, kwargs
+        del args, kwargs
+
+    def forward(self, args: tuple, kwargs: dict, listener: StageListener | None,
+                pack: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
+        """Forward and loss of one step; ``pack`` sees every tensor saved for backward."""
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if pack else contextlib.nullcontext()
+        listening = self.staging.listening(listener) if listener else contextlib.nullcontext()
+        with listening, hooks:
+            return self.spec.loss(self.spec.module(*args, **kwargs))
+
+    def zero_grads(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def warmup(self, steps: int) -> float:
+        """Full steps (optimizer included) so that gradients and optimizer state exist.
+
+        Returns the seconds of the last optimizer update (outside the chain, reported apart)."""
+        update_s = 0.0
+        for _ in range(max(1, steps)):
+            with self.batch() as (args, kwargs):
+                self.forward(args, kwargs, None).backward()
+            if self.optimizer is not None:
+                self.sync()
+                t = time.perf_counter()
+                self.optimizer.step()
+                self.sync()
+                update_s = time.perf_counter() - t
+            self.zero_grads()
+        return update_s
+
+    def base_parts(self) -> dict[str, int]:
+        m = self.spec.module
+        parts = {"parameters": _tensor_bytes(m.parameters()), "buffers": _tensor_bytes(m.buffers()),
+                 "gradients": _tensor_bytes(p.grad for p in self.params if p.grad is not None),
+                 "batch": _tensor_bytes(self.spec.tensors())}
+        if self.optimizer is not None:
+            parts["optimizer"] = _tensor_bytes(v for st in self.optimizer.state.values() for v in st.values()
+                                               if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return parts
+
+    def memory_pass(self) -> tuple[int, list[int], list[int], list[int], list[int], list[int] | None]:
+        """(M0, peak of each F_i, peak of each B_i, saved bytes, need_from, the op at which each F_i
+        peaked: CPU only) from one step."""
+        L = self.L
+        meter = make_meter(self.device)
+        readings: list[tuple[int, int]] = []
+        persistent = persistent_tensors(self.spec.module, self.optimizer, self.device)
+        tracker = UnitTracker(self.device, persistent)  # constant memory, counted in M0: never a unit
+        peak_ops: list[int] = []
+
+        def read() -> None:
+            readings.append(meter.boundary())
+            peak_ops.append(getattr(meter, "interval_peak_op", -1) - start)
+        listener = _Boundaries(L, read, tracker)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            tracker.saw(t)
+            return t
+
+        with meter:
+            meter.track(persistent)
+            with self.batch() as (args, kwargs):
+                tracker.exclude(tensors_in((args, kwargs)))
+                meter.track(tensors_in((args, kwargs)))
+                meter.boundary()
+                m0 = meter.live
+                start = getattr(meter, "ops", 0)  # ops before the forward's first
+                loss = self.forward(args, kwargs, listener, pack)
+                loss.backward()  # the boundaries' autograd contexts and the turn's hook hold the listener
+                readings.append(meter.boundary())  # B_1
+                del loss
+        meter.close()
+        self.zero_grads()
+        if len(readings) != 2 * L:
+            raise RuntimeError(f"expected {2 * L} stage boundaries in a step, saw {len(readings)}")
+        saved, need = tracker.units(L)
+        exact = isinstance(meter, CpuMeter)
+        return (m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
+                peak_ops[:L] if exact else None)
+
+    def timing_pass(self) -> tuple[list[float], list[float]]:
+        """(forward seconds of each stage, backward seconds of each stage) of one step."""
+        clock = Clock(self.device)
+        listener = _Boundaries(self.L, clock.mark)
+        with self.batch() as (args, kwargs):
+            self.sync()
+            clock.mark()
+            loss = self.forward(args, kwargs, listener)
+            loss.backward()
+            clock.mark()
+        times = clock.intervals()  # F_1..F_L, then B_L..B_1
+        del loss
+        self.zero_grads()
+        return times[:self.L], times[self.L:][::-1]
+
+
+class _Holding(StageListener, TorchDispatchMode):
+    """The holding pass: counts the ops, and records at which op each saved storage dies."""
+
+    def __init__(self, L: int, tracker: UnitTracker) -> None:
+        TorchDispatchMode.__init__(self)
+        self.L, self.tracker = L, tracker
+        self.ops = 0
+        self.first_op = [0] * (L + 2)  # per stage, its first op
+        self.storages: list[Saved] = []
+        self.death: list[float] = []  # per storage, the op at which it died (inf: alive at the end)
+        self._finalizers: list[weakref.finalize] = []
+
+    def forward_boundary(self, k: int) -> None:
+        if k < self.L:
+            self.tracker.stage = k + 1
+            self.first_op[k + 1] = self.ops + 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+    def _died(self, n: int) -> None:
+        self.death[n] = self.ops
+
+    def pack(self, t: torch.Tensor) -> None:
+        saved = self.tracker.saw(t)
+        if saved is not None and saved.new:
+            self.death.append(float("inf"))
+            self._finalizers.append(weakref.finalize(t.untyped_storage(), self._died, len(self.storages)))
+            self.storages.append(saved)
+        # nothing is returned: autograd keeps no reference, only the model's own code can
+
+    def close(self) -> None:
+        for f in self._finalizers:
+            f.detach()
+
+
+def holding_pass(runner: StepRunner, peak_ops: list[int] | None) -> list[tuple[int, int]]:
+    """Per stage, ``(held_bytes, held_until)`` of its unit: the storages the model's own code
+    (a local of its forward, an argument of a call still running, a cache) keeps alive at the
+    peak of ``F(i+2)`` or later, when autograd keeps none of them.  One forward in which the
+    saved tensors are dropped as they are saved (the graph can run no backward), with ops
+    counted as in the memory pass: ``peak_ops[j]`` is the op at which ``F(j+1)`` peaked
+    there (exact meter, CPU).  Without it (CUDA's meter gives no op), a storage alive at a
+    stage's first op counts as held through the stage: a little conservative."""
+    persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
+    holding = _Holding(runner.L, UnitTracker(runner.device, persistent))
+    with runner.batch() as (args, kwargs):
+        holding.tracker.exclude(tensors_in((args, kwargs)))
+        with holding:
+            loss = runner.forward(args, kwargs, holding, holding.pack)
+        del loss
+    holding.close()
+    at = peak_ops if peak_ops is not None else holding.first_op[1:runner.L + 1]
+    held = [[0, 0] for _ in range(runner.L + 1)]
+    for saved, death in zip(holding.storages, holding.death):
+        i = saved.unit
+        alive = [j for j in range(i + 2, runner.L + 1) if death >= at[j - 1]]
+        if alive:
+            held[i][0] += saved.nbytes
+            held[i][1] = max(held[i][1], max(alive))
+    return [(b, u) for b, u in held[1:]]
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median: how much the repeats disagree."""
+    med = statistics.median(values)
+    return (max(values) - min(values)) / med if med > 0 else 0.0
+
+
+def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str], None] = lambda _: None) -> Measurement:
+    """Warm up, take the memory pass, then ``repeats`` timing passes (``tick(phase)`` as each ends)."""
+    update_s = runner.warmup(warmup)
+    tick("warm-up")
+    m0, peak_f, peak_b, saved, need, peak_ops = runner.memory_pass()
+    held = holding_pass(runner, peak_ops)
+    tick("memory pass")
+    times = []
+    for _ in range(repeats):
+        times.append(runner.timing_pass())
+        tick("timed steps")
+    stages = []
+    resident = 0
+    for i in range(runner.L):
+        fwd_peak = peak_f[i] - m0 - resident
+        bwd_peak = peak_b[i] - m0 - resident - saved[i]
+        resident += saved[i]
+        stages.append(StageMeasurement(statistics.median(t[0][i] for t in times), statistics.median(t[1][i] for t in times),
+                                       saved[i], fwd_peak, bwd_peak, need[i], *held[i]))
+    step = [sum(f) + sum(b) for f, b in times]
+    return Measurement(stages, m0, runner.base_parts(), step, update_s)

@@ -1,0 +1,211 @@
+"""``offload profile`` as a function: a model in, a measured ``Chain`` out.
+
+resolve the MODEL -> place it on the device -> capture its cut sites (one real forward and
+loss) -> stage the user's own module at them -> measure the step -> (if a stage count is
+asked for: group the finest stages by measured time and measure again) -> find, size and
+time the encodable storages -> platform -> ``Chain`` with its recipe, and the warnings a
+user should read (a chain that collapsed, timings that disagree).
+"""
+from __future__ import annotations
+
+import datetime
+import platform as pyplatform
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from offload.core.devices import DTYPES, OPTIMIZERS, pick_device, running
+from offload.core.staging import Staging
+from offload.errors import ModelError
+from offload.models import ModelSpec, resolve
+from offload.models.spec import signature
+from offload.solver.chain import Chain, Encoding, Platform, Recipe, Stage
+from offload.solver.chainfile import make_chain
+from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+
+from .bandwidth import measure_platform
+from .capture import Capture, capture
+from .encodable import encodings_pass, stage_encodings
+from .linearize import Stages, default_cuts, merge_to, stages_at
+from .measure import Measurement, StepRunner, measure, spread
+
+SPREAD_WARNING = 0.2  # timed repeats that disagree by more than this share of their median
+FLOOR_WARNING = 0.9  # a smallest feasible budget above this share of the peak: offloading can barely help
+
+
+@dataclass
+class ProfileOptions:
+    batch: int
+    device: str | None = None  # None: cuda when available
+    dtype: str = "float32"
+    optimizer: str = "adam"
+    repeats: int = 5
+    warmup: int = 2
+    stages: int | None = None  # target stage count (merged from the finest chain)
+    options: dict[str, Any] = field(default_factory=dict)  # model builder options
+    seed: int = 0
+    platform: Platform | None = None  # given instead of measured
+    name: str | None = None
+    encodings: bool = True  # find and measure encodable storages (profiler.encodable)
+
+
+@dataclass
+class Profiled:
+    chain: Chain
+    capture: Capture
+    stages: Stages
+    spec: ModelSpec
+    warnings: list[str] = field(default_factory=list)
+
+
+def _model_label(model: str) -> str:
+    return model.rsplit(":", 1)[-1].rsplit("/", 1)[-1].removesuffix(".py")
+
+
+def _check(opts: ProfileOptions) -> None:
+    if opts.optimizer not in OPTIMIZERS:
+        raise ModelError(f"unknown optimizer {opts.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
+    if opts.dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {opts.dtype!r}", f"use one of {', '.join(DTYPES)}")
+    if opts.repeats < 1 or opts.warmup < 0:
+        raise ModelError(f"--repeats must be at least 1 and --warmup at least 0, got {opts.repeats} and {opts.warmup}")
+    if opts.stages is not None and opts.stages < 1:
+        raise ModelError(f"--stages must be at least 1, got {opts.stages}")
+
+
+def _measured(cap: Capture, cuts: list, spec: ModelSpec, device: torch.device, opts: ProfileOptions,
+              tick: Callable[[str], None]) -> tuple[Stages, StepRunner, Measurement]:
+    stages = stages_at(cap, cuts)
+    staging = Staging(spec.module, stages.cuts)
+    runner = StepRunner(staging, spec, device, opts.optimizer)
+    try:
+        return stages, runner, measure(runner, opts.repeats, opts.warmup, tick)
+    except BaseException:
+        staging.remove()
+        raise
+
+
+def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lambda _: None) -> Profiled:
+    """Profile ``model`` and return its measured chain (``tick(phase)`` as each phase ends)."""
+    _check(opts)
+    device = pick_device(opts.device)
+    spec = resolve(model, opts.batch, opts.options, opts.seed)
+    with running(f"running {model}"):
+        spec.place(device, DTYPES[opts.dtype])
+        args, kwargs = spec.batch()
+        cap = capture(spec.module, lambda: spec.loss(spec.module(*args, **kwargs)), (args, kwargs))
+        del args, kwargs
+        tick("capture")
+        cuts = cap.candidates if opts.stages else default_cuts(cap)
+        stages, runner, result = _measured(cap, cuts, spec, device, opts, tick)
+        if opts.stages and opts.stages < stages.L:
+            runner.staging.remove()
+            ends = merge_to([s.fwd_s + s.bwd_s for s in result.stages], opts.stages)
+            stages, runner, result = _measured(cap, [cuts[e] for e in ends], spec, device, opts, tick)
+        elif opts.stages and opts.stages > stages.L:
+            stages.notes.append(f"asked for {opts.stages} stages; the model has {stages.L} cut points' worth")
+        encodings: list[tuple[Encoding, ...]] = [() for _ in range(stages.L)]
+        if opts.encodings:
+            encodings = [stage_encodings(s) for s in encodings_pass(runner)]
+            tick("encodings")
+        runner.staging.remove()
+    plat = opts.platform or measure_platform(device)
+    tick("platform")
+    chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings)
+    return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, spec.module) + timing_warnings(result))
+
+
+def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: Stages, m: Measurement,
+              plat: Platform, spec: ModelSpec, encodings: list[tuple[Encoding, ...]]) -> Chain:
+    steps = sorted(m.step_s)
+    source: dict[str, Any] = {
+        "description": spec.description,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else f"cpu ({pyplatform.processor() or pyplatform.machine()}, {torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "repeats": opts.repeats,
+        "warmup": opts.warmup,
+        "step_s": {"median": statistics.median(steps), "min": steps[0], "max": steps[-1],
+                   "spread": spread(steps)},
+        "optimizer_step_s": m.optimizer_step_s,
+        "base": m.base_parts,
+        "profiled_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "measured_by": "offload profile",
+    }
+    if stages.notes:
+        source["notes"] = stages.notes
+    recipe = Recipe(model=model, batch=opts.batch, options=dict(spec.options), dtype=opts.dtype, seed=opts.seed,
+                    optimizer=opts.optimizer, cuts=tuple(c.text for c in stages.cuts),
+                    inputs=signature(spec.args, spec.kwargs))
+    rows = [Stage(name=info.name, kind=info.kind, fwd_s=s.fwd_s, bwd_s=s.bwd_s, saved_bytes=s.saved_bytes,
+                  fwd_peak_bytes=s.fwd_peak_bytes, bwd_peak_bytes=s.bwd_peak_bytes, need_from=s.need_from, encodings=enc,
+                  held_bytes=s.held_bytes, held_until=s.held_until)
+            for info, s, enc in zip(stages.stages, m.stages, encodings)]
+    return make_chain(opts.name or f"{_model_label(model)}-b{opts.batch}", rows, plat, m.base_bytes, source, recipe)
+
+
+def _block_lists(module: nn.Module) -> list[tuple[str, int]]:
+    """Containers of repeated blocks (ModuleList/Sequential of at least 3 children of one class)."""
+    out = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.ModuleList, nn.Sequential)) and len(sub) >= 3:
+            kinds = Counter(type(c).__name__ for c in sub)
+            kind, count = kinds.most_common(1)[0]
+            if count >= 3 and any(True for _ in sub[0].parameters()):
+                out.append((name, count))
+    return out
+
+
+def _bypass(cap: Capture, container: str) -> str | None:
+    """The op whose value jumps over the most blocks of ``container`` (made before a block's
+    first op, read after its last): the shared value that leaves no block's output a cut."""
+    g, pos = cap.graph, {n: k for k, n in enumerate(cap.order)}
+    prefix = f"{container}." if container else ""
+    spans: dict[str, list[int]] = {}
+    for node in cap.order:
+        rest = g.nodes[node]["module"][len(prefix):] if g.nodes[node]["module"].startswith(prefix) else ""
+        block = rest.split(".")[0]
+        if block.isdigit():
+            spans.setdefault(block, []).append(pos[node])
+    bounds = [(min(v), max(v)) for v in spans.values()]
+    jumps: Counter[str] = Counter()
+    for u, v in g.edges:
+        if u in pos and v in pos:
+            over = sum(pos[u] < lo and hi < pos[v] for lo, hi in bounds)
+            if over:
+                jumps[f"{g.nodes[u]['op']} in {g.nodes[u]['module'] or 'the model'}"] += over
+    return jumps.most_common(1)[0][0] if jumps else None
+
+
+def collapse_warnings(chain: Chain, cap: Capture, module: nn.Module) -> list[str]:
+    """Say so when the chain has far fewer stages than the model has blocks, or when offloading
+    can barely lower the peak, naming what blocks the cuts and what to do."""
+    out = []
+    for name, count in _block_lists(module):
+        if chain.L < count // 2 + 1:
+            cause = _bypass(cap, name)
+            out.append(f"the chain has {chain.L} stages but {name or 'the model'} has {count} blocks: no cut was found "
+                       "between them" + (f"; the value of {cause} is read past them" if cause else "")
+                       + ". Cuts need one value that every later computation reads; inputs without gradient (masks, "
+                       "positions) do not block them, a differentiable value shared by every block does")
+            break
+    peak = no_offload_peak(chain)
+    if peak and smallest_feasible_budget(chain) > FLOOR_WARNING * peak:
+        out.append(f"the smallest feasible budget is {100 * smallest_feasible_budget(chain) / peak:.0f}% of the "
+                   "no-offload peak: offloading can barely help with these stages (too few cuts, or one op holds most "
+                   "of the memory); try --stages with more stages, or a smaller batch")
+    return out
+
+
+def timing_warnings(m: Measurement) -> list[str]:
+    """Say so when the timed repeats disagree (a loaded machine): the chain's times are medians."""
+    s = spread(m.step_s)
+    if len(m.step_s) > 1 and s > SPREAD_WARNING:
+        return [f"the {len(m.step_s)} timed steps disagree by {100 * s:.0f}% of their median "
+                f"({min(m.step_s):.3g}-{max(m.step_s):.3g} s): the machine is busy or warming up; stage times are "
+                "medians, more --repeats and a quiet machine make them trustworthy"]
+    return []

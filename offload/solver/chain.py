@@ -1,0 +1,227 @@
+"""The chain model (docs/model.md): stages, their units, the platform, the recipe.
+
+A chain has stages ``1..L``; the GPU runs ``F1..FL`` then ``BL..B1``.  Stage ``i`` saves a
+*unit* ``Ui`` of ``saved_bytes`` for its backward, the thing that can be offloaded, and may
+offer *encodings* of part of it (``solver.encoding`` gives their meaning).  The platform
+gives the copy bandwidths.  A profiled chain carries its *recipe*: how its model is
+rebuilt and cut, so that the executor runs the step the chain describes.  The file
+format, its validation and the chain's hash are in ``chainfile``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Mapping
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """One storage of a unit stored encoded: its place among the unit's storages (in the
+    order the forward saves them), the encoder, its raw and encoded size, whether it is the
+    stage's output (then it stays alive, raw, as the next stage's input), and the temporary
+    memory the encoder or the decoder needs beyond its input and output."""
+
+    index: int
+    encoder: str
+    nbytes: int
+    encoded_bytes: int
+    output: bool = False
+    workspace_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One way to store part of a unit in fewer bytes (Gist, Layrub): which storages, with
+    which encoders, what it costs (``encode_s`` in the forward, ``decode_s`` in the backward)
+    and whether gradients stay bit-exact (``lossless``)."""
+
+    name: str
+    lossless: bool
+    encode_s: float
+    decode_s: float
+    tensors: tuple[EncodedTensor, ...]
+
+    @property
+    def covered_bytes(self) -> int:
+        """Raw bytes of the unit this encoding replaces."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def encoded_bytes(self) -> int:
+        """What the covered storages take once encoded."""
+        return sum(t.encoded_bytes for t in self.tensors)
+
+    @property
+    def output_bytes(self) -> int:
+        """Covered raw bytes that stay alive as the next stage's input."""
+        return sum(t.nbytes for t in self.tensors if t.output)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Temporary memory of the codecs, which run one storage at a time."""
+        return max((t.workspace_bytes for t in self.tensors), default=0)
+
+    @property
+    def fwd_extra_bytes(self) -> int:
+        """What ``Fi`` holds on top of its raw peak: the encoded copies and the encoder's workspace."""
+        return self.encoded_bytes + self.workspace_bytes
+
+    @property
+    def bwd_extra_bytes(self) -> int:
+        """What ``B(need_i) .. Bi`` hold on top of the encoded unit: the decoded storages and
+        the decoder's workspace."""
+        return self.covered_bytes + self.workspace_bytes
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: its op durations (s) and the memory it holds (bytes)."""
+
+    name: str
+    kind: str
+    fwd_s: float
+    bwd_s: float
+    saved_bytes: int
+    fwd_peak_bytes: int
+    bwd_peak_bytes: int
+    need_from: int  # 1-based index of the first backward op that reads this unit
+    encodings: tuple[Encoding, ...] = ()
+    held_bytes: int = 0  # of the unit, kept alive by the model's own code (not autograd) ...
+    held_until: int = 0  # ... through the forward of this stage, even when the unit is released earlier
+
+    def encoding(self, name: str) -> Encoding:
+        """The encoding called ``name`` (``KeyError`` if the stage offers none by that name)."""
+        for e in self.encodings:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Copy engines between GPU and host: bandwidths (B/s) and per-copy latency (s)."""
+
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    latency_s: float = 0.0
+    note: str = ""
+
+    def d2h_s(self, nbytes: float) -> float:
+        """Duration of one device-to-host copy of ``nbytes``."""
+        return self.latency_s + nbytes / self.d2h_bytes_per_s
+
+    def h2d_s(self, nbytes: float) -> float:
+        """Duration of one host-to-device copy of ``nbytes``."""
+        return self.latency_s + nbytes / self.h2d_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a profiled chain's model is rebuilt and cut: the model string and its options, the
+    batch size, dtype and seed, the optimizer (its state is ``base_bytes``), the call sites
+    where stages end (``offload.core.staging.Site`` texts) and the signature of the batch
+    (``name:dtype[shape]`` per input tensor: ``0:float32[8,3,224,224]``, ``input_ids:int64[8,128]``).
+    Part of the chain's identity: a schedule made for one recipe is refused for another."""
+
+    model: str
+    batch: int
+    options: Mapping[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+    seed: int = 0
+    optimizer: str = "adam"
+    cuts: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A validated chain.  Stage indices in the API are 1-based, like the model."""
+
+    name: str
+    stages: tuple[Stage, ...]
+    platform: Platform
+    base_bytes: int = 0
+    source: Mapping[str, Any] = field(default_factory=dict)  # provenance: not part of the identity
+    recipe: Recipe | None = None  # None: a chain not profiled from a model (synthetic, hand-made)
+
+    @property
+    def L(self) -> int:
+        return len(self.stages)
+
+    def stage(self, i: int) -> Stage:
+        """Stage ``i`` (1-based)."""
+        return self.stages[i - 1]
+
+    # Per-stage arrays, index 0 unused so that ``a[i]`` is stage i.
+    @cached_property
+    def f(self) -> np.ndarray:
+        return np.array([0.0] + [s.fwd_s for s in self.stages])
+
+    @cached_property
+    def b(self) -> np.ndarray:
+        return np.array([0.0] + [s.bwd_s for s in self.stages])
+
+    @cached_property
+    def a(self) -> np.ndarray:
+        return np.array([0] + [s.saved_bytes for s in self.stages], dtype=np.int64)
+
+    @cached_property
+    def fp(self) -> np.ndarray:
+        return np.array([0] + [s.fwd_peak_bytes for s in self.stages], dtype=np.int64)
+
+    @cached_property
+    def bp(self) -> np.ndarray:
+        return np.array([0] + [s.bwd_peak_bytes for s in self.stages], dtype=np.int64)
+
+    @cached_property
+    def held(self) -> np.ndarray:
+        return np.array([0] + [s.held_bytes for s in self.stages], dtype=np.int64)
+
+    @cached_property
+    def held_until(self) -> np.ndarray:
+        return np.array([0] + [s.held_until for s in self.stages], dtype=np.int64)
+
+    @cached_property
+    def need(self) -> np.ndarray:
+        return np.array([0] + [s.need_from for s in self.stages], dtype=np.int64)
+
+    @cached_property
+    def offloadable(self) -> tuple[int, ...]:
+        """Units that a schedule may offload: ``i < L`` (a release point ``r > i`` must
+        exist) and ``saved_bytes > 0``."""
+        return tuple(i for i in range(1, self.L) if self.a[i] > 0)
+
+    @cached_property
+    def has_encodings(self) -> bool:
+        return any(s.encodings for s in self.stages)
+
+    def d2h_s(self, i: int) -> float:
+        return self.platform.d2h_s(float(self.a[i]))
+
+    def h2d_s(self, i: int) -> float:
+        return self.platform.h2d_s(float(self.a[i]))
+
+    @cached_property
+    def ideal_makespan_s(self) -> float:
+        """Sum of all op durations: the makespan with no stall at all."""
+        return float(self.f.sum() + self.b.sum())
+
+    @cached_property
+    def time_unit_s(self) -> float:
+        """The scale of the LP and MILP time variables: the mean op (the mean copy when every
+        op takes no time), so that their coefficients are near 1."""
+        copies = sum(self.d2h_s(i) + self.h2d_s(i) for i in self.offloadable)
+        return max(self.ideal_makespan_s, copies) / (2 * self.L) or 1.0
+
+    @cached_property
+    def memory_unit_bytes(self) -> float:
+        """The scale of the LP and MILP memory terms: the largest unit."""
+        return float(max(int(self.a.max()), 1))
+
+    @cached_property
+    def sha256(self) -> str:
+        """Hash of the canonical chain (everything but ``source``), binding schedules to it."""
+        from .chainfile import canonical_sha256  # the format owns the canonical form
+        return canonical_sha256(self)

@@ -1,0 +1,215 @@
+"""The chain file format, ``offload-chain/2`` (docs/formats.md): validation, I/O, the hash.
+
+Files are validated field by field on load (``validate``), so a malformed chain is refused
+with a message naming the field, never half-used.  The hash covers everything but
+``source`` (provenance), the recipe included: a schedule binds to one chain and one way of
+rebuilding its model.  ``offload-chain/1`` files still load (their ``platform.channels`` is
+ignored: in this schedule class D2H and H2D copies never overlap); they carry no recipe,
+so they can be solved but not trained with.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from typing import Any, Mapping
+
+from ..errors import FormatError
+from . import validate as v
+from .chain import Chain, EncodedTensor, Encoding, Platform, Recipe, Stage
+from .fileio import read_json, write_json
+
+CHAIN_FORMAT = "offload-chain/2"
+OLD_FORMATS = ("offload-chain/1",)
+ENCODERS = ("sign-mask", "sparse", "bf16")  # offload.core.encoders implements them (a test checks)
+DTYPES = ("float32", "bfloat16", "float16")
+OPTIMIZERS = ("adam", "adamw", "sgd", "none")  # offload.core.devices builds them (a test checks)
+MAX_TOTAL_BYTES = 2 ** 62  # sums of per-op memory stay exact in int64
+_SITE = re.compile(r"[^@\[\]]*(@\d+)?(\[\d+\])?")
+_KEYS = {"format", "name", "source", "platform", "base_bytes", "stages", "recipe"}
+_STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from", "encodings",
+               "held_bytes", "held_until"}
+_ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
+_TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
+_PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
+_RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs"}
+_INPUT = re.compile(r"[^:]+:[a-z0-9]+\[[0-9,]*\]")
+
+
+def _encodings(raw: Any, saved: int, ctx: str) -> tuple[Encoding, ...]:
+    """A stage's ``encodings``: names unique, encoders known, sizes consistent with the unit."""
+    out, names = [], set()
+    for ectx, e in v.objects(raw, f"{ctx}.encodings", _ENCODING_KEYS):
+        name = v.string(e, "name", ectx)
+        if name in names:
+            raise FormatError(f"{ectx}.name {name!r} is used twice in this stage")
+        names.add(name)
+        if not isinstance(e.get("tensors"), list) or not e["tensors"]:
+            raise FormatError(f"{ectx}.tensors must be a non-empty list")
+        tensors, seen = [], set()
+        for tctx, t in v.objects(e["tensors"], f"{ectx}.tensors", _TENSOR_KEYS):
+            index = v.whole(t, "index", tctx, 0, 2 ** 31)
+            if index in seen:
+                raise FormatError(f"{tctx}.index {index} is used twice")
+            seen.add(index)
+            encoder = v.string(t, "encoder", tctx)
+            if encoder not in ENCODERS:
+                raise FormatError(f"{tctx}.encoder {encoder!r} is unknown", f"known encoders: {', '.join(ENCODERS)}")
+            raw_bytes, coded = v.nbytes(t, "bytes", tctx), v.nbytes(t, "encoded_bytes", tctx)
+            if coded > 2 * raw_bytes + 64:
+                raise FormatError(f"{tctx}.encoded_bytes ({coded}) is far above its bytes ({raw_bytes}): no encoder grows "
+                                  "a storage that much")
+            tensors.append(EncodedTensor(index, encoder, raw_bytes, coded, v.flag(t, "output", tctx, False),
+                                         v.nbytes(t, "workspace_bytes", tctx) if "workspace_bytes" in t else 0))
+        enc = Encoding(name, v.flag(e, "lossless", ectx, False), v.seconds(e, "encode_s", ectx),
+                       v.seconds(e, "decode_s", ectx), tuple(tensors))
+        if enc.covered_bytes > saved:
+            raise FormatError(f"{ectx} covers {enc.covered_bytes} bytes, more than the unit's saved_bytes ({saved})")
+        out.append(enc)
+    return tuple(out)
+
+
+def platform_from_dict(d: Any, legacy: bool = False) -> Platform:
+    """Validate a ``platform`` object (``legacy``: a ``/1`` file, whose ``channels`` is ignored)."""
+    d = v.obj(d, "platform")
+    v.no_unknown(d, _PLATFORM_KEYS | ({"channels"} if legacy else set()), "platform")
+    note = d.get("note", "")
+    if not isinstance(note, str):
+        raise FormatError("'platform.note' must be a string")
+    return Platform(d2h_bytes_per_s=v.bandwidth(d, "d2h_bytes_per_s", "platform"),
+                    h2d_bytes_per_s=v.bandwidth(d, "h2d_bytes_per_s", "platform"),
+                    latency_s=v.seconds(d, "latency_s", "platform") if "latency_s" in d else 0.0, note=note)
+
+
+def recipe_from_dict(d: Any) -> Recipe:
+    """Validate a ``recipe`` object."""
+    d = v.obj(d, "recipe")
+    v.no_unknown(d, _RECIPE_KEYS, "recipe")
+    options = v.obj(d.get("options", {}), "recipe.options")
+    for key, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise FormatError(f"'recipe.options.{key}' must be a number or a string, got {value!r}")
+    dtype = v.string(d, "dtype", "recipe", "float32")
+    if dtype not in DTYPES:
+        raise FormatError(f"'recipe.dtype' must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    cuts = d.get("cuts", [])
+    if not isinstance(cuts, list) or not all(isinstance(c, str) and _SITE.fullmatch(c) for c in cuts):
+        raise FormatError("'recipe.cuts' must be a list of call sites (module path, optional @call and [value])")
+    optimizer = v.string(d, "optimizer", "recipe", "adam")
+    if optimizer not in OPTIMIZERS:
+        raise FormatError(f"'recipe.optimizer' must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    inputs = d.get("inputs", [])
+    if not isinstance(inputs, list) or not all(isinstance(i, str) and _INPUT.fullmatch(i) for i in inputs):
+        raise FormatError("'recipe.inputs' must be a list of input signatures (name:dtype[shape])")
+    return Recipe(model=v.string(d, "model", "recipe"), batch=v.whole(d, "batch", "recipe", 1, 2 ** 31),
+                  options=dict(options), dtype=dtype, seed=v.whole(d, "seed", "recipe", 0, 2 ** 63) if "seed" in d else 0,
+                  optimizer=optimizer, cuts=tuple(cuts), inputs=tuple(inputs))
+
+
+def _stage(s: Any, i: int, L: int) -> Stage:
+    ctx = f"stages[{i}]"
+    if not isinstance(s, Mapping):
+        raise FormatError(f"{ctx} must be an object")
+    v.no_unknown(s, _STAGE_KEYS, ctx)
+    saved = v.nbytes(s, "saved_bytes", ctx)
+    fwd_peak = v.nbytes(s, "fwd_peak_bytes", ctx)
+    if fwd_peak < saved:
+        raise FormatError(f"{ctx}.fwd_peak_bytes ({fwd_peak}) < saved_bytes ({saved}): the forward peak "
+                          "includes the stage's own unit")
+    need = v.whole(s, "need_from", ctx, i, L) if "need_from" in s else i
+    held = v.whole(s, "held_bytes", ctx, 0, saved) if "held_bytes" in s else 0
+    until = v.whole(s, "held_until", ctx, min(i + 2, L), L) if held else 0
+    return Stage(name=v.string(s, "name", ctx, f"stage{i}"), kind=v.string(s, "kind", ctx, "layer"),
+                 fwd_s=v.seconds(s, "fwd_s", ctx), bwd_s=v.seconds(s, "bwd_s", ctx), saved_bytes=saved,
+                 fwd_peak_bytes=fwd_peak, bwd_peak_bytes=v.nbytes(s, "bwd_peak_bytes", ctx), need_from=need,
+                 encodings=_encodings(s.get("encodings", []), saved, ctx), held_bytes=held, held_until=until)
+
+
+def chain_from_dict(d: Any) -> Chain:
+    """Validate a parsed ``chain.json`` document and build the ``Chain``."""
+    if not isinstance(d, Mapping):
+        raise FormatError(f"a chain must be a JSON object, got {type(d).__name__}")
+    fmt = d.get("format")
+    if fmt != CHAIN_FORMAT and fmt not in OLD_FORMATS:
+        raise FormatError(f"not a chain file: 'format' is {fmt!r}, expected {CHAIN_FORMAT!r}",
+                          "produce chains with `offload profile`, or see docs/formats.md")
+    v.no_unknown(d, _KEYS, "the chain")
+    source = v.obj(d.get("source", {}), "source")
+    raw = d.get("stages")
+    if not isinstance(raw, list) or not raw:
+        raise FormatError("'stages' must be a non-empty list")
+    stages = tuple(_stage(s, i, len(raw)) for i, s in enumerate(raw, start=1))
+    base = v.nbytes(d, "base_bytes", "") if "base_bytes" in d else 0
+    total = base + sum(s.saved_bytes + s.fwd_peak_bytes + s.bwd_peak_bytes
+                       + sum(e.covered_bytes + e.encoded_bytes + e.workspace_bytes for e in s.encodings)
+                       for s in stages)
+    if total > MAX_TOTAL_BYTES:
+        raise FormatError(f"the chain's byte counts add up to {total}, more than {MAX_TOTAL_BYTES}",
+                          "byte counts are bytes, not bits or elements: check the units")
+    return Chain(name=v.string(d, "name", ""), stages=stages,
+                 platform=platform_from_dict(d.get("platform"), legacy=fmt in OLD_FORMATS), base_bytes=base,
+                 source=dict(source), recipe=recipe_from_dict(d["recipe"]) if d.get("recipe") is not None else None)
+
+
+def _encodings_to_list(encodings: tuple[Encoding, ...]) -> list[dict]:
+    return [{"name": e.name, "lossless": e.lossless, "encode_s": e.encode_s, "decode_s": e.decode_s,
+             "tensors": [{"index": t.index, "encoder": t.encoder, "bytes": t.nbytes, "encoded_bytes": t.encoded_bytes,
+                          "output": t.output, "workspace_bytes": t.workspace_bytes} for t in e.tensors]}
+            for e in encodings]
+
+
+def _stage_to_dict(s: Stage) -> dict:
+    d: dict[str, Any] = {"name": s.name, "kind": s.kind, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s, "saved_bytes": s.saved_bytes,
+                         "fwd_peak_bytes": s.fwd_peak_bytes, "bwd_peak_bytes": s.bwd_peak_bytes, "need_from": s.need_from}
+    if s.encodings:
+        d["encodings"] = _encodings_to_list(s.encodings)
+    if s.held_bytes:
+        d.update(held_bytes=s.held_bytes, held_until=s.held_until)
+    return d
+
+
+def to_dict(chain: Chain) -> dict:
+    """The ``chain.json`` document of ``chain`` (all defaults written out)."""
+    p = chain.platform
+    platform: dict[str, Any] = {"d2h_bytes_per_s": p.d2h_bytes_per_s, "h2d_bytes_per_s": p.h2d_bytes_per_s,
+                                "latency_s": p.latency_s}
+    if p.note:
+        platform["note"] = p.note
+    doc: dict[str, Any] = {"format": CHAIN_FORMAT, "name": chain.name, "source": dict(chain.source),
+                           "platform": platform, "base_bytes": chain.base_bytes,
+                           "stages": [_stage_to_dict(s) for s in chain.stages]}
+    if chain.recipe is not None:
+        r = chain.recipe
+        doc["recipe"] = {"model": r.model, "batch": r.batch, "options": dict(r.options), "dtype": r.dtype,
+                         "seed": r.seed, "optimizer": r.optimizer, "cuts": list(r.cuts), "inputs": list(r.inputs)}
+    return doc
+
+
+def canonical_sha256(chain: Chain) -> str:
+    """Hash of the chain's canonical JSON without ``source``."""
+    body = to_dict(chain)
+    body.pop("source")
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def make_chain(name: str, stages: list[Stage], platform: Platform, base_bytes: int = 0,
+               source: Mapping[str, Any] | None = None, recipe: Recipe | None = None) -> Chain:
+    """A chain built in code (profiler, generators), validated as if it were read from a file."""
+    chain = Chain(name, tuple(stages), platform, base_bytes, dict(source or {}), recipe)
+    return chain_from_dict(json.loads(json.dumps(to_dict(chain))))
+
+
+def load_chain(path: str | os.PathLike) -> Chain:
+    """Read and validate a ``chain.json``; errors name the file and the field."""
+    try:
+        return chain_from_dict(read_json(path, "chain"))
+    except FormatError as exc:
+        if str(path) in str(exc):
+            raise
+        raise FormatError(f"{path}: {exc}", exc.hint) from None
+
+
+def save_chain(chain: Chain, path: str | os.PathLike) -> None:
+    """Write the chain (the output rule of ``fileio``)."""
+    write_json(path, to_dict(chain))

@@ -1,0 +1,198 @@
+"""The solver's subcommands of ``offload``: ``show``, ``simulate``, ``solve``.
+
+Each stage package contributes its own subcommands (``add_commands``); ``offload.cli``
+assembles them, so the solver never depends on the torch-based stages.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .argtypes import fraction, integer, seconds
+from .budget import Budget
+from .chain import Chain
+from .chainfile import load_chain
+from .encoding import MODE_HELP, MODES, allowed, encoded_bytes, floor
+from ..errors import FormatError
+from .fileio import check_output
+from .graph import write_graphml
+from .memory import no_offload_peak, op_memory, op_name, smallest_feasible_budget
+from .methods import METHODS, Options, solve
+from .pulp_backend import SOLVERS
+from .schedulefile import load_schedule, save_schedule
+from .simulate import Simulation, simulate
+from .units import format_bytes, format_seconds, printable
+
+BUDGET_HELP = ("memory budget: bytes (4000000000), a size (6GiB, 800MB) or a share of the no-offload peak "
+               "(60%%); activation memory unless --total")
+
+
+def _line(label: str, text: str) -> None:
+    print(f"{label:<12} {text}")
+
+
+def print_chain(chain: Chain) -> None:
+    """The chain at a glance: source, platform, stages, peak, ideal makespan, smallest budget."""
+    src = chain.source
+    print(f"chain {printable(chain.name)!r}: {chain.L} stages, sha256 {chain.sha256[:12]}…")
+    if chain.recipe is not None:
+        r = chain.recipe
+        print(printable(f"model       {r.model}, batch {r.batch}, {r.dtype}, optimizer {r.optimizer}, seed {r.seed}"
+                        + "".join(f", {k}={v}" for k, v in r.options.items())))
+    if src:
+        print("source      " + printable(", ".join(f"{k}={v}" for k, v in src.items() if not isinstance(v, (dict, list)))))
+    p = chain.platform
+    print(f"platform    D2H {p.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {p.h2d_bytes_per_s / 1e9:.2f} GB/s, "
+          f"latency {format_seconds(p.latency_s)}" + (f" ({printable(p.note)})" if p.note else ""))
+    print()
+    print(f"{'#':>4} {'name':<22} {'kind':<10} {'fwd':>10} {'bwd':>10} {'saved':>11} {'fwd peak':>11} {'bwd peak':>11} {'need':>5}")
+    for i, s in enumerate(chain.stages, start=1):
+        print(f"{i:>4} {printable(s.name)[:22]:<22} {printable(s.kind)[:10]:<10} {format_seconds(s.fwd_s):>10} {format_seconds(s.bwd_s):>10} "
+              f"{format_bytes(s.saved_bytes):>11} {format_bytes(s.fwd_peak_bytes):>11} {format_bytes(s.bwd_peak_bytes):>11} "
+              f"{s.need_from:>5}")
+    if chain.has_encodings:
+        print()
+        print("encodings   (unit size once encoded, encode / decode time)")
+        for i, s in enumerate(chain.stages, start=1):
+            for e in s.encodings:
+                print(f"{i:>4} {printable(e.name):<12} {'lossless' if e.lossless else 'lossy':<9} "
+                      f"{format_bytes(encoded_bytes(chain, i, e)):>11} of {format_bytes(s.saved_bytes):<11} "
+                      f"{format_seconds(e.encode_s):>10} / {format_seconds(e.decode_s):<10} "
+                      + ", ".join(f"{t.encoder}#{t.index}" for t in e.tensors))
+    print()
+    peak = no_offload_peak(chain)
+    plain_floor = smallest_feasible_budget(chain)
+    o = int(op_memory(chain, ()).argmax())
+    _line("no-offload", f"activation peak {format_bytes(peak)} at {op_name(chain, o)}"
+          + (f"; total {format_bytes(peak + chain.base_bytes)} with base {format_bytes(chain.base_bytes)}" if chain.base_bytes else ""))
+    _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times)")
+    _line("smallest", f"feasible activation budget {format_bytes(plain_floor)} ({plain_floor} B, "
+          f"{100 * plain_floor / peak:.1f}% of the peak)" if peak else "feasible budget 0 B")
+    for mode in ("lossless", "lossy"):
+        if allowed(chain, mode):
+            low = floor(chain, mode)[0]
+            _line("", f"with {mode} encodings: {format_bytes(low)} ({low} B, {100 * low / peak:.1f}% of the peak)")
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    chain = load_chain(args.chain)
+    print_chain(chain)
+    if args.graphml:
+        write_graphml(chain, args.graphml)
+        print(f"wrote {args.graphml}")
+    return 0
+
+
+def _print_simulation(chain: Chain, sim: Simulation, base: int) -> None:
+    ideal = chain.ideal_makespan_s
+    _line("makespan", f"{format_seconds(sim.makespan_s)}  (ideal {format_seconds(ideal)}, "
+          f"{100 * (sim.makespan_s - ideal) / ideal if ideal else 0:+.2f}%)")
+    _line("stalls", f"{format_seconds(sim.stall_s)}")
+    _line("peak", f"{format_bytes(sim.peak_bytes + base)} at {sim.peak_op}" + (" (total)" if base else " (activations)"))
+    _line("moved", f"D2H {format_bytes(sim.d2h_bytes)}, H2D {format_bytes(sim.h2d_bytes)}")
+    _line("offloaded", f"{len(sim.offloads)} of {len(chain.offloadable)} offloadable units")
+    if sim.encode:
+        _line("encoded", ", ".join(f"U{i} {name}" for i, name in sorted(sim.encode.items())))
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    chain = load_chain(args.chain)
+    sched = load_schedule(args.schedule, chain)
+    budget = Budget.parse(args.budget, chain, args.total) if args.budget is not None else sched.budget
+    base = budget.base(chain) if budget else 0
+    sim = simulate(chain, sched.offloads, budget, encode=sched.encode)
+    if args.json:
+        json.dump({"makespan_s": sim.makespan_s, "peak_bytes": sim.peak_bytes + base, "stall_s": sim.stall_s,
+                   "ops": [vars(o) for o in sim.ops], "copies": [vars(c) for c in sim.copies]}, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"schedule {printable(sched.method) or '?'} for chain {printable(chain.name)!r}" + (f", budget {budget}" if budget else ""))
+    _print_simulation(chain, sim, base)
+    if args.timeline:
+        print()
+        print(f"{'op':>6} {'ready':>12} {'start':>12} {'end':>12} {'stall':>11} {'memory':>11}")
+        for o in sim.ops:
+            print(f"{o.name:>6} {o.ready:>12.6f} {o.start:>12.6f} {o.end:>12.6f} {o.stall:>11.6f} {format_bytes(o.mem_bytes + base):>11}")
+        print(f"\n{'copy':>6} {'stage':>6} {'issue':>12} {'start':>12} {'end':>12} {'bytes':>11}")
+        for c in sim.copies:
+            print(f"{c.direction:>6} {c.stage:>6} {c.issue:>12.6f} {c.start:>12.6f} {c.end:>12.6f} {format_bytes(c.nbytes):>11}")
+    return 0
+
+
+def cmd_solve(args: argparse.Namespace) -> int:
+    if args.list_methods:
+        for m in METHODS.values():
+            print(f"{m.name:<15} {m.description}")
+        return 0
+    if args.chain is None or args.budget is None:
+        raise FormatError("solve needs CHAIN and --budget", "example: offload solve chain.json --budget 60% -o schedule.json")
+    if args.output:
+        check_output(args.output, [args.chain])  # before the solve, not after
+    chain = load_chain(args.chain)
+    budget = Budget.parse(args.budget, chain, args.total)
+    opts = Options(time_limit_s=args.time_limit, gap=args.gap, threads=args.threads, solver=args.solver,
+                   heuristic_time_s=args.heuristic_time, verbose=args.verbose, encodings=args.encodings)
+    if args.method == "ilp":
+        print(f"solving with {args.solver} (time limit {args.time_limit:g} s, gap {args.gap:g})…", file=sys.stderr, flush=True)
+    res = solve(chain, budget, args.method, opts)
+    _line("chain", f"{printable(chain.name)} ({chain.L} stages), budget {budget}")
+    _line("method", f"{args.method}: {res.status}, gap {100 * res.gap:.2f}% to the best lower bound "
+          f"{format_seconds(res.bound_s)}, {res.seconds:.2f} s")
+    if "note" in res.info:
+        _line("note", res.info["note"])
+    _print_simulation(chain, res.simulation, budget.base(chain))
+    if args.output:
+        save_schedule(res.schedule, chain, args.output, [args.chain])
+        print(f"wrote {args.output}")
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("show", help="print a chain's stages, no-offload peak, ideal makespan, smallest budget",
+                       description="Print a chain at a glance: its stage table, the no-offload activation peak, the "
+                                   "ideal makespan and the smallest budget any schedule can meet.")
+    p.add_argument("chain", help="chain.json")
+    p.add_argument("--graphml", metavar="PATH", help="also export the chain graph (ops, units, edges) to GraphML")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("simulate", help="replay a schedule and print its makespan, stalls and peak",
+                       description="Replay SCHEDULE on CHAIN with the simulator (the source of truth) and print the "
+                                   "figures; refuses a schedule made for another chain or one that breaks its budget.")
+    p.add_argument("chain", help="chain.json")
+    p.add_argument("schedule", help="schedule.json (made for this chain)")
+    p.add_argument("--budget", help="check against this budget instead of the schedule's own; " + BUDGET_HELP)
+    p.add_argument("--total", action="store_true", help="--budget counts base_bytes (weights, grads, optimizer state)")
+    p.add_argument("--timeline", action="store_true", help="print every op and copy with its times")
+    p.add_argument("--json", action="store_true", help="print the full timeline as JSON")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("solve", help="compute a schedule under a memory budget",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Choose which activations to offload, when to release them and when to prefetch "
+                                   "them, minimizing the step time under a memory budget.\n\n"
+                                   "examples:\n"
+                                   "  offload solve chain.json --budget 60% -o schedule.json\n"
+                                   "  offload solve chain.json --budget 6GiB --total --method relax-lp\n"
+                                   "  offload solve --list-methods\n\n"
+                                   "Every schedule is replayed by the simulator before it is written. An impossible "
+                                   "budget exits with status 4 and names the smallest feasible one; no file is written.")
+    p.add_argument("chain", nargs="?", help="chain.json")
+    p.add_argument("--budget", "-b", help=BUDGET_HELP)
+    p.add_argument("--method", "-m", default="ilp", choices=list(METHODS), metavar="METHOD",
+                   help="one of: " + ", ".join(METHODS) + " (default: ilp)")
+    p.add_argument("--output", "-o", help="write the schedule here (atomically)")
+    p.add_argument("--total", action="store_true", help="the budget counts base_bytes too (weights, grads, optimizer state)")
+    p.add_argument("--encodings", choices=MODES, default="lossless", help=MODE_HELP + " (used by ilp, relax-*, gist*)")
+    p.add_argument("--time-limit", type=seconds(), default=60.0, metavar="S",
+                   help="wall time of the whole solve in seconds: heuristics, bounds, building and solving the MILP "
+                        "(default 60); the best schedule found by then is returned, with its gap")
+    p.add_argument("--gap", type=fraction, default=1e-4, help="ILP relative gap at which it stops, proven (default 1e-4)")
+    p.add_argument("--threads", type=integer(1, 1024), default=None,
+                   help="MILP solver threads (default: the solver's choice)")
+    p.add_argument("--solver", choices=SOLVERS, default="highs", help="MILP solver for ilp (default highs)")
+    p.add_argument("--heuristic-time", type=seconds(strict=False), default=1.0, metavar="S",
+                   help="search time of each relax-* heuristic (default 1.0)")
+    p.add_argument("--verbose", action="store_true", help="show the MILP solver's log")
+    p.add_argument("--list-methods", action="store_true", help="print the methods, one per line, and exit")
+    p.set_defaults(func=cmd_solve)

@@ -1,0 +1,130 @@
+"""Encoded units: what choosing an encoding does to the chain (issue 6; Gist, Layrub).
+
+Per unit the schedule chooses keep / keep-encoded / offload / offload-encoded.  Choosing
+encoding ``e`` of stage ``i`` (covering raw bytes ``P`` of the unit ``A``, of which ``Pout``
+are the stage's output, encoded into ``Q`` bytes) means:
+
+* the unit is ``E = A - P + Q`` bytes from then on: what stays resident, and what crosses
+  the bus when it is offloaded;
+* ``Fi`` runs the encoders after its ops (``+ encode_s``) and holds the encoded copy on top
+  of its raw peak, with the codec's workspace ``W`` (``+ Q + W``);
+* during ``F(i+1)`` the raw stage output is still alive as that stage's input (``+ Pout``),
+  while the raw storages internal to stage ``i`` are already gone;
+* the first backward reader ``B(need_i)`` decodes (``+ decode_s``), and from ``B(need_i)``
+  to ``Bi`` the decoded storages live next to the encoded unit, with the workspace
+  (``+ P + W``).
+
+Each of these is a change of the stage fields, so a choice of encodings turns a chain into
+a plain derived chain (``apply``) on which the simulator, the timing rules and the
+heuristics run unchanged; the ILP chooses encodings jointly (``solver.ilp``), and its
+objective is checked against the simulator on the derived chain.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+import pulp
+
+from .chain import Chain, Encoding
+from .memory import floor_offloads, op_memory
+from .pulp_backend import run
+from .schedule import Choice, check_choice
+
+MODES = ("none", "lossless", "lossy")
+MODE_HELP = ("which encodings the solver may choose: none; lossless (bit-exact gradients, the default); "
+             "lossy (also lower precision: gradients change)")
+
+
+def encoded_bytes(chain: Chain, i: int, e: Encoding) -> int:
+    """The unit ``Ui`` once encoded with ``e``."""
+    return int(chain.a[i]) - e.covered_bytes + e.encoded_bytes
+
+
+def allowed(chain: Chain, mode: str = "lossless") -> dict[int, tuple[Encoding, ...]]:
+    """Per stage, the encodings ``mode`` lets a solver choose that make the unit smaller
+    (any other one only costs time and memory)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown encoding mode {mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "none":
+        return {}
+    out = {}
+    for i, s in enumerate(chain.stages, start=1):
+        opts = tuple(e for e in s.encodings if (e.lossless or mode == "lossy") and encoded_bytes(chain, i, e) < s.saved_bytes)
+        if opts:
+            out[i] = opts
+    return out
+
+
+def smallest(chain: Chain, mode: str = "lossless") -> dict[int, str]:
+    """Gist's rule: every unit encoded with its smallest allowed encoding (ties: cheaper)."""
+    return {i: min(opts, key=lambda e: (encoded_bytes(chain, i, e), e.encode_s + e.decode_s)).name
+            for i, opts in allowed(chain, mode).items()}
+
+
+def lossy_stages(chain: Chain, choice: Choice) -> list[int]:
+    return sorted(i for i, name in choice.items() if not chain.stage(i).encoding(name).lossless)
+
+
+def apply(chain: Chain, choice: Choice) -> Chain:
+    """The plain chain equivalent to ``chain`` with the encodings of ``choice`` (module doc)."""
+    if not choice:
+        return chain
+    check_choice(chain, choice)
+    st = [dict(fwd_s=s.fwd_s, bwd_s=s.bwd_s, saved_bytes=s.saved_bytes, fwd_peak_bytes=s.fwd_peak_bytes,
+               bwd_peak_bytes=s.bwd_peak_bytes) for s in chain.stages]
+    for i, name in choice.items():
+        e = chain.stage(i).encoding(name)
+        need = chain.stage(i).need_from
+        me = st[i - 1]
+        me["saved_bytes"] = encoded_bytes(chain, i, e)
+        me["fwd_peak_bytes"] += e.fwd_extra_bytes
+        me["fwd_s"] += e.encode_s
+        if i < chain.L:
+            st[i]["fwd_peak_bytes"] += e.output_bytes
+        for j in range(i, need + 1):
+            st[j - 1]["bwd_peak_bytes"] += e.bwd_extra_bytes
+        st[need - 1]["bwd_s"] += e.decode_s
+    stages = tuple(replace(s, encodings=(), held_bytes=min(s.held_bytes, fields["saved_bytes"]), **fields)
+                   for s, fields in zip(chain.stages, st))
+    return replace(chain, stages=stages)
+
+
+# -------------------------------------------------------------------- the floor
+_floor_cache: dict[tuple[str, str], tuple[int, dict[int, str]]] = {}
+
+
+def floor(chain: Chain, mode: str = "lossless") -> tuple[int, dict[int, str]]:
+    """Smallest activation budget any schedule meets when encodings of ``mode`` may be
+    chosen, and a choice that meets it (with every unit offloaded at once, fetched on demand).
+
+    Every unit's choice changes the floor memory of a few ops additively, so the least peak
+    is a small min-max MILP over one binary per (unit, encoding); it is solved exactly."""
+    opts = allowed(chain, mode)
+    plain = int(op_memory(chain, floor_offloads(chain)).max())
+    if not opts:
+        return plain, {}
+    key = (chain.sha256, mode)
+    if key in _floor_cache:
+        return _floor_cache[key]
+    base = op_memory(chain, floor_offloads(chain)).astype(float)
+    scale = max(float(base.max()), 1.0)
+    lp = pulp.LpProblem("encoded_floor", pulp.LpMinimize)
+    peak = lp.add_variable("peak")
+    deltas = {}
+    pick = {}
+    for i, es in opts.items():
+        for n, e in enumerate(es):
+            derived = apply(chain, {i: e.name})
+            deltas[i, e.name] = op_memory(derived, floor_offloads(derived)).astype(float) - base
+            pick[i, e.name] = lp.add_variable(f"c{i}_{n}", cat=pulp.LpBinary)
+        lp += pulp.lpSum(pick[i, e.name] for e in es) <= 1
+    lp += peak
+    for o in range(len(base)):
+        terms = [deltas[k][o] / scale * v for k, v in pick.items() if deltas[k][o] != 0]
+        lp += peak >= base[o] / scale + pulp.lpSum(terms)
+    out = run(lp, "highs", time_limit=30.0, gap=0.0, threads=1)
+    choice = {i: name for (i, name), v in pick.items() if out.has_solution and (v.varValue or 0) > 0.5}
+    derived = apply(chain, choice)
+    value = int(op_memory(derived, floor_offloads(derived)).max())
+    result = (value, choice) if value < plain else (plain, {})
+    _floor_cache[key] = result
+    return result

@@ -1,0 +1,579 @@
+"""The exact MILP over the schedule class (docs/model.md), whole or around a window.
+
+Decisions (binaries, for each unit ``i`` and each option ``o``: raw, or one of the
+encodings the stage offers and the caller allows):
+  ``e_{i,o}``    unit stored with encoding ``o`` (at most one; none means raw);
+  ``x_{i,o}``    unit offloaded in option ``o`` (offloadable units only);
+  ``z_{i,o,j}``  released at or before boundary ``j`` (end of ``Fj``), monotone in ``j``;
+  ``y_{i,o,j}``  resident again (prefetched) during ``Bj``, monotone as ``j`` falls.
+Memory depends on these alone, so each op's budget row is linear in them.  Encoding
+``o`` changes the unit's size, the copy durations, ``Fi`` (encode) and ``B(need_i)``
+(decode) linearly in ``e_{i,o}`` (``solver.encoding`` fixes the meaning).
+
+Times (continuous) follow the simulator's max-plus recurrences: ``w_j`` (start of the op
+after boundary ``j``), the D2H channel clock ``d_i``, the start ``s_j`` of ``Bj``, and one
+H2D clock per (unit, prefetch point) slot in the FIFO's fixed order (points from ``L``
+down, within a point larger ``need_from`` first).  A wait that applies only under some
+decision is a big-M row whose M is the tightest valid one, from a bound on the channel
+backlog.  For fixed decisions the least solution of the rows is exactly the simulator's
+timeline, so the optimum equals the simulated makespan.
+
+Exact reductions: a release later than the first boundary where the copy can never still
+be running (backlog bound <= forward time elapsed) is dominated and not modelled; rows
+whose M is 0 never bind and are dropped; memory rows with the same variable part keep
+only the largest constant.  Valid cuts, free of big-M, lift the root bound (ResNet-101,
+link-bound, 50%: root gap 7.0% -> 1.3%): the copies of units ``k..j-1`` released by ``j``
+ran one after another after ``Fk`` ended; the units needed by ``Bj`` and fetched at or
+after boundary ``k`` ran one after another after that boundary; the objective is at least
+the fluid LP bound.  Each cut family has O(L^2) rows of O(L) terms, so beyond a size only
+the pairs ``(k, j)`` closest together (and the whole-phase ones) are kept: any subset of
+valid cuts leaves the model exact, and the build stays O(L^2).
+
+A model may also leave most units *decided* (``Decided``): their choice is a constant,
+only the other units are free, and a free unit's prefetch point may be capped.  That is
+the sub-MILP of the large-neighbourhood search (``solver.lns``), built from the same rows.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+import numpy as np
+import pulp
+
+from .chain import Chain, Encoding
+from .deadline import Deadline
+from .encoding import apply, encoded_bytes
+from .memory import op_memory
+from .pulp_backend import SolveOutcome, run
+from .schedule import Choice, Offload
+from .simulate import simulate
+
+RAW = ""  # the option "not encoded"
+CUT_NONZEROS = 400_000  # per cut family, beyond which only the closest (k, j) pairs are kept
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A unit whose choice this model does not make: its encoding and, if offloaded, its points."""
+
+    encoding: str = RAW
+    offload: Offload | None = None
+
+
+@dataclass
+class IlpResult:
+    offloads: list[Offload] | None  # None: no schedule
+    encode: dict[int, str]  # stage -> chosen encoding
+    outcome: SolveOutcome
+    objective_s: float | None  # the MILP objective, in seconds
+    dual_bound_s: float | None
+    build_s: float
+    variables: int
+    constraints: int
+
+
+class _Affine:
+    """A linear form ``const + sum coef * var`` being accumulated (cheaper than PuLP arithmetic)."""
+
+    __slots__ = ("terms", "const")
+
+    def __init__(self, const: float = 0.0) -> None:
+        self.terms: dict[pulp.LpVariable, float] = {}
+        self.const = const
+
+    def add(self, form: "_Form", coef: float = 1.0) -> "_Affine":
+        if isinstance(form, (int, float)):
+            self.const += coef * form
+        elif isinstance(form, pulp.LpVariable):
+            self.terms[form] = self.terms.get(form, 0.0) + coef
+        else:
+            for var, c in form.terms.items():
+                self.terms[var] = self.terms.get(var, 0.0) + coef * c
+            self.const += coef * form.const
+        return self
+
+    def expression(self) -> pulp.LpAffineExpression:
+        return pulp.LpAffineExpression([(v, c) for v, c in self.terms.items() if c], self.const)
+
+
+_Form = _Affine | pulp.LpVariable | float | int
+
+
+def _affine(*parts: tuple[_Form, float]) -> _Affine:
+    out = _Affine()
+    for form, coef in parts:
+        out.add(form, coef)
+    return out
+
+
+class Model:
+    """The MILP of one (chain, budget, allowed encodings, decided units)."""
+
+    def __init__(self, chain: Chain, budget: int, lower_bound_s: float = 0.0,
+                 options: Mapping[int, Sequence[Encoding]] | None = None,
+                 decided: Mapping[int, Decided] | None = None, prefetch_cap: Mapping[int, int] | None = None,
+                 deadline: Deadline | None = None, cut_width: int | None = None) -> None:
+        self.chain, self.deadline = chain, deadline
+        self.decided = dict(decided or {})
+        L = chain.L
+        self.free = [i for i in range(1, L + 1) if i not in self.decided]
+        self.U = set(chain.offloadable)
+        self.need = {i: int(chain.need[i]) for i in range(1, L + 1)}
+        self.cap = {i: min(L, max(self.need[i], (prefetch_cap or {}).get(i, L))) for i in self.free}
+        self.tau, self.mu = chain.time_unit_s, chain.memory_unit_bytes
+        self.B = budget / self.mu
+        self.lp = pulp.LpProblem("offload", pulp.LpMinimize)
+        self._rows = 0
+        self._options(dict(options or {}))
+        self._release_windows()
+        self._decisions()
+        self._memory_rows()
+        self._durations()
+        self._forward_times()
+        self._backward_times()
+        self.cut_width = cut_width if cut_width is not None else self._cut_width(L, CUT_NONZEROS)
+        self._forward_cuts()
+        self._backward_cuts()
+        makespan = _affine((self.s[1], 1.0), (self.bdur[1], 1.0))
+        self.makespan = makespan.expression()  # in units of ``tau``
+        self.lp.setObjective(self.makespan)
+        if lower_bound_s > 0:
+            self._row("bound", makespan, ">=", lower_bound_s / self.tau * (1 - 1e-9))
+
+    # ------------------------------------------------------------------ plumbing
+    def _row(self, name: str, lhs: _Affine, sense: str, rhs: float = 0.0) -> None:
+        """Add ``lhs sense rhs`` unless it holds whatever the decisions (no variable left)."""
+        if not any(lhs.terms.values()):
+            return
+        op = {"<=": pulp.LpConstraintLE, ">=": pulp.LpConstraintGE}[sense]
+        self.lp.addConstraint(pulp.LpConstraint(lhs.expression(), op, rhs=rhs), name)
+        self._rows += 1
+        if self.deadline is not None and self._rows % 2000 == 0:
+            self.deadline.check("building the MILP")
+
+    def _var(self, name: str, binary: bool = False) -> pulp.LpVariable:
+        return self.lp.add_variable(name, 0, 1 if binary else None, cat=pulp.LpBinary if binary else pulp.LpContinuous)
+
+    # ------------------------------------------------------------------ options and sizes
+    def _options(self, options: dict[int, Sequence[Encoding]]) -> None:
+        """Per unit its options (raw first), their sizes and copy durations in model units."""
+        chain, L, p = self.chain, self.chain.L, self.chain.platform
+        enc = {(i, e.name): e for i, es in options.items() for e in es}
+        for i, d in self.decided.items():
+            if d.encoding != RAW:
+                enc[i, d.encoding] = chain.stage(i).encoding(d.encoding)
+        self.enc = enc
+        self.opts = {i: [RAW] + [e.name for e in options.get(i, ())] for i in self.free}
+        for i, d in self.decided.items():
+            self.opts[i] = [d.encoding]
+        self.size = {(i, o): (chain.a[i] if o == RAW else encoded_bytes(chain, i, enc[i, o])) / self.mu
+                     for i in range(1, L + 1) for o in self.opts[i]}
+        self.dd = {(i, o): p.d2h_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.opts[i]}
+        self.hd = {(i, o): p.h2d_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.opts[i]}
+        self.f, self.b = self.chain.f / self.tau, self.chain.b / self.tau
+
+    def _moves(self, i: int) -> bool:
+        """Whether unit ``i`` may be offloaded in this model (free and offloadable, or decided so)."""
+        d = self.decided.get(i)
+        return i in self.U and (d is None or d.offload is not None)
+
+    def _max_d2h(self, i: int) -> float:
+        return max(self.dd[i, o] for o in self.opts[i]) if self._moves(i) else 0.0
+
+    def _max_h2d(self, i: int) -> float:
+        return max(self.hd[i, o] for o in self.opts[i]) if self._moves(i) else 0.0
+
+    def _release_windows(self) -> None:
+        """``R_i``: the first boundary by which ``Ui``'s copy has surely ended (later releases are
+        dominated), and the big-M of each earlier release wait, from a bound on the D2H backlog."""
+        L, f = self.chain.L, self.f
+        self.R: dict[int, int] = {}
+        self.M_rel: dict[tuple[int, int], float] = {}
+        backlog = 0.0
+        for i in range(1, L + 1):
+            backlog = max(0.0, backlog - f[i]) + self._max_d2h(i)
+            if not self._moves(i):
+                continue
+            self.R[i], elapsed = L, 0.0
+            for j in range(i + 1, L + 1):
+                elapsed += f[j]
+                if backlog - elapsed <= 0.0:
+                    self.R[i] = j
+                    break
+                self.M_rel[i, j] = backlog - elapsed
+
+    # ------------------------------------------------------------------ decisions
+    def _decisions(self) -> None:
+        self.c = {(i, o): self._var(f"enc_{i}_{n}", True)
+                  for i in self.free for n, o in enumerate(self.opts[i]) if o != RAW}
+        for i in self.free:
+            if len(self.opts[i]) > 1:
+                self._row(f"one_encoding_{i}", _affine(*((self.c[i, o], 1.0) for o in self.opts[i][1:])), "<=", 1)
+        movable = [i for i in self.free if i in self.U]
+        self.x = {(i, o): self._var(f"offload_{i}_{n}", True) for i in movable for n, o in enumerate(self.opts[i])}
+        for (i, o), v in self.x.items():
+            if len(self.opts[i]) > 1:
+                self._row(f"offload_needs_choice_{i}_{self.opts[i].index(o)}",
+                          _affine((v, 1.0)).add(self.chosen(i, o), -1.0), "<=")
+        self.z = {(i, o, j): self._var(f"released_{i}_{self.opts[i].index(o)}_{j}", True)
+                  for i in movable for o in self.opts[i] for j in range(i + 1, self.R[i])}
+        self.y = {(i, o, j): self._var(f"fetched_{i}_{self.opts[i].index(o)}_{j}", True)
+                  for i in movable for o in self.opts[i] for j in range(self.need[i] + 1, self.cap[i] + 1)}
+        for (i, o, j), v in self.z.items():
+            self._row(f"release_monotone_{i}_{self.opts[i].index(o)}_{j}",
+                      _affine((v, 1.0)).add(self.released(i, o, j + 1), -1.0), "<=")
+        for (i, o, j), v in self.y.items():
+            self._row(f"fetch_monotone_{i}_{self.opts[i].index(o)}_{j}",
+                      _affine((v, 1.0)).add(self.fetched(i, o, j - 1), -1.0), "<=")
+
+    def chosen(self, i: int, o: str) -> _Form:
+        """1 if unit ``i`` is stored with option ``o``."""
+        if i in self.decided:
+            return 1.0
+        if o != RAW:
+            return self.c[i, o]
+        if len(self.opts[i]) == 1:
+            return 1.0
+        return _affine((1.0, 1.0), *((self.c[i, e], -1.0) for e in self.opts[i][1:]))
+
+    def offloaded(self, i: int, o: str) -> _Form:
+        if i in self.decided:
+            return float(self._moves(i))
+        return self.x.get((i, o), 0.0)
+
+    def released(self, i: int, o: str, j: int) -> _Form:
+        """1 if ``Ui`` (option ``o``) is released at or before boundary ``j``."""
+        if j <= i or not self._moves(i):
+            return 0.0
+        d = self.decided.get(i)
+        if d is not None:
+            return float(j >= min(d.offload.release, self.R[i]))
+        return self.x[i, o] if j >= self.R[i] else self.z[i, o, j]
+
+    def fetched(self, i: int, o: str, j: int) -> _Form:
+        """1 if an offloaded ``Ui`` is resident during ``Bj`` (always from ``B(need_i)`` down)."""
+        if not self._moves(i) or j > self.chain.L:
+            return 0.0
+        d = self.decided.get(i)
+        if d is not None:
+            return float(j <= d.offload.prefetch)
+        if j <= self.need[i]:
+            return self.x[i, o]
+        return self.y[i, o, j] if j <= self.cap[i] else 0.0
+
+    def _extra(self, i: int, what: str) -> _Affine:
+        """Bytes an encoding adds in its raw windows (``solver.encoding``), for a free unit."""
+        out = _Affine()
+        if i not in self.decided:
+            for o in self.opts[i][1:]:
+                out.add(self.c[i, o], getattr(self.enc[i, o], what) / self.mu)
+        return out
+
+    # ------------------------------------------------------------------ memory
+    def _constant_memory(self) -> np.ndarray:
+        """Per op, what decided units and transients hold (model units): the free units' share is zero."""
+        chain = apply(self.chain, {i: d.encoding for i, d in self.decided.items() if d.encoding != RAW})
+        free = set(self.free)
+        bare = replace(chain, stages=tuple(replace(s, saved_bytes=0) if i in free else s
+                                           for i, s in enumerate(chain.stages, start=1)))
+        offloads = [Offload(i, min(d.offload.release, self.R.get(i, d.offload.release)), d.offload.prefetch)
+                    for i, d in self.decided.items() if d.offload is not None]
+        return op_memory(bare, offloads) / self.mu
+
+    def _memory_rows(self) -> None:
+        """One row per op; ops whose free part is the same share one row (the largest constant)."""
+        L, need = self.chain.L, self.need
+        const = self._constant_memory()
+        rows: dict[tuple, tuple[float, _Affine, str]] = {}
+        for o in range(2 * L):
+            row = _Affine()
+            if o < L:  # F_j
+                j = o + 1
+                for i in self.free:
+                    if i >= j:
+                        break
+                    held = self.chain.held[i] / self.mu if j <= self.chain.held_until[i] else 0.0
+                    for opt in self.opts[i]:
+                        row.add(self.chosen(i, opt), self.size[i, opt])
+                        row.add(self.released(i, opt, j - 1), -max(0.0, self.size[i, opt] - held))
+                if j not in self.decided:
+                    row.add(self._extra(j, "fwd_extra_bytes"))
+                if j > 1 and j - 1 not in self.decided:
+                    row.add(self._extra(j - 1, "output_bytes"))
+                name = f"memory_F{j}"
+            else:  # B_j
+                j = 2 * L - o
+                for i in self.free:
+                    if i > j:
+                        break
+                    for opt in self.opts[i]:
+                        row.add(self.chosen(i, opt), self.size[i, opt])
+                        if self._moves(i) and j > need[i]:
+                            row.add(self.offloaded(i, opt), -self.size[i, opt])
+                            row.add(self.fetched(i, opt, j), self.size[i, opt])
+                    if j <= need[i]:
+                        row.add(self._extra(i, "bwd_extra_bytes"))
+                name = f"memory_B{j}"
+            key = tuple(sorted((v.name, round(c, 12)) for v, c in row.terms.items() if c))
+            total = row.const + float(const[o])
+            if key not in rows or total > rows[key][0]:
+                rows[key] = (total, row, name)
+        for total, row, name in rows.values():
+            row.const = total
+            self._row(name, row, "<=", self.B)
+
+    # ------------------------------------------------------------------ times
+    def _durations(self) -> None:
+        """Op durations (model units): encoders run at the end of ``Fi``, decoders in ``B(need_i)``."""
+        L = self.chain.L
+        self.fdur: list[_Affine] = [_Affine()]
+        self.bdur: list[_Affine] = [_Affine()]
+        for j in range(1, L + 1):
+            fd = _Affine(self.f[j])
+            d = self.decided.get(j)
+            if d is not None and d.encoding != RAW:
+                fd.add(self.enc[j, d.encoding].encode_s / self.tau)
+            elif d is None:
+                for o in self.opts[j][1:]:
+                    fd.add(self.c[j, o], self.enc[j, o].encode_s / self.tau)
+            self.fdur.append(fd)
+            self.bdur.append(_Affine(self.b[j]))
+        for i in range(1, L + 1):
+            d = self.decided.get(i)
+            if d is not None and d.encoding != RAW:
+                self.bdur[self.need[i]].add(self.enc[i, d.encoding].decode_s / self.tau)
+            elif d is None:
+                for o in self.opts[i][1:]:
+                    self.bdur[self.need[i]].add(self.c[i, o], self.enc[i, o].decode_s / self.tau)
+
+    def moved_d2h(self, i: int) -> _Affine:
+        """Duration of ``Ui``'s D2H copy (0 when kept)."""
+        out = _Affine()
+        for o in self.opts[i]:
+            out.add(self.offloaded(i, o), self.dd[i, o])
+        return out
+
+    def _forward_times(self) -> None:
+        L = self.chain.L
+        self.w: list[_Form] = [0.0] + [self._var(f"w{j}") for j in range(1, L + 1)]
+        self.d: dict[int, pulp.LpVariable] = {}
+        prev = None
+        for j in range(1, L + 1):
+            end_f = _affine((self.w[j - 1], 1.0), (self.fdur[j], 1.0))
+            self._row(f"forward_{j}", _affine((self.w[j], 1.0)).add(end_f, -1.0), ">=")
+            if not self._moves(j):
+                continue
+            v = self.d[j] = self._var(f"d{j}")
+            self._row(f"d2h_after_F{j}", _affine((v, 1.0)).add(end_f, -1.0).add(self.moved_d2h(j), -1.0), ">=")
+            if prev is not None:
+                self._row(f"d2h_fifo_{j}", _affine((v, 1.0), (self.d[prev], -1.0)).add(self.moved_d2h(j), -1.0), ">=")
+            prev = j
+        for (i, j), M in self.M_rel.items():  # release waits that can bind
+            d = self.decided.get(i)
+            if d is not None:
+                if min(d.offload.release, self.R[i]) == j:
+                    self._row(f"release_wait_{i}_{j}", _affine((self.w[j], 1.0), (self.d[i], -1.0)), ">=")
+                continue
+            # w_j >= d_i - M (1 - released_by_j)
+            row = _affine((self.w[j], 1.0), (self.d[i], -1.0), (M, 1.0))
+            for o in self.opts[i]:
+                row.add(self.released(i, o, j), -M)
+            self._row(f"release_wait_{i}_{j}", row, ">=")
+
+    def _backward_times(self) -> None:
+        L, need = self.chain.L, self.need
+        self.s: list = [None] + [self._var(f"s{j}") for j in range(1, L + 1)]
+        self.issue: list = [None] + [_affine((self.s[k + 1], 1.0), (self.bdur[k + 1], 1.0)) for k in range(1, L)]
+        self.issue.append(_affine((self.w[L], 1.0)))
+        self.groups: list[tuple[int, list[int]]] = []
+        self.clock: dict[tuple[int, int], pulp.LpVariable] = {}
+        h2d_total = sum(self._max_h2d(i) for i in range(1, L + 1))
+        span, clock = 0.0, None  # span: bound on (H2D clock - issue time) within the current group
+        for k in range(L, 0, -1):
+            self._row(f"backward_{k}", _affine((self.s[k], 1.0)).add(self.issue[k], -1.0), ">=")
+            if k < L:
+                span = max(0.0, span - self.b[k + 1])
+            members = [i for i in sorted(self.U, key=lambda i: (-need[i], -i)) if self._slot_at(i, k)]
+            if not members:
+                continue
+            self.groups.append((k, members))
+            span = min(h2d_total, span + sum(self._max_h2d(i) for i in members))
+            for n, i in enumerate(members):
+                v = self.clock[i, k] = self._var(f"c{i}_{k}")
+                moved = self._prefetched_at(i, k)
+                dur = _Affine()
+                for o, m in moved.items():
+                    dur.add(m, self.hd[i, o])
+                if n == 0:
+                    self._row(f"h2d_issue_{i}_{k}", _affine((v, 1.0)).add(self.issue[k], -1.0).add(dur, -1.0), ">=")
+                if clock is not None:
+                    self._row(f"h2d_fifo_{i}_{k}", _affine((v, 1.0), (clock, -1.0)).add(dur, -1.0), ">=")
+                clock = v
+                M = span - sum(self.b[m] for m in range(need[i] + 1, k + 1))
+                if M <= 0:
+                    continue
+                # s_need >= clock - M (1 - prefetched at k)
+                row = _affine((self.s[need[i]], 1.0), (v, -1.0), (M, 1.0))
+                for m in moved.values():
+                    row.add(m, -M)
+                self._row(f"h2d_wait_{i}_{k}", row, ">=")
+
+    def _slot_at(self, i: int, k: int) -> bool:
+        """Whether ``Ui`` can be prefetched at point ``k`` in this model (it gets an H2D clock there)."""
+        if not self._moves(i) or k < self.need[i]:
+            return False
+        d = self.decided.get(i)
+        return k == d.offload.prefetch if d is not None else k <= self.cap[i]
+
+    def _prefetched_at(self, i: int, k: int) -> dict[str, _Form]:
+        """Per option, 1 if ``Ui``'s prefetch point is exactly ``k``."""
+        return {o: _affine((self.fetched(i, o, k), 1.0), (self.fetched(i, o, k + 1), -1.0)) for o in self.opts[i]}
+
+    # ------------------------------------------------------------------ cuts
+    @staticmethod
+    def _cut_width(L: int, budget: int) -> int:
+        """The largest ``j - k`` kept so that a family's terms (about ``L w^2 / 2``) stay within ``budget``."""
+        return L if L ** 3 <= 6 * budget else max(2, int(math.sqrt(2 * budget / L)))
+
+    def _free_between(self) -> np.ndarray:
+        """``n[m]``: free movable units with index below ``m`` (a cut with none of them is implied)."""
+        marks = np.zeros(self.chain.L + 2, dtype=np.int64)
+        for i in self.free:
+            if self._moves(i):
+                marks[i + 1] += 1
+        return np.cumsum(marks)
+
+    def _cut_pairs(self) -> list[tuple[int, int]]:
+        """``(lo, hi)`` stage ranges of the cuts: close pairs, and the whole phase in a full model."""
+        L, width = self.chain.L, self.cut_width
+        pairs = {(k, j) for k in range(1, L + 1) for j in range(k, min(L, k + width) + 1)}
+        if not self.decided:
+            pairs |= {(1, j) for j in range(1, L + 1)} | {(j, L) for j in range(1, L + 1)}
+        return sorted(pairs)
+
+    def _forward_cuts(self) -> None:
+        """The D2H copies of units ``k..j-1`` released by ``j`` ran one after another after ``Fk`` ended."""
+        n = self._free_between()
+        for k, last in self._cut_pairs():
+            j = last + 1
+            if j > self.chain.L or n[j] - n[k] == 0:
+                continue
+            row = _affine((self.w[j], 1.0), (self.w[k - 1], -1.0)).add(self.fdur[k], -1.0)
+            for i in range(k, j):
+                if self._moves(i):
+                    for o in self.opts[i]:
+                        row.add(self.released(i, o, j), -self.dd[i, o])
+            self._row(f"cut_d2h_{k}_{j}", row, ">=")
+
+    def _backward_cuts(self) -> None:
+        """The H2D copies of units needed by ``Bj`` and fetched at or after boundary ``k`` ran one
+        after another after that boundary."""
+        by_need: dict[int, list[int]] = {}
+        for i in sorted(self.U):
+            if self._moves(i):
+                by_need.setdefault(self.need[i], []).append(i)
+        for j, k in self._cut_pairs():
+            units = [i for n in range(j, k + 1) for i in by_need.get(n, ())]
+            if all(i in self.decided for i in units):
+                continue
+            row = _affine((self.s[j], 1.0)).add(self.issue[k], -1.0)
+            for i in units:
+                for o in self.opts[i]:
+                    row.add(self.offloaded(i, o), -self.hd[i, o])
+                    row.add(self.fetched(i, o, k + 1), self.hd[i, o])
+            self._row(f"cut_h2d_{j}_{k}", row, ">=")
+
+    # ------------------------------------------------------------------ warm start
+    def load(self, offloads: Sequence[Offload], encode: Choice | None = None) -> float:
+        """Set every variable to the least solution for ``offloads`` and ``encode`` (decided units
+        as decided); returns its makespan (s)."""
+        encode = dict(encode or {})
+        L, tau = self.chain.L, self.tau
+        offloads = [Offload(o.stage, min(o.release, self.R.get(o.stage, o.release)), o.prefetch) for o in offloads]
+        by = {o.stage: o for o in offloads}
+        for (i, o), v in self.c.items():
+            v.setInitialValue(1 if encode.get(i) == o else 0)
+
+        def mine(i: int, o: str) -> bool:
+            return i in by and encode.get(i, RAW) == o
+
+        for (i, o), v in self.x.items():
+            v.setInitialValue(1 if mine(i, o) else 0)
+        for (i, o, j), v in self.z.items():
+            v.setInitialValue(1 if mine(i, o) and by[i].release <= j else 0)
+        for (i, o, j), v in self.y.items():
+            v.setInitialValue(1 if mine(i, o) and by[i].prefetch >= j else 0)
+        sim = simulate(self.chain, offloads, encode=encode)
+        derived = sim.chain
+        for j in range(1, L):  # w_j is the start of F_{j+1}; w_L the start of B_L before prefetch waits
+            self.w[j].setInitialValue(sim.start[j] / tau)
+        last_release = max([sim.end[L - 1]] + [c.end for c in sim.copies if c.direction == "D2H"
+                                                and by[c.stage].release == L])
+        self.w[L].setInitialValue(last_release / tau)
+        clock = 0.0
+        for i, v in self.d.items():
+            clock = max(clock, sim.end[i - 1] / tau) + (derived.d2h_s(i) / tau if i in by else 0.0)
+            v.setInitialValue(clock)
+        for j in range(1, L + 1):
+            self.s[j].setInitialValue(sim.start[2 * L - j] / tau)
+        h2d_end = {c.stage: c.end / tau for c in sim.copies if c.direction == "H2D"}
+        clock = None
+        for k, members in self.groups:
+            issue = (last_release if k == L else sim.end[2 * L - k - 1]) / tau
+            for n, i in enumerate(members):
+                base = issue if clock is None else (max(issue, clock) if n == 0 else clock)
+                clock = h2d_end[i] if i in by and by[i].prefetch == k else base
+                self.clock[i, k].setInitialValue(clock)
+        return sim.makespan_s
+
+    def read(self) -> tuple[list[Offload], dict[int, str]]:
+        """The schedule in the solver's incumbent (binaries rounded), decided units included."""
+        encode = {i: o for (i, o), v in self.c.items() if (v.varValue or 0) > 0.5}
+        out = []
+        L = self.chain.L
+        for (i, o), v in self.x.items():
+            if (v.varValue or 0) < 0.5:
+                continue
+            r = next(j for j in range(i + 1, L + 1) if j >= self.R[i] or (self.z[i, o, j].varValue or 0) > 0.5)
+            k = max([self.need[i]] + [j for j in range(self.need[i] + 1, self.cap[i] + 1)
+                                      if (self.y[i, o, j].varValue or 0) > 0.5])
+            out.append(Offload(i, r, k))
+        for i, d in self.decided.items():
+            if d.encoding != RAW:
+                encode[i] = d.encoding
+            if d.offload is not None:
+                out.append(d.offload)
+        return sorted(out), encode
+
+
+def solve_ilp(chain: Chain, budget: int, *, warm: Sequence[Offload] | None = None,
+              warm_encode: Mapping[int, str] | None = None, options: Mapping[int, Sequence[Encoding]] | None = None,
+              decided: Mapping[int, Decided] | None = None, prefetch_cap: Mapping[int, int] | None = None,
+              cut_width: int | None = None, lower_bound_s: float = 0.0, solver: str = "highs", time_limit: float | None = 60.0,
+              gap: float | None = 1e-4, threads: int | None = None, msg: bool = False,
+              deadline: Deadline | None = None) -> IlpResult:
+    """Build and solve the MILP for an activation ``budget``; ``options`` are the encodings
+    it may choose per stage (``solver.encoding.allowed``), ``decided`` the units it may not
+    change.  Raises ``OutOfTime`` if the ``deadline`` passes while the model is built."""
+    t0 = time.perf_counter()
+    model = Model(chain, budget, lower_bound_s, options, decided, prefetch_cap, deadline, cut_width)
+    if warm is not None:
+        model.load(warm, warm_encode)
+    build_s = time.perf_counter() - t0
+    out = run(model.lp, solver, time_limit=time_limit, gap=gap, threads=threads, warm=warm is not None, msg=msg,
+              deadline=deadline)
+    tau = model.tau
+    offloads, encode = model.read() if out.has_solution else (None, {})
+    return IlpResult(
+        offloads=offloads,
+        encode=encode,
+        outcome=out,
+        objective_s=out.objective * tau if out.objective is not None else None,
+        dual_bound_s=out.dual_bound * tau if out.dual_bound is not None else None,
+        build_s=build_s,
+        variables=len(model.lp.variables()),
+        constraints=model.lp.numConstraints(),
+    )

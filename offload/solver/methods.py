@@ -1,0 +1,267 @@
+"""Every method behind one call: ``solve(chain, budget, method)``.
+
+The call checks the budget against the smallest feasible one first (a clear answer, not
+a solver failure), runs the method, replays its schedule in the simulator (refusing it if
+it breaks the budget), and attaches the lower bounds so that every result carries its gap.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from ..errors import InfeasibleBudget, SolverFailure
+from . import baselines, encoding, lns, relax
+from .bounds import fluid_lp
+from .budget import Budget
+from .chain import Chain
+from .deadline import Deadline, OutOfTime
+from .ilp import solve_ilp
+from .memory import floor_offloads, op_memory, op_name
+from .schedule import Choice, Offload, Schedule, make_schedule
+from .simulate import Simulation, simulate
+from .units import format_bytes
+
+
+LP_BOUND_MAX_STAGES = 2000  # above, the fluid LP's solve grows past seconds: cheaper bounds only
+FULL_MILP_MAX_STAGES = 120  # above, the ILP re-optimizes windows of the MILP (solver.lns)
+
+
+@dataclass
+class Options:
+    """Knobs of the solvers; the defaults are what the CLI uses."""
+
+    time_limit_s: float = 60.0  # wall time of the whole solve (heuristics, bounds, build, solver, replay)
+    gap: float = 1e-4
+    threads: int | None = None
+    solver: str = "highs"
+    heuristic_time_s: float = 1.0
+    verbose: bool = False
+    encodings: str = "lossless"  # which encodings ilp, relax-*, gist* may choose (solver.encoding.MODES)
+
+
+@dataclass
+class Result:
+    schedule: Schedule
+    simulation: Simulation
+    status: str  # optimal | feasible | timed-out (heuristic kept) | heuristic
+    bound_s: float
+    gap: float
+    seconds: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What a method chose: the offloads, the encodings, notes for ``solver`` info."""
+
+    offloads: list[Offload]
+    encode: Choice = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    description: str
+    run: Callable[["_Context"], Planned | None]
+
+
+@dataclass
+class _Context:
+    chain: Chain
+    budget: int
+    options: Options
+    lp_bound_s: float
+    lp: Any
+    deadline: Deadline
+
+    @property
+    def mode(self) -> str:
+        return self.options.encodings
+
+    @property
+    def heuristic_s(self) -> float:
+        """Local-search time of one relax heuristic: its option, within a quarter of what is left."""
+        return min(self.options.heuristic_time_s, self.deadline.share(0.25))
+
+
+def _fixed(name: str) -> Callable[[_Context], Planned | None]:
+    def run(ctx: _Context) -> Planned | None:
+        plan = baselines.FIXED_PLANS[name](ctx.chain)
+        return Planned(plan) if baselines.fits(ctx.chain, plan, ctx.budget) else None
+    return run
+
+
+def _adaptive(policy: Callable[[Chain, int], list[Offload] | None]) -> Callable[[_Context], Planned | None]:
+    def run(ctx: _Context) -> Planned | None:
+        plan = policy(ctx.chain, ctx.budget)
+        return Planned(plan) if plan is not None else None
+    return run
+
+
+def _relax_lp(ctx: _Context) -> Planned:
+    return Planned(*relax.relax_lp(ctx.chain, ctx.budget, ctx.lp, ctx.heuristic_s, ctx.mode, LP_BOUND_MAX_STAGES))
+
+
+def _relax_bw(ctx: _Context) -> Planned:
+    return Planned(*relax.relax_bw(ctx.chain, ctx.budget, ctx.heuristic_s, ctx.mode))
+
+
+def _gist(with_swap: bool) -> Callable[[_Context], Planned | None]:
+    """Gist: every unit stored with its smallest allowed encoding; then no offloading, or
+    Zhang et al.'s swap (size x idle ranking) on the encoded chain."""
+    def run(ctx: _Context) -> Planned | None:
+        choice = encoding.smallest(ctx.chain, ctx.mode)
+        derived = encoding.apply(ctx.chain, choice)
+        plan = baselines.swap_ranked(derived, ctx.budget, by_size=True) if with_swap else []
+        if plan is None or simulate(derived, plan).peak_bytes > ctx.budget:
+            return None
+        return Planned(plan, choice)
+    return run
+
+
+def _span(chain: Chain, p: Planned) -> float:
+    return simulate(chain, p.offloads, encode=p.encode).makespan_s
+
+
+def _ilp(ctx: _Context) -> Planned:
+    chain, budget, opt = ctx.chain, ctx.budget, ctx.options
+    warm = min((_relax_lp(ctx), _relax_bw(ctx)), key=lambda p: _span(chain, p))
+    warm_span = _span(chain, warm)
+    options = encoding.allowed(chain, ctx.mode)
+    base = {"backend": opt.solver, "time_limit_s": opt.time_limit_s, "gap_limit": opt.gap, "warm_start_s": warm_span}
+    if chain.L > FULL_MILP_MAX_STAGES:
+        return _ilp_windows(ctx, warm, warm_span, options, base)
+    target = budget
+    for _ in range(3):  # a solver tolerance may round a binary onto the wrong side by a few bytes
+        try:
+            res = solve_ilp(chain, target, warm=warm.offloads, warm_encode=warm.encode, options=options,
+                            lower_bound_s=ctx.lp_bound_s, solver=opt.solver, time_limit=None, gap=opt.gap,
+                            threads=opt.threads, msg=opt.verbose, deadline=ctx.deadline)
+        except OutOfTime:
+            return replace(warm, info={**base, "status": "timed-out", "note": "the time limit passed while the "
+                                       "MILP was built; the warm start (best heuristic) is returned"})
+        out = res.outcome
+        info = {**base, "solver_seconds": round(out.seconds, 3), "build_seconds": round(res.build_s, 3),
+                "variables": res.variables, "constraints": res.constraints, "nodes": out.nodes,
+                "solver_stop": out.stop, "objective_s": res.objective_s, "solver_bound_s": res.dual_bound_s}
+        if res.offloads is None:
+            if out.stop != "time-limit":
+                raise SolverFailure(f"the MILP solver stopped without a schedule ({out.stop})",
+                                    "try --solver cbc, or report the chain: the warm start proves one exists")
+            return replace(warm, info={**info, "status": "timed-out",
+                                       "note": "the solver found no schedule in time; the warm start (best heuristic) is returned"})
+        peak = simulate(chain, res.offloads, encode=res.encode).peak_bytes
+        if peak <= budget:
+            break
+        target -= peak - budget + 1
+    else:
+        raise SolverFailure("the ILP's schedules exceed the budget after 3 tightened solves (numerical trouble)")
+    found = Planned(res.offloads, res.encode)
+    if _span(chain, found) > warm_span:
+        return replace(warm, info={**info, "status": "feasible", "note": "the solver's incumbent was worse than the warm start; the warm start is returned"})
+    return Planned(res.offloads, res.encode, {**info, "status": "optimal" if out.proven and target == budget else "feasible"})
+
+
+def _ilp_windows(ctx: _Context, warm: Planned, warm_span: float, options: dict, base: dict) -> Planned:
+    """The ILP on a long chain: the warm start improved window by window (``solver.lns``)."""
+    opt = ctx.options
+    start = lns.Incumbent(list(warm.offloads), dict(warm.encode), warm_span)
+    best = lns.improve(ctx.chain, ctx.budget, start, options=options, deadline=ctx.deadline, solver=opt.solver,
+                       threads=opt.threads, msg=opt.verbose)
+    gained = sum(e.get("gain_s", 0.0) for e in best.log)
+    info = {**base, "status": "feasible", "windows": len(best.log), "windows_improved": sum("gain_s" in e for e in best.log),
+            "note": f"{ctx.chain.L} stages: the MILP was solved window by window (large-neighbourhood search, "
+                    f"{len(best.log)} windows), improving the best heuristic by {100 * gained / warm_span:.2f}%"}
+    return Planned(best.offloads, best.encode, info)
+
+
+METHODS: dict[str, Method] = {m.name: m for m in [
+    Method("ilp", "exact MILP (PuLP; HiGHS, or CBC with --solver cbc), warm-started from the best relax-* schedule; proves optimality or reports its gap", _ilp),
+    Method("relax-lp", "fluid LP relaxation (fractional offload, divisible copies) rounded at several thresholds, repaired and improved by local search", _relax_lp),
+    Method("relax-bw", "infinite-bandwidth relaxation (least-volume memory cover), then stalls repaired by local search", _relax_bw),
+    Method("none", "no offloading (feasible only above the no-offload peak)", _fixed("none")),
+    Method("vdnn-all", "vDNN_all: offload every unit, per-layer sync, prefetch one op ahead", _fixed("vdnn-all")),
+    Method("vdnn-conv", "vDNN_conv: offload units of conv stages only, per-layer sync, prefetch one op ahead", _fixed("vdnn-conv")),
+    Method("vdnn-dyn", "vDNN_dyn (reduced): first of none, vdnn-conv, vdnn-all that fits the budget", _adaptive(baselines.vdnn_dyn)),
+    Method("layrub", "Layrub inter-layer: offload all but the first and last three stages, per-layer sync, one-op lookahead", _fixed("layrub")),
+    Method("swap-idle", "Zhang et al.: swap units by longest idle time until memory fits, stick-to-limit timing", _adaptive(lambda c, b: baselines.swap_ranked(c, b, by_size=False))),
+    Method("swap-size-idle", "Zhang et al.: swap units by (idle time - transfer time) x size until memory fits, stick-to-limit timing", _adaptive(lambda c, b: baselines.swap_ranked(c, b, by_size=True))),
+    Method("save-on-cpu", "torch save_on_cpu: offload everything, release at once, fetch on demand (exposed)", _fixed("save-on-cpu")),
+    Method("gist", "Gist: every unit stored with its smallest allowed encoding (lossless unless --encodings lossy), no offloading", _gist(with_swap=False)),
+    Method("gist-swap", "Gist's encodings, then swap-size-idle on the encoded chain (encode before offloading)", _gist(with_swap=True)),
+]}
+
+
+def _refuse_below_floor(chain: Chain, budget: Budget, mode: str) -> int:
+    """The smallest feasible activation budget with ``mode``'s encodings; ``InfeasibleBudget``
+    naming the op that holds it when ``budget`` is below."""
+    floor, floor_choice = encoding.floor(chain, mode)
+    base = budget.base(chain)
+    if budget.activations(chain) < floor:
+        derived = encoding.apply(chain, floor_choice)
+        o = int(op_memory(derived, floor_offloads(derived)).argmax())
+        raise InfeasibleBudget(
+            f"budget {budget} is below the smallest feasible budget {format_bytes(floor + base)}: even with every "
+            f"unit offloaded at once and fetched on demand, {op_name(chain, o)} holds {format_bytes(floor)} of activations"
+            + (f" on top of {format_bytes(base)} of weights, gradients, optimizer state and the batch" if base else ""),
+            f"use --budget {floor + base} or more, or a smaller batch", smallest_bytes=floor + base)
+    return floor
+
+
+def _bounds(ctx: _Context, encoded: bool, info: dict[str, Any]) -> dict[str, float]:
+    """Every lower bound that holds for this solve, by name."""
+    bounds = {"ideal_s": ctx.chain.ideal_makespan_s}
+    if ctx.lp is not None and not encoded:
+        bounds["lp_s"] = ctx.lp_bound_s
+    elif ctx.lp is None:
+        info.setdefault("bound_note", f"fluid LP bound skipped above {LP_BOUND_MAX_STAGES} stages (its solve grows "
+                                      "past seconds); the gap is to the ideal makespan")
+    if info.get("solver_bound_s") is not None:
+        bounds["solver_s"] = info["solver_bound_s"]
+    return bounds
+
+
+def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Options | None = None) -> Result:
+    """Schedule ``chain`` under ``budget`` (an ``int``: activation bytes) with ``method``;
+    raises ``InfeasibleBudget`` when it cannot."""
+    if method not in METHODS:
+        raise SolverFailure(f"unknown method {method!r}", f"choose one of: {', '.join(METHODS)} (offload solve --list-methods)")
+    budget = budget if isinstance(budget, Budget) else Budget(int(budget))
+    options = options or Options()
+    t0 = time.perf_counter()
+    deadline = Deadline(options.time_limit_s)
+    floor = _refuse_below_floor(chain, budget, options.encodings)
+    act = budget.activations(chain)
+    encoded = bool(encoding.allowed(chain, options.encodings))
+    lp = fluid_lp(chain, act) if chain.L <= LP_BOUND_MAX_STAGES else None
+    # the fluid LP knows no encodings: with them it is no lower bound, the ideal still is
+    lp_bound = lp.makespan_s if lp is not None and not encoded else chain.ideal_makespan_s
+    ctx = _Context(chain, act, options, lp_bound, lp, deadline)
+    planned = METHODS[method].run(ctx)
+    if planned is None:
+        own = baselines.own_smallest_budget(chain, method)
+        base = budget.base(chain)
+        raise InfeasibleBudget(
+            f"method {method} cannot meet the budget {budget}" + (f": it needs at least {format_bytes(own + base)}"
+                                                                  if own is not None else ""),
+            f"the smallest budget any schedule meets is {format_bytes(floor + base)}: try --method ilp or relax-lp",
+            smallest_bytes=floor + base)
+    info = dict(planned.info)
+    sim = simulate(chain, planned.offloads, budget, encode=planned.encode)
+    bounds = _bounds(ctx, encoded, info)
+    bound, span = max(bounds.values()), sim.makespan_s
+    status = info.pop("status", "heuristic")
+    if span <= bound * (1 + 1e-9):
+        status = "optimal"  # meets a lower bound: proven whatever the method
+    gap = max(0.0, (span - bound) / span) if span > 0 else 0.0
+    seconds = time.perf_counter() - t0
+    solver_info = {"status": status, "gap": gap, "seconds": round(seconds, 3), "bound_s": bound, "bounds": bounds,
+                   "encodings": options.encodings, **info}
+    predicted = {"makespan_s": span, "peak_bytes": sim.peak_bytes + budget.base(chain), "stall_s": sim.stall_s,
+                 "ideal_makespan_s": chain.ideal_makespan_s, "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes,
+                 "encoded_units": len(planned.encode), "lossy": bool(encoding.lossy_stages(chain, planned.encode))}
+    schedule = make_schedule(chain, planned.offloads, budget=budget, method=method, solver=solver_info,
+                             encode=dict(planned.encode), predicted=predicted)
+    return Result(schedule, sim, status, bound, gap, seconds, solver_info)

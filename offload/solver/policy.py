@@ -1,0 +1,206 @@
+"""Timing rules that turn a set of offloaded units into a schedule.
+
+Which units to offload is the hard, NP-hard part; once the set ``S`` is chosen, these
+rules pick the release and prefetch points.  Heuristics and baselines share them:
+
+* ``release_asap``: at every forward boundary release each unit whose D2H copy is done
+  (free), and wait for more copies, in FIFO order, only when the next op would not fit.
+  Because memory and waits only ever shrink when copies end earlier, this is optimal for
+  the forward phase given ``S`` (an exchange argument: every feasible schedule must wait at
+  least as long at each boundary).
+* ``prefetch_earliest``: issue prefetches in order of need, each as early as memory allows
+  over its whole residency.  Given that issue order it is optimal: an earlier issue frees
+  the channel earlier and only takes memory that later-issued units could not use yet.
+* ``prefetch_latest``: the "no-overhead" rule of the swap papers: as late as the ideal
+  timeline allows with serialized copies, earlier never, later if memory forces it.
+* fixed rules of the literature: release at ``i+1`` (vDNN/Layrub per-layer sync), prefetch
+  one op ahead or on demand.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+
+from .chain import Chain
+from .memory import floor_savings, op_memory
+from .schedule import Offload
+
+Points = dict[int, int]
+
+
+def need_order(chain: Chain, units: Iterable[int]) -> list[int]:
+    """Units in the order the backward needs them (larger ``need_from`` first, ties larger stage)."""
+    return sorted(units, key=lambda i: (-int(chain.need[i]), -i))
+
+
+def floor_memory(chain: Chain, units: Iterable[int]) -> np.ndarray:
+    """Per-op memory when ``units`` are released at once and fetched on demand: the least
+    any schedule offloading exactly these units can hold."""
+    return op_memory(chain, [Offload(i, i + 1, int(chain.need[i])) for i in units])
+
+
+def cover_peaks(chain: Chain, budget: int, pick: Callable[[np.ndarray, int], int],
+                start: Iterable[int] = ()) -> set[int] | None:
+    """Grow a set (from ``start``) until it fits: at each step the op with the most excess
+    memory is covered by ``pick(candidates, excess)``, a unit absent from it (``candidates``:
+    an array of stage indices).  ``None`` if none can be.  Incremental: O(L) array work per
+    unit added."""
+    L = chain.L
+    units = np.array(chain.offloadable, dtype=np.int64)
+    first = units + 1  # a unit released at once is absent from op i+1 ...
+    stop = 2 * L - chain.need[units]  # ... to op 2L - need_i (excluded): ``memory.floor_savings``
+    chosen = set(start)
+    left = ~np.isin(units, list(chosen))
+    where = {int(u): n for n, u in enumerate(units)}
+    mem = floor_memory(chain, chosen)
+    while True:
+        o = int(mem.argmax())
+        excess = int(mem[o]) - budget
+        if excess <= 0:
+            return chosen
+        cands = units[left & (first <= o) & (o < stop)]
+        if not len(cands):
+            return None
+        i = int(pick(cands, excess))
+        chosen.add(i)
+        left[where[i]] = False
+        for lo, hi, saved in floor_savings(chain, i):
+            mem[lo:hi] -= saved
+
+
+def set_fits(chain: Chain, units: Iterable[int], budget: int) -> bool:
+    """Whether some schedule offloading exactly ``units`` meets the activation budget."""
+    return bool(floor_memory(chain, units).max() <= budget)
+
+
+# ----------------------------------------------------------------------- release rules
+def release_asap(chain: Chain, units: Iterable[int], budget: int) -> Points | None:
+    """Forward greedy (optimal for a fixed set); ``None`` if the set cannot fit."""
+    S = set(units)
+    L, p = chain.L, chain.platform
+    f, a, fp = chain.f, chain.a, chain.fp
+    release: Points = {}
+    pending: list[int] = []  # offloaded, not yet released, stage order == D2H FIFO order
+    held: dict[int, int] = {}  # boundary -> bytes the model's code stops holding there
+    head = 0
+
+    def free(i: int, boundary: int) -> int:
+        """Bytes a release of ``i`` at ``boundary`` frees now (the held part frees at held_until)."""
+        until = int(chain.held_until[i])
+        if until > boundary:
+            held[until] = held.get(until, 0) + int(chain.held[i])
+            return int(a[i]) - int(chain.held[i])
+        return int(a[i])
+    d2h_end: dict[int, float] = {}
+    d2h_free = 0.0
+    resident = 0  # bytes of units of earlier stages still on the GPU
+    t = 0.0
+    for j in range(1, L + 1):
+        if j >= 2:  # boundary j-1, before F_j: units i <= j-2 may be released
+            resident -= held.pop(j - 1, 0)
+            while head < len(pending) and pending[head] <= j - 2 and d2h_end[pending[head]] <= t:
+                release[pending[head]] = j - 1
+                resident -= free(pending[head], j - 1)
+                head += 1
+            while resident + fp[j] > budget:
+                if head == len(pending) or pending[head] > j - 2:
+                    return None
+                i = pending[head]
+                t = max(t, d2h_end[i])
+                release[i] = j - 1
+                resident -= free(i, j - 1)
+                head += 1
+        elif fp[1] > budget:
+            return None
+        t += f[j]
+        resident += int(a[j])
+        if j in S:
+            d2h_free = max(t, d2h_free) + p.d2h_s(float(a[j]))
+            d2h_end[j] = d2h_free
+            pending.append(j)
+    for i in pending[head:]:
+        release[i] = L
+    return release
+
+
+def release_next(chain: Chain, units: Iterable[int]) -> Points:
+    """vDNN/Layrub per-layer sync: the op after ``F(i+1)`` waits for the copy of ``Ui``."""
+    return {i: i + 1 for i in units}
+
+
+# ---------------------------------------------------------------------- prefetch rules
+def _backward_memory(chain: Chain, units: Iterable[int]) -> np.ndarray:
+    """Memory per backward op ``B_j`` (index j) with every unit in its must-reside window."""
+    L = chain.L
+    mem = floor_memory(chain, units)
+    return np.concatenate([[0], mem[L:][::-1]])  # mem[2L - j] is B_j
+
+
+def prefetch_earliest(chain: Chain, units: Iterable[int], budget: int) -> Points:
+    """In need order, each prefetch as early as memory allows (assumes the set fits)."""
+    L = chain.L
+    mem = _backward_memory(chain, units)
+    points: Points = {}
+    cap = L
+    for u in need_order(chain, units):
+        n, au = int(chain.need[u]), int(chain.a[u])
+        window = mem[n + 1: cap + 1] + au > budget
+        k = n + int(np.argmax(window)) if window.any() else cap
+        mem[n + 1: k + 1] += au
+        points[u] = cap = k
+    return points
+
+
+def prefetch_latest(chain: Chain, units: Iterable[int], budget: int) -> Points:
+    """"No-overhead" prefetch: as late as serialized copies on the ideal timeline allow,
+    later still where memory forces it ("stick to the limit")."""
+    L, p = chain.L, chain.platform
+    order = need_order(chain, units)
+    # ideal start time of B_j, measured from the start of B_L
+    t_b = np.zeros(L + 2)
+    for j in range(L - 1, 0, -1):
+        t_b[j] = t_b[j + 1] + chain.b[j + 1]
+    latest: dict[int, float] = {}
+    nxt = np.inf
+    for u in reversed(order):
+        dur = p.h2d_s(float(chain.a[u]))
+        latest[u] = min(t_b[int(chain.need[u])], nxt) - dur
+        nxt = latest[u]
+    mem = _backward_memory(chain, units)
+    points: Points = {}
+    cap = L
+    for u in order:
+        n, au = int(chain.need[u]), int(chain.a[u])
+        k = n
+        while k < cap and t_b[k] > latest[u]:
+            k += 1
+        while k > n and (mem[n + 1: k + 1] + au > budget).any():
+            k -= 1
+        mem[n + 1: k + 1] += au
+        points[u] = cap = k
+    return points
+
+
+def prefetch_lookahead(chain: Chain, units: Iterable[int]) -> Points:
+    """vDNN/Layrub: issue the copy one op before the unit is needed."""
+    return {i: min(chain.L, int(chain.need[i]) + 1) for i in units}
+
+
+def prefetch_on_demand(chain: Chain, units: Iterable[int]) -> Points:
+    """save_on_cpu: fetch when the backward asks for it (fully exposed)."""
+    return {i: int(chain.need[i]) for i in units}
+
+
+def combine(release: Points, prefetch: Points) -> list[Offload]:
+    return [Offload(i, release[i], prefetch[i]) for i in sorted(release)]
+
+
+def plan_greedy(chain: Chain, units: Iterable[int], budget: int) -> list[Offload] | None:
+    """The best timing our rules know for a fixed set: ``release_asap`` + ``prefetch_earliest``."""
+    units = sorted(units)
+    release = release_asap(chain, units, budget)
+    if release is None or not set_fits(chain, units, budget):
+        return None
+    return combine(release, prefetch_earliest(chain, units, budget))
+

@@ -1,0 +1,226 @@
+"""The two relaxation heuristics (the seed paper's approach: relax, solve, round back, repair).
+
+Both choose *which* units to offload (and, when allowed, which to store encoded) through a
+relaxation, then let ``policy.plan_greedy`` pick the release and prefetch points (optimal
+for the forward given the set, need-order optimal for the backward), and finish with the
+same search, every candidate scored by the simulator.  The result is always a
+simulator-checked schedule within budget (the all-offload floor schedule is the
+fallback), never a guess.
+
+``relax-lp``  relaxes integrality, copy granularity and order: the fluid LP of
+              ``bounds.fluid_lp`` (O(L) variables) gives a fractional offload share per
+              unit; rounding thresholds turn it into sets, repaired to fit memory.
+              Guarantee: the LP value is a lower bound, so the printed gap is certified.
+              Beyond ``max_lp_stages`` the LP of the coarsened chain guides the rounding
+              (``bounds.rounding_lp``).
+``relax-bw``  relaxes bandwidth (copies take no time): then every set that fits memory
+              with instant release and on-demand fetch reaches the ideal makespan, and
+              the relaxed problem is a covering problem over the op sequence (unit ``i``
+              covers the ops from ``F(i+2)`` to ``B(need_i + 1)``), solved greedily for the
+              least moved volume, earlier stages first on ties (more time to hide).
+
+The search (``iterated_search``): a state is a set of offloaded units and a choice of
+encodings.  First-improvement descent over drop / add / swap of a unit and toggling one
+unit's encoding; then, until the time budget is spent, a kick (drop one to three units,
+cover the peaks again with random, preferably small, units) and another descent.  The
+kick matters on link-bound chains: several small copies can hide where the least volume,
+a few large copies, cannot (DenseNet-121, link-bound, 85%: 1.34x the optimum before the
+kick, the optimum with it).  With encodings, the starts are the relaxation on the derived
+chains of three choices (none, Gist's smallest everywhere, the floor's).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from . import encoding
+from .bounds import FluidLP, rounding_lp
+from .chain import Chain
+from .memory import floor_offloads, floor_savings, smallest_feasible_budget
+from .policy import cover_peaks, floor_memory, plan_greedy
+from .schedule import Offload
+from .simulate import simulate
+
+State = tuple[frozenset[int], tuple[tuple[int, str], ...]]  # offloaded units, encodings (sorted)
+
+
+def _state(units: set[int] | frozenset[int], choice: dict[int, str]) -> State:
+    return frozenset(units), tuple(sorted(choice.items()))
+
+
+class _Scorer:
+    """Memoized makespan of the greedy plan for a state (``inf`` if it cannot fit)."""
+
+    def __init__(self, chain: Chain, budget: int) -> None:
+        self.chain, self.budget = chain, budget
+        self.cache: dict[State, tuple[float, list[Offload] | None]] = {}
+        self.derived: dict[tuple, Chain] = {}
+
+    def derive(self, choice: tuple[tuple[int, str], ...]) -> Chain:
+        """The chain with these encodings applied (``encoding.apply``), cached."""
+        if choice not in self.derived:
+            self.derived[choice] = encoding.apply(self.chain, dict(choice))
+        return self.derived[choice]
+
+    def __call__(self, state: State) -> float:
+        if state not in self.cache:
+            chain = self.derive(state[1])
+            plan = plan_greedy(chain, state[0], self.budget)
+            span = simulate(chain, plan).makespan_s if plan is not None else np.inf
+            self.cache[state] = (span, plan)
+        return self.cache[state][0]
+
+    def plan(self, state: State) -> list[Offload] | None:
+        self(state)
+        return self.cache[state][1]
+
+
+def _fill(chain: Chain, budget: int, units: set[int], order: list[int]) -> set[int]:
+    """Add units in ``order`` until the set fits memory (the floor schedule always does).
+
+    Incremental: adding unit ``i`` lowers the floor memory by its ``floor_savings``."""
+    units = set(units)
+    mem = floor_memory(chain, units)
+    for i in order:
+        if mem.max() <= budget:
+            break
+        if i not in units:
+            units.add(i)
+            for lo, hi, saved in floor_savings(chain, i):
+                mem[lo:hi] -= saved
+    return units
+
+
+def _moves(chain: Chain, state: State, opts: dict[int, tuple]) -> list[State]:
+    """Neighbours of a state: drop, add or swap one unit (swaps between nearby stages on
+    long chains, so that a pass fits the time budget), or change one unit's encoding."""
+    units, choice = set(state[0]), dict(state[1])
+    U = chain.offloadable
+    radius = len(U) if len(U) <= 80 else 8
+    inside = sorted(units)
+    outside = [i for i in U if i not in units]
+    out = [_state(units - {u}, choice) for u in inside]
+    out += [_state(units | {v}, choice) for v in outside]
+    out += [_state((units - {u}) | {v}, choice) for u in inside for v in outside if abs(u - v) <= radius]
+    for i, es in opts.items():
+        for name in [None] + [e.name for e in es]:
+            if name != choice.get(i):
+                other = {k: v for k, v in choice.items() if k != i} | ({i: name} if name else {})
+                out.append(_state(units, other))
+    return out
+
+
+def local_search(chain: Chain, score: _Scorer, start: State, deadline: float, opts: dict[int, tuple]) -> State:
+    """First-improvement descent over ``_moves`` until a whole round of moves finds nothing
+    better or time is up.  After an improvement the scan goes on from where it stopped (a
+    restart from the first move would try the same early moves again and again)."""
+    ideal = chain.ideal_makespan_s
+    best, best_s = start, score(start)
+    moves, at, tried = _moves(chain, best, opts), 0, 0
+    while tried < len(moves) and best_s > ideal * (1 + 1e-12) and time.perf_counter() < deadline:
+        cand = moves[at % len(moves)]
+        at, tried = at + 1, tried + 1
+        s = score(cand)
+        if s < best_s * (1 - 1e-12):
+            best, best_s = cand, s
+            moves, tried = _moves(chain, best, opts), 0
+            at %= max(1, len(moves))
+    return best
+
+
+def _recover(score: _Scorer, units: set[int], choice: tuple, rng: np.random.Generator) -> set[int]:
+    """Cover the peaks again after units were dropped: each pick a random unit absent from the
+    worst op, smaller units more likely (several small copies hide where one large one cannot)."""
+    chain = score.derive(choice)
+
+    def pick(cands: np.ndarray, excess: int) -> int:
+        weight = 1.0 / chain.a[cands].astype(float)
+        return int(rng.choice(cands, p=weight / weight.sum()))
+    chosen = cover_peaks(chain, score.budget, pick, start=units)
+    return chosen if chosen is not None else set(chain.offloadable)
+
+
+def iterated_search(chain: Chain, score: _Scorer, start: State, deadline: float, opts: dict[int, tuple]) -> State:
+    """``local_search``, then until time is up: drop one to three units of the current state
+    (each losing its encoding half the time; a quarter of the kicks drop every encoding),
+    cover the peaks again at random (``_recover``), descend again; move to the result when
+    it is no worse, keep the best.  Seeded, so a run is reproducible unless time cuts it short."""
+    ideal = chain.ideal_makespan_s
+    rng = np.random.default_rng(0)
+    best = current = local_search(chain, score, start, deadline, opts)
+    while time.perf_counter() < deadline and score(best) > ideal * (1 + 1e-12) and current[0]:
+        units = sorted(current[0])
+        dropped = set(rng.choice(units, size=int(rng.integers(1, min(3, len(units)) + 1)), replace=False).tolist())
+        choice = {} if rng.random() < 0.25 else {i: e for i, e in current[1] if i not in dropped or rng.random() < 0.5}
+        kept = _state(set(), choice)[1]
+        kicked = _state(_recover(score, set(units) - dropped, kept, rng), choice)
+        cand = local_search(chain, score, kicked, deadline, opts)
+        if score(cand) <= score(current):
+            current = cand
+        if score(cand) < score(best):
+            best = cand
+    return best
+
+
+def _search(chain: Chain, budget: int, mode: str, time_budget_s: float,
+            start_sets: Callable[[Chain], list[set[int]]]) -> tuple[list[Offload], dict[int, str]]:
+    """Starts from ``start_sets(derived)`` for a few encoding choices, then ``iterated_search``."""
+    deadline = time.perf_counter() + time_budget_s
+    score = _Scorer(chain, budget)
+    opts = encoding.allowed(chain, mode)
+    choices = [{}] + ([encoding.smallest(chain, mode), encoding.floor(chain, mode)[1]] if opts else [])
+    starts = []
+    for choice in {tuple(sorted(c.items())): c for c in choices}.values():
+        derived = score.derive(tuple(sorted(choice.items())))
+        if smallest_feasible_budget(derived) <= budget:
+            starts += [_state(units, choice) for units in start_sets(derived)]
+    best = iterated_search(chain, score, min(starts, key=score), deadline, opts)
+    plan = score.plan(best)
+    if plan is None:  # unreachable: every start fits, so the floor schedule of its chain does
+        derived = score.derive(best[1])
+        return floor_offloads(derived), dict(best[1])
+    return plan, dict(best[1])
+
+
+def _lp_sets(derived: Chain, budget: int, lp: FluidLP | None) -> list[set[int]]:
+    """The fluid LP's fractional offload rounded at several thresholds, each repaired to fit."""
+    U = derived.offloadable
+    if lp is None:
+        return [set(U)]
+    by_share = sorted(U, key=lambda i: (-lp.fraction[i], i))
+    return [_fill(derived, budget, {i for i in U if lp.fraction[i] >= theta}, by_share)
+            for theta in (0.999, 0.9, 0.75, 0.5, 0.25, 0.1, 0.01)]
+
+
+def relax_lp(chain: Chain, budget: int, lp: FluidLP | None = None, time_budget_s: float = 1.0,
+             mode: str = "none", max_lp_stages: int = 2000) -> tuple[list[Offload], dict[int, str]]:
+    """Round the fluid LP's fractional offload and search from there (module docstring);
+    ``lp`` is the plain chain's LP when the caller has it."""
+    def sets(derived: Chain) -> list[set[int]]:
+        own = lp if derived is chain and lp is not None else rounding_lp(derived, budget, max_lp_stages)
+        return _lp_sets(derived, budget, own)
+    return _search(chain, budget, mode, time_budget_s, sets)
+
+
+def cover_without_bandwidth(chain: Chain, budget: int) -> set[int]:
+    """Least-volume set that fits memory when copies are instant (greedy interval cover):
+    the smallest unit that covers the peak's excess alone, else the largest."""
+    def pick(cands: np.ndarray, excess: int) -> int:
+        sizes = chain.a[cands]
+        enough = sizes >= excess
+        if enough.any():  # smallest such, ties: earlier stage
+            return int(cands[enough][np.lexsort((cands[enough], sizes[enough]))[0]])
+        return int(cands[np.lexsort((-cands, sizes))[-1]])  # largest, ties: earlier stage
+    chosen = cover_peaks(chain, budget, pick)
+    return chosen if chosen is not None else set(chain.offloadable)
+
+
+def relax_bw(chain: Chain, budget: int, time_budget_s: float = 1.0,
+             mode: str = "none") -> tuple[list[Offload], dict[int, str]]:
+    """Solve the infinite-bandwidth relaxation, then search from there (module docstring)."""
+    def sets(derived: Chain) -> list[set[int]]:
+        # second start: the same volume taken from the earliest stages (most time to hide copies)
+        return [cover_without_bandwidth(derived, budget), _fill(derived, budget, set(), sorted(derived.offloadable))]
+    return _search(chain, budget, mode, time_budget_s, sets)

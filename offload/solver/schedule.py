@@ -1,0 +1,81 @@
+"""Schedules (docs/model.md): which units are offloaded, when released, when prefetched.
+
+A schedule is, per offloaded unit ``Ui``, a release point ``r`` (``i < r <= L``: at the end
+of ``Fr`` the next op waits for the D2H copy, then ``Ui`` is freed) and a prefetch point
+``k`` (``need_from <= k <= L``: the H2D copy is issued at the start of ``Bk``); ``encode``
+names, per encoded unit (kept or offloaded), the stage's encoding it uses.  A schedule
+names its chain by hash.  The file format is ``schedulefile``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from ..errors import ScheduleRejected
+from .chain import Chain
+
+if TYPE_CHECKING:  # budget -> memory -> schedule: the type only
+    from .budget import Budget
+
+Choice = Mapping[int, str]  # stage -> name of the encoding its unit uses
+
+
+@dataclass(frozen=True, order=True)
+class Offload:
+    """One offloaded unit: its stage, release point and prefetch point (1-based)."""
+
+    stage: int
+    release: int
+    prefetch: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule bound to one chain (by name and sha256)."""
+
+    chain_name: str
+    chain_sha256: str
+    offloads: tuple[Offload, ...]
+    budget: Budget | None = None
+    method: str = ""
+    solver: Mapping[str, Any] = field(default_factory=dict)
+    predicted: Mapping[str, Any] = field(default_factory=dict)
+    encode: Mapping[int, str] = field(default_factory=dict)  # stage -> encoding name
+
+
+def make_schedule(chain: Chain, offloads: Iterable[Offload], **meta: Any) -> Schedule:
+    """A schedule for ``chain`` (sorted by stage), with optional metadata fields."""
+    return Schedule(chain.name, chain.sha256, tuple(sorted(offloads)), **meta)
+
+
+def check_offloads(chain: Chain, offloads: Iterable[Offload]) -> None:
+    """Refuse actions outside the schedule class, naming the unit and the rule it breaks."""
+    seen: set[int] = set()
+    L = chain.L
+    for o in offloads:
+        i = o.stage
+        if not 1 <= i <= L:
+            raise ScheduleRejected(f"offload of stage {i}: the chain has stages 1..{L}")
+        if i in seen:
+            raise ScheduleRejected(f"stage {i} is offloaded twice")
+        seen.add(i)
+        if i == L:
+            raise ScheduleRejected(f"stage {L} cannot be offloaded: its backward runs right after its forward "
+                                   "(a release point r > i must exist)")
+        if not i < o.release <= L:
+            raise ScheduleRejected(f"stage {i}: release point {o.release} not in [{i + 1}, {L}]")
+        need = chain.stage(i).need_from
+        if not need <= o.prefetch <= L:
+            raise ScheduleRejected(f"stage {i}: prefetch point {o.prefetch} not in [{need}, {L}] (need_from={need})")
+
+
+def check_choice(chain: Chain, choice: Choice) -> None:
+    """Refuse a choice naming a stage or an encoding the chain does not have."""
+    for i, name in choice.items():
+        if isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= chain.L:
+            raise ScheduleRejected(f"encoding of stage {i!r}: the chain has stages 1..{chain.L}")
+        try:
+            chain.stage(i).encoding(name)
+        except KeyError:
+            offered = ", ".join(e.name for e in chain.stage(i).encodings) or "none"
+            raise ScheduleRejected(f"stage {i} has no encoding {name!r} (it offers: {offered})") from None

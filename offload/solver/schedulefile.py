@@ -1,0 +1,118 @@
+"""The schedule file format, ``offload-schedule/1`` (docs/formats.md).
+
+``"turn"`` in a file means ``L``: the boundary between the last forward and the first
+backward op.  A schedule whose chain hash differs from the chain it is used with is
+refused (``ChainMismatch``); every action is checked against the schedule class.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping
+
+from ..errors import ChainMismatch, FormatError
+from . import validate as v
+from .budget import SCOPES, Budget
+from .chain import Chain
+from .fileio import read_json, write_json
+from .schedule import Offload, Schedule, check_choice, check_offloads
+
+SCHEDULE_FORMAT = "offload-schedule/1"
+_KEYS = {"format", "chain", "budget_bytes", "budget_scope", "method", "solver", "predicted", "offload", "encode"}
+
+
+def _point(value: Any, L: int, ctx: str) -> int:
+    if value == "turn":
+        return L
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FormatError(f"{ctx} must be a stage number or \"turn\", got {value!r}")
+    return value
+
+
+def _check_chain(d: Mapping, chain: Chain) -> Mapping:
+    ref = d.get("chain")
+    if not isinstance(ref, Mapping) or not isinstance(ref.get("sha256"), str):
+        raise FormatError("'chain' must be an object with 'name' and 'sha256'")
+    if ref["sha256"] != chain.sha256:
+        same = ref.get("name") == chain.name
+        raise ChainMismatch(
+            (f"this schedule was made for another version of chain {chain.name!r}" if same else
+             f"this schedule was made for chain {ref.get('name')!r}, not for chain {chain.name!r}")
+            + f" (sha256 {ref['sha256'][:12]}… against {chain.sha256[:12]}…)",
+            "solve again for this chain: offload solve CHAIN --budget B -o schedule.json")
+    return ref
+
+
+def _encode(raw: Any) -> dict[int, str]:
+    encode: dict[int, str] = {}
+    for ctx, e in v.objects(raw, "encode", {"stage", "encoding"}):
+        stage = v.whole(e, "stage", ctx, 1, 2 ** 31)
+        if stage in encode:
+            raise FormatError(f"{ctx}: stage {stage} is encoded twice")
+        encode[stage] = v.string(e, "encoding", ctx)
+    return encode
+
+
+def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
+    """Validate a parsed ``schedule.json`` against ``chain`` (hash first, then actions)."""
+    if not isinstance(d, Mapping):
+        raise FormatError(f"a schedule must be a JSON object, got {type(d).__name__}")
+    if d.get("format") != SCHEDULE_FORMAT:
+        raise FormatError(f"not a schedule file: 'format' is {d.get('format')!r}, expected {SCHEDULE_FORMAT!r}",
+                          "produce schedules with `offload solve`")
+    v.no_unknown(d, _KEYS, "the schedule")
+    ref = _check_chain(d, chain)
+    encode = _encode(d.get("encode", []))
+    check_choice(chain, encode)
+    offloads = []
+    for ctx, o in v.objects(d.get("offload"), "offload", {"stage", "release", "prefetch"}):
+        if set(o) != {"stage", "release", "prefetch"}:
+            raise FormatError(f"{ctx} must have exactly 'stage', 'release', 'prefetch'")
+        offloads.append(Offload(v.whole(o, "stage", ctx, 1, 2 ** 31), _point(o["release"], chain.L, f"{ctx}.release"),
+                                _point(o["prefetch"], chain.L, f"{ctx}.prefetch")))
+    check_offloads(chain, offloads)
+    budget = None
+    if d.get("budget_bytes") is not None:
+        scope = d.get("budget_scope", "activations")
+        if scope not in SCOPES:
+            raise FormatError(f"'budget_scope' must be one of {SCOPES}, got {scope!r}")
+        budget = Budget(v.nbytes(d, "budget_bytes", ""), scope)
+    for key in ("solver", "predicted"):
+        v.obj(d.get(key, {}), key)
+    method = d.get("method", "")
+    if not isinstance(method, str):
+        raise FormatError(f"'method' must be a string, got {method!r}")
+    return Schedule(chain_name=str(ref.get("name", "")), chain_sha256=ref["sha256"], offloads=tuple(sorted(offloads)),
+                    budget=budget, method=method, solver=dict(d.get("solver", {})),
+                    predicted=dict(d.get("predicted", {})), encode=encode)
+
+
+def schedule_to_dict(s: Schedule, chain: Chain) -> dict:
+    """The ``schedule.json`` document; points equal to ``L`` are written as ``"turn"``."""
+    L = chain.L
+    return {
+        "format": SCHEDULE_FORMAT,
+        "chain": {"name": s.chain_name, "sha256": s.chain_sha256},
+        "budget_bytes": s.budget.nbytes if s.budget else None,
+        "budget_scope": s.budget.scope if s.budget else "activations",
+        "method": s.method,
+        "solver": dict(s.solver),
+        "predicted": dict(s.predicted),
+        "offload": [{"stage": o.stage, "release": "turn" if o.release == L else o.release,
+                     "prefetch": "turn" if o.prefetch == L else o.prefetch} for o in s.offloads],
+        "encode": [{"stage": i, "encoding": name} for i, name in sorted(s.encode.items())],
+    }
+
+
+def load_schedule(path: str | os.PathLike, chain: Chain) -> Schedule:
+    """Read a ``schedule.json`` and bind it to ``chain`` (refused if made for another)."""
+    try:
+        return schedule_from_dict(read_json(path, "schedule"), chain)
+    except FormatError as exc:
+        if str(path) in str(exc):
+            raise
+        raise FormatError(f"{path}: {exc}", exc.hint) from None
+
+
+def save_schedule(s: Schedule, chain: Chain, path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Write the schedule (the output rule of ``fileio``; ``inputs``: files it must not replace)."""
+    write_json(path, schedule_to_dict(s, chain), inputs)

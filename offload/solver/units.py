@@ -1,0 +1,90 @@
+"""Human units for bytes and time, both ways: ``6GiB`` / ``800MB`` / ``60%`` in, ``1.5 GiB`` out."""
+from __future__ import annotations
+
+import math
+import re
+
+from ..errors import FormatError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+MAX_BUDGET_BYTES = 2 ** 53
+
+
+def parse_budget(text: str, reference_bytes: int) -> int:
+    """Bytes from ``123456``, ``6GiB``, ``800MB`` or ``60%`` (a share of ``reference_bytes``).
+
+    A plain number is a whole number of bytes (``0.3`` is refused: a share is written
+    ``30%``), and every budget is at most 2**53 bytes."""
+    t = text.strip().replace("_", "")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(%|[a-zA-Z]*)", t)
+    hint = "write bytes (4000000000), a size (6GiB, 800MB) or a share of the no-offload peak (60%)"
+    if not m:
+        raise FormatError(f"cannot read budget {text!r}", hint)
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(value):
+        raise FormatError(f"budget {text!r} is more than {MAX_BUDGET_BYTES} bytes (8 PiB)", hint)
+    if unit == "%":
+        nbytes = value / 100 * reference_bytes
+    elif unit in _UNITS:
+        if unit in ("", "b") and value != int(value):
+            raise FormatError(f"budget {text!r} is a fraction of a byte", f"for a share of the peak write {value * 100:g}%")
+        nbytes = value * _UNITS[unit]
+    else:
+        raise FormatError(f"unknown unit {m.group(2)!r} in budget {text!r}", "use one of B, KB, MB, GB, KiB, MiB, GiB or %")
+    if not nbytes <= MAX_BUDGET_BYTES:  # also catches inf from 1e400
+        raise FormatError(f"budget {text!r} is more than {MAX_BUDGET_BYTES} bytes (8 PiB)", hint)
+    return int(nbytes)
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 GiB``-style, binary units (what GPU memory is sold in)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second from ``25GB/s``, ``12.5 GiB/s`` or ``2.5e10``."""
+    t = text.strip()
+    body = t[:-2] if t.lower().endswith("/s") else t
+    if body.strip().endswith("%"):
+        raise FormatError(f"cannot read bandwidth {text!r}", "write it as 25GB/s, 12GiB/s or bytes per second")
+    try:
+        rate = float(parse_budget(body, 0))
+    except FormatError:
+        raise FormatError(f"cannot read bandwidth {text!r}", "write it as 25GB/s, 12GiB/s or bytes per second") from None
+    if rate <= 0:
+        raise FormatError(f"bandwidth must be positive, got {text!r}")
+    return rate
+
+
+_SECONDS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_seconds(text: str) -> float:
+    """Seconds from ``0.00001``, ``10us``, ``1.5ms``."""
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zµ]*)", text.strip().lower())
+    if not m or m.group(2) not in _SECONDS:
+        raise FormatError(f"cannot read duration {text!r}", "write seconds (0.00001) or with a unit (10us, 1.5ms)")
+    return float(m.group(1)) * _SECONDS[m.group(2)]
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: object) -> str:
+    """``text`` with control characters (terminal escape sequences among them) written as
+    ``\\xNN``: what a file says is shown, never interpreted by the terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))

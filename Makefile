@@ -43,6 +43,10 @@ demo: $(STAMP)
 reproduce: $(STAMP)
 	$(PY) -m experiments.reproduce
 
+# Hugging Face models end to end: profile, solve at half the peak, train bit-exact (experiments/results/realmodels/).
+realmodels: $(STAMP)
+	$(PY) -m experiments.realmodels
+
 # Encoding + offloading vs offloading alone on the zoo CNNs (experiments/results/encodings/).
 encodings: $(STAMP)
 	$(PY) -m experiments.encodings

@@ -96,7 +96,11 @@ class CpuLazyBackend(CpuEagerBackend):
         return Copy("h2d", dst.numel(), run=lambda: dst.copy_(slot), after=after)
 
     def released(self, src: torch.Tensor) -> None:
-        src.fill_(POISON)  # what an allocator reusing the block would leave there
+        """What an allocator reusing the block would leave there, if the block is freed: not when
+        the model's own code still holds the storage (then nothing is freed, on a GPU either)."""
+        storage = src.untyped_storage()
+        if torch._C._storage_Use_Count(storage._cdata) <= 2:  # ``src`` and ``storage`` here
+            src.fill_(POISON)
 
 
 class CudaBackend:

@@ -32,35 +32,50 @@ def _tokens(batch: int, seq: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq))
 
 
-def gpt2(batch: int, layers: int = 4, width: int = 256, heads: int = 4, seq: int = 128, vocab: int = 1000) -> ModelSpec:
-    """GPT-2 (transformers GPT2LMHeadModel). Options: layers=4, width=256, heads=4, seq=128, vocab=1000."""
+def _frozen(model: torch.nn.Module, blocks: torch.nn.ModuleList, count: int, embeddings: torch.nn.Module) -> torch.nn.Module:
+    """Freeze the embeddings and the first ``count`` blocks (fine-tuning the top of a model)."""
+    if count:
+        for part in [embeddings, *blocks[:count]]:
+            part.requires_grad_(False)
+    return model
+
+
+def gpt2(batch: int, layers: int = 4, width: int = 256, heads: int = 4, seq: int = 128, vocab: int = 1000,
+         frozen: int = 0) -> ModelSpec:
+    """GPT-2 (transformers GPT2LMHeadModel). Options: layers=4, width=256, heads=4, seq=128, vocab=1000, frozen=0
+    (embeddings and that many first blocks frozen)."""
     tf = _transformers()
     config = tf.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=seq, vocab_size=vocab,
-                           use_cache=False, bos_token_id=0, eos_token_id=0)
+                           use_cache=False, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
     ids = _tokens(batch, seq, vocab)
-    return ModelSpec(tf.GPT2LMHeadModel(config), (), {"input_ids": ids, "labels": ids.clone()}, output_loss,
+    model = tf.GPT2LMHeadModel(config)
+    _frozen(model, model.transformer.h, frozen, model.transformer.wte)
+    model.transformer.wpe.requires_grad_(not frozen)
+    return ModelSpec(model, (), {"input_ids": ids, "labels": ids.clone()}, output_loss,
                      f"transformers GPT-2, {layers} layers, width {width}, sequence {seq}")
 
 
 def llama(batch: int, layers: int = 4, width: int = 256, heads: int = 8, kv_heads: int = 2, seq: int = 128,
-          vocab: int = 1000) -> ModelSpec:
+          vocab: int = 1000, frozen: int = 0) -> ModelSpec:
     """Llama-style decoder (transformers LlamaForCausalLM: RoPE, GQA). Options: layers=4, width=256, heads=8,
-    kv_heads=2, seq=128, vocab=1000."""
+    kv_heads=2, seq=128, vocab=1000, frozen=0."""
     tf = _transformers()
     config = tf.LlamaConfig(hidden_size=width, intermediate_size=int(width * 8 / 3) // 8 * 8, num_hidden_layers=layers,
                             num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                             max_position_embeddings=seq, use_cache=False, attention_dropout=0.1,
                             bos_token_id=0, eos_token_id=0, pad_token_id=0)
     ids = _tokens(batch, seq, vocab)
-    return ModelSpec(tf.LlamaForCausalLM(config), (), {"input_ids": ids, "labels": ids.clone()}, output_loss,
+    model = tf.LlamaForCausalLM(config)
+    _frozen(model, model.model.layers, frozen, model.model.embed_tokens)
+    return ModelSpec(model, (), {"input_ids": ids, "labels": ids.clone()}, output_loss,
                      f"transformers Llama-style decoder, {layers} layers, width {width}, {heads}/{kv_heads} heads, "
                      f"sequence {seq}")
 
 
 def bert(batch: int, layers: int = 4, width: int = 256, heads: int = 4, seq: int = 128, vocab: int = 1000,
-         classes: int = 2) -> ModelSpec:
+         classes: int = 2, frozen: int = 0) -> ModelSpec:
     """BERT classifier (transformers BertForSequenceClassification, padded batch). Options: layers=4, width=256,
-    heads=4, seq=128, vocab=1000, classes=2."""
+    heads=4, seq=128, vocab=1000, classes=2, frozen=0."""
     tf = _transformers()
     config = tf.BertConfig(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
                            intermediate_size=4 * width, vocab_size=vocab, max_position_embeddings=seq,
@@ -69,19 +84,23 @@ def bert(batch: int, layers: int = 4, width: int = 256, heads: int = 4, seq: int
     mask = torch.ones(batch, seq, dtype=torch.long)
     mask[:, seq - seq // 4:] = 0  # the last quarter is padding
     kwargs = {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, classes, (batch,))}
-    return ModelSpec(tf.BertForSequenceClassification(config), (), kwargs, output_loss,
+    model = tf.BertForSequenceClassification(config)
+    _frozen(model, model.bert.encoder.layer, frozen, model.bert.embeddings)
+    return ModelSpec(model, (), kwargs, output_loss,
                      f"transformers BERT classifier, {layers} layers, width {width}, sequence {seq}")
 
 
 def vit(batch: int, layers: int = 4, width: int = 192, heads: int = 3, image: int = 64, patch: int = 8,
-        classes: int = 10) -> ModelSpec:
+        classes: int = 10, frozen: int = 0) -> ModelSpec:
     """Vision transformer (transformers ViTForImageClassification). Options: layers=4, width=192, heads=3,
-    image=64, patch=8, classes=10."""
+    image=64, patch=8, classes=10, frozen=0."""
     tf = _transformers()
     config = tf.ViTConfig(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
                           intermediate_size=4 * width, image_size=image, patch_size=patch, num_labels=classes)
     kwargs = {"pixel_values": torch.randn(batch, 3, image, image), "labels": torch.randint(0, classes, (batch,))}
-    return ModelSpec(tf.ViTForImageClassification(config), (), kwargs, output_loss,
+    model = tf.ViTForImageClassification(config)
+    _frozen(model, model.vit.layers, frozen, model.vit.embeddings)
+    return ModelSpec(model, (), kwargs, output_loss,
                      f"transformers ViT, {layers} layers, width {width}, {image}x{image} images")
 
 

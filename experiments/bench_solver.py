@@ -1,7 +1,7 @@
-"""Solver benchmark (issue #2): ILP scaling, heuristic quality, and speed at 1000 stages.
+"""Solver benchmark: ILP scaling, heuristic quality, speed, and wall time at scale.
 
-Run with ``make bench`` or ``python -m experiments.bench_solver [--quick]``.  Prints
-every figure and writes the raw rows to ``experiments/results/bench_solver*.csv``.
+Run with ``make bench`` or ``python -m experiments.bench_solver [--quick] [--part P]``.
+Prints every figure and writes the raw rows to ``experiments/results/bench_solver*.csv``.
 Chains are ``experiments.synthetic`` chains (seeded; realistic proportions, not
 measured), so each row can be reproduced from its (stages, seed, budget share).
 
@@ -9,11 +9,18 @@ measured), so each row can be reproduced from its (stages, seed, budget share).
    budget one quarter of the way from the smallest feasible budget to the no-offload peak.
 2. Heuristic / ILP makespan ratio over many (chain, budget) pairs, for every method.
 3. relax-lp, relax-bw and simulator time on a 1000-stage chain.
+4. ``--time-limit`` held at scale: for 50..10000 stages and limits of 20 and 60 s, each solve
+   in a fresh process: its wall time, peak RSS, status and gap, and relax-lp / relax-bw
+   against the ILP.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -112,11 +119,51 @@ def large_chain_speed(L: int = 1000, repeats: int = 20) -> list[dict]:
     return rows
 
 
+def one_scale_cell(L: int, limit: float) -> dict:
+    """One cell of part 4, in this process (its peak RSS is this solve's)."""
+    chain = synthetic_chain(L, seed=7)
+    budget = budget_at(chain, 0.25)
+    t0 = time.perf_counter()
+    ilp = solve(chain, budget, "ilp", Options(time_limit_s=limit))
+    wall = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    row = {"stages": L, "time_limit_s": limit, "wall_s": round(wall, 2), "peak_rss_bytes": rss,
+           "ilp_status": ilp.status, "ilp_gap": ilp.gap, "ilp_makespan_s": ilp.simulation.makespan_s,
+           "windows": ilp.info.get("windows"), "bound_note": ilp.info.get("bound_note", "")}
+    for name in ("relax-lp", "relax-bw"):
+        t0 = time.perf_counter()
+        r = solve(chain, budget, name, Options(time_limit_s=limit))
+        row[f"{name}_s"] = round(time.perf_counter() - t0, 2)
+        row[f"{name}_vs_ilp"] = r.simulation.makespan_s / ilp.simulation.makespan_s
+    return row
+
+
+def scale(sizes, limits) -> list[dict]:
+    print("\n== 4. the time limit held at scale (each solve in a fresh process) ==")
+    print(f"{'stages':>6} {'limit':>6} {'wall s':>7} {'RSS MiB':>8} {'status':>10} {'gap':>8} {'windows':>8} "
+          f"{'lp/ilp':>7} {'bw/ilp':>7} {'lp s':>6} {'bw s':>6}")
+    rows = []
+    for L in sizes:
+        for limit in limits:
+            run = subprocess.run([sys.executable, "-m", "experiments.bench_solver", "--one", str(L), str(limit)],
+                                 capture_output=True, text=True, check=True)
+            r = json.loads(run.stdout.strip().splitlines()[-1])
+            rows.append(r)
+            print(f"{L:>6} {limit:>6g} {r['wall_s']:>7.1f} {r['peak_rss_bytes'] / 2**20:>8.0f} {r['ilp_status']:>10} "
+                  f"{100 * r['ilp_gap']:>7.3f}% {r['windows'] or '-':>8} {r['relax-lp_vs_ilp']:>7.4f} "
+                  f"{r['relax-bw_vs_ilp']:>7.4f} {r['relax-lp_s']:>6.1f} {r['relax-bw_s']:>6.1f}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke run, about a minute)")
-    ap.add_argument("--part", choices=("all", "ilp", "ratios", "speed"), default="all", help="run one part only")
+    ap.add_argument("--part", choices=("all", "ilp", "ratios", "speed", "scale"), default="all", help="run one part only")
+    ap.add_argument("--one", nargs=2, type=float, metavar=("STAGES", "LIMIT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one_scale_cell(int(args.one[0]), args.one[1])))
+        return
     if args.quick:
         sizes, pairs, ilp_limit = (10, 25), [(L, s, sh) for L in (8, 12) for s in (1, 2) for sh in (0.1, 0.4)], 10.0
         large = 300
@@ -129,6 +176,7 @@ def main() -> None:
         "ilp_scaling": lambda: ilp_scaling(sizes, lambda L: 30.0 if L <= 50 else 60.0),
         "ratios": lambda: heuristic_ratios(pairs, ilp_limit),
         "speed": lambda: large_chain_speed(large),
+        "scale": lambda: scale((50, 300) if args.quick else (50, 100, 300, 1000, 10000), (5,) if args.quick else (20, 60)),
     }
     for name, run in parts.items():
         if args.part in ("all", name.split("_")[0]):

@@ -5,8 +5,9 @@ On a GPU (the reference set, realistic sizes)::
     python -m experiments.profile_zoo --device cuda
 
 writes ``experiments/chains/<model>-b<batch>[-<image>px]-<device>.json`` for ResNet-50/101/152 and
-DenseNet-121 at 224x224 (batch 64) and the GPT decoder (GPT-2 small, sequence 1024,
-batch 8), each chain recording the device and command that made it.  ``--set small``
+DenseNet-121 at 224x224 (batch 64), the GPT decoder and transformers' GPT-2 (GPT-2 small,
+sequence 1024, batch 8), Llama and BERT (batch 8, sequence 1024 and 512) and ViT-B/16 (batch
+32), each chain recording the device and command that made it.  ``--set small``
 profiles reduced sizes that a CPU finishes in minutes (clearly named ``-cpu``); ``tiny`` is
 for tests.
 """
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from offload.profiler.profile import ProfileOptions, pick_device, profile
+from offload.core.devices import pick_device
+from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.chainfile import save_chain
 
 CHAINS = Path(__file__).parent / "chains"
@@ -32,6 +34,10 @@ SETS = {
         ("resnet152", 64, {"image": 224}),
         ("densenet121", 64, {"image": 224}),
         ("gpt", 8, {"layers": 12, "width": 768, "heads": 12, "seq": 1024}),
+        ("gpt2", 8, {"layers": 12, "width": 768, "heads": 12, "seq": 1024, "vocab": 50257}),
+        ("llama", 8, {"layers": 16, "width": 2048, "heads": 32, "kv_heads": 8, "seq": 1024, "vocab": 32000}),
+        ("bert", 8, {"layers": 12, "width": 768, "heads": 12, "seq": 512, "vocab": 30522}),
+        ("vit", 32, {"layers": 12, "width": 768, "heads": 12, "image": 224, "patch": 16, "classes": 1000}),
     ],
     "small": [
         ("resnet50", 8, {"image": 128}),
@@ -40,6 +46,10 @@ SETS = {
         ("inception", 8, {"image": 128}),
         ("vgg16", 4, {"image": 128}),
         ("gpt", 2, {"layers": 6, "width": 384, "heads": 6, "seq": 256, "vocab": 8192}),
+        ("gpt2", 4, {"layers": 8, "width": 128, "heads": 4, "seq": 256, "vocab": 512}),
+        ("llama", 4, {"layers": 8, "width": 128, "heads": 4, "kv_heads": 2, "seq": 256, "vocab": 512}),
+        ("bert", 4, {"layers": 6, "width": 128, "heads": 4, "seq": 256, "vocab": 512}),
+        ("vit", 4, {"layers": 8, "width": 96, "heads": 3, "image": 64, "patch": 4}),
     ],
     "tiny": [  # seconds on a CPU: the tests of the experiment scripts
         ("resnet18", 2, {"image": 32}),

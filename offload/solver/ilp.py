@@ -188,8 +188,10 @@ class Model:
 
     def _release_windows(self) -> None:
         """``R_i``: the first boundary by which ``Ui``'s copy has surely ended (later releases are
-        dominated), and the big-M of each earlier release wait, from a bound on the D2H backlog."""
+        dominated), and, for free units, the big-M of each earlier release wait, from a bound on
+        the D2H backlog."""
         L, f = self.chain.L, self.f
+        ends = np.cumsum(np.asarray(f, dtype=float)[1:])  # ends[j - 1]: forward compute through F_j
         self.R: dict[int, int] = {}
         self.M_rel: dict[tuple[int, int], float] = {}
         backlog = 0.0
@@ -197,13 +199,12 @@ class Model:
             backlog = max(0.0, backlog - f[i]) + self._max_d2h(i)
             if not self._moves(i):
                 continue
-            self.R[i], elapsed = L, 0.0
-            for j in range(i + 1, L + 1):
-                elapsed += f[j]
-                if backlog - elapsed <= 0.0:
-                    self.R[i] = j
-                    break
-                self.M_rel[i, j] = backlog - elapsed
+            # first j > i with ends[j-1] - ends[i-1] >= backlog
+            j = int(np.searchsorted(ends, ends[i - 1] + backlog, side="left")) + 1
+            self.R[i] = min(L, max(i + 1, j))
+            if i not in self.decided:
+                for j in range(i + 1, self.R[i]):
+                    self.M_rel[i, j] = backlog - (ends[j - 1] - ends[i - 1])
 
     # ------------------------------------------------------------------ decisions
     def _decisions(self) -> None:
@@ -371,12 +372,11 @@ class Model:
             if prev is not None:
                 self._row(f"d2h_fifo_{j}", _affine((v, 1.0), (self.d[prev], -1.0)).add(self.moved_d2h(j), -1.0), ">=")
             prev = j
+        for i, d in self.decided.items():  # a decided release before R_i waits for its copy
+            if d.offload is not None and d.offload.release < self.R[i]:
+                j = d.offload.release
+                self._row(f"release_wait_{i}_{j}", _affine((self.w[j], 1.0), (self.d[i], -1.0)), ">=")
         for (i, j), M in self.M_rel.items():  # release waits that can bind
-            d = self.decided.get(i)
-            if d is not None:
-                if min(d.offload.release, self.R[i]) == j:
-                    self._row(f"release_wait_{i}_{j}", _affine((self.w[j], 1.0), (self.d[i], -1.0)), ">=")
-                continue
             # w_j >= d_i - M (1 - released_by_j)
             row = _affine((self.w[j], 1.0), (self.d[i], -1.0), (M, 1.0))
             for o in self.opts[i]:
@@ -391,12 +391,13 @@ class Model:
         self.groups: list[tuple[int, list[int]]] = []
         self.clock: dict[tuple[int, int], pulp.LpVariable] = {}
         h2d_total = sum(self._max_h2d(i) for i in range(1, L + 1))
+        slots = self._slots()
         span, clock = 0.0, None  # span: bound on (H2D clock - issue time) within the current group
         for k in range(L, 0, -1):
             self._row(f"backward_{k}", _affine((self.s[k], 1.0)).add(self.issue[k], -1.0), ">=")
             if k < L:
                 span = max(0.0, span - self.b[k + 1])
-            members = [i for i in sorted(self.U, key=lambda i: (-need[i], -i)) if self._slot_at(i, k)]
+            members = slots.get(k)
             if not members:
                 continue
             self.groups.append((k, members))
@@ -421,12 +422,18 @@ class Model:
                     row.add(m, -M)
                 self._row(f"h2d_wait_{i}_{k}", row, ">=")
 
-    def _slot_at(self, i: int, k: int) -> bool:
-        """Whether ``Ui`` can be prefetched at point ``k`` in this model (it gets an H2D clock there)."""
-        if not self._moves(i) or k < self.need[i]:
-            return False
-        d = self.decided.get(i)
-        return k == d.offload.prefetch if d is not None else k <= self.cap[i]
+    def _slots(self) -> dict[int, list[int]]:
+        """Per prefetch point ``k``, the units that can be prefetched there in this model (each
+        gets an H2D clock at ``k``), in H2D order: latest need first."""
+        slots: dict[int, list[int]] = {}
+        for i in sorted(self.U, key=lambda i: (-self.need[i], -i)):
+            if not self._moves(i):
+                continue
+            d = self.decided.get(i)
+            points = [d.offload.prefetch] if d is not None else range(self.need[i], self.cap[i] + 1)
+            for k in points:
+                slots.setdefault(k, []).append(i)
+        return slots
 
     def _prefetched_at(self, i: int, k: int) -> dict[str, _Form]:
         """Per option, 1 if ``Ui``'s prefetch point is exactly ``k``."""
@@ -554,7 +561,7 @@ def solve_ilp(chain: Chain, budget: int, *, warm: Sequence[Offload] | None = Non
               decided: Mapping[int, Decided] | None = None, prefetch_cap: Mapping[int, int] | None = None,
               cut_width: int | None = None, lower_bound_s: float = 0.0, solver: str = "highs", time_limit: float | None = 60.0,
               gap: float | None = 1e-4, threads: int | None = None, msg: bool = False,
-              deadline: Deadline | None = None) -> IlpResult:
+              deadline: Deadline | None = None, presolve: bool = True) -> IlpResult:
     """Build and solve the MILP for an activation ``budget``; ``options`` are the encodings
     it may choose per stage (``solver.encoding.allowed``), ``decided`` the units it may not
     change.  Raises ``OutOfTime`` if the ``deadline`` passes while the model is built."""
@@ -564,7 +571,7 @@ def solve_ilp(chain: Chain, budget: int, *, warm: Sequence[Offload] | None = Non
         model.load(warm, warm_encode)
     build_s = time.perf_counter() - t0
     out = run(model.lp, solver, time_limit=time_limit, gap=gap, threads=threads, warm=warm is not None, msg=msg,
-              deadline=deadline)
+              deadline=deadline, presolve=presolve)
     tau = model.tau
     offloads, encode = model.read() if out.has_solution else (None, {})
     return IlpResult(

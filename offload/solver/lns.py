@@ -9,6 +9,8 @@ are re-optimized in turn, worst first (the most stall around them in the incumbe
 timeline), each warm-started from the incumbent, so a window can only keep or improve
 it.  A free unit's prefetch point is capped a little above its need (prefetching far
 ahead of need only costs memory); every accepted schedule is replayed by the simulator.
+Window models are solved without HiGHS's presolve: most of their rows are the fixed
+timeline, which presolve takes long to eliminate (and it ignores the deadline meanwhile).
 The search stops at the deadline or after a full pass without improvement.
 """
 from __future__ import annotations
@@ -76,8 +78,9 @@ def improve(chain: Chain, budget: int, start: Incumbent, *, options: Mapping[int
             try:
                 res = solve_ilp(chain, budget, warm=inc.offloads, warm_encode=inc.encode,
                                 options={i: options[i] for i in window if i in options}, decided=decided,
-                                prefetch_cap=caps, cut_width=8, solver=solver, time_limit=min(window_time_s, deadline.remaining()),
-                                gap=1e-6, threads=threads, msg=msg, deadline=deadline)
+                                prefetch_cap=caps, cut_width=8, solver=solver,
+                                time_limit=min(window_time_s, deadline.remaining()), gap=1e-6, threads=threads,
+                                msg=msg, deadline=deadline, presolve=False)
             except OutOfTime:
                 break
             entry = {"window": [window[0], window[-1]], "status": res.outcome.stop,

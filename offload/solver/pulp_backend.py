@@ -15,7 +15,9 @@ What "honestly" takes with PuLP 3.3 and highspy 1.16:
 * **Wall time and Ctrl-C.** The solve thread is cancelled through HiGHS's interrupt
   callbacks when the caller's ``Deadline`` passes or Ctrl-C arrives.  Ctrl-C propagates as
   ``KeyboardInterrupt`` at once: HiGHS's MIP presolve (seconds on large models) looks at no
-  callback, so the cancelled thread may run on briefly, holding its own reference.
+  callback, so the cancelled thread may run on briefly, holding its own reference.  For the
+  same reason a solve still running ``_CANCEL_GRACE_S`` after its deadline is abandoned
+  (stop ``time-limit``, no solution read from it) and left to finish on its own thread.
 * **Transfer.** The model goes to HiGHS in one ``passModel`` call (row-wise arrays)
   instead of PuLP's column-by-column and row-by-row loop; the MIP start is set after it
   (``setSolution``; PuLP 3.3 has no HiGHS warm start).
@@ -41,6 +43,7 @@ from ..errors import SolverFailure
 
 SOLVERS = ("highs", "cbc")
 _POLL_S = 0.02  # how often the waiting thread looks at the deadline
+_CANCEL_GRACE_S = 1.0  # how long a cancelled solve may take to stop before it is abandoned
 
 
 @dataclass
@@ -87,10 +90,11 @@ def new_highs() -> highspy.Highs:
 class _Highs(pulp.HiGHS):
     """PuLP's HiGHS interface with the fixes listed in the module docstring."""
 
-    def __init__(self, deadline: Deadline | None, warm: bool, **kwargs) -> None:
+    def __init__(self, deadline: Deadline | None, warm: bool, presolve: bool = True, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.deadline, self.warm = deadline, warm
+        self.deadline, self.warm, self.presolve = deadline, warm, presolve
         self.run_status: highspy.HighsStatus | None = None
+        self.abandoned = False
 
     def createAndConfigureSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 (PuLP's names)
         h = new_highs()
@@ -102,6 +106,8 @@ class _Highs(pulp.HiGHS):
                             ("time_limit", None if self.timeLimit is None else float(self.timeLimit))):
             if value is not None:
                 h.setOptionValue(name, value)
+        if not self.presolve:
+            h.setOptionValue("presolve", "off")
         lp.solverModel = h
 
     def buildSolverModel(self, lp: pulp.LpProblem) -> None:  # noqa: N802
@@ -141,19 +147,29 @@ class _Highs(pulp.HiGHS):
         h = lp.solverModel
         h.HandleUserInterrupt = True
         h.startSolve()
+        cancelled_at = None
         try:
             while True:
                 done, status = h.wait(_POLL_S)
                 if done:
                     break
-                if self.deadline is not None and self.deadline.expired():
+                if cancelled_at is None and self.deadline is not None and self.deadline.expired():
                     h.cancelSolve()
+                    cancelled_at = time.perf_counter()
+                elif cancelled_at is not None and time.perf_counter() - cancelled_at > _CANCEL_GRACE_S:
+                    status = highspy.HighsStatus.kWarning  # deaf to the interrupt (presolve): left to finish
+                    self.abandoned = True
+                    break
         except KeyboardInterrupt:  # the solve thread stops at its next callback (not inside presolve);
             h.cancelSolve()  # it holds its own reference to ``h``, so nothing here waits for it
             raise
         self.run_status = status
 
     def findSolutionValues(self, lp: pulp.LpProblem) -> tuple[int, int]:  # noqa: N802
+        if self.abandoned:  # its thread still runs: nothing of it may be read
+            for v in lp.variables():
+                v.varValue = None
+            return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
         h = lp.solverModel
         model = h.getModelStatus()
         has = h.getInfo().primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
@@ -179,12 +195,15 @@ _STOPS = {
 
 
 def _run_highs(prob: pulp.LpProblem, time_limit: float | None, gap: float | None, threads: int | None,
-               warm: bool, msg: bool, deadline: Deadline | None) -> SolveOutcome:
-    s = _Highs(deadline, warm, msg=msg, timeLimit=time_limit, gapRel=gap, threads=threads,
+               warm: bool, msg: bool, deadline: Deadline | None, presolve: bool) -> SolveOutcome:
+    s = _Highs(deadline, warm, presolve, msg=msg, timeLimit=time_limit, gapRel=gap, threads=threads,
                gapAbs=0.0 if gap == 0 else None)
     t0 = time.perf_counter()
     prob.solve(s)
     seconds = time.perf_counter() - t0
+    if s.abandoned:
+        return SolveOutcome(proven=False, has_solution=False, objective=None, dual_bound=None, seconds=seconds,
+                            nodes=None, backend="highs", stop="time-limit")
     h = prob.solverModel
     model = h.getModelStatus()
     if s.run_status == highspy.HighsStatus.kError and model not in _STOPS:
@@ -226,9 +245,11 @@ def _run_cbc(prob: pulp.LpProblem, time_limit: float | None, gap: float | None, 
 
 def run(prob: pulp.LpProblem, solver: str = "highs", time_limit: float | None = None, gap: float | None = None,
         threads: int | None = None, warm: bool = False, msg: bool = False,
-        deadline: Deadline | None = None) -> SolveOutcome:
+        deadline: Deadline | None = None, presolve: bool = True) -> SolveOutcome:
     """Solve ``prob``; ``warm`` uses the variables' ``setInitialValue`` values as a start.
-    ``time_limit`` is the solver's own; ``deadline`` (wall time) cancels it from outside."""
+    ``time_limit`` is the solver's own; ``deadline`` (wall time) cancels it from outside.
+    ``presolve=False`` for models whose presolve costs more than it saves (HiGHS's MIP
+    presolve ignores the interrupt; on the window models of a 10,000-stage chain it ran 100 s)."""
     if deadline is not None:
         left = deadline.remaining()
         time_limit = left if time_limit is None else min(time_limit, left)
@@ -236,7 +257,7 @@ def run(prob: pulp.LpProblem, solver: str = "highs", time_limit: float | None = 
         time_limit = max(time_limit, 1e-3)
     try:
         if solver == "highs":
-            return _run_highs(prob, time_limit, gap, threads, warm, msg, deadline)
+            return _run_highs(prob, time_limit, gap, threads, warm, msg, deadline, presolve)
         if solver == "cbc":
             return _run_cbc(prob, time_limit, gap, threads, warm, msg)
     except pulp.PulpSolverError as exc:

@@ -30,6 +30,7 @@ chains of three choices (none, Gist's smallest everywhere, the floor's).
 """
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Callable
 
@@ -93,39 +94,56 @@ def _fill(chain: Chain, budget: int, units: set[int], order: list[int]) -> set[i
     return units
 
 
-def _moves(chain: Chain, state: State, opts: dict[int, tuple]) -> list[State]:
+class _Moves:
     """Neighbours of a state: drop, add or swap one unit (swaps between nearby stages on
-    long chains, so that a pass fits the time budget), or change one unit's encoding."""
-    units, choice = set(state[0]), dict(state[1])
-    U = chain.offloadable
-    radius = len(U) if len(U) <= 80 else 8
-    inside = sorted(units)
-    outside = [i for i in U if i not in units]
-    out = [_state(units - {u}, choice) for u in inside]
-    out += [_state(units | {v}, choice) for v in outside]
-    out += [_state((units - {u}) | {v}, choice) for u in inside for v in outside if abs(u - v) <= radius]
-    for i, es in opts.items():
-        for name in [None] + [e.name for e in es]:
-            if name != choice.get(i):
-                other = {k: v for k, v in choice.items() if k != i} | ({i: name} if name else {})
-                out.append(_state(units, other))
-    return out
+    long chains, so that a pass fits the time budget), or change one unit's encoding.
+
+    Held as small descriptions and built into states one at a time when read: on a chain of
+    10,000 stages there are ~10^5 moves, each a set of thousands of units once built."""
+
+    def __init__(self, chain: Chain, state: State, opts: dict[int, tuple]) -> None:
+        self.units, self.choice = state[0], dict(state[1])
+        U = chain.offloadable
+        radius = len(U) if len(U) <= 80 else 8
+        inside = sorted(self.units)
+        outside = [i for i in U if i not in self.units]
+        self.moves: list[tuple] = [("drop", u) for u in inside] + [("add", v) for v in outside]
+        for u in inside:
+            lo, hi = bisect.bisect_left(outside, u - radius), bisect.bisect_right(outside, u + radius)
+            self.moves += [("swap", u, v) for v in outside[lo:hi]]
+        for i, es in opts.items():
+            self.moves += [("encode", i, name) for name in [None] + [e.name for e in es] if name != self.choice.get(i)]
+
+    def __len__(self) -> int:
+        return len(self.moves)
+
+    def __getitem__(self, k: int) -> State:
+        kind, *args = self.moves[k]
+        if kind == "drop":
+            return _state(self.units - {args[0]}, self.choice)
+        if kind == "add":
+            return _state(self.units | {args[0]}, self.choice)
+        if kind == "swap":
+            return _state((self.units - {args[0]}) | {args[1]}, self.choice)
+        i, name = args
+        other = {k: v for k, v in self.choice.items() if k != i} | ({i: name} if name else {})
+        return _state(self.units, other)
 
 
 def local_search(chain: Chain, score: _Scorer, start: State, deadline: float, opts: dict[int, tuple]) -> State:
-    """First-improvement descent over ``_moves`` until a whole round of moves finds nothing
+    """First-improvement descent over ``_Moves`` until a whole round of moves finds nothing
     better or time is up.  After an improvement the scan goes on from where it stopped (a
     restart from the first move would try the same early moves again and again)."""
     ideal = chain.ideal_makespan_s
     best, best_s = start, score(start)
-    moves, at, tried = _moves(chain, best, opts), 0, 0
+    moves, at, tried = _Moves(chain, best, opts), 0, 0
     while tried < len(moves) and best_s > ideal * (1 + 1e-12) and time.perf_counter() < deadline:
         cand = moves[at % len(moves)]
         at, tried = at + 1, tried + 1
         s = score(cand)
         if s < best_s * (1 - 1e-12):
             best, best_s = cand, s
-            moves, tried = _moves(chain, best, opts), 0
+            moves, tried = _Moves(chain, best, opts), 0
             at %= max(1, len(moves))
     return best
 

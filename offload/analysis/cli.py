@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 from offload.solver.argtypes import integer, seconds
 from offload.solver.chainfile import load_chain
@@ -17,6 +18,8 @@ from offload.solver.units import format_bytes, format_seconds
 
 from .sweep import Row, parse_budgets, parse_methods, read_rows, sweep, write_rows
 from .timeline import chrome_trace, timeline
+
+PLOT_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib draws well and every viewer opens
 
 
 def _print_summary(rows: list[Row]) -> None:
@@ -58,6 +61,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from .plots import plot_sweep, plot_timeline  # matplotlib: only when drawing
+    if Path(args.output).suffix.lower() not in PLOT_FORMATS:
+        raise FormatError(f"cannot draw {args.output}: unknown picture format {Path(args.output).suffix or '(none)'}",
+                          f"name the output with one of {', '.join(PLOT_FORMATS)}, e.g. -o plot.png")
     if args.timeline:
         if len(args.inputs) != 2:
             raise FormatError("plot --timeline needs CHAIN and SCHEDULE",

@@ -9,6 +9,7 @@ the sweep itself never stops for either.
 from __future__ import annotations
 
 import csv
+import math
 import multiprocessing
 import os
 import re
@@ -191,11 +192,15 @@ def read_rows(path: str | os.PathLike) -> list[Row]:
     return rows
 
 
-def _typed(kind: str, text: str) -> object:
+def _typed(kind: str, text: str | None) -> object:
+    """One CSV cell as its column's type; ValueError names what is wrong with it."""
+    if text is None:  # csv.DictReader's filler for a row cut short
+        raise ValueError("the row is cut short")
     if "None" in kind and text == "":
         return None
-    if kind.startswith("int"):
-        return int(text)
-    if kind.startswith("float"):
-        return float(text)
+    if kind.startswith("int") or kind.startswith("float"):
+        value = int(text) if kind.startswith("int") else float(text)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{text!r} is not a finite non-negative number")
+        return value
     return text

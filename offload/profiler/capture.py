@@ -178,6 +178,8 @@ def capture(module: nn.Module, run: Callable[[], torch.Tensor], inputs: Any) -> 
     finally:
         for h in handles:
             h.remove()
+    if not any(p.requires_grad for p in module.parameters()):
+        raise CaptureError("the model has no parameters that require grad: there is nothing to train")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
         raise CaptureError("the loss must be one number that requires grad")
     producer, _ = rec._lookup(loss)

@@ -1,4 +1,4 @@
-"""Encoding with offloading vs offloading alone, on the zoo CNNs (issue 6's figures).
+"""Encoding with offloading vs offloading alone, on the zoo CNNs.
 
     python -m experiments.encodings          # or: make encodings
 

@@ -113,7 +113,7 @@ def test_budgets_that_mean_something_else_are_refused(text, words):
 
 
 def test_solver_commands_do_not_load_torch_or_matplotlib(chain_file):
-    """`offload show/solve/simulate` start fast: torch and matplotlib stay unloaded (issue: 6.5 s before)."""
+    """`offload show/solve/simulate` start fast: torch and matplotlib stay unloaded (they took 6.5 s when they did)."""
     code = ("import sys; from offload.cli import main; "
             f"main(['solve', {str(chain_file)!r}, '--budget', '60%', '-m', 'vdnn-all']); "
             f"main(['show', {str(chain_file)!r}]); "

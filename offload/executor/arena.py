@@ -1,7 +1,7 @@
 """The host arena: pinned memory planned from the schedule, reused across steps.
 
 Per-tensor pinned allocation in the training loop costs milliseconds each and kills
-overlap (research/executor.md pitfalls 9-11), so the arena is one buffer sized from the
+overlap (docs/executor.md, "Pitfalls"), so the arena is one buffer sized from the
 schedule (the bytes of all offloaded units, plus alignment), allocated before the first
 step.  Slots are handed out in the order the runtime asks for them (unit, then storage in
 save order), which is the same at every step, so step 2 reuses step 1's offsets.  If a

@@ -2,8 +2,7 @@
 
 The runtime asks a backend for four things: a D2H copy of a storage into a host slot, an
 H2D copy from the slot into a device buffer (after that D2H), a *wait* of the compute
-stream for a copy, and a device buffer.  The stream/event rules (DESIGN section 6,
-research/executor.md section 3.2) live in ``CudaBackend``:
+stream for a copy, and a device buffer.  The stream/event rules (docs/executor.md) live in ``CudaBackend``:
 
 * D2H on its own stream, after an event recorded on the compute stream *as it is now*
   (queried live, never cached), and after the slot's last H2D (its guard);

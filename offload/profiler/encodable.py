@@ -1,4 +1,4 @@
-"""Which saved storages can be encoded, how small they get, and what it costs (issue 6).
+"""Which saved storages can be encoded, how small they get, and what it costs (docs/encodings.md).
 
 One extra step of the staged model (after the warm-up, like the memory pass):
 

@@ -1,4 +1,4 @@
-"""The literature's policies, each adapted to the chain model (research/seeds.md, paper.md).
+"""The literature's policies, each adapted to the chain model (docs/model.md, "Heuristics and baselines").
 
 Each returns a schedule or ``None`` when it cannot meet the budget; what it would need
 then is its own business (``methods`` reports the smallest budget it can meet).

@@ -1,4 +1,4 @@
-"""Encoded units: what choosing an encoding does to the chain (issue 6; Gist, Layrub).
+"""Encoded units: what choosing an encoding does to the chain (Gist, Layrub; docs/encodings.md).
 
 Per unit the schedule chooses keep / keep-encoded / offload / offload-encoded.  Choosing
 encoding ``e`` of stage ``i`` (covering raw bytes ``P`` of the unit ``A``, of which ``Pout``

@@ -1,4 +1,4 @@
-"""Activation memory per op (DESIGN section 3, "Memory"), and the two reference peaks.
+"""Activation memory per op (docs/model.md, "Schedules"), and the two reference peaks.
 
 Ops are indexed ``0..2L-1`` in execution order: ``Fj`` is ``j-1``, ``Bj`` is ``2L-j``.
 During ``Fj`` the resident units of earlier stages count plus ``fwd_peak_bytes`` of ``Fj``

@@ -1,4 +1,4 @@
-"""The simulator: replays a schedule exactly as DESIGN section 3 defines it.
+"""The simulator: replays a schedule exactly as docs/model.md defines it.
 
 It is the single source of truth for every number the tool prints.  Timing: each op is
 ready when the previous one ends; at ready it first waits for the D2H copies of the units

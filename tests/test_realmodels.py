@@ -25,17 +25,20 @@ TOLERANCE = 64 * 1024
 
 @pytest.fixture(scope="module")
 def profiled():
-    out = {}
-    for model, options in MODELS.items():
-        for frozen in (0, options["layers"] // 2):
-            out[model, frozen] = profile(model, ProfileOptions(batch=2, repeats=1, warmup=1,
-                                                               options={**options, "frozen": frozen})).chain
-    return out
+    """``profiled(model, frozen)``: the chain, profiled once per module."""
+    cache = {}
+
+    def chain(model, frozen=0):
+        if (model, frozen) not in cache:
+            options = {**MODELS[model], "frozen": frozen}
+            cache[model, frozen] = profile(model, ProfileOptions(batch=2, repeats=1, warmup=1, options=options)).chain
+        return cache[model, frozen]
+    return chain
 
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_a_stage_per_block(profiled, model):
-    chain = profiled[model, 0]
+    chain = profiled(model)
     assert chain.L >= MODELS[model]["layers"] + 1
     assert smallest_feasible_budget(chain) < 0.5 * no_offload_peak(chain)
 
@@ -55,13 +58,20 @@ def _run(chain, share_of_range, backend):
     assert all(abs(d) <= TOLERANCE for d in off.values()), off
 
 
-@pytest.mark.parametrize("backend", ["cpu-eager", "cpu-lazy"])
-@pytest.mark.parametrize("model", list(MODELS))
+def _cases(fast):
+    """Each model on both backends; under ``make test`` the eager backend only on ``fast``
+    (the lazy backend checks more), the rest under ``make test-all``."""
+    return [pytest.param(m, b, marks=() if b == "cpu-lazy" or m in fast else pytest.mark.slow)
+            for m in MODELS for b in ("cpu-eager", "cpu-lazy")]
+
+
+@pytest.mark.parametrize("model,backend", _cases(fast={"gpt2"}))
 def test_trains_bit_exact_at_half_the_peak(profiled, model, backend):
-    _run(profiled[model, 0], None, backend)
+    _run(profiled(model), None, backend)
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", [m if m in {"gpt2", "vit"} else pytest.param(m, marks=pytest.mark.slow)
+                                   for m in MODELS])
 def test_half_the_blocks_frozen(profiled, model):
     """Frozen blocks save nothing for backward (their floor is higher): halfway from the floor to the peak."""
-    _run(profiled[model, MODELS[model]["layers"] // 2], 0.5, "cpu-lazy")
+    _run(profiled(model, MODELS[model]["layers"] // 2), 0.5, "cpu-lazy")

@@ -101,16 +101,31 @@ def stage_boundary(x: torch.Tensor, k: int, listener: StageListener) -> torch.Te
     return _Boundary.apply(x, k, listener)
 
 
+def unwrap(module: nn.Module) -> nn.Module:
+    """The user's module inside wrappers that hold it as an attribute and call it whole:
+    ``torch.compile``'s ``OptimizedModule``, ``DistributedDataParallel``, ``DataParallel``.
+    (FSDP2's ``fully_shard`` and ``module.compile()`` change the module in place.)"""
+    while True:
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+            module = module._orig_mod
+        elif isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            module = module.module
+        else:
+            return module
+
+
 class Staging:
-    """Boundaries at ``sites`` (stage ``k`` ends at ``sites[k-1]``) on ``module`` itself."""
+    """Boundaries at ``sites`` (stage ``k`` ends at ``sites[k-1]``) on ``module`` itself (on the
+    module inside it when it is a wrapper, ``unwrap``; the wrapper is what runs)."""
 
     def __init__(self, module: nn.Module, sites: Sequence[Site]) -> None:
         self.module, self.sites = module, list(sites)
         self.L = len(self.sites) + 1
-        modules = dict(module.named_modules())
+        root = unwrap(module)
+        modules = dict(root.named_modules())
         missing = [s.text for s in self.sites if s.module not in modules]
         if missing:
-            raise KeyError(f"no submodule {missing[0]!r} in {type(module).__name__}")
+            raise KeyError(f"no submodule {missing[0]!r} in {type(root).__name__}")
         self.cuts: dict[str, dict[int, tuple[int, int]]] = {}  # module -> occurrence -> (k, leaf)
         for k, s in enumerate(self.sites, start=1):
             self.cuts.setdefault(s.module, {})[s.occurrence] = (k, s.leaf)
@@ -118,8 +133,8 @@ class Staging:
         self.calls: Counter[str] = Counter()
         self.seen = 0  # boundaries passed in the current forward
         self.forwarding = False
-        self._handles = [module.register_forward_pre_hook(self._begin),
-                         module.register_forward_hook(self._end)]
+        self._handles = [root.register_forward_pre_hook(self._begin),
+                         root.register_forward_hook(self._end)]
         for name in self.cuts:
             self._handles.append(modules[name].register_forward_hook(self._cut(name)))
 
@@ -138,20 +153,26 @@ class Staging:
         finally:
             self.listener = previous
 
-    # -- hooks
+    # -- hooks (under torch.compile each runs eagerly: a graph break at every boundary keeps
+    # compiled regions inside stages, and the listener's copies out of the graph)
+    @torch.compiler.disable
     def _begin(self, module: nn.Module, args: tuple) -> None:
         if self.listener is not None:
             self.calls.clear()
             self.seen, self.forwarding = 0, True
 
+    @torch.compiler.disable
     def _end(self, module: nn.Module, args: tuple, out: Any) -> Any:
         listener = self.listener
         if listener is None or not self.forwarding:
             return None
         self.forwarding = False
         if self.seen != self.L - 1:
-            raise RuntimeError(f"{self.seen} of the {self.L - 1} stage boundaries were passed in this forward: the "
-                               "model's calls differ from the profiled ones (control flow that depends on the input?)")
+            why = ("the model's calls differ from the profiled ones (control flow that depends on the input?)"
+                   if self.seen else "if the model was compiled (torch.compile, .compile()), its compiled code does "
+                   "not see hooks added after its first call: wrap it before its first compiled call, or call "
+                   "torch._dynamo.reset() first")
+            raise RuntimeError(f"{self.seen} of the {self.L - 1} stage boundaries were passed in this forward: {why}")
         listener.forward_boundary(self.L)
         grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if grads:
@@ -159,6 +180,7 @@ class Staging:
         return None
 
     def _cut(self, name: str):
+        @torch.compiler.disable
         def hook(module: nn.Module, args: tuple, out: Any) -> Any:
             if self.listener is None or not self.forwarding:
                 return None

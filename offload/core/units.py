@@ -8,7 +8,8 @@ first-save order (the chain's ``EncodedTensor.index``); a storage's ``need_from`
 with this rule and the executor moves them with it, so they match byte for byte.
 
 Never part of a unit: storages that live across steps (weights, buffers, gradients,
-optimizer state: the chain's constant ``base_bytes``), the step's input batch (the
+optimizer state: the chain's constant ``base_bytes``; a parameter or a view of one is
+recognized by its type at every save, the rest by storage), the step's input batch (the
 training loop holds it anyway), and tensors a copy engine cannot move as plain bytes
 (on another device than the model, e.g. the CPU random-number state that flash attention
 saves on CUDA; sparse or other non-strided layouts; tensor subclasses such as DTensor or
@@ -29,9 +30,22 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def plain(t: torch.Tensor) -> bool:
+    """A strided tensor of the base classes: its storage is plain bytes (not a DTensor, a
+    float8 or other subclass, nor a sparse or other layout, whose storage may not exist)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+
+
 def movable(t: torch.Tensor, device: torch.device) -> bool:
-    """Whether a copy engine can move ``t``'s storage as bytes: a plain strided tensor on ``device``."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.device == device
+    """Whether a copy engine can move ``t``'s storage as bytes: a plain tensor on ``device``."""
+    return plain(t) and t.device == device
+
+
+def is_weight(t: torch.Tensor) -> bool:
+    """A parameter or a view of one, recognized by type when it is saved: FSDP2's gathered
+    weights are parameters registered during the forward, after any snapshot of them, and
+    its reshard frees their storage behind every holder."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 @dataclass(frozen=True)
@@ -50,7 +64,7 @@ class UnitTracker:
 
     def __init__(self, device: torch.device, excluded: Iterable[torch.Tensor] = ()) -> None:
         self.device = device
-        self.excluded: set[int] = {storage_key(t) for t in excluded}
+        self.excluded: set[int] = {storage_key(t) for t in excluded if plain(t)}
         self.stage = 1
         self.reset()
 
@@ -62,14 +76,15 @@ class UnitTracker:
         self.records: list[Saved] = []  # every storage saved this step, in first-save order
         self.last: list[int] = []  # per record, the last stage that saved it
         self.count: dict[int, int] = {}  # unit -> storages so far
+        self.unit_bytes: dict[int, int] = {}  # unit -> bytes so far
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never attribute these storages (the step's input batch, say)."""
-        self.excluded.update(storage_key(t) for t in tensors)
+        self.excluded.update(storage_key(t) for t in tensors if plain(t))
 
     def saw(self, t: torch.Tensor) -> Saved | None:
         """The storage of a tensor being saved now, or ``None`` if it is never part of a unit."""
-        if not movable(t, self.device):
+        if not movable(t, self.device) or is_weight(t):
             return None
         storage = t.untyped_storage()
         key = storage._cdata
@@ -84,6 +99,7 @@ class UnitTracker:
         self._refs[key] = weakref.ref(storage)  # new, or an address reused by a new storage
         index = self.count.get(self.stage, 0)
         self.count[self.stage] = index + 1
+        self.unit_bytes[self.stage] = self.unit_bytes.get(self.stage, 0) + storage.nbytes()
         saved = Saved(key, self.stage, index, storage.nbytes(), True)
         self._known[key] = len(self.records)
         self.records.append(saved)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload.core.staging import Site, Staging
+from offload.core.staging import Site, Staging, unwrap
 from offload.errors import ChainMismatch
 from offload.models.spec import signature
 from offload.solver.chain import Chain
@@ -71,6 +71,8 @@ class Offloaded(nn.Module):
     def __init__(self, module: nn.Module, chain: Chain | PathLike, schedule: Schedule | PathLike,
                  backend: str | None = None) -> None:
         super().__init__()
+        if isinstance(unwrap(module), Offloaded):
+            raise ValueError("this module is already offloaded: wrap the user's module once")
         self.chain = chain if isinstance(chain, Chain) else load_chain(chain)
         self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(schedule, self.chain)
         if self.schedule.chain_sha256 != self.chain.sha256:
@@ -82,17 +84,33 @@ class Offloaded(nn.Module):
                                       StepPlan.from_schedule(self.chain, self.schedule), make_backend(backend, device),
                                       device)
 
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's forward, offloading as scheduled (plainly under ``torch.no_grad()``)."""
+        """The module's forward, offloading as scheduled (plainly under ``torch.no_grad()``).
+
+        Under ``torch.compile(run)`` this frame runs eagerly and the module's frames compile,
+        with a graph break at each stage boundary."""
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
+        self._check_batch(args, kwargs)
+        return self.runtime.forward(args, kwargs)
+
+    @torch.compiler.disable
+    def _check_batch(self, args: tuple, kwargs: dict) -> None:
+        """The batch's names, dtypes and shapes and the autocast state, as profiled."""
         expected = self.chain.recipe.inputs
         got = signature(args, kwargs)
         if expected and got != expected:
             raise ChainMismatch(f"this batch is {', '.join(got)}; the chain was profiled with {', '.join(expected)}",
                                 "a schedule is made for one batch shape: profile and solve again for this one, or pad "
                                 "the batch")
-        return self.runtime.forward(args, kwargs)
+        kind = self.runtime.device.type
+        autocast = str(torch.get_autocast_dtype(kind)).removeprefix("torch.") if torch.is_autocast_enabled(kind) else None
+        if autocast != self.chain.recipe.autocast:
+            def say(dtype: str | None) -> str:
+                return f"under autocast to {dtype}" if dtype else "without autocast"
+            raise ChainMismatch(f"this forward runs {say(autocast)}; the chain was profiled {say(self.chain.recipe.autocast)}",
+                                "profile with the autocast the training uses (offload profile --autocast DTYPE)")
 
     @property
     def moved_bytes(self) -> tuple[int, int]:

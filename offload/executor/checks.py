@@ -62,7 +62,9 @@ class GradCheck(StepHooks):
             for mine, ref in zip(self.params, self.ref_params):
                 ref.copy_(mine)
         args, kwargs = self.reference.batch()
-        self.reference.loss(self.reference.module(*args, **kwargs)).backward()
+        with self.reference.autocasting():
+            loss = self.reference.loss(self.reference.module(*args, **kwargs))
+        loss.backward()
         _set_rng_state(after, self.device)
         pairs = list(zip(self.params, self.ref_params))
         self.mismatches.append(sum(not torch.equal(a.grad, b.grad) for a, b in pairs))

@@ -3,7 +3,7 @@
 Boundary ``k`` in the forward (the end of ``Fk``; ``k = L`` is the model's output) issues
 the D2H of ``Uk`` and performs the releases due at ``k``.  Boundary ``k`` in the backward
 (the start of ``Bk``) frees the prefetched ``U(k+1)``, issues the prefetches whose point is
-``k`` (larger ``need_from`` first, then larger stage: DESIGN's order) and waits for the
+``k`` (larger ``need_from`` first, then larger stage: docs/model.md) and waits for the
 units whose ``need_from`` is ``k``.  ``encoders`` says, for each encoded unit, which of its
 storages (by their index in first-save order) are stored with which encoder.
 """
@@ -25,6 +25,7 @@ class StepPlan:
     wait_at: dict[int, tuple[int, ...]]
     planned_bytes: int  # all offloaded units' bytes, encoded ones as encoded (the host arena's size)
     encoders: dict[int, dict[int, str]]  # encoded unit -> storage index -> encoder name
+    unit_bytes: tuple[int, ...]  # per stage 0..L, the bytes its unit saves, as profiled
 
     @classmethod
     def from_schedule(cls, chain: Chain, schedule: Schedule) -> "StepPlan":
@@ -46,4 +47,5 @@ class StepPlan:
             wait_at={k: tuple(sorted(v)) for k, v in wait.items()},
             planned_bytes=sum(size.values()),
             encoders={i: {t.index: t.encoder for t in e.tensors} for i, e in chosen.items()},
+            unit_bytes=tuple(int(a) for a in chain.a),
         )

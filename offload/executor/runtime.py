@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from offload.core.encoders import ENCODERS, Encoder, flat_storage
 from offload.core.staging import StageListener, Staging
 from offload.core.units import UnitTracker
+from offload.errors import ChainMismatch
 from offload.models.spec import tensors_in
 
 from .arena import HostArena
@@ -84,10 +84,9 @@ class _Step(StageListener):
         self.units: dict[int, list[int]] = {i: [] for i in self.plan.offloaded | set(self.plan.encoders)}
         self.backward_started = self.finished = False
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ hooks (never traced by torch.compile)
+    @torch.compiler.disable
     def pack(self, t: torch.Tensor) -> Any:
-        if isinstance(t, nn.Parameter):
-            return t
         saved = self.tracker.saw(t)
         if saved is None:
             return t
@@ -121,6 +120,7 @@ class _Step(StageListener):
         self.units[unit].append(sid)
 
     @staticmethod
+    @torch.compiler.disable
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
@@ -144,6 +144,7 @@ class _Step(StageListener):
     def forward_boundary(self, k: int) -> None:
         if k == self.plan.L:
             return  # the model returned; the loss still belongs to F_L (the turn is at the backward's start)
+        self._check_unit(k)
         arena = self.runtime.arena
         if k in self.plan.offloaded:
             for sid in self.units[k]:
@@ -155,6 +156,19 @@ class _Step(StageListener):
         self._release(k)
         self.runtime.read(f"F{k}")
         self.tracker.stage = k + 1
+
+    def _check_unit(self, k: int) -> None:
+        """Refuse a run whose stage ``k < L`` saves other bytes for the backward than it did when
+        profiled (``UL`` is never moved, and the loss the training loop computes is outside
+        the hooks): the model runs differently (compiled by another backend, under another
+        autocast, on another device or batch, with data-dependent shapes), so the schedule's
+        memory and the encoders' storages would be wrong."""
+        got, expected = self.tracker.unit_bytes.get(k, 0), self.plan.unit_bytes[k]
+        if abs(got - expected) > expected // 100 + 4096:
+            raise ChainMismatch(f"stage {k} saved {got} B for the backward; when profiled it saved {expected} B: the "
+                                "model does not run as it did when the chain was measured",
+                                "profile it again as it is trained (same compile backend, autocast, device, batch "
+                                "and checkpointing), then solve again")
 
     def _release(self, k: int) -> None:
         for i in self.plan.release_at.get(k, ()):
@@ -217,8 +231,18 @@ class OffloadRuntime:
             if op is not None:
                 self.op_peaks[op] = max(peak, self.op_peaks.get(op, 0))
 
+    @torch.compiler.disable(recursive=False)
     def forward(self, args: tuple, kwargs: dict) -> Any:
-        """One forward of the staged module with the schedule applied (its backward follows)."""
+        """One forward of the staged module with the schedule applied (its backward follows).
+
+        Under ``torch.compile`` this frame runs eagerly and the module's own frames compile,
+        with a graph break at every stage boundary (``offload.core.staging``)."""
+        step = self._new_step(args, kwargs)
+        with self.staging.listening(step), torch.autograd.graph.saved_tensors_hooks(step.pack, _Step.unpack):
+            return self.staging.module(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _new_step(self, args: tuple, kwargs: dict) -> _Step:
         last = self._last()
         if last is not None and not last.finished and self.plan.L > 1:
             raise RuntimeError("a forward while the previous forward's backward has not finished: the schedule covers "
@@ -230,8 +254,7 @@ class OffloadRuntime:
         self._last = weakref.ref(step)  # alive as long as its autograd graph holds a handle or a boundary
         self.steps += 1
         self.arena.start_step()
-        with self.staging.listening(step), torch.autograd.graph.saved_tensors_hooks(step.pack, _Step.unpack):
-            return module(*args, **kwargs)
+        return step
 
     def synchronize(self) -> None:
         self.backend.synchronize()

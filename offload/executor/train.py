@@ -53,6 +53,7 @@ def build_like_chain(chain: Chain, device: torch.device, model: str | None = Non
         raise ChainMismatch(f"the chain was profiled from {r.model!r}, not {model!r}",
                             "train the model the chain was made from, or profile this one")
     spec = resolve(r.model, r.batch, dict(r.options), r.seed)
+    spec.autocast = r.autocast
     with running(f"running {r.model}"):
         spec.place(device, DTYPES[r.dtype])
     return spec

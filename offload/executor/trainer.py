@@ -92,7 +92,8 @@ class Trainer:
     def one_step(self, forward: Forward, batch: tuple[tuple, dict], wrap: Callable[[], ContextManager]) -> None:
         args, kwargs = batch
         with wrap():
-            loss = self.spec.loss(forward(args, kwargs))
+            with self.spec.autocasting():
+                loss = self.spec.loss(forward(args, kwargs))
             loss.backward()
         del loss
 

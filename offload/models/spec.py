@@ -7,6 +7,8 @@ their own (Hugging Face ``labels=``) give it as ``output.loss`` or ``output["los
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -63,6 +65,14 @@ class ModelSpec:
     loss: Callable[[Any], torch.Tensor]
     description: str = ""
     options: dict[str, Any] = field(default_factory=dict)
+    autocast: str | None = None  # "bfloat16" | "float16": forward and loss run under torch.autocast
+
+    def autocasting(self) -> contextlib.AbstractContextManager:
+        """The autocast the step's forward and loss run under (none unless ``autocast``)."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        return torch.autocast(device.type, dtype=getattr(torch, self.autocast))
 
     def tensors(self) -> list[torch.Tensor]:
         """The batch's tensors."""

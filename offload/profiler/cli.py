@@ -7,7 +7,7 @@ import sys
 
 from offload.errors import FormatError
 from offload.solver.argtypes import integer
-from offload.solver.chainfile import DTYPES, OPTIMIZERS
+from offload.solver.chainfile import AUTOCAST, DTYPES, OPTIMIZERS
 from offload.solver.units import parse_rate, parse_seconds
 
 
@@ -48,7 +48,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     opts = ProfileOptions(batch=args.batch, device=args.device, dtype=args.dtype, optimizer=args.optimizer,
                           repeats=args.repeats, warmup=args.warmup, stages=args.stages,
                           options=parse_options(args.option), seed=args.seed, platform=_platform(args), name=args.name,
-                          encodings=not args.no_encodings)
+                          encodings=not args.no_encodings, autocast=args.autocast)
     per_measure = 2 + opts.repeats  # warm-up, memory pass, the timed steps (twice with --stages)
     with tqdm(total=2 + per_measure * (2 if opts.stages else 1) + opts.encodings, desc=f"profiling {args.model}",
               unit="step", file=sys.stderr, disable=args.quiet, leave=False) as bar:
@@ -94,6 +94,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="model option, repeatable (image=224, layers=12, seq=1024, …; see --list-models)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and activation dtype (default float32)")
+    p.add_argument("--autocast", choices=AUTOCAST, default=None,
+                   help="run forward and loss under torch.autocast to this dtype, as the training will (the "
+                        "executor refuses a run under another autocast)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
                    help="its state counts in base_bytes (default adam: two moments per weight)")
     p.add_argument("--repeats", type=integer(1, 1000), default=5,

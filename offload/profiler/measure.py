@@ -112,7 +112,7 @@ class StepRunner:
         """Forward and loss of one step; ``pack`` sees every tensor saved for backward."""
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if pack else contextlib.nullcontext()
         listening = self.staging.listening(listener) if listener else contextlib.nullcontext()
-        with listening, hooks:
+        with listening, hooks, self.spec.autocasting():
             return self.spec.loss(self.spec.module(*args, **kwargs))
 
     def zero_grads(self) -> None:
@@ -258,9 +258,11 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None) -> list[tuple[i
         holding.tracker.exclude(tensors_in((args, kwargs)))
         with holding:
             loss = runner.forward(args, kwargs, holding, holding.pack)
+            end = holding.ops  # the forward and the loss are done (an autocast cache is emptied here)
         del loss
     holding.close()
-    at = peak_ops if peak_ops is not None else holding.first_op[1:runner.L + 1]
+    at = list(peak_ops if peak_ops is not None else holding.first_op[1:runner.L + 1])
+    at[-1] = min(at[-1], end)  # F_L's peak may come in the loss's backward, which this pass does not run
     held = [[0, 0] for _ in range(runner.L + 1)]
     for saved, death in zip(holding.storages, holding.death):
         i = saved.unit

@@ -24,7 +24,7 @@ from offload.errors import ModelError
 from offload.models import ModelSpec, resolve
 from offload.models.spec import signature
 from offload.solver.chain import Chain, Encoding, Platform, Recipe, Stage
-from offload.solver.chainfile import make_chain
+from offload.solver.chainfile import AUTOCAST, make_chain
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 
 from .bandwidth import measure_platform
@@ -51,6 +51,7 @@ class ProfileOptions:
     platform: Platform | None = None  # given instead of measured
     name: str | None = None
     encodings: bool = True  # find and measure encodable storages (profiler.encodable)
+    autocast: str | None = None  # "bfloat16" | "float16": forward and loss under torch.autocast
 
 
 @dataclass
@@ -73,6 +74,8 @@ def _check(opts: ProfileOptions) -> None:
         raise ModelError(f"unknown dtype {opts.dtype!r}", f"use one of {', '.join(DTYPES)}")
     if opts.repeats < 1 or opts.warmup < 0:
         raise ModelError(f"--repeats must be at least 1 and --warmup at least 0, got {opts.repeats} and {opts.warmup}")
+    if opts.autocast is not None and opts.autocast not in AUTOCAST:
+        raise ModelError(f"unknown autocast dtype {opts.autocast!r}", f"use one of {', '.join(AUTOCAST)}")
     if opts.stages is not None and opts.stages < 1:
         raise ModelError(f"--stages must be at least 1, got {opts.stages}")
 
@@ -94,10 +97,15 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     _check(opts)
     device = pick_device(opts.device)
     spec = resolve(model, opts.batch, opts.options, opts.seed)
+    spec.autocast = opts.autocast
+
+    def forward_and_loss() -> torch.Tensor:
+        with spec.autocasting():
+            return spec.loss(spec.module(*args, **kwargs))
     with running(f"running {model}"):
         spec.place(device, DTYPES[opts.dtype])
         args, kwargs = spec.batch()
-        cap = capture(spec.module, lambda: spec.loss(spec.module(*args, **kwargs)), (args, kwargs))
+        cap = capture(spec.module, forward_and_loss, (args, kwargs))
         del args, kwargs
         tick("capture")
         cuts = cap.candidates if opts.stages else default_cuts(cap)
@@ -140,7 +148,7 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
         source["notes"] = stages.notes
     recipe = Recipe(model=model, batch=opts.batch, options=dict(spec.options), dtype=opts.dtype, seed=opts.seed,
                     optimizer=opts.optimizer, cuts=tuple(c.text for c in stages.cuts),
-                    inputs=signature(spec.args, spec.kwargs))
+                    inputs=signature(spec.args, spec.kwargs), autocast=opts.autocast)
     rows = [Stage(name=info.name, kind=info.kind, fwd_s=s.fwd_s, bwd_s=s.bwd_s, saved_bytes=s.saved_bytes,
                   fwd_peak_bytes=s.fwd_peak_bytes, bwd_peak_bytes=s.bwd_peak_bytes, need_from=s.need_from, encodings=enc,
                   held_bytes=s.held_bytes, held_until=s.held_until)

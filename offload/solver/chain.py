@@ -122,7 +122,8 @@ class Recipe:
     """How a profiled chain's model is rebuilt and cut: the model string and its options, the
     batch size, dtype and seed, the optimizer (its state is ``base_bytes``), the call sites
     where stages end (``offload.core.staging.Site`` texts) and the signature of the batch
-    (``name:dtype[shape]`` per input tensor: ``0:float32[8,3,224,224]``, ``input_ids:int64[8,128]``).
+    (``name:dtype[shape]`` per input tensor: ``0:float32[8,3,224,224]``, ``input_ids:int64[8,128]``)
+    and the autocast dtype the forward and loss ran under, if any.
     Part of the chain's identity: a schedule made for one recipe is refused for another."""
 
     model: str
@@ -133,6 +134,7 @@ class Recipe:
     optimizer: str = "adam"
     cuts: tuple[str, ...] = ()
     inputs: tuple[str, ...] = ()
+    autocast: str | None = None  # "bfloat16" | "float16": profiled under torch.autocast to this dtype
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,236 @@
+"""The training stacks users wrap around the executor: DDP on either side of ``Offloaded``,
+FSDP2, ``torch.compile`` in the three places users put it, autocast, activation
+checkpointing and gradient accumulation.  Each one trains with gradients (and updated
+weights) equal bit for bit to the same stack without offloading, moving the predicted bytes;
+and the guard rails that stop a run the schedule does not describe."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload.errors import ChainMismatch
+from offload.executor import Offloaded
+from offload.executor.train import TrainOptions, train
+from offload.models import resolve
+from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.chainfile import save_chain
+from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.methods import Options, solve
+from offload.solver.schedule import Offload, make_schedule
+from offload.solver.schedulefile import save_schedule
+from offload.solver.simulate import simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINTED = str(ROOT / "tests" / "models" / "checkpointed.py") + ":build"
+GPT = {"layers": 2, "width": 32, "heads": 4, "seq": 16, "vocab": 50}
+MLP = {"layers": 3, "width": 256, "features": 64, "classes": 10}
+TOLERANCE = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def chains():
+    return {m: profile(m, ProfileOptions(batch=2, repeats=1, warmup=1, options=o)).chain
+            for m, o in (("gpt", GPT), ("mlp", MLP))}
+
+
+def everything(chain):
+    """The schedule that offloads every activation it can (the most the executor can get wrong)."""
+    return make_schedule(chain, [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable])
+
+
+def halfway(chain):
+    budget = (smallest_feasible_budget(chain) + no_offload_peak(chain)) // 2
+    return budget, solve(chain, budget, "relax-lp", Options(heuristic_time_s=0.1)).schedule
+
+
+def check_train(chain, sched, budget=None, under=0):
+    """``offload train``'s own check: gradients bit for bit, every op's memory as predicted
+    (at most ``under`` bytes above it)."""
+    for backend in ("cpu-eager", "cpu-lazy"):
+        report, error = train(None, chain, sched, TrainOptions(steps=2, backend=backend, check_grads=True, op_memory=True))
+        assert error is None
+        assert report["grads_match"] is True, (backend, report["grad_mismatches"])
+        m, p = report["measured"], report["predicted"]
+        assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes"], p["h2d_bytes"]) != (0, 0)
+        off = {op: p["op_bytes"][op] - b for op, b in m["op_peak_bytes"].items() if p["op_bytes"][op] != b}
+        assert all(-under <= d <= TOLERANCE for d in off.values()), (backend, off)
+        assert budget is None or m["peak_bytes"] <= budget
+
+
+# -- data parallel: two ranks on gloo, each a process of torch.distributed.run -------------
+
+MODES = ["ddp", "ddp-inside", "fsdp2"]
+
+
+@pytest.fixture(scope="module")
+def data_parallel(chains, tmp_path_factory):
+    """One ``torch.distributed.run`` of two gloo ranks training the GPT under every mode."""
+    chain, where = chains["gpt"], tmp_path_factory.mktemp("ranks")
+    sched = everything(chain)
+    save_chain(chain, where / "c.json")
+    save_schedule(sched, chain, where / "s.json")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           str(ROOT / "tests" / "data_parallel_worker.py"), ",".join(MODES),
+           str(where / "c.json"), str(where / "s.json"), str(where / "out.json")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((where / "out.json").read_text()), simulate(chain, sched.offloads)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_data_parallel_two_ranks(data_parallel, mode):
+    """``DDP(Offloaded(m))``, ``Offloaded(DDP(m))`` and FSDP2 (``fully_shard`` on each stage's
+    module, then the root): 3 steps on two ranks with different data; every rank's gradients
+    and weights equal bit for bit those of the same wrapping without offloading."""
+    summary, sim = data_parallel
+    out = summary[mode]
+    assert out["ranks"] == 2 and out["mismatches"] == 0 and out["ranks_disagree"] == 0
+    assert (out["d2h_bytes"], out["h2d_bytes"]) == (3 * sim.d2h_bytes, 3 * sim.h2d_bytes) != (0, 0)
+
+
+# -- torch.compile -----------------------------------------------------------------------
+
+def _compiled(kind: str, module, chain, sched, backend: str):
+    """The three places users put ``torch.compile`` around or inside the offloaded module."""
+    if kind == "outside":
+        return torch.compile(Offloaded(module, chain, sched, backend="cpu-lazy"), backend=backend)
+    if kind == "inside":
+        return Offloaded(torch.compile(module, backend=backend), chain, sched, backend="cpu-lazy")
+    module.compile(backend=backend)
+    return Offloaded(module, chain, sched, backend="cpu-lazy")
+
+
+def _grads_under(kind, chain, sched, backend, steps=2):
+    torch._dynamo.reset()
+    spec = resolve("gpt", 2, GPT)
+    run = _compiled(kind, spec.module, chain, sched, backend)
+    optimizer = torch.optim.SGD(spec.module.parameters(), lr=0.1)
+    grads = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        spec.loss(run(*spec.args)).backward()
+        grads.append([p.grad.clone() for p in spec.module.parameters()])
+        optimizer.step(), optimizer.zero_grad()
+    inner = run._orig_mod if kind == "outside" else run
+    return grads, inner.moved_bytes
+
+
+@pytest.mark.parametrize("kind", ["outside", "inside", "method"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("eager", marks=pytest.mark.slow),
+                                     pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled(chains, kind, backend):
+    """Gradients bit for bit those of the same compiled module under the schedule that moves
+    nothing (the stage boundaries are graph breaks in both), the predicted bytes moved."""
+    chain = chains["gpt"]
+    sched = everything(chain)
+    threads = torch.get_num_threads()
+    if backend == "inductor":  # its CPU embedding backward is not deterministic on several threads
+        torch.set_num_threads(1)
+    try:
+        ours, moved = _grads_under(kind, chain, sched, backend)
+        theirs, nothing = _grads_under(kind, chain, make_schedule(chain, []), backend)
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    assert nothing == (0, 0)
+    sim = simulate(chain, sched.offloads)
+    assert moved == (2 * sim.d2h_bytes, 2 * sim.h2d_bytes) != (0, 0)
+    for a, b in zip(ours, theirs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_hooks_added_after_a_compiled_call_say_so(chains):
+    chain = chains["gpt"]
+    torch._dynamo.reset()
+    spec = resolve("gpt", 2, GPT)
+    compiled = torch.compile(spec.module, backend="eager")
+    compiled(*spec.args)  # compiled before it was wrapped: its code does not see hooks added later
+    run = Offloaded(compiled, chain, everything(chain), backend="cpu-lazy")
+    with pytest.raises(RuntimeError, match="wrap it before its first compiled call"):
+        run(*spec.args)
+    torch._dynamo.reset()
+
+
+# -- autocast, checkpointing, accumulation --------------------------------------------------
+
+def test_autocast_bfloat16():
+    """Profiled and trained under ``torch.autocast`` to bfloat16: the casts of the weights
+    are held as profiled, every op's memory as predicted, gradients bit for bit."""
+    chain = profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=GPT, autocast="bfloat16")).chain
+    assert chain.recipe.autocast == "bfloat16"
+    check_train(chain, *reversed(halfway(chain)))
+
+
+@pytest.mark.parametrize("reentrant", [0, 1])
+def test_checkpointing_is_kept(reentrant):
+    """The user's ``torch.utils.checkpoint`` runs as written: its blocks save only their
+    input (the profile sees less saved than without it), and offloading around it is exact.
+    Reentrant checkpointing hides its blocks' calls from the capture: fewer stages, still
+    exact, but the last stage's peak is measured 888 B above the prediction (not understood yet)."""
+    def chain(every):
+        return profile(CHECKPOINTED, ProfileOptions(batch=16, repeats=1, warmup=1,
+                                                    options={"every": every, "reentrant": reentrant})).chain
+    kept, plain = chain(2), chain(0)
+    assert sum(s.saved_bytes for s in kept.stages) < sum(s.saved_bytes for s in plain.stages)
+    assert kept.L >= (8 if not reentrant else 3)
+    check_train(kept, everything(kept), under=1024 if reentrant else 0)
+
+
+def test_accumulation_over_micro_batches(chains):
+    """Two forward/backward passes per optimizer step: the accumulated gradients and the
+    weights equal bit for bit those of the plain module."""
+    chain = chains["mlp"]
+    mine, plain = resolve("mlp", 2, MLP), resolve("mlp", 2, MLP)
+    run = Offloaded(mine.module, chain, everything(chain), backend="cpu-lazy")
+    opts = [torch.optim.SGD(m.module.parameters(), lr=0.1) for m in (mine, plain)]
+    for step in range(2):
+        for micro in range(2):
+            shifted = [a + micro for a in mine.args]
+            mine.loss(run(*shifted)).backward()
+            plain.loss(plain.module(*shifted)).backward()
+        for a, b in zip(mine.module.parameters(), plain.module.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        for opt in opts:
+            opt.step(), opt.zero_grad()
+        for a, b in zip(mine.module.parameters(), plain.module.parameters()):
+            assert torch.equal(a, b)
+    sim = simulate(chain, run.schedule.offloads)
+    assert run.moved_bytes == (4 * sim.d2h_bytes, 4 * sim.h2d_bytes)
+
+
+# -- guard rails ---------------------------------------------------------------------------
+
+def test_a_forward_that_saves_other_tensors_is_refused(chains):
+    """A module changed since it was profiled (here a hook that mixes the first layer's output
+    with a matrix that is not a parameter, which autograd saves): the executor stops at that
+    stage rather than move bytes the schedule never planned."""
+    chain = chains["mlp"]
+    spec = resolve("mlp", 2, MLP)
+    run = Offloaded(spec.module, chain, everything(chain), backend="cpu-lazy")
+    mix = torch.eye(MLP["width"], requires_grad=True)
+    spec.module[0].register_forward_hook(lambda m, a, out: out @ mix)
+    with pytest.raises(ChainMismatch, match=r"stage \d saved \d+ B for the backward; when profiled it saved"):
+        run(*spec.args)
+
+
+def test_autocast_other_than_profiled_is_refused(chains):
+    chain = chains["mlp"]
+    spec = resolve("mlp", 2, MLP)
+    run = Offloaded(spec.module, chain, everything(chain), backend="cpu-lazy")
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ChainMismatch, match="under autocast to bfloat16"):
+        run(*spec.args)
+
+
+def test_offloaded_twice_is_refused(chains):
+    chain = chains["mlp"]
+    spec = resolve("mlp", 2, MLP)
+    run = Offloaded(spec.module, chain, everything(chain))
+    with pytest.raises(ValueError, match="already offloaded"):
+        Offloaded(run, chain, everything(chain))

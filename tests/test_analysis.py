@@ -78,7 +78,7 @@ def test_cli_sweep_plot_timeline_trace(tmp_path, capsys):
     save_chain(chain, tmp_path / "c.json")
     c, csv_path = str(tmp_path / "c.json"), str(tmp_path / "r.csv")
     assert offload(["sweep", c, "--budgets", "20%:100%:3", "--methods", "ilp,relax-lp,vdnn-all,save-on-cpu",
-                    "-j", "2", "-q", "-o", csv_path]) == 0
+                    "-j", "1", "-q", "-o", csv_path]) == 0
     out = capsys.readouterr().out
     assert "feasible from" in out and "wrote" in out
     assert offload(["plot", csv_path, "-o", str(tmp_path / "m.png"), "--title", "t"]) == 0

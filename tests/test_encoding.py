@@ -178,7 +178,7 @@ def test_every_method_with_encodings_replays_within_budget_and_ilp_is_best(cb):
         assert ilp.simulation.makespan_s <= replay.makespan_s * (1 + REL), name
 
 
-@settings(max_examples=10, **SETTINGS)
+@settings(max_examples=6, **SETTINGS)
 @given(chain_and_budget(max_stages=6, encodings=True))
 def test_encodings_never_hurt_the_optimum(cb):
     chain, budget = cb

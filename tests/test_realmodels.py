@@ -58,20 +58,13 @@ def _run(chain, share_of_range, backend):
     assert all(abs(d) <= TOLERANCE for d in off.values()), off
 
 
-def _cases(fast):
-    """Each model on both backends; under ``make test`` the eager backend only on ``fast``
-    (the lazy backend checks more), the rest under ``make test-all``."""
-    return [pytest.param(m, b, marks=() if b == "cpu-lazy" or m in fast else pytest.mark.slow)
-            for m in MODELS for b in ("cpu-eager", "cpu-lazy")]
-
-
-@pytest.mark.parametrize("model,backend", _cases(fast={"gpt2"}))
+@pytest.mark.parametrize("backend", ["cpu-eager", "cpu-lazy"])
+@pytest.mark.parametrize("model", list(MODELS))
 def test_trains_bit_exact_at_half_the_peak(profiled, model, backend):
     _run(profiled(model), None, backend)
 
 
-@pytest.mark.parametrize("model", [m if m in {"gpt2", "vit"} else pytest.param(m, marks=pytest.mark.slow)
-                                   for m in MODELS])
+@pytest.mark.parametrize("model", list(MODELS))
 def test_half_the_blocks_frozen(profiled, model):
     """Frozen blocks save nothing for backward (their floor is higher): halfway from the floor to the peak."""
     _run(profiled(model, MODELS[model]["layers"] // 2), 0.5, "cpu-lazy")

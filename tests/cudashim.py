@@ -1,0 +1,277 @@
+"""A fake CUDA for the real ``CudaBackend``: its streams, events and copies on CPU tensors.
+
+``CudaBackend`` (offload/executor/backends.py) has only ever run on a GPU, which this
+project's machines lack.  ``FakeCuda`` installs stand-ins for ``torch.cuda.Stream``,
+``Event``, ``current_stream``, ``stream`` and ``synchronize``, so the backend's own code
+runs unchanged on the CPU, and checks what a GPU would do with it:
+
+* **Deferred copies.** A ``copy_`` issued inside ``torch.cuda.stream(side)`` is queued on
+  that stream, and its destination is poisoned (NaN bytes) until it runs.  Queued work runs
+  as late as the recorded dependencies allow: when the compute stream waits for an event
+  recorded after it (or on ``synchronize``).  The compute stream is the Python thread: its
+  ops run at once, as kernels would be queued in order.  A missing wait makes the backward
+  read poison: wrong gradients, deterministically.
+* **Happens-before.** Every stream keeps a vector clock (recording an event copies it,
+  waiting merges it), and every storage remembers its last write and its reads per stream
+  (the compute stream's through a ``TorchDispatchMode`` over every op).  An access that is
+  not ordered after a conflicting access of another stream is a *race*: a D2H reading an
+  activation compute had not provably finished, an H2D writing a buffer compute may still
+  use, compute reading a prefetched buffer before its H2D, a storage released while its D2H
+  may still read it (``released``: no ``record_stream``, so the free is on the compute
+  stream).  This is ``torch.cuda._sanitizer``'s idea, on fake streams.
+
+Races are collected in ``FakeCuda.races`` (one line each); tests assert there are none,
+and that removing any single ordering call from ``CudaBackend`` produces one.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+POISON = 0xFF
+
+Clock = dict[int, int]
+
+
+def _merge(a: Clock, b: Clock) -> Clock:
+    return {k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()}
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class FakeStream:
+    """A queue of deferred work (side streams) or the Python thread itself (compute)."""
+
+    def __init__(self, cuda: "FakeCuda", name: str, immediate: bool = False) -> None:
+        self.cuda, self.name, self.immediate = cuda, name, immediate
+        self.id = len(cuda.streams)
+        cuda.streams.append(self)
+        self.clock: Clock = {self.id: 1}
+        self.queue: list[Callable[[], None]] = []
+        self.done = 0  # queue entries run so far
+
+    def tick(self) -> int:
+        self.clock[self.id] += 1
+        return self.clock[self.id]
+
+    def run_to(self, n: int) -> None:
+        """Run the queued work up to entry ``n`` (in order)."""
+        while self.done < n:
+            work = self.queue[self.done]
+            self.done += 1
+            work()
+
+    def wait_event(self, event: "FakeEvent") -> None:
+        if event.stream is None:  # never recorded: CUDA makes this a no-op
+            return
+        self.clock = _merge(self.clock, event.clock)
+        if self.immediate:
+            event.stream.run_to(event.position)
+        else:
+            source, position = event.stream, event.position
+            self.queue.append(lambda: source.run_to(position))
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        event = FakeEvent(self.cuda)
+        event.record(other)
+        self.wait_event(event)
+
+    def synchronize(self) -> None:
+        self.run_to(len(self.queue))
+
+    def __repr__(self) -> str:
+        return f"<{self.name} stream>"
+
+
+class FakeEvent:
+    def __init__(self, cuda: "FakeCuda", enable_timing: bool = False) -> None:
+        self.cuda = cuda
+        self.stream: FakeStream | None = None
+        self.position = 0
+        self.clock: Clock = {}
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        stream = stream or self.cuda.current
+        self.stream, self.position, self.clock = stream, len(stream.queue), dict(stream.clock)
+        stream.tick()
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.run_to(self.position)
+
+    def query(self) -> bool:
+        return self.stream is None or self.stream.done >= self.position
+
+
+class _Access:
+    """What a storage has seen: its last write and the latest read per stream, each an epoch."""
+
+    def __init__(self) -> None:
+        self.write: tuple[int, int] | None = None
+        self.reads: dict[int, int] = {}
+
+
+class _SideCopies(TorchFunctionMode):
+    """Inside ``torch.cuda.stream(side)``: ``copy_`` is queued on ``side``, not run."""
+
+    def __init__(self, cuda: "FakeCuda", stream: FakeStream) -> None:
+        super().__init__()
+        self.cuda, self.stream = cuda, stream
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.Tensor.copy_:
+            return func(*args, **kwargs)
+        dst, src = args[0], args[1]
+        self.cuda.side_copy(self.stream, dst, src)
+        return dst
+
+
+class _ComputeAccesses(TorchDispatchMode):
+    """Every op of the compute stream: its reads and writes, checked and recorded."""
+
+    def __init__(self, cuda: "FakeCuda") -> None:
+        super().__init__()
+        self.cuda = cuda
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.cuda.running_side or func.is_view:  # a view reads no data
+            return out
+        compute = self.cuda.compute
+        epoch = compute.tick()
+        written = set()
+        for i, arg in enumerate(func._schema.arguments):
+            alias = arg.alias_info
+            if alias is not None and alias.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in tree_flatten(value)[0]:
+                    if isinstance(t, torch.Tensor):
+                        written.add(_key(t))
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and _key(t) not in written:
+                self.cuda.access(compute, t, "read", epoch, func.__name__)
+        for key in written:
+            self.cuda.access_key(compute, key, "write", epoch, func.__name__)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and _key(t) not in written:
+                self.cuda.access(compute, t, "write", epoch, func.__name__)
+        return out
+
+
+class FakeCuda:
+    """Install with ``with FakeCuda(monkeypatch) as cuda:``; run steps; read ``cuda.races``."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self.monkeypatch = monkeypatch
+        self.streams: list[FakeStream] = []
+        self.compute = FakeStream(self, "compute", immediate=True)
+        self.current = self.compute
+        self.memory: dict[int, _Access] = {}
+        self.races: list[str] = []
+        self.running_side = False
+        self.copies_issued = self.copies_run = 0
+
+    # -- torch.cuda stand-ins
+    def _stream(self, device: Any = None, priority: int = 0) -> FakeStream:
+        return FakeStream(self, f"side{len(self.streams)}")
+
+    def _current_stream(self, device: Any = None) -> FakeStream:
+        return self.current
+
+    @contextlib.contextmanager
+    def _use(self, stream: FakeStream) -> Iterator[None]:
+        previous, self.current = self.current, stream
+        try:
+            if stream is self.compute:
+                yield
+            else:
+                with _SideCopies(self, stream):
+                    yield
+        finally:
+            self.current = previous
+
+    def _synchronize(self, device: Any = None) -> None:
+        for s in self.streams:
+            s.synchronize()
+            self.compute.clock = _merge(self.compute.clock, s.clock)
+
+    def __enter__(self) -> "FakeCuda":
+        mp = self.monkeypatch
+        mp.setattr(torch.cuda, "Stream", self._stream)
+        mp.setattr(torch.cuda, "Event", lambda enable_timing=False, **_: FakeEvent(self, enable_timing))
+        mp.setattr(torch.cuda, "current_stream", self._current_stream)
+        mp.setattr(torch.cuda, "stream", self._use)
+        mp.setattr(torch.cuda, "synchronize", self._synchronize)
+        self._mode = _ComputeAccesses(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """Ops in this block are not the offloaded model's (a reference run): not recorded."""
+        previous, self.running_side = self.running_side, True
+        try:
+            yield
+        finally:
+            self.running_side = previous
+
+    # -- copies and accesses
+    def side_copy(self, stream: FakeStream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue ``dst.copy_(src)`` on ``stream``: checked now (its place in the stream's
+        order), run later; ``dst`` reads as poison until then."""
+        epoch = stream.tick()
+        self.access(stream, src, "read", epoch, "copy_")
+        self.access(stream, dst, "write", epoch, "copy_")
+        self.copies_issued += 1
+        self.running_side = True
+        try:
+            dst.view(torch.uint8).fill_(POISON) if dst.is_contiguous() else None
+        finally:
+            self.running_side = False
+
+        def run() -> None:
+            self.running_side = True
+            try:
+                dst.copy_(src)
+                self.copies_run += 1
+            finally:
+                self.running_side = False
+        stream.queue.append(run)
+
+    def access(self, stream: FakeStream, t: torch.Tensor, kind: str, epoch: int, what: str) -> None:
+        if t.is_sparse or t.untyped_storage().nbytes() == 0:
+            return
+        self.access_key(stream, _key(t), kind, epoch, what)
+
+    def access_key(self, stream: FakeStream, key: int, kind: str, epoch: int, what: str) -> None:
+        record = self.memory.setdefault(key, _Access())
+        seen = stream.clock
+        if record.write is not None:
+            by, at = record.write
+            if by != stream.id and seen.get(by, 0) < at:
+                self.races.append(f"{stream.name} {kind}s ({what}) a storage {self.streams[by].name} wrote, "
+                                  "without waiting for it")
+        if kind == "write":
+            for by, at in record.reads.items():
+                if by != stream.id and seen.get(by, 0) < at:
+                    self.races.append(f"{stream.name} writes ({what}) a storage {self.streams[by].name} reads, "
+                                      "without waiting for it")
+            record.write, record.reads = (stream.id, epoch), {}
+        else:
+            record.reads[stream.id] = max(record.reads.get(stream.id, 0), epoch)
+
+    def freed(self, t: torch.Tensor) -> None:
+        """The compute stream drops ``t``'s storage (the block can be reused by the next kernel)."""
+        self.access(self.compute, t, "write", self.compute.tick(), "free")

@@ -1,0 +1,158 @@
+"""The real ``CudaBackend`` on the CPU, through the fake CUDA of ``tests/cudashim.py``: race
+free and bit-exact as written, and each of its stream-ordering calls shown necessary by
+removing it (a mutation test per call site, found in the source, so a new call is covered)."""
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+from cudashim import FakeCuda
+from offload.executor import Offloaded
+from offload.executor import backends
+from offload.models import resolve
+from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.methods import Options, solve
+from offload.solver.schedule import Offload, make_schedule
+from offload.solver.simulate import simulate
+
+pytestmark = pytest.mark.cudashim
+
+GPT = {"layers": 2, "width": 32, "heads": 4, "seq": 16, "vocab": 50}
+ORDERING = {"wait_event", "wait_stream", "record"}
+
+
+@pytest.fixture(scope="module")
+def chain():
+    return profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=GPT)).chain
+
+
+def schedules(chain):
+    budget = (smallest_feasible_budget(chain) + no_offload_peak(chain)) // 2
+    return {"everything": make_schedule(chain, [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable]),
+            "solved": solve(chain, budget, "relax-lp", Options(heuristic_time_s=0.1)).schedule,
+            "late-release": make_schedule(chain, [Offload(i, chain.L, chain.stage(i).need_from)
+                                                  for i in chain.offloadable])}
+
+
+def checked(backend_class: type, cuda: FakeCuda) -> type:
+    """``backend_class`` as the runtime uses it, with the free of a released storage shown to
+    the fake CUDA (no ``record_stream``: the free is on the compute stream) and plain host
+    slots (no pinned memory without a GPU)."""
+    class Checked(backend_class):
+        pin = False
+
+        def released(self, src: torch.Tensor) -> None:
+            cuda.freed(src)
+            super().released(src)
+    return Checked
+
+
+def train_steps(chain, schedule, backend_class, monkeypatch, steps=2):
+    """``steps`` steps of the GPT under the schedule on the fake CUDA, and of the plain GPT:
+    (races, gradients equal every step, bytes moved, copies issued and run)."""
+    mine, plain = resolve("gpt", 2, GPT), resolve("gpt", 2, GPT)
+    equal = True
+    with FakeCuda(monkeypatch) as cuda:
+        monkeypatch.setitem(backends.BACKENDS, "cuda", checked(backend_class, cuda))
+        run = Offloaded(mine.module, chain, schedule, backend="cuda")
+        for step in range(steps):
+            torch.manual_seed(step)
+            mine.loss(run(*mine.args)).backward()
+            with cuda.outside():
+                torch.manual_seed(step)
+                plain.loss(plain.module(*plain.args)).backward()
+                for a, b in zip(mine.module.parameters(), plain.module.parameters()):
+                    equal &= torch.equal(a.grad, b.grad)
+                    a.grad = b.grad = None
+        torch.cuda.synchronize()
+    return cuda, equal, run.moved_bytes
+
+
+def protocol(backend_class, monkeypatch) -> tuple[FakeCuda, bool]:
+    """The backend's contract called directly, in the tightest order it allows (the runtime
+    adds waits of its own in between, which can hide a missing edge): D2H of a storage into
+    a slot, at once the H2D of that slot (after that D2H, not after a wait of the compute
+    stream), at once the next D2H into the same slot (after that H2D's read), then the
+    waits.  (races, the round trip bit for bit)."""
+    with FakeCuda(monkeypatch) as cuda:
+        backend = checked(backend_class, cuda)(torch.device("cpu"))
+        first, second = torch.randn(256).view(torch.uint8), torch.randn(256).view(torch.uint8)
+        slot = torch.empty(first.numel(), dtype=torch.uint8)
+        d2h = backend.d2h(first, slot, None)
+        buffer = backend.empty(first.numel())
+        h2d = backend.h2d(slot, buffer, d2h)
+        again = backend.d2h(second, slot, h2d)
+        backend.wait(h2d)
+        same = torch.equal(buffer.clone(), first)
+        backend.wait(again)
+        backend.wait(d2h)
+        backend.released(first), backend.released(second)
+        torch.cuda.synchronize()
+    return cuda, same
+
+
+def test_the_protocol_round_trip_is_race_free(monkeypatch):
+    cuda, same = protocol(backends.CudaBackend, monkeypatch)
+    assert cuda.races == [] and same
+
+
+@pytest.mark.parametrize("name", ["everything", "solved", "late-release"])
+def test_the_cuda_backend_is_race_free_and_bit_exact(chain, name, monkeypatch):
+    sched = schedules(chain)[name]
+    cuda, equal, moved = train_steps(chain, sched, backends.CudaBackend, monkeypatch)
+    assert cuda.races == []
+    assert equal
+    sim = simulate(chain, sched.offloads)
+    assert moved == (2 * sim.d2h_bytes, 2 * sim.h2d_bytes) != (0, 0)
+    assert cuda.copies_issued == cuda.copies_run > 0
+
+
+def ordering_calls() -> list[tuple[int, str]]:
+    """(line, source) of every stream-ordering call in ``CudaBackend``."""
+    source = textwrap.dedent(inspect.getsource(backends.CudaBackend))
+    first = inspect.getsourcelines(backends.CudaBackend)[1]
+    calls = [node for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ORDERING]
+    return sorted((first + c.lineno - 1, ast.unparse(c)) for c in calls)
+
+
+class _Drop(ast.NodeTransformer):
+    """The call statement at ``line`` replaced by ``pass``."""
+
+    def __init__(self, line: int) -> None:
+        self.line = line
+
+    def visit_Expr(self, node: ast.Expr) -> ast.AST:
+        if isinstance(node.value, ast.Call) and node.lineno == self.line:
+            return ast.copy_location(ast.Pass(), node)
+        return node
+
+
+def without(line: int) -> type:
+    """``CudaBackend`` compiled from its module's source with the call at ``line`` removed."""
+    path = inspect.getsourcefile(backends)
+    tree = _Drop(line).visit(ast.parse(open(path).read()))
+    namespace = {"__name__": backends.__name__}  # dataclasses look their module up by name
+    exec(compile(ast.fix_missing_locations(tree), path, "exec"), namespace)
+    return namespace["CudaBackend"]
+
+
+def test_the_ordering_calls_are_found():
+    found = [src for _, src in ordering_calls()]
+    assert len(found) >= 7, found
+
+
+@pytest.mark.parametrize("line,call", ordering_calls(), ids=[f"L{n}:{s}" for n, s in ordering_calls()])
+def test_removing_any_ordering_call_is_caught(chain, line, call, monkeypatch):
+    """With the call gone, the fake CUDA reports a race: in training, or in the direct
+    protocol (the runtime's own waits make some edges redundant in training, not in the
+    backend's contract)."""
+    mutant = without(line)
+    direct, _ = protocol(mutant, monkeypatch)
+    trained, _, _ = train_steps(chain, schedules(chain)["everything"], mutant, monkeypatch)
+    assert direct.races or trained.races, f"removing {call!r} (line {line}) went unnoticed"

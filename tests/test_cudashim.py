@@ -156,3 +156,12 @@ def test_removing_any_ordering_call_is_caught(chain, line, call, monkeypatch):
     direct, _ = protocol(mutant, monkeypatch)
     trained, _, _ = train_steps(chain, schedules(chain)["everything"], mutant, monkeypatch)
     assert direct.races or trained.races, f"removing {call!r} (line {line}) went unnoticed"
+
+
+def test_a_forward_on_another_stream_is_refused(chain, monkeypatch):
+    spec = resolve("gpt", 2, GPT)
+    with FakeCuda(monkeypatch) as cuda:
+        monkeypatch.setitem(backends.BACKENDS, "cuda", checked(backends.CudaBackend, cuda))
+        run = Offloaded(spec.module, chain, schedules(chain)["everything"], backend="cuda")
+        with torch.cuda.stream(torch.cuda.Stream()), pytest.raises(RuntimeError, match="one compute stream"):
+            run(*spec.args)

@@ -134,3 +134,24 @@ def test_lossy_encodings_report_the_gradient_difference(chains, tmp_path, capsys
     # bf16 keeps ~3 significant digits; batch norm over 2 samples of 1x1 maps (layer4 at 32 px)
     # amplifies it, so this toy size is far from the 1-2% of larger batches: bounded, not small
     assert 0 < report["grad_rel_diff"][0] < 1
+
+
+def test_an_encoder_is_never_put_on_another_storage(chains):
+    """Encoders are matched to storages by their place in the unit; a storage of another size
+    there (a device whose kernels save other tensors) is refused, not encoded."""
+    import dataclasses
+
+    from offload.errors import ChainMismatch
+    from offload.executor import Offloaded
+    from offload.models import resolve
+    chain = chains["mlp"]
+    sched = encoded_schedules(chain)["offload-encoded"]
+    spec = resolve("mlp", 2, OPTIONS["mlp"])
+    run = Offloaded(spec.module, chain, sched, backend="cpu-lazy")
+    spec.loss(run(*spec.args)).backward()  # as profiled: fine
+    encoders = run.runtime.plan.encoders
+    unit = min(encoders)
+    index = min(encoders[unit])
+    encoders[unit][index] = dataclasses.replace(encoders[unit][index], nbytes=encoders[unit][index].nbytes + 4)
+    with pytest.raises(ChainMismatch, match=f"storage #{index} of U{unit} is .* chosen for a"):
+        run(*spec.args)

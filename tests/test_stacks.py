@@ -234,3 +234,20 @@ def test_offloaded_twice_is_refused(chains):
     run = Offloaded(spec.module, chain, everything(chain))
     with pytest.raises(ValueError, match="already offloaded"):
         Offloaded(run, chain, everything(chain))
+
+
+def test_an_in_place_write_to_a_saved_tensor_is_refused(chains):
+    """Autograd's own check (a saved tensor modified in place) stays on for offloaded ones:
+    here a hook added after profiling writes into a ReLU's output, which the ReLU saved."""
+    chain = chains["mlp"]
+    spec = resolve("mlp", 2, MLP)
+    run = Offloaded(spec.module, chain, everything(chain), backend="cpu-lazy")
+    relu = next(m for m in spec.module.modules() if isinstance(m, torch.nn.ReLU))
+
+    def write_into(module, args, out):
+        out.add_(1.0)
+    relu.register_forward_hook(write_into)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation after it was saved"):
+        spec.loss(run(*spec.args)).backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # as without offloading
+        spec.loss(spec.module(*spec.args)).backward()

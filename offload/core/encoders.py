@@ -16,9 +16,13 @@ hooks.
   arrays of 8 bytes per non-zero, which the mask avoids.
 * ``bf16`` (Gist's delayed precision reduction): bfloat16 for the backward use only.
   Lossy: gradients change, and the executor reports by how much.
+
+``sign-mask`` and ``bf16`` never synchronize the device; ``sparse`` does once per storage
+(the number of non-zeros sizes its blob).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,7 +40,10 @@ class Encoder:
     applies: Callable[[torch.dtype], bool]
 
 
+@functools.lru_cache(maxsize=None)
 def _bits(device: torch.device) -> torch.Tensor:
+    """Bit weights, made once per device: built from a Python list at every call it would be
+    a host-to-device copy (a synchronization) in every pack and unpack hook."""
     return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
 
 

@@ -3,13 +3,17 @@
 Per-tensor pinned allocation in the training loop costs milliseconds each and kills
 overlap (docs/executor.md, "Pitfalls"), so the arena is one buffer sized from the
 schedule (the bytes of all offloaded units, plus alignment), allocated before the first
-step.  Slots are handed out in the order the runtime asks for them (unit, then storage in
+step, and checked against the host memory available to this process (its cgroup's limit
+included) times the ranks on the machine; a pinned chunk is counted at the power of two
+CUDA's host allocator really takes.  Slots are handed out in the order the runtime asks for them (unit, then storage in
 save order), which is the same at every step, so step 2 reuses step 1's offsets.  If a
 step needs more than planned (a storage the chain did not count) the arena grows once, in
 step 1, and says so (``grown``); it never allocates after that.  Each slot remembers the
 last copy that read it (its H2D), which the next D2H into it must wait for.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -26,16 +30,47 @@ def _round(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def footprint(nbytes: int, pin: bool) -> int:
+    """The host memory a chunk really takes: CUDA's caching host allocator rounds a pinned
+    allocation up to a power of two, so the arena uses (and counts) all of it."""
+    return 1 << (nbytes - 1).bit_length() if pin and nbytes > 0 else nbytes
+
+
+CGROUP = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")  # cgroup v2: limit, usage
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as fh:
+            text = fh.read().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
 def available_host_bytes() -> int | None:
-    """The kernel's estimate of memory available without swapping (``MemAvailable``), if it gives one."""
+    """Host memory available without swapping: the kernel's ``MemAvailable``, or less when this
+    process's cgroup (a container's limit) leaves less."""
+    available = None
     try:
         with open("/proc/meminfo", encoding="ascii") as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    limit, usage = (_read_int(p) for p in CGROUP)
+    if limit is not None and usage is not None:
+        available = min(available, limit - usage) if available is not None else limit - usage
+    return available
+
+
+def ranks_on_this_node() -> int:
+    """Processes of a ``torchrun`` job on this machine, each with its own arena."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 _SHORTFALL_HINT = ("the arena holds every offloaded unit at once: free host memory, or solve with a larger budget "
@@ -56,11 +91,12 @@ class HostArena:
             self._add_chunk(planned_bytes + planned_bytes // 50 + 128 * ALIGN)
 
     def _add_chunk(self, nbytes: int) -> None:
-        nbytes = _round(nbytes)
+        nbytes = footprint(_round(nbytes), self.pin)
         kind = "pinned host memory" if self.pin else "host memory"
-        available = available_host_bytes()
-        if available is not None and nbytes > available:
-            raise HostMemoryShortfall(f"the host arena needs {format_bytes(nbytes)} of {kind}, but only "
+        available, ranks = available_host_bytes(), ranks_on_this_node()
+        if available is not None and nbytes * ranks > available:
+            each = f" for each of the {ranks} ranks on this machine" if ranks > 1 else ""
+            raise HostMemoryShortfall(f"the host arena needs {format_bytes(nbytes)} of {kind}{each}, but only "
                                       f"{format_bytes(available)} is available", _SHORTFALL_HINT)
         try:
             with host_allocation():

@@ -112,13 +112,25 @@ class CudaBackend:
         self.device = device
         self.d2h_stream = torch.cuda.Stream(device)
         self.h2d_stream = torch.cuda.Stream(device)
+        self.compute_stream = torch.cuda.current_stream(device)
+
+    def _compute(self) -> torch.cuda.Stream:
+        """The compute stream, checked: the events order copies against one stream, the one
+        current when the executor was built (autograd runs each backward op on its forward's)."""
+        current = torch.cuda.current_stream(self.device)
+        if current != self.compute_stream:
+            raise RuntimeError(f"the model runs on {current}, the executor was built on {self.compute_stream}: "
+                               "offloading orders its copies against one compute stream; run the forward and "
+                               "backward on the stream that was current when Offloaded was built")
+        return current
 
     def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # on the current (compute) stream
+        self._compute()
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # on the compute stream
 
     def _after_compute(self, stream: torch.cuda.Stream) -> None:
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))  # live, never cached
+        ev.record(self._compute())  # live, never cached
         stream.wait_event(ev)
 
     def d2h(self, src: torch.Tensor, slot: torch.Tensor, guard: Copy | None) -> Copy:
@@ -141,7 +153,7 @@ class CudaBackend:
         return Copy("h2d", dst.numel(), event=done, after=after)
 
     def wait(self, copy: Copy) -> None:
-        torch.cuda.current_stream(self.device).wait_event(copy.event)
+        self._compute().wait_event(copy.event)
 
     def released(self, src: torch.Tensor) -> None:
         pass

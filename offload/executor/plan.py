@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offload.solver.chain import Chain
+from offload.solver.chain import Chain, EncodedTensor
 from offload.solver.encoding import encoded_bytes
 from offload.solver.schedule import Schedule
 
@@ -24,7 +24,7 @@ class StepPlan:
     prefetch_at: dict[int, tuple[int, ...]]
     wait_at: dict[int, tuple[int, ...]]
     planned_bytes: int  # all offloaded units' bytes, encoded ones as encoded (the host arena's size)
-    encoders: dict[int, dict[int, str]]  # encoded unit -> storage index -> encoder name
+    encoders: dict[int, dict[int, EncodedTensor]]  # encoded unit -> storage index -> its encoding, as profiled
     unit_bytes: tuple[int, ...]  # per stage 0..L, the bytes its unit saves, as profiled
 
     @classmethod
@@ -46,6 +46,6 @@ class StepPlan:
             prefetch_at={k: tuple(sorted(v, key=lambda i: (-need[i], -i))) for k, v in prefetch.items()},
             wait_at={k: tuple(sorted(v)) for k, v in wait.items()},
             planned_bytes=sum(size.values()),
-            encoders={i: {t.index: t.encoder for t in e.tensors} for i, e in chosen.items()},
+            encoders={i: {t.index: t for t in e.tensors} for i, e in chosen.items()},
             unit_bytes=tuple(int(a) for a in chain.a),
         )

@@ -30,7 +30,7 @@ is refused (the schedule covers one forward and backward at a time).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -61,6 +61,35 @@ class _Stored:
     codec: tuple[Encoder, torch.dtype, int] | None = None  # encoder, dtype and element count of the raw storage
     readers: int = 0  # saved references not yet read by the backward
     decoded: torch.Tensor | None = None  # the raw storage again, from its first reader to its last
+    versions: list[tuple[Callable[[], torch.Tensor | None], int]] = field(default_factory=list)
+
+    # Autograd's check that a saved tensor was not modified in place is off for what a
+    # saved-tensors hook replaces; this does it.  Each saved reference's version counter
+    # (shared by a tensor and its views, and by ``detach()``) is read at pack and again
+    # whenever the step looks (each forward boundary, another save of the storage, the
+    # release, unpack).  Until the release a ``detach()`` alias is held (the step holds the
+    # storage until then anyway), so an in-place write while the D2H may run is always
+    # caught; after it, the saved tensor's base is watched while it lives.
+    def saw(self, t: torch.Tensor) -> None:
+        self.check_versions()
+        self.versions.append((weakref.ref(t if t._base is None else t._base), t._version))
+        if self.device is not None and self.codec is None:
+            alias = t.detach()
+            self.versions.append((lambda: alias, t._version))
+
+    def check_versions(self) -> None:
+        for owner, version in self.versions:
+            alias = owner()
+            if alias is not None and alias._version != version:
+                raise RuntimeError(f"a tensor saved for the backward (in U{self.unit}, {alias.dtype} {list(alias.shape)})"
+                                   f" was modified by an in-place operation after it was saved (version "
+                                   f"{alias._version}, saved at {version}): without offloading autograd refuses this "
+                                   "too; with it the copy could hold either value")
+
+    def drop_aliases(self) -> None:
+        """Before the step lets go of the device storage: checked a last time, its aliases dropped."""
+        self.check_versions()
+        self.versions = [(owner, v) for owner, v in self.versions if isinstance(owner, weakref.ref)]
 
 
 @dataclass(frozen=True)
@@ -96,18 +125,25 @@ class _Step(StageListener):
         if sid is None:
             return t
         self.stored[sid].readers += 1
+        self.stored[sid].saw(t)
         return _Handle(self, sid, t.dtype, t.size(), t.stride(), t.storage_offset())
 
     def _hold(self, key: int, t: torch.Tensor, unit: int, index: int) -> None:
         """Take a new storage of ``unit`` into the step's hands if the schedule moves or encodes it."""
         self.sid.pop(key, None)  # an address reused by a new storage
-        encoder = self.plan.encoders.get(unit, {}).get(index)
-        if unit not in self.plan.offloaded and encoder is None:
+        encoding = self.plan.encoders.get(unit, {}).get(index)
+        if unit not in self.plan.offloaded and encoding is None:
             return
         sid = len(self.stored)
-        if encoder is not None:
+        if encoding is not None:
             flat = flat_storage(t)
-            codec = (ENCODERS[encoder], flat.dtype, flat.numel())
+            if flat.numel() * flat.element_size() != encoding.nbytes:
+                # matched by position: another storage there (another device's kernels save
+                # other tensors) must not get an encoder chosen for what was profiled
+                raise ChainMismatch(f"storage #{index} of U{unit} is {flat.numel() * flat.element_size()} B; the chain's "
+                                    f"{encoding.encoder} encoding was chosen for a {encoding.nbytes} B storage there",
+                                    "profile the model on the device and setup it trains on, then solve again")
+            codec = (ENCODERS[encoding.encoder], flat.dtype, flat.numel())
             held = codec[0].encode(flat)  # the raw storage dies with the forward's last use of it
             self.runtime.encoded_bytes += held.numel()
         else:
@@ -125,6 +161,7 @@ class _Step(StageListener):
         if isinstance(packed, torch.Tensor):
             return packed
         s = packed.step.stored[packed.sid]
+        s.check_versions()
         if s.buffer is None:
             raise RuntimeError(f"U{s.unit} is read by the backward but was not prefetched: the schedule and the "
                                "model disagree on need_from")
@@ -142,6 +179,8 @@ class _Step(StageListener):
 
     # -------------------------------------------------------------- boundaries
     def forward_boundary(self, k: int) -> None:
+        for s in self.stored:
+            s.check_versions()
         if k == self.plan.L:
             return  # the model returned; the loss still belongs to F_L (the turn is at the backward's start)
         self._check_unit(k)
@@ -175,6 +214,7 @@ class _Step(StageListener):
             for sid in self.units[i]:
                 s = self.stored[sid]
                 self.backend.wait(s.d2h)
+                s.drop_aliases()
                 self.backend.released(s.device)
                 s.device = None
                 s.d2h.keep.clear()

@@ -78,14 +78,14 @@ def test_cli_sweep_plot_timeline_trace(tmp_path, capsys):
     save_chain(chain, tmp_path / "c.json")
     c, csv_path = str(tmp_path / "c.json"), str(tmp_path / "r.csv")
     assert offload(["sweep", c, "--budgets", "20%:100%:3", "--methods", "ilp,relax-lp,vdnn-all,save-on-cpu",
-                    "-j", "1", "-q", "-o", csv_path]) == 0
+                    "-j", "1", "--heuristic-time", "0.1", "-q", "-o", csv_path]) == 0
     out = capsys.readouterr().out
     assert "feasible from" in out and "wrote" in out
     assert offload(["plot", csv_path, "-o", str(tmp_path / "m.png"), "--title", "t"]) == 0
     h, w = _is_png(tmp_path / "m.png")
     assert w > 600 and h > 400
     budget = (smallest_feasible_budget(chain) + no_offload_peak(chain)) // 2
-    save_schedule(solve(chain, budget, "ilp").schedule, chain, tmp_path / "s.json")
+    save_schedule(solve(chain, budget, "ilp", Options(heuristic_time_s=0.1)).schedule, chain, tmp_path / "s.json")
     assert offload(["plot", "--timeline", c, str(tmp_path / "s.json"), "-o", str(tmp_path / "t.png")]) == 0
     _is_png(tmp_path / "t.png")
     assert offload(["plot", "--timeline", c, str(tmp_path / "s.json"), "-o", str(tmp_path / "t.svg")]) == 0
@@ -96,7 +96,7 @@ def test_cli_sweep_plot_timeline_trace(tmp_path, capsys):
     assert all(e["ph"] in ("X", "C", "M") and isinstance(e["pid"], int) for e in events)
     spans = [e for e in events if e["ph"] == "X"]
     assert all(isinstance(e["ts"], float) and e["dur"] >= 0 and isinstance(e["tid"], int) for e in spans)
-    sim = simulate(chain, solve(chain, budget, "ilp").schedule.offloads)
+    sim = simulate(chain, solve(chain, budget, "ilp", Options(heuristic_time_s=0.1)).schedule.offloads)
     compute = sum(e["dur"] for e in spans if e["tid"] == 1)  # ops and stalls tile the step
     assert compute == pytest.approx(sim.makespan_s * 1e6)
     assert sum(e["args"].get("bytes", 0) for e in spans if e["tid"] == 2) == sim.d2h_bytes

@@ -157,7 +157,7 @@ def test_warm_start_is_the_least_solution_with_encodings(cb):
     assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
 
 
-@settings(max_examples=30, **SETTINGS)
+@settings(max_examples=20, **SETTINGS)
 @given(chain_and_budget(max_stages=6, encodings=True))
 def test_every_method_with_encodings_replays_within_budget_and_ilp_is_best(cb):
     chain, budget = cb
@@ -178,13 +178,13 @@ def test_every_method_with_encodings_replays_within_budget_and_ilp_is_best(cb):
         assert ilp.simulation.makespan_s <= replay.makespan_s * (1 + REL), name
 
 
-@settings(max_examples=6, **SETTINGS)
+@settings(max_examples=15, **SETTINGS)
 @given(chain_and_budget(max_stages=6, encodings=True))
 def test_encodings_never_hurt_the_optimum(cb):
     chain, budget = cb
     if budget < smallest_feasible_budget(chain):
         return  # only feasible with encodings
-    plain = solve(chain, budget, "ilp", Options(gap=0.0, encodings="none")).simulation.makespan_s
+    plain = solve(chain, budget, "ilp", Options(gap=0.0, heuristic_time_s=0.02, encodings="none")).simulation.makespan_s
     assert solve(chain, budget, "ilp", EXACT).simulation.makespan_s <= plain * (1 + REL)
 
 

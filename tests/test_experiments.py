@@ -5,6 +5,8 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
+
 from experiments import bench_executor, demo
 
 
@@ -12,6 +14,7 @@ def _is_png(path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # the benchmark's own run; make test-all (and make bench on a GPU) run it
 def test_bench_executor_writes_a_row_per_model(tmp_path, capsys):
     assert bench_executor.main(["--set", "tiny", "--models", "gpt", "--device", "cpu", "--steps", "2",
                                 "--repeats", "1", "--out", str(tmp_path)]) == 0

@@ -180,7 +180,7 @@ def zoo_densenet():
 
 def test_cbc_is_used_when_asked():
     chain = synthetic_chain(6, seed=1)
-    res = solve(chain, _budget(chain, 0.3), "ilp", dataclasses.replace(Options(), solver="cbc"))
+    res = solve(chain, _budget(chain, 0.3), "ilp", dataclasses.replace(Options(heuristic_time_s=0.1), solver="cbc"))
     assert res.info["backend"] == "cbc"
 
 

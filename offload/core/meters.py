@@ -134,6 +134,9 @@ class CudaMeter:
     def track(self, tensors: Iterable[Any]) -> None:  # the allocator already sees everything
         pass
 
+    def ignore(self, tensors: Iterable[Any]) -> None:  # pinned host memory is not in its counters
+        pass
+
     @property
     def live(self) -> int:
         return torch.cuda.memory_allocated(self.device)

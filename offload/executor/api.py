@@ -20,12 +20,16 @@ belong to the chain.  Every forward checks its batch against the profiled one.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+import time
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from offload.core.devices import persistent_tensors
+from offload.core.meters import make_meter
 from offload.core.staging import Site, Staging, unwrap
 from offload.errors import ChainMismatch
 from offload.models.spec import signature
@@ -33,6 +37,7 @@ from offload.solver.chain import Chain
 from offload.solver.chainfile import load_chain
 from offload.solver.schedule import Schedule
 from offload.solver.schedulefile import load_schedule
+from offload.solver.simulate import simulate
 
 from .backends import make_backend
 from .plan import StepPlan
@@ -111,6 +116,48 @@ class Offloaded(nn.Module):
                 return f"under autocast to {dtype}" if dtype else "without autocast"
             raise ChainMismatch(f"this forward runs {say(autocast)}; the chain was profiled {say(self.chain.recipe.autocast)}",
                                 "profile with the autocast the training uses (offload profile --autocast DTYPE)")
+
+    @contextlib.contextmanager
+    def measured(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[dict[str, Any]]:
+        """Measure the training steps run in this block, next to the chain's prediction::
+
+            with run.measured(optimizer) as report:
+                for x, y in batches: ...           # forward, backward, optimizer step
+            print(report["measured"]["peak_bytes"], report["predicted"]["peak_bytes"])
+
+        On exit ``report`` holds ``steps``, ``measured`` (the activation peak: the most bytes
+        live on the device during any forward or backward op, above what was live when the
+        block began, so a batch made inside the block counts; the optimizer step is left
+        out, as in the chain; the bytes moved and the seconds, per step, the optimizer step
+        included) and ``predicted`` (the simulator's activation peak, bytes moved and step
+        time).  On a GPU the allocator's counters measure (each op boundary synchronizes the
+        device); on the CPU exact tensor accounting does, which slows the steps."""
+        device = self.runtime.device
+        meter = make_meter(device)
+        meter.ignore(self.runtime.arena.chunks)  # host memory, even when the device is the CPU
+        meter.track(persistent_tensors(self.module, optimizer, device))
+        steps, moved = self.runtime.steps, self.moved_bytes
+        report: dict[str, Any] = {}
+        self.runtime.op_peaks = {}
+        try:
+            with meter:
+                start = meter.live
+                self.runtime.meter = meter  # read at every op's end, the optimizer step left out
+                t0 = time.perf_counter()
+                yield report
+                seconds = time.perf_counter() - t0
+        finally:
+            self.runtime.meter = None
+            meter.close()
+        done = self.runtime.steps - steps
+        per = max(done, 1)
+        sim = simulate(self.chain, self.schedule.offloads, encode=self.schedule.encode)
+        report.update(steps=done, measured={
+            "peak_bytes": max(self.runtime.op_peaks.values(), default=start) - start, "step_s": seconds / per,
+            "d2h_bytes_per_step": (self.moved_bytes[0] - moved[0]) // per,
+            "h2d_bytes_per_step": (self.moved_bytes[1] - moved[1]) // per},
+            predicted={"peak_bytes": sim.peak_bytes, "step_s": sim.makespan_s, "d2h_bytes_per_step": sim.d2h_bytes,
+                       "h2d_bytes_per_step": sim.h2d_bytes})
 
     @property
     def moved_bytes(self) -> tuple[int, int]:

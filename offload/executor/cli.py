@@ -3,7 +3,9 @@ parser only); torch is imported when the command runs."""
 from __future__ import annotations
 
 import argparse
+import sys
 
+from offload.errors import OffloadError
 from offload.solver.argtypes import integer, number
 from offload.solver.chainfile import OPTIMIZERS, load_chain
 from offload.solver.fileio import check_output, write_json
@@ -16,7 +18,8 @@ BACKENDS = ("cuda", "cpu-eager", "cpu-lazy")  # offload.executor.backends implem
 def _print_report(r: dict) -> None:
     m, p = r["measured"], r["predicted"]
     print(printable(f"trained {r['model']} for {r['steps_done']} of {r['steps']} steps with {r['method'] or 'the'} "
-                    f"schedule on {r['device']} ({r['backend']})"))
+                    f"schedule on {r['device']} ({r['backend']})"
+                    + (f", rank 0 of {r['ranks']} (each rank checks its own gradients)" if r["ranks"] > 1 else "")))
     if m["peak_bytes"] is None:
         return
     print(f"{'':<14}{'measured':>16}{'predicted':>16}")
@@ -59,7 +62,26 @@ def _print_report(r: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from . import distributed
+    if distributed.world_size() == 1:
+        if args.nproc > 1:
+            return distributed.launch(args.argv, args.nproc)
+        return _train(args)
+    try:  # one rank of `--nproc N`
+        code = _train(args)
+    except OffloadError as exc:
+        print(f"offload train: error on rank {distributed.rank()}: {printable(exc)}", file=sys.stderr)
+        if exc.hint:
+            print(f"  hint: {printable(exc.hint)}", file=sys.stderr)
+        code = exc.exit_code
+    distributed.finish(code)
+    return code
+
+
+def _train(args: argparse.Namespace) -> int:
+    from . import distributed
     from .train import TrainOptions, train
+    speaks = distributed.rank() == 0  # one report for the job
     inputs = [args.chain, args.schedule]
     for path in (args.report, args.trace):
         if path:
@@ -70,15 +92,16 @@ def cmd_train(args: argparse.Namespace) -> int:
                         lr=args.lr, check_grads=args.check_grads, compare=args.compare, trace=args.trace,
                         op_memory=args.op_memory)
     report, error = train(args.model, chain, schedule, opts, batch=args.batch)
-    if args.report:
+    if args.report and speaks:
         write_json(args.report, report, inputs)
-    _print_report(report)
-    if args.report:
+    if speaks:
+        _print_report(report)
+    if args.report and speaks:
         print(f"wrote {args.report}")
     if error is not None:
         raise error
     if report["grads_match"] is False and not report["lossy"]:
-        print("error: gradients differ from training without offloading")
+        print(f"error: gradients differ from training without offloading (rank {distributed.rank()})")
         return 7
     return 0
 
@@ -118,4 +141,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="read memory at every op's end in step 1 and compare each op with the simulator's (report: "
                         "measured.op_peak_bytes, predicted.op_bytes); on a GPU this synchronizes step 1 at every boundary")
     p.add_argument("--report", metavar="JSON", help="write the run report here (also when a step fails its budget)")
+    p.add_argument("--nproc", type=integer(1, 1024), default=1, metavar="N",
+                   help="data-parallel ranks on this machine (through torch.distributed.run: gloo on the CPU, one GPU "
+                        "each with NCCL); every rank trains DDP(model) staged with the schedule on its own batch, "
+                        "rank 0 reports (default 1)")
     p.set_defaults(func=cmd_train)

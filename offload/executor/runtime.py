@@ -242,6 +242,8 @@ class _Step(StageListener):
                 self.backend.wait(self.stored[sid].h2d)
         if k == 1:
             self.finished = True
+            if self.runtime.meter is not None:  # B1 ends with the backward, before the optimizer step
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self.runtime.read("B1"))
 
     def _free(self, unit: int) -> None:
         for sid in self.units.get(unit, ()):
@@ -291,6 +293,7 @@ class OffloadRuntime:
         module = self.staging.module
         excluded = [*module.parameters(), *module.buffers(), *tensors_in((args, kwargs))]
         step = _Step(self, excluded)
+        self.read(None)  # what ran since the last backward (the optimizer step, data loading) is no op's
         self._last = weakref.ref(step)  # alive as long as its autograd graph holds a handle or a boundary
         self.steps += 1
         self.arena.start_step()

@@ -21,6 +21,7 @@ from offload.solver.encoding import lossy_stages
 from offload.solver.schedule import Schedule
 from offload.solver.simulate import Simulation, simulate
 
+from . import distributed
 from .api import stage_like_chain
 from .backends import make_backend
 from .checks import GradCheck, compare_baselines, trace_step
@@ -59,6 +60,13 @@ def build_like_chain(chain: Chain, device: torch.device, model: str | None = Non
     return spec
 
 
+def _rank_model(chain: Chain, device: torch.device, model: str | None = None) -> ModelSpec:
+    """The chain's model with this rank's batch (``offload train --nproc``; rank 0: the recipe's)."""
+    spec = build_like_chain(chain, device, model)
+    spec.args, spec.kwargs = distributed.own_batch(spec.args, spec.kwargs)
+    return spec
+
+
 def _with_grads(module: torch.nn.Module) -> list[torch.Tensor]:
     """The trainable parameters, their gradients allocated (constant ``base_bytes``, as profiled)."""
     params = [p for p in module.parameters() if p.requires_grad]
@@ -75,12 +83,20 @@ def train(model: str | None, chain: Chain, schedule: Schedule, opts: TrainOption
         raise ChainMismatch(f"the chain was profiled at batch {chain.recipe.batch}, not {batch}",
                             f"use --batch {chain.recipe.batch}, or profile and solve again at batch {batch}")
     device = pick_device(opts.device)
+    ranks = distributed.world_size()
+    if ranks > 1:
+        device = distributed.start(device)
     backend = make_backend(opts.backend, device)
-    spec = build_like_chain(chain, device, model)
-    staging = stage_like_chain(spec.module, chain)
+    spec = _rank_model(chain, device, model)
+    staging = stage_like_chain(spec.module if ranks == 1 else distributed.wrap(spec.module), chain)
     params = _with_grads(spec.module)
     optimizer = make_optimizer(opts.optimizer or chain.recipe.optimizer, params, opts.lr)
-    check = GradCheck(build_like_chain(chain, device), params, device) if opts.check_grads else None
+    check = None
+    if opts.check_grads:
+        reference = _rank_model(chain, device)
+        if ranks > 1:  # all-reduced like ours
+            reference.module = distributed.wrap(reference.module)
+        check = GradCheck(reference, params, device)
     base = schedule.budget.base(chain) if schedule.budget else 0
     trainer = Trainer(spec, params, optimizer, device)
     runtime, error = None, None
@@ -125,7 +141,7 @@ def _report(chain: Chain, schedule: Schedule, opts: TrainOptions, backend: str, 
     arena = runtime.arena if runtime else None
     return {
         "model": chain.recipe.model, "chain": {"name": chain.name, "sha256": chain.sha256}, "method": schedule.method,
-        "backend": backend, "device": str(device), "steps": opts.steps, "steps_done": len(run.peaks),
+        "backend": backend, "device": str(device), "ranks": distributed.world_size(), "steps": opts.steps, "steps_done": len(run.peaks),
         "budget_bytes": schedule.budget.nbytes if schedule.budget else None,
         "budget_scope": schedule.budget.scope if schedule.budget else None,
         "measured": {

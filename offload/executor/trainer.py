@@ -177,7 +177,7 @@ class _Metering:
                 gc.collect()  # reference cycles (closures over tensors) are only freed by the collector
                 peak, live = meter.boundary()  # the batch still alive: it is in m0
                 if probing:
-                    self.runtime.op_peaks["B1"] = peak
+                    self.runtime.op_peaks["B1"] = max(peak, self.runtime.op_peaks.get("B1", 0))
                     self.run.op_peaks = {op: p - m0 for op, p in self.runtime.op_peaks.items()}
                     peak = max(self.runtime.op_peaks.values())
         finally:

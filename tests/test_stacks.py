@@ -187,7 +187,24 @@ def test_autocast_bfloat16():
     are held as profiled, every op's memory as predicted, gradients bit for bit."""
     chain = profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=GPT, autocast="bfloat16")).chain
     assert chain.recipe.autocast == "bfloat16"
+    assert sum(s.held_bytes for s in chain.stages) < 1024  # the weights' casts are in no unit
     check_train(chain, *reversed(halfway(chain)))
+
+
+def test_a_weights_autocast_copy_is_never_offloaded():
+    """Under autocast a linear layer saves the bf16 casts of its input and of its weight (as a
+    transposed view); the weight's cast lives in autocast's cache for the whole forward, so
+    it belongs to no unit (moving it would free nothing); the input's cast does."""
+    from offload.core.units import UnitTracker
+    layer, x = torch.nn.Linear(8, 8), torch.randn(2, 8, requires_grad=True)
+    tracker, units = UnitTracker(torch.device("cpu"), []), []
+
+    def pack(t):
+        units.append((tuple(t.shape), tracker.saw(t) is not None))
+        return t
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    assert units == [((2, 8), True), ((8, 8), False)]
 
 
 @pytest.mark.parametrize("reentrant", [0, 1])

@@ -42,10 +42,19 @@ def movable(t: torch.Tensor, device: torch.device) -> bool:
 
 
 def is_weight(t: torch.Tensor) -> bool:
-    """A parameter or a view of one, recognized by type when it is saved: FSDP2's gathered
-    weights are parameters registered during the forward, after any snapshot of them, and
-    its reshard frees their storage behind every holder."""
-    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+    """A parameter, a view of one, or autocast's cast of one, recognized when it is saved:
+    FSDP2's gathered weights are parameters registered during the forward, after any
+    snapshot of them, and its reshard frees their storage behind every holder; autocast
+    caches a weight's cast for the whole forward, so moving it would free nothing."""
+    return any(isinstance(x, torch.nn.Parameter) or _cast_of_parameter(x) for x in (t, t._base) if x is not None)
+
+
+def _cast_of_parameter(t: torch.Tensor) -> bool:
+    """``t`` is a dtype cast of a parameter (``ToCopyBackward0`` -> its ``AccumulateGrad``)."""
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    return isinstance(getattr(fn.next_functions[0][0], "variable", None), torch.nn.Parameter)
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,34 @@ def test_the_api_measures_its_steps_against_the_prediction(chains, schedule):
     assert 0 <= p["peak_bytes"] - m["peak_bytes"] <= TOLERANCE
 
 
+def test_gradients_freed_between_steps():
+    """Profiled with ``--set-to-none`` (PyTorch's default ``zero_grad``): the gradients leave
+    ``base_bytes`` and are counted in the backward ops that allocate them; ``offload train``
+    and a user's loop with ``zero_grad()`` measure what was predicted; a loop that keeps
+    them allocated is refused (it would exceed every op's prediction)."""
+    kept = profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=GPT)).chain
+    chain = profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=GPT, set_to_none=True)).chain
+    grads = sum(p.numel() * p.element_size() for p in resolve("gpt", 2, GPT).module.parameters())
+    assert chain.recipe.set_to_none and kept.base_bytes - chain.base_bytes == grads
+    budget, sched = halfway(chain)
+    check_train(chain, sched, budget)
+    spec = resolve("gpt", 2, GPT)
+    run = Offloaded(spec.module, chain, sched, backend="cpu-lazy")
+    optimizer = torch.optim.Adam(run.parameters())
+
+    def step():
+        spec.loss(run(*spec.args)).backward()
+        optimizer.step(), optimizer.zero_grad()
+    step()
+    with run.measured(optimizer) as report:
+        step(), step()
+    assert 0 <= report["predicted"]["peak_bytes"] - report["measured"]["peak_bytes"] <= TOLERANCE
+    spec.loss(run(*spec.args)).backward()
+    optimizer.zero_grad(set_to_none=False)
+    with pytest.raises(ChainMismatch, match="gradients are allocated at this forward"):
+        run(*spec.args)
+
+
 # -- guard rails ---------------------------------------------------------------------------
 
 def test_a_forward_that_saves_other_tensors_is_refused(chains):

@@ -102,7 +102,8 @@ class Offloaded(nn.Module):
 
     @torch.compiler.disable
     def _check_batch(self, args: tuple, kwargs: dict) -> None:
-        """The batch's names, dtypes and shapes and the autocast state, as profiled."""
+        """The batch's names, dtypes and shapes, the autocast state and (for a chain profiled
+        with freed gradients) the gradients, as profiled."""
         expected = self.chain.recipe.inputs
         got = signature(args, kwargs)
         if expected and got != expected:
@@ -116,6 +117,13 @@ class Offloaded(nn.Module):
                 return f"under autocast to {dtype}" if dtype else "without autocast"
             raise ChainMismatch(f"this forward runs {say(autocast)}; the chain was profiled {say(self.chain.recipe.autocast)}",
                                 "profile with the autocast the training uses (offload profile --autocast DTYPE)")
+        # Gradients kept allocated while the chain counts them only from the backward on would
+        # put the whole step over its prediction (the other way round it is an upper bound).
+        if self.chain.recipe.set_to_none and any(p.grad is not None for p in self.module.parameters()):
+            raise ChainMismatch("the gradients are allocated at this forward; the chain was profiled with them freed "
+                                "between steps (set_to_none), so it does not count them before the backward",
+                                "call optimizer.zero_grad() (set_to_none=True) before each forward, or profile "
+                                "without --set-to-none")
 
     @contextlib.contextmanager
     def measured(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[dict[str, Any]]:

@@ -54,7 +54,7 @@ def build_like_chain(chain: Chain, device: torch.device, model: str | None = Non
         raise ChainMismatch(f"the chain was profiled from {r.model!r}, not {model!r}",
                             "train the model the chain was made from, or profile this one")
     spec = resolve(r.model, r.batch, dict(r.options), r.seed)
-    spec.autocast = r.autocast
+    spec.autocast, spec.set_to_none = r.autocast, r.set_to_none
     with running(f"running {r.model}"):
         spec.place(device, DTYPES[r.dtype])
     return spec
@@ -67,11 +67,12 @@ def _rank_model(chain: Chain, device: torch.device, model: str | None = None) ->
     return spec
 
 
-def _with_grads(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The trainable parameters, their gradients allocated (constant ``base_bytes``, as profiled)."""
-    params = [p for p in module.parameters() if p.requires_grad]
+def _with_grads(spec: ModelSpec) -> list[torch.Tensor]:
+    """The trainable parameters, their gradients allocated (constant ``base_bytes``, as profiled;
+    with ``set_to_none`` the backward allocates them)."""
+    params = [p for p in spec.module.parameters() if p.requires_grad]
     for p in params:
-        p.grad = torch.zeros_like(p)
+        p.grad = None if spec.set_to_none else torch.zeros_like(p)
     return params
 
 
@@ -89,7 +90,7 @@ def train(model: str | None, chain: Chain, schedule: Schedule, opts: TrainOption
     backend = make_backend(opts.backend, device)
     spec = _rank_model(chain, device, model)
     staging = stage_like_chain(spec.module if ranks == 1 else distributed.wrap(spec.module), chain)
-    params = _with_grads(spec.module)
+    params = _with_grads(spec)
     optimizer = make_optimizer(opts.optimizer or chain.recipe.optimizer, params, opts.lr)
     check = None
     if opts.check_grads:

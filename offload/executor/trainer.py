@@ -100,8 +100,7 @@ class Trainer:
     def finish_step(self) -> None:
         if self.optimizer is not None:
             self.optimizer.step()
-        for p in self.params:
-            p.grad.zero_()
+        self.spec.zero_grads(self.params)
 
     def measure(self, steps: int, forward: Forward, wrap: Callable[[], ContextManager] = contextlib.nullcontext,
                 hooks: StepHooks | None = None, runtime: OffloadRuntime | None = None,

@@ -66,6 +66,15 @@ class ModelSpec:
     description: str = ""
     options: dict[str, Any] = field(default_factory=dict)
     autocast: str | None = None  # "bfloat16" | "float16": forward and loss run under torch.autocast
+    set_to_none: bool = False  # the loop frees gradients between steps (zero_grad(set_to_none=True))
+
+    def zero_grads(self, params: list[torch.Tensor]) -> None:
+        """Between steps: the gradients freed, or zeroed in place (then they stay allocated)."""
+        for p in params:
+            if self.set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
     def autocasting(self) -> contextlib.AbstractContextManager:
         """The autocast the step's forward and loss run under (none unless ``autocast``)."""

@@ -48,7 +48,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     opts = ProfileOptions(batch=args.batch, device=args.device, dtype=args.dtype, optimizer=args.optimizer,
                           repeats=args.repeats, warmup=args.warmup, stages=args.stages,
                           options=parse_options(args.option), seed=args.seed, platform=_platform(args), name=args.name,
-                          encodings=not args.no_encodings, autocast=args.autocast)
+                          encodings=not args.no_encodings, autocast=args.autocast,
+                          set_to_none=args.set_to_none)
     per_measure = 2 + opts.repeats  # warm-up, memory pass, the timed steps (twice with --stages)
     with tqdm(total=2 + per_measure * (2 if opts.stages else 1) + opts.encodings, desc=f"profiling {args.model}",
               unit="step", file=sys.stderr, disable=args.quiet, leave=False) as bar:
@@ -97,6 +98,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--autocast", choices=AUTOCAST, default=None,
                    help="run forward and loss under torch.autocast to this dtype, as the training will (the "
                         "executor refuses a run under another autocast)")
+    p.add_argument("--set-to-none", action="store_true",
+                   help="free the gradients between steps (optimizer.zero_grad(set_to_none=True), PyTorch's default) "
+                        "as the training will: they are then allocated during the backward and counted there, not "
+                        "in base_bytes (default: zeroed in place, allocated all along)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
                    help="its state counts in base_bytes (default adam: two moments per weight)")
     p.add_argument("--repeats", type=integer(1, 1000), default=5,

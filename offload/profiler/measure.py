@@ -116,9 +116,7 @@ class StepRunner:
             return self.spec.loss(self.spec.module(*args, **kwargs))
 
     def zero_grads(self) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.zero_()
+        self.spec.zero_grads(self.params)
 
     def sync(self) -> None:
         if self.device.type == "cuda":

@@ -52,6 +52,7 @@ class ProfileOptions:
     name: str | None = None
     encodings: bool = True  # find and measure encodable storages (profiler.encodable)
     autocast: str | None = None  # "bfloat16" | "float16": forward and loss under torch.autocast
+    set_to_none: bool = False  # zero_grad(set_to_none=True) between steps, as the training will
 
 
 @dataclass
@@ -97,7 +98,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     _check(opts)
     device = pick_device(opts.device)
     spec = resolve(model, opts.batch, opts.options, opts.seed)
-    spec.autocast = opts.autocast
+    spec.autocast, spec.set_to_none = opts.autocast, opts.set_to_none
 
     def forward_and_loss() -> torch.Tensor:
         with spec.autocasting():
@@ -148,7 +149,8 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
         source["notes"] = stages.notes
     recipe = Recipe(model=model, batch=opts.batch, options=dict(spec.options), dtype=opts.dtype, seed=opts.seed,
                     optimizer=opts.optimizer, cuts=tuple(c.text for c in stages.cuts),
-                    inputs=signature(spec.args, spec.kwargs), autocast=opts.autocast)
+                    inputs=signature(spec.args, spec.kwargs), autocast=opts.autocast,
+                    set_to_none=opts.set_to_none)
     rows = [Stage(name=info.name, kind=info.kind, fwd_s=s.fwd_s, bwd_s=s.bwd_s, saved_bytes=s.saved_bytes,
                   fwd_peak_bytes=s.fwd_peak_bytes, bwd_peak_bytes=s.bwd_peak_bytes, need_from=s.need_from, encodings=enc,
                   held_bytes=s.held_bytes, held_until=s.held_until)

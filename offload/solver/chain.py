@@ -123,7 +123,9 @@ class Recipe:
     batch size, dtype and seed, the optimizer (its state is ``base_bytes``), the call sites
     where stages end (``offload.core.staging.Site`` texts) and the signature of the batch
     (``name:dtype[shape]`` per input tensor: ``0:float32[8,3,224,224]``, ``input_ids:int64[8,128]``)
-    and the autocast dtype the forward and loss ran under, if any.
+    and the autocast dtype the forward and loss ran under, if any, and whether gradients were
+    freed between steps (``zero_grad(set_to_none=True)``: then they are allocated during the
+    backward and counted in its ops' memory, not in ``base_bytes``).
     Part of the chain's identity: a schedule made for one recipe is refused for another."""
 
     model: str
@@ -135,6 +137,7 @@ class Recipe:
     cuts: tuple[str, ...] = ()
     inputs: tuple[str, ...] = ()
     autocast: str | None = None  # "bfloat16" | "float16": profiled under torch.autocast to this dtype
+    set_to_none: bool = False  # gradients freed between steps, allocated by the backward
 
 
 @dataclass(frozen=True)

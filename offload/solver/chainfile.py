@@ -33,7 +33,7 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
-_RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast"}
+_RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none"}
 AUTOCAST = ("bfloat16", "float16")
 _INPUT = re.compile(r"[^:]+:[a-z0-9]+\[[0-9,]*\]")
 
@@ -108,7 +108,8 @@ def recipe_from_dict(d: Any) -> Recipe:
         raise FormatError(f"'recipe.autocast' must be one of {', '.join(AUTOCAST)} or absent, got {autocast!r}")
     return Recipe(model=v.string(d, "model", "recipe"), batch=v.whole(d, "batch", "recipe", 1, 2 ** 31),
                   options=dict(options), dtype=dtype, seed=v.whole(d, "seed", "recipe", 0, 2 ** 63) if "seed" in d else 0,
-                  optimizer=optimizer, cuts=tuple(cuts), inputs=tuple(inputs), autocast=autocast)
+                  optimizer=optimizer, cuts=tuple(cuts), inputs=tuple(inputs), autocast=autocast,
+                  set_to_none=v.flag(d, "set_to_none", "recipe", False))
 
 
 def _stage(s: Any, i: int, L: int) -> Stage:
@@ -189,6 +190,8 @@ def to_dict(chain: Chain) -> dict:
                          "seed": r.seed, "optimizer": r.optimizer, "cuts": list(r.cuts), "inputs": list(r.inputs)}
         if r.autocast is not None:  # absent otherwise: chains from before autocast keep their sha256
             doc["recipe"]["autocast"] = r.autocast
+        if r.set_to_none:  # the same
+            doc["recipe"]["set_to_none"] = True
     return doc
 
 

@@ -49,9 +49,8 @@ def halfway(chain):
     return budget, solve(chain, budget, "relax-lp", Options(heuristic_time_s=0.1)).schedule
 
 
-def check_train(chain, sched, budget=None, under=0):
-    """``offload train``'s own check: gradients bit for bit, every op's memory as predicted
-    (at most ``under`` bytes above it)."""
+def check_train(chain, sched, budget=None):
+    """``offload train``'s own check: gradients bit for bit, every op's memory as predicted."""
     for backend in ("cpu-eager", "cpu-lazy"):
         report, error = train(None, chain, sched, TrainOptions(steps=2, backend=backend, check_grads=True, op_memory=True))
         assert error is None
@@ -59,7 +58,7 @@ def check_train(chain, sched, budget=None, under=0):
         m, p = report["measured"], report["predicted"]
         assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes"], p["h2d_bytes"]) != (0, 0)
         off = {op: p["op_bytes"][op] - b for op, b in m["op_peak_bytes"].items() if p["op_bytes"][op] != b}
-        assert all(-under <= d <= TOLERANCE for d in off.values()), (backend, off)
+        assert all(0 <= d <= TOLERANCE for d in off.values()), (backend, off)
         assert budget is None or m["peak_bytes"] <= budget
 
 
@@ -212,14 +211,15 @@ def test_checkpointing_is_kept(reentrant):
     """The user's ``torch.utils.checkpoint`` runs as written: its blocks save only their
     input (the profile sees less saved than without it), and offloading around it is exact.
     Reentrant checkpointing hides its blocks' calls from the capture: fewer stages, still
-    exact, but the last stage's peak is measured 888 B above the prediction (not understood yet)."""
+    exact.  (Its cut inside the last block leaves that block's input, a unit-1 storage, held
+    by the outer loop's local as stage 3 starts: the holding pass books it.)"""
     def chain(every):
         return profile(CHECKPOINTED, ProfileOptions(batch=16, repeats=1, warmup=1,
                                                     options={"every": every, "reentrant": reentrant})).chain
     kept, plain = chain(2), chain(0)
     assert sum(s.saved_bytes for s in kept.stages) < sum(s.saved_bytes for s in plain.stages)
     assert kept.L >= (8 if not reentrant else 3)
-    check_train(kept, everything(kept), under=1024 if reentrant else 0)
+    check_train(kept, everything(kept))
 
 
 def test_accumulation_over_micro_batches(chains):

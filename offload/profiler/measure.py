@@ -149,9 +149,9 @@ class StepRunner:
                                                if isinstance(v, torch.Tensor) and v.dim() > 0)
         return parts
 
-    def memory_pass(self) -> tuple[int, list[int], list[int], list[int], list[int], list[int] | None]:
+    def memory_pass(self) -> tuple[int, list[int], list[int], list[int], list[int], list[int] | None, list[int]]:
         """(M0, peak of each F_i, peak of each B_i, saved bytes, need_from, the op at which each F_i
-        peaked: CPU only) from one step."""
+        peaked: CPU only, the bytes live as each F_i starts) from one step."""
         L = self.L
         meter = make_meter(self.device)
         readings: list[tuple[int, int]] = []
@@ -186,8 +186,9 @@ class StepRunner:
             raise RuntimeError(f"expected {2 * L} stage boundaries in a step, saw {len(readings)}")
         saved, need = tracker.units(L)
         exact = isinstance(meter, CpuMeter)
+        starts = [m0] + [live for _, live in readings[:L - 1]]
         return (m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
-                peak_ops[:L] if exact else None)
+                peak_ops[:L] if exact else None, starts)
 
     def timing_pass(self) -> tuple[list[float], list[float]]:
         """(forward seconds of each stage, backward seconds of each stage) of one step."""
@@ -242,14 +243,19 @@ class _Holding(StageListener, TorchDispatchMode):
             f.detach()
 
 
-def holding_pass(runner: StepRunner, peak_ops: list[int] | None) -> list[tuple[int, int]]:
+def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int],
+                 starts: list[int]) -> list[tuple[int, int]]:
     """Per stage, ``(held_bytes, held_until)`` of its unit: the storages the model's own code
     (a local of its forward, an argument of a call still running, a cache) keeps alive at the
     peak of ``F(i+2)`` or later, when autograd keeps none of them.  One forward in which the
     saved tensors are dropped as they are saved (the graph can run no backward), with ops
     counted as in the memory pass: ``peak_ops[j]`` is the op at which ``F(j+1)`` peaked
-    there (exact meter, CPU).  Without it (CUDA's meter gives no op), a storage alive at a
-    stage's first op counts as held through the stage: a little conservative."""
+    there, ``peaks[j]`` and ``starts[j]`` its peak and the bytes live as it started (exact
+    meter, CPU).  A storage that dies as ``F(j+1)`` starts, before its first op (a local of
+    an outer forward: ``x = block(x)`` drops the old ``x`` after the block's last hook), is
+    held through it if it would raise the stage's peak there: when the stage started within
+    its bytes of its peak.  Without ``peak_ops`` (CUDA's meter gives no op), a storage alive
+    at a stage's first op counts as held through the stage: a little conservative."""
     persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
     holding = _Holding(runner.L, UnitTracker(runner.device, persistent))
     with runner.batch() as (args, kwargs):
@@ -261,10 +267,17 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None) -> list[tuple[i
     holding.close()
     at = list(peak_ops if peak_ops is not None else holding.first_op[1:runner.L + 1])
     at[-1] = min(at[-1], end)  # F_L's peak may come in the loss's backward, which this pass does not run
+    at_start: dict[int, int] = {}  # F_j -> bytes of the storages that die as it starts
+    for saved, death in zip(holding.storages, holding.death):
+        for j in range(saved.unit + 2, runner.L + 1):
+            if holding.first_op[j] - 1 <= death < at[j - 1]:
+                at_start[j] = at_start.get(j, 0) + saved.nbytes
+    matters = {j for j, b in at_start.items() if peak_ops is None or starts[j - 1] + b > peaks[j - 1]}
     held = [[0, 0] for _ in range(runner.L + 1)]
     for saved, death in zip(holding.storages, holding.death):
         i = saved.unit
-        alive = [j for j in range(i + 2, runner.L + 1) if death >= at[j - 1]]
+        alive = [j for j in range(i + 2, runner.L + 1)
+                 if death >= at[j - 1] or (j in matters and death >= holding.first_op[j] - 1)]
         if alive:
             held[i][0] += saved.nbytes
             held[i][1] = max(held[i][1], max(alive))
@@ -281,8 +294,8 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     """Warm up, take the memory pass, then ``repeats`` timing passes (``tick(phase)`` as each ends)."""
     update_s = runner.warmup(warmup)
     tick("warm-up")
-    m0, peak_f, peak_b, saved, need, peak_ops = runner.memory_pass()
-    held = holding_pass(runner, peak_ops)
+    m0, peak_f, peak_b, saved, need, peak_ops, starts = runner.memory_pass()
+    held = holding_pass(runner, peak_ops, peak_f, starts)
     tick("memory pass")
     times = []
     for _ in range(repeats):

@@ -144,8 +144,7 @@ def _grads_under(kind, chain, sched, backend, steps=2):
 
 
 @pytest.mark.parametrize("kind", ["outside", "inside", "method"])
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("eager", marks=pytest.mark.slow),
-                                     pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["aot_eager", "eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled(chains, kind, backend):
     """Gradients bit for bit those of the same compiled module under the schedule that moves
     nothing (the stage boundaries are graph breaks in both), the predicted bytes moved."""

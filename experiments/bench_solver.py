@@ -46,6 +46,11 @@ def write_results(name: str, rows: list[dict]) -> Path:
     return RESULTS / name
 
 
+def _cell(info: dict, key: str, fmt: str) -> str:
+    """``info[key]`` formatted, or ``-`` where the solve has none (a window-by-window solve)."""
+    return format(info[key], fmt) if info.get(key) is not None else "-"
+
+
 def ilp_scaling(sizes, limit_for) -> list[dict]:
     print("\n== 1. ILP: time to prove optimality (budget share 0.25, HiGHS, 2 cores) ==")
     print(f"{'stages':>6} {'status':>10} {'gap':>8} {'build s':>8} {'solve s':>8} {'total s':>8} {'vars':>7} {'nodes':>7} {'vs warm':>8}")
@@ -62,11 +67,9 @@ def ilp_scaling(sizes, limit_for) -> list[dict]:
                      "variables": i.get("variables"), "constraints": i.get("constraints"), "nodes": i.get("nodes"),
                      "windows": i.get("windows"), "makespan_s": r.simulation.makespan_s,
                      "warm_start_s": i["warm_start_s"], "bound_s": r.bound_s})
-
-        def cell(key: str, fmt: str) -> str:
-            return format(i[key], fmt) if i.get(key) is not None else "-"
-        print(f"{L:>6} {r.status:>10} {100 * r.gap:>7.3f}% {cell('build_seconds', '>8.2f'):>8} "
-              f"{cell('solver_seconds', '>8.2f'):>8} {total:>8.2f} {cell('variables', '>7'):>7} {cell('nodes', '>7'):>7} "
+        print(f"{L:>6} {r.status:>10} {100 * r.gap:>7.3f}% {_cell(i, 'build_seconds', '>8.2f'):>8} "
+              f"{_cell(i, 'solver_seconds', '>8.2f'):>8} {total:>8.2f} {_cell(i, 'variables', '>7'):>7} "
+              f"{_cell(i, 'nodes', '>7'):>7} "
               f"{better:>8.4f}" + (f"  ({i['windows']} windows)" if i.get("windows") else ""), flush=True)
     return rows
 

@@ -34,16 +34,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def report_error(command: str, exc: OffloadError) -> int:
+    """One error line (and its hint) on stderr; the exit code that goes with it."""
+    print(f"offload {command}: error: {printable(exc)}", file=sys.stderr)
+    if exc.hint:
+        print(f"  hint: {printable(exc.hint)}", file=sys.stderr)
+    return exc.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # to start the command again (train --nproc)
     try:
         return args.func(args)
     except OffloadError as exc:
-        print(f"offload {args.command}: error: {printable(exc)}", file=sys.stderr)
-        if exc.hint:
-            print(f"  hint: {printable(exc.hint)}", file=sys.stderr)
-        return exc.exit_code
+        return report_error(args.command, exc)
     except BrokenPipeError:  # output piped into `head` and closed: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

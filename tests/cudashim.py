@@ -78,11 +78,6 @@ class FakeStream:
             source, position = event.stream, event.position
             self.queue.append(lambda: source.run_to(position))
 
-    def wait_stream(self, other: "FakeStream") -> None:
-        event = FakeEvent(self.cuda)
-        event.record(other)
-        self.wait_event(event)
-
     def synchronize(self) -> None:
         self.run_to(len(self.queue))
 
@@ -91,7 +86,7 @@ class FakeStream:
 
 
 class FakeEvent:
-    def __init__(self, cuda: "FakeCuda", enable_timing: bool = False) -> None:
+    def __init__(self, cuda: "FakeCuda") -> None:
         self.cuda = cuda
         self.stream: FakeStream | None = None
         self.position = 0
@@ -101,13 +96,6 @@ class FakeEvent:
         stream = stream or self.cuda.current
         self.stream, self.position, self.clock = stream, len(stream.queue), dict(stream.clock)
         stream.tick()
-
-    def synchronize(self) -> None:
-        if self.stream is not None:
-            self.stream.run_to(self.position)
-
-    def query(self) -> bool:
-        return self.stream is None or self.stream.done >= self.position
 
 
 class _Access:
@@ -144,7 +132,7 @@ class _ComputeAccesses(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.cuda.running_side or func.is_view:  # a view reads no data
+        if self.cuda.unrecorded or func.is_view:  # a view reads no data
             return out
         compute = self.cuda.compute
         epoch = compute.tick()
@@ -177,7 +165,7 @@ class FakeCuda:
         self.current = self.compute
         self.memory: dict[int, _Access] = {}
         self.races: list[str] = []
-        self.running_side = False
+        self.unrecorded = False
         self.copies_issued = self.copies_run = 0
 
     # -- torch.cuda stand-ins
@@ -207,7 +195,7 @@ class FakeCuda:
     def __enter__(self) -> "FakeCuda":
         mp = self.monkeypatch
         mp.setattr(torch.cuda, "Stream", self._stream)
-        mp.setattr(torch.cuda, "Event", lambda enable_timing=False, **_: FakeEvent(self, enable_timing))
+        mp.setattr(torch.cuda, "Event", lambda **_: FakeEvent(self))
         mp.setattr(torch.cuda, "current_stream", self._current_stream)
         mp.setattr(torch.cuda, "stream", self._use)
         mp.setattr(torch.cuda, "synchronize", self._synchronize)
@@ -220,12 +208,13 @@ class FakeCuda:
 
     @contextlib.contextmanager
     def outside(self) -> Iterator[None]:
-        """Ops in this block are not the offloaded model's (a reference run): not recorded."""
-        previous, self.running_side = self.running_side, True
+        """Ops in this block are not the compute stream's (a reference run, the fake's own
+        poison and queued copies): not recorded."""
+        previous, self.unrecorded = self.unrecorded, True
         try:
             yield
         finally:
-            self.running_side = previous
+            self.unrecorded = previous
 
     # -- copies and accesses
     def side_copy(self, stream: FakeStream, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -235,19 +224,13 @@ class FakeCuda:
         self.access(stream, src, "read", epoch, "copy_")
         self.access(stream, dst, "write", epoch, "copy_")
         self.copies_issued += 1
-        self.running_side = True
-        try:
-            dst.view(torch.uint8).fill_(POISON) if dst.is_contiguous() else None
-        finally:
-            self.running_side = False
+        with self.outside():  # the poison is the fake's, not a compute op
+            dst.view(torch.uint8).fill_(POISON)
 
         def run() -> None:
-            self.running_side = True
-            try:
+            with self.outside():
                 dst.copy_(src)
-                self.copies_run += 1
-            finally:
-                self.running_side = False
+            self.copies_run += 1
         stream.queue.append(run)
 
     def access(self, stream: FakeStream, t: torch.Tensor, kind: str, epoch: int, what: str) -> None:

@@ -11,7 +11,6 @@ bit.  Rank 0 writes a JSON summary per mode to OUT.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -21,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from offload import Offloaded
 from offload.core.staging import Site
+from offload.executor.distributed import finish, own_batch
 from offload.models import resolve
 from offload.solver.chainfile import load_chain
 from offload.solver.schedulefile import load_schedule
@@ -49,15 +49,6 @@ def build(chain, schedule, mode: str, offload: bool):
     return spec, m, run
 
 
-def rank_batch(spec, rank: int) -> tuple[tuple, dict]:
-    """This rank's batch: the example batch, floats shifted and integers rolled by the rank."""
-    def shift(v):
-        if not isinstance(v, torch.Tensor):
-            return v
-        return v + rank if v.is_floating_point() else torch.roll(v, rank)
-    return tuple(shift(a) for a in spec.args), {k: shift(v) for k, v in spec.kwargs.items()}
-
-
 def compare(mode: str, chain, schedule, rank: int) -> dict:
     """3 steps with and without offloading under ``mode``: the summary rank 0 reports."""
     spec, mine, ours = build(chain, schedule, mode, offload=True)
@@ -66,7 +57,7 @@ def compare(mode: str, chain, schedule, rank: int) -> dict:
     opt_theirs = torch.optim.SGD(plain.parameters(), lr=0.05)
     mismatches, steps = 0, 3
     for step in range(steps):
-        args, kwargs = rank_batch(spec, rank)
+        args, kwargs = own_batch(spec.args, spec.kwargs)
         for run, opt in ((ours, opt_ours), (theirs, opt_theirs)):
             torch.manual_seed(1000 * rank + step)  # the same dropout draws in both
             spec.loss(run(*args, **kwargs)).backward()
@@ -97,11 +88,7 @@ def main(modes: str, chain_path: str, schedule_path: str, out: str) -> None:
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(summary, fh)
-    dist.barrier()
-    # Freeing the DDP reducer and the gloo group (on return, or in destroy_process_group)
-    # sometimes never ends (about 1 run in 7 here); all is written and every rank is done
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    finish(0)  # after a barrier, at once: freeing the DDP reducer and the gloo group can hang
 
 
 if __name__ == "__main__":

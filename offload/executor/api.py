@@ -146,22 +146,19 @@ class Offloaded(nn.Module):
         meter.track(persistent_tensors(self.module, optimizer, device))
         steps, moved = self.runtime.steps, self.moved_bytes
         report: dict[str, Any] = {}
-        self.runtime.op_peaks = {}
-        try:
-            with meter:
+        try:  # every op read at its end, the optimizer step left out
+            with meter, self.runtime.reading(meter) as op_peaks:
                 start = meter.live
-                self.runtime.meter = meter  # read at every op's end, the optimizer step left out
                 t0 = time.perf_counter()
                 yield report
                 seconds = time.perf_counter() - t0
         finally:
-            self.runtime.meter = None
             meter.close()
         done = self.runtime.steps - steps
         per = max(done, 1)
         sim = simulate(self.chain, self.schedule.offloads, encode=self.schedule.encode)
         report.update(steps=done, measured={
-            "peak_bytes": max(self.runtime.op_peaks.values(), default=start) - start, "step_s": seconds / per,
+            "peak_bytes": max(op_peaks.values(), default=start) - start, "step_s": seconds / per,
             "d2h_bytes_per_step": (self.moved_bytes[0] - moved[0]) // per,
             "h2d_bytes_per_step": (self.moved_bytes[1] - moved[1]) // per},
             predicted={"peak_bytes": sim.peak_bytes, "step_s": sim.makespan_s, "d2h_bytes_per_step": sim.d2h_bytes,

@@ -13,14 +13,13 @@ last copy that read it (its H2D), which the next D2H into it must wait for.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from offload.core.meters import host_allocation
 from offload.solver.units import format_bytes
 
 from .backends import Copy
+from .distributed import ranks_on_this_machine
 from offload.errors import HostMemoryShortfall
 
 ALIGN = 512
@@ -65,14 +64,6 @@ def available_host_bytes() -> int | None:
     return available
 
 
-def ranks_on_this_node() -> int:
-    """Processes of a ``torchrun`` job on this machine, each with its own arena."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
 _SHORTFALL_HINT = ("the arena holds every offloaded unit at once: free host memory, or solve with a larger budget "
                    "so that fewer bytes are offloaded")
 
@@ -93,7 +84,7 @@ class HostArena:
     def _add_chunk(self, nbytes: int) -> None:
         nbytes = footprint(_round(nbytes), self.pin)
         kind = "pinned host memory" if self.pin else "host memory"
-        available, ranks = available_host_bytes(), ranks_on_this_node()
+        available, ranks = available_host_bytes(), ranks_on_this_machine()
         if available is not None and nbytes * ranks > available:
             each = f" for each of the {ranks} ranks on this machine" if ranks > 1 else ""
             raise HostMemoryShortfall(f"the host arena needs {format_bytes(nbytes)} of {kind}{each}, but only "

@@ -3,7 +3,6 @@ parser only); torch is imported when the command runs."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from offload.errors import OffloadError
 from offload.solver.argtypes import integer, number
@@ -67,13 +66,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.nproc > 1:
             return distributed.launch(args.argv, args.nproc)
         return _train(args)
+    from offload.cli import report_error  # here: offload.cli imports this module
     try:  # one rank of `--nproc N`
         code = _train(args)
     except OffloadError as exc:
-        print(f"offload train: error on rank {distributed.rank()}: {printable(exc)}", file=sys.stderr)
-        if exc.hint:
-            print(f"  hint: {printable(exc.hint)}", file=sys.stderr)
-        code = exc.exit_code
+        code = report_error(f"train (rank {distributed.rank()})", exc)
     distributed.finish(code)
     return code
 

@@ -22,14 +22,9 @@ import torch
 def launch(argv: list[str], nproc: int) -> int:
     """Run ``offload ARGV`` (less its ``--nproc``: the ranks know from their environment) on
     ``nproc`` ranks; the exit code of the job (non-zero if any rank failed)."""
-    rest, skip = [], False
-    for a in argv:
-        if skip or a.startswith("--nproc="):
-            skip = False
-            continue
-        skip = a == "--nproc"  # torch.distributed.run would take it for its own --nproc-per-node
-        if not skip:
-            rest.append(a)
+    rest = [a for a in argv if not a.startswith("--nproc=")]
+    if "--nproc" in rest:  # torch.distributed.run would take it for its own --nproc-per-node
+        del rest[rest.index("--nproc"):rest.index("--nproc") + 2]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "--module", "offload", *rest]
     return subprocess.run(cmd, check=False).returncode
@@ -42,6 +37,14 @@ def rank() -> int:
 
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def ranks_on_this_machine() -> int:
+    """Processes of the job on this machine, each with its own host arena."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def start(device: torch.device) -> torch.device:

@@ -29,9 +29,10 @@ is refused (the schedule covers one forward and backward at a time).
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -61,7 +62,8 @@ class _Stored:
     codec: tuple[Encoder, torch.dtype, int] | None = None  # encoder, dtype and element count of the raw storage
     readers: int = 0  # saved references not yet read by the backward
     decoded: torch.Tensor | None = None  # the raw storage again, from its first reader to its last
-    versions: list[tuple[Callable[[], torch.Tensor | None], int]] = field(default_factory=list)
+    watched: list[tuple[weakref.ref, int]] = field(default_factory=list)  # saved tensors' bases, their versions
+    aliases: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # detach() aliases until the release
 
     # Autograd's check that a saved tensor was not modified in place is off for what a
     # saved-tensors hook replaces; this does it.  Each saved reference's version counter
@@ -72,14 +74,12 @@ class _Stored:
     # caught; after it, the saved tensor's base is watched while it lives.
     def saw(self, t: torch.Tensor) -> None:
         self.check_versions()
-        self.versions.append((weakref.ref(t if t._base is None else t._base), t._version))
+        self.watched.append((weakref.ref(t if t._base is None else t._base), t._version))
         if self.device is not None and self.codec is None:
-            alias = t.detach()
-            self.versions.append((lambda: alias, t._version))
+            self.aliases.append((t.detach(), t._version))
 
     def check_versions(self) -> None:
-        for owner, version in self.versions:
-            alias = owner()
+        for alias, version in [*self.aliases, *((ref(), v) for ref, v in self.watched)]:
             if alias is not None and alias._version != version:
                 raise RuntimeError(f"a tensor saved for the backward (in U{self.unit}, {alias.dtype} {list(alias.shape)})"
                                    f" was modified by an in-place operation after it was saved (version "
@@ -89,7 +89,7 @@ class _Stored:
     def drop_aliases(self) -> None:
         """Before the step lets go of the device storage: checked a last time, its aliases dropped."""
         self.check_versions()
-        self.versions = [(owner, v) for owner, v in self.versions if isinstance(owner, weakref.ref)]
+        self.aliases = []
 
 
 @dataclass(frozen=True)
@@ -259,12 +259,21 @@ class OffloadRuntime:
             raise ValueError(f"the model has {staging.L} stages, the schedule's chain {plan.L}")
         self.staging, self.plan, self.backend, self.device = staging, plan, backend, device
         self.arena = HostArena(plan.planned_bytes, pin=backend.pin)
-        self.meter: Any = None  # when set (one step), read at every op's end: ``op_peaks``
+        self.meter: Any = None  # set by ``reading``: read at every op's end into ``op_peaks``
         self.op_peaks: dict[str, int] = {}  # op name -> the most bytes live during it
         self.d2h_bytes = self.h2d_bytes = 0
         self.encoded_bytes = 0  # blobs made by the encoders, all steps
         self.steps = 0
         self._last: Callable[[], _Step | None] = lambda: None
+
+    @contextlib.contextmanager
+    def reading(self, meter: Any) -> Iterator[dict[str, int]]:
+        """In this block, each op's peak is read from ``meter`` at its end: ``op_peaks``, restarted."""
+        self.meter, self.op_peaks = meter, {}
+        try:
+            yield self.op_peaks
+        finally:
+            self.meter = None
 
     def read(self, op: str | None) -> None:
         """The peak since the last reading, as the memory of ``op`` (``None``: just restart)."""

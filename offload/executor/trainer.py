@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from offload.core.devices import persistent_tensors, running
-from offload.core.meters import CpuMeter, make_meter
+from offload.core.meters import make_meter
 from offload.errors import OffloadError, OutOfMemory
 from offload.models.spec import ModelSpec, tensors_in
 
@@ -157,32 +157,28 @@ class _Metering:
     def step(self, first: bool, body: Callable[[tuple[tuple, dict]], None]) -> None:
         t = self.trainer
         meter = make_meter(t.device)
-        if isinstance(meter, CpuMeter) and self.runtime is not None:
+        if self.runtime is not None:
             meter.ignore(self.runtime.arena.chunks)
         probing = self.probe and first
         try:
-            with meter:
+            with meter, (self.runtime.reading(meter) if probing else contextlib.nullcontext({})) as op_peaks:
                 batch = t.spec.batch()  # the loop's batch: live before the step, like the weights
                 meter.track(persistent_tensors(t.spec.module, t.optimizer, t.device) + tensors_in(batch))
                 t.synchronize()
                 meter.boundary()
                 m0 = meter.live
                 t0 = time.perf_counter()
-                if probing:
-                    self.runtime.meter = meter
                 body(batch)
                 t.synchronize()
                 elapsed = time.perf_counter() - t0
                 gc.collect()  # reference cycles (closures over tensors) are only freed by the collector
                 peak, live = meter.boundary()  # the batch still alive: it is in m0
                 if probing:
-                    self.runtime.op_peaks["B1"] = max(peak, self.runtime.op_peaks.get("B1", 0))
-                    self.run.op_peaks = {op: p - m0 for op, p in self.runtime.op_peaks.items()}
-                    peak = max(self.runtime.op_peaks.values())
+                    op_peaks["B1"] = max(peak, op_peaks.get("B1", 0))
+                    self.run.op_peaks = {op: p - m0 for op, p in op_peaks.items()}
+                    peak = max(op_peaks.values())
         finally:
             meter.close()
-            if self.runtime is not None:
-                self.runtime.meter = None
         self.run.step_s.append(elapsed)
         self.run.peaks.append(peak - m0)
         self.run.leaks.append(live - m0)

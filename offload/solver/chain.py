@@ -140,6 +140,13 @@ class Recipe:
     set_to_none: bool = False  # gradients freed between steps, allocated by the backward
 
 
+def _column(field: str, dtype: type = np.int64) -> cached_property:
+    """A ``Chain`` property: the stages' ``field`` as an array, index 0 unused (``a[i]`` is stage i)."""
+    def column(chain: "Chain") -> np.ndarray:
+        return np.array([0] + [getattr(s, field) for s in chain.stages], dtype=dtype)
+    return cached_property(column)
+
+
 @dataclass(frozen=True)
 class Chain:
     """A validated chain.  Stage indices in the API are 1-based, like the model."""
@@ -160,37 +167,14 @@ class Chain:
         return self.stages[i - 1]
 
     # Per-stage arrays, index 0 unused so that ``a[i]`` is stage i.
-    @cached_property
-    def f(self) -> np.ndarray:
-        return np.array([0.0] + [s.fwd_s for s in self.stages])
-
-    @cached_property
-    def b(self) -> np.ndarray:
-        return np.array([0.0] + [s.bwd_s for s in self.stages])
-
-    @cached_property
-    def a(self) -> np.ndarray:
-        return np.array([0] + [s.saved_bytes for s in self.stages], dtype=np.int64)
-
-    @cached_property
-    def fp(self) -> np.ndarray:
-        return np.array([0] + [s.fwd_peak_bytes for s in self.stages], dtype=np.int64)
-
-    @cached_property
-    def bp(self) -> np.ndarray:
-        return np.array([0] + [s.bwd_peak_bytes for s in self.stages], dtype=np.int64)
-
-    @cached_property
-    def held(self) -> np.ndarray:
-        return np.array([0] + [s.held_bytes for s in self.stages], dtype=np.int64)
-
-    @cached_property
-    def held_until(self) -> np.ndarray:
-        return np.array([0] + [s.held_until for s in self.stages], dtype=np.int64)
-
-    @cached_property
-    def need(self) -> np.ndarray:
-        return np.array([0] + [s.need_from for s in self.stages], dtype=np.int64)
+    f = _column("fwd_s", np.float64)
+    b = _column("bwd_s", np.float64)
+    a = _column("saved_bytes")
+    fp = _column("fwd_peak_bytes")
+    bp = _column("bwd_peak_bytes")
+    held = _column("held_bytes")
+    held_until = _column("held_until")
+    need = _column("need_from")
 
     @cached_property
     def offloadable(self) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from ..errors import FormatError
 from . import validate as v
 from .chain import Chain, EncodedTensor, Encoding, Platform, Recipe, Stage
-from .fileio import read_json, write_json
+from .fileio import read_document, write_json
 
 CHAIN_FORMAT = "offload-chain/2"
 OLD_FORMATS = ("offload-chain/1",)
@@ -91,24 +91,13 @@ def recipe_from_dict(d: Any) -> Recipe:
     for key, value in options.items():
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise FormatError(f"'recipe.options.{key}' must be a number or a string, got {value!r}")
-    dtype = v.string(d, "dtype", "recipe", "float32")
-    if dtype not in DTYPES:
-        raise FormatError(f"'recipe.dtype' must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    cuts = d.get("cuts", [])
-    if not isinstance(cuts, list) or not all(isinstance(c, str) and _SITE.fullmatch(c) for c in cuts):
-        raise FormatError("'recipe.cuts' must be a list of call sites (module path, optional @call and [value])")
-    optimizer = v.string(d, "optimizer", "recipe", "adam")
-    if optimizer not in OPTIMIZERS:
-        raise FormatError(f"'recipe.optimizer' must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    inputs = d.get("inputs", [])
-    if not isinstance(inputs, list) or not all(isinstance(i, str) and _INPUT.fullmatch(i) for i in inputs):
-        raise FormatError("'recipe.inputs' must be a list of input signatures (name:dtype[shape])")
-    autocast = d.get("autocast")
-    if autocast is not None and autocast not in AUTOCAST:
-        raise FormatError(f"'recipe.autocast' must be one of {', '.join(AUTOCAST)} or absent, got {autocast!r}")
     return Recipe(model=v.string(d, "model", "recipe"), batch=v.whole(d, "batch", "recipe", 1, 2 ** 31),
-                  options=dict(options), dtype=dtype, seed=v.whole(d, "seed", "recipe", 0, 2 ** 63) if "seed" in d else 0,
-                  optimizer=optimizer, cuts=tuple(cuts), inputs=tuple(inputs), autocast=autocast,
+                  options=dict(options), dtype=v.choice(d, "dtype", "recipe", DTYPES, "float32"),
+                  seed=v.whole(d, "seed", "recipe", 0, 2 ** 63) if "seed" in d else 0,
+                  optimizer=v.choice(d, "optimizer", "recipe", OPTIMIZERS, "adam"),
+                  cuts=v.matching(d, "cuts", "recipe", _SITE, "call sites (module path, optional @call and [value])"),
+                  inputs=v.matching(d, "inputs", "recipe", _INPUT, "input signatures (name:dtype[shape])"),
+                  autocast=v.choice(d, "autocast", "recipe", AUTOCAST),
                   set_to_none=v.flag(d, "set_to_none", "recipe", False))
 
 
@@ -211,12 +200,7 @@ def make_chain(name: str, stages: list[Stage], platform: Platform, base_bytes: i
 
 def load_chain(path: str | os.PathLike) -> Chain:
     """Read and validate a ``chain.json``; errors name the file and the field."""
-    try:
-        return chain_from_dict(read_json(path, "chain"))
-    except FormatError as exc:
-        if str(path) in str(exc):
-            raise
-        raise FormatError(f"{path}: {exc}", exc.hint) from None
+    return read_document(path, "chain", chain_from_dict)
 
 
 def save_chain(chain: Chain, path: str | os.PathLike) -> None:

@@ -19,9 +19,11 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 from ..errors import FormatError
+
+T = TypeVar("T")
 
 MAX_JSON_DEPTH = 64
 
@@ -64,6 +66,16 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
     except json.JSONDecodeError as exc:
         raise FormatError(f"{what} file {p} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
                           "fix the file or produce it again with the tool") from None
+
+
+def read_document(path: str | os.PathLike, what: str, parse: Callable[[Any], T]) -> T:
+    """``parse`` of the JSON in ``path``; a format error names the file (once)."""
+    try:
+        return parse(read_json(path, what))
+    except FormatError as exc:
+        if str(path) in str(exc):
+            raise
+        raise FormatError(f"{path}: {exc}", exc.hint) from None
 
 
 def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> Path:

@@ -13,7 +13,7 @@ from ..errors import ChainMismatch, FormatError
 from . import validate as v
 from .budget import SCOPES, Budget
 from .chain import Chain
-from .fileio import read_json, write_json
+from .fileio import read_document, write_json
 from .schedule import Offload, Schedule, check_choice, check_offloads
 
 SCHEDULE_FORMAT = "offload-schedule/1"
@@ -105,12 +105,7 @@ def schedule_to_dict(s: Schedule, chain: Chain) -> dict:
 
 def load_schedule(path: str | os.PathLike, chain: Chain) -> Schedule:
     """Read a ``schedule.json`` and bind it to ``chain`` (refused if made for another)."""
-    try:
-        return schedule_from_dict(read_json(path, "schedule"), chain)
-    except FormatError as exc:
-        if str(path) in str(exc):
-            raise
-        raise FormatError(f"{path}: {exc}", exc.hint) from None
+    return read_document(path, "schedule", lambda d: schedule_from_dict(d, chain))
 
 
 def save_schedule(s: Schedule, chain: Chain, path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> None:

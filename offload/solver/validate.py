@@ -11,7 +11,8 @@ range, so that no value is half-used or silently means something else:
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Mapping
+import re
+from typing import Any, Iterator, Mapping, Sequence
 
 from ..errors import FormatError
 
@@ -70,6 +71,25 @@ def string(d: Mapping, key: str, ctx: str, default: str | None = None) -> str:
     if not isinstance(v, str) or not v:
         raise FormatError(f"'{where(ctx, key)}' must be a non-empty string, got {v!r}")
     return v
+
+
+def choice(d: Mapping, key: str, ctx: str, choices: Sequence[str], default: str | None = None) -> str | None:
+    """One of ``choices``; ``default`` when absent (a ``None`` default: the field may be absent or null)."""
+    value = d.get(key, default)
+    if value is None and default is None:
+        return None
+    if value not in choices:
+        absent = " or absent" if default is None else ""
+        raise FormatError(f"'{where(ctx, key)}' must be one of {', '.join(choices)}{absent}, got {value!r}")
+    return value
+
+
+def matching(d: Mapping, key: str, ctx: str, pattern: re.Pattern, what: str) -> tuple[str, ...]:
+    """A list (default empty) of strings that each match ``pattern``, described as ``what``."""
+    value = d.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(x, str) and pattern.fullmatch(x) for x in value):
+        raise FormatError(f"'{where(ctx, key)}' must be a list of {what}")
+    return tuple(value)
 
 
 def flag(d: Mapping, key: str, ctx: str, default: bool) -> bool:

@@ -29,7 +29,8 @@ def _encodings(draw, saved: int) -> list[dict]:
 
 
 @st.composite
-def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = False) -> Chain:
+def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = False, inputs: bool = False) -> Chain:
+    """``inputs``: stages carry ``input_bytes`` (a recomputation's checkpoint)."""
     L = draw(st.integers(min_stages, max_stages))
     stages = []
     for i in range(1, L + 1):
@@ -43,6 +44,7 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             "need_from": draw(st.integers(i, L)) if draw(st.booleans()) else i,
             "kind": draw(st.sampled_from(["conv", "linear", "block"])),
             "encodings": _encodings(draw, saved) if encodings else [],
+            "input_bytes": draw(st.integers(0, 60)) if inputs and i > 1 else 0,
         })
         if saved and i + 2 <= L and draw(st.integers(0, 3)) == 0:  # part held by the model's own code
             stages[-1].update(held_bytes=draw(st.integers(1, saved)), held_until=draw(st.integers(i + 2, L)))
@@ -61,9 +63,9 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
 
 @st.composite
 def chain_and_budget(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = False,
-                     mode: str = "lossless") -> tuple[Chain, int]:
+                     mode: str = "lossless", inputs: bool = False) -> tuple[Chain, int]:
     """A chain and a budget from the smallest feasible one (with ``mode``'s encodings) to
     the no-offload peak."""
-    chain = draw(chains(min_stages, max_stages, encodings))
+    chain = draw(chains(min_stages, max_stages, encodings, inputs))
     lo, hi = encoding.floor(chain, mode)[0], no_offload_peak(chain)
     return chain, draw(st.integers(lo, max(lo, hi)))

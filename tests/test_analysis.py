@@ -21,8 +21,9 @@ CHAINS = Path(__file__).parent.parent / "experiments" / "chains"
 @pytest.mark.parametrize("chain", [synthetic_chain(8, seed=3), synthetic_chain(12, seed=7),
                                    load_chain(CHAINS / "gpt-b2-cpu.json")], ids=lambda c: c.name)
 def test_sweep_is_consistent(chain):
-    """No method beats a proven-optimal ILP; infeasible exactly below the floor for the exact
-    methods; every feasible row's numbers are the simulator's."""
+    """No offload-only method beats a proven-optimal ILP (recomputing ones may: a larger
+    class); infeasible exactly below the floor for the exact methods; every feasible row's
+    numbers are the simulator's."""
     peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
     budgets = parse_budgets("20%:100%:7", chain) + [Budget(floor)]
     rows = sweep(chain, budgets, list(METHODS), Options(time_limit_s=30, heuristic_time_s=0.2), jobs=2)
@@ -38,7 +39,7 @@ def test_sweep_is_consistent(chain):
             continue
         assert r.peak_bytes <= r.budget_bytes and r.slowdown >= 1 - 1e-9 and r.makespan_s >= r.bound_s * (1 - 1e-9)
         best = ilp[r.budget_bytes]
-        if best.status == "optimal":
+        if best.status == "optimal" and not r.recompute:
             assert r.makespan_s >= best.makespan_s * (1 - max(best.gap, 1e-4)) - 1e-12, (r.method, r.budget_bytes)
         assert r.gap == pytest.approx(max(0.0, (r.makespan_s - r.bound_s) / r.makespan_s), abs=1e-12)
         assert r.slowdown == pytest.approx(r.makespan_s / chain.ideal_makespan_s)

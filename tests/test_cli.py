@@ -35,7 +35,7 @@ def test_solve_then_simulate(chain_file, tmp_path, capsys):
     assert main(["solve", str(chain_file), "--budget", "40%", "-m", "relax-lp", "-o", str(out)]) == 0
     assert "wrote" in capsys.readouterr().out
     doc = json.loads(out.read_text())
-    assert doc["format"] == "offload-schedule/1" and doc["method"] == "relax-lp"
+    assert doc["format"] == "offload-schedule/2" and doc["method"] == "relax-lp"
     assert doc["solver"]["status"] in {"optimal", "heuristic"}
     assert main(["simulate", str(chain_file), str(out), "--timeline"]) == 0
     text = capsys.readouterr().out

@@ -46,7 +46,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     chain = load_chain(args.chain)
     budgets = parse_budgets(args.budgets, chain, args.total)
     methods = parse_methods(args.methods)
-    options = Options(time_limit_s=args.time_limit, heuristic_time_s=args.heuristic_time, encodings=args.encodings)
+    options = Options(time_limit_s=args.time_limit, heuristic_time_s=args.heuristic_time, encodings=args.encodings,
+                      recompute=args.recompute)
     cells = len(budgets) * len(methods)
     print(f"sweeping {chain.name} ({chain.L} stages): {len(methods)} methods x {len(budgets)} budgets from "
           f"{budgets[0]} to {budgets[-1]}", file=sys.stderr)
@@ -108,6 +109,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heuristic-time", type=seconds(strict=False), default=1.0, metavar="S",
                    help="search time of each relax-* heuristic (default 1)")
     p.add_argument("--encodings", choices=MODES, default="lossless", help=MODE_HELP.replace("%", "%%"))
+    p.add_argument("--recompute", action="store_true",
+                   help="ilp and relax-* may also recompute runs of stages (docs/model.md, \"Recomputation\")")
     p.add_argument("--jobs", "-j", type=integer(1, 256), default=None, help="worker processes (default: one per core)")
     p.add_argument("--output", "-o", required=True, help="results CSV (written atomically)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")

@@ -26,7 +26,7 @@ from offload.errors import FormatError, InfeasibleBudget, OffloadError
 from offload.solver.fileio import write_csv
 from offload.solver.encoding import floor
 from offload.solver.memory import no_offload_peak
-from offload.solver.methods import METHODS, Options, solve
+from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
 
 
 @dataclass
@@ -54,10 +54,13 @@ class Row:
     encodings: str = "none"  # which encodings the solver could choose (solver.encoding.MODES)
     encoded_units: int | None = None  # how many units the schedule stores encoded
     detail: str = ""
+    recompute: bool = False  # whether the method could recompute (--recompute, or a recomputing method)
+    recomputed_units: int | None = None  # how many units the schedule recomputes
 
 
 COLUMNS = [f.name for f in fields(Row)]
-ADDED_LATER = {"encodings": "none", "encoded_units": ""}  # CSVs from before encodings lack these
+ADDED_LATER = {"encodings": "none", "encoded_units": "",  # CSVs from before encodings lack these
+               "recompute": "False", "recomputed_units": ""}  # ... and from before recomputation
 STATUSES = ("optimal", "feasible", "infeasible", "error")
 
 
@@ -108,7 +111,7 @@ def solve_one(chain: Chain, method: str, budget: Budget, options: Options) -> Ro
               status="error", makespan_s=None, ideal_makespan_s=chain.ideal_makespan_s, slowdown=None, bound_s=None,
               gap=None, stall_s=None, peak_bytes=None, d2h_bytes=None, h2d_bytes=None, solve_s=None,
               no_offload_peak_bytes=peak + base, smallest_feasible_bytes=floor(chain, options.encodings)[0] + base,
-              encodings=options.encodings)
+              encodings=options.encodings, recompute=options.recompute or method in RECOMPUTING)
     try:
         res = solve(chain, budget, method, options)
     except InfeasibleBudget as exc:
@@ -122,7 +125,7 @@ def solve_one(chain: Chain, method: str, budget: Budget, options: Options) -> Ro
                    slowdown=sim.makespan_s / chain.ideal_makespan_s, bound_s=res.bound_s, gap=res.gap,
                    stall_s=sim.stall_s, peak_bytes=sim.peak_bytes + base, d2h_bytes=sim.d2h_bytes,
                    h2d_bytes=sim.h2d_bytes, solve_s=res.seconds, encoded_units=len(res.schedule.encode),
-                   detail=res.info.get("note", ""))
+                   recomputed_units=sum(len(r.stages) for r in res.schedule.recompute), detail=res.info.get("note", ""))
 
 
 def sweep(chain: Chain, budgets: Iterable[Budget | int], methods: Iterable[str], options: Options | None = None,
@@ -198,6 +201,10 @@ def _typed(kind: str, text: str | None) -> object:
         raise ValueError("the row is cut short")
     if "None" in kind and text == "":
         return None
+    if kind == "bool":
+        if text not in ("True", "False"):
+            raise ValueError(f"{text!r} is not True or False")
+        return text == "True"
     if kind.startswith("int") or kind.startswith("float"):
         value = int(text) if kind.startswith("int") else float(text)
         if not math.isfinite(value) or value < 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offload.errors import ScheduleRejected
 from offload.solver.chain import Chain, EncodedTensor
 from offload.solver.encoding import encoded_bytes
 from offload.solver.schedule import Schedule
@@ -29,6 +30,11 @@ class StepPlan:
 
     @classmethod
     def from_schedule(cls, chain: Chain, schedule: Schedule) -> "StepPlan":
+        if schedule.recompute:  # solver-side only so far (docs/model.md, "Recomputation")
+            runs = ", ".join(f"{r.first}..{r.last}" for r in schedule.recompute)
+            raise ScheduleRejected(f"this schedule recomputes stages ({runs}); the executor does not run "
+                                   "recomputation yet", "solve without --recompute (and with a method other than "
+                                   "recompute-only or checkpoint-*) to train with the schedule")
         release: dict[int, list[int]] = {}
         prefetch: dict[int, list[int]] = {}
         wait: dict[int, list[int]] = {}

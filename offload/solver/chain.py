@@ -90,6 +90,7 @@ class Stage:
     encodings: tuple[Encoding, ...] = ()
     held_bytes: int = 0  # of the unit, kept alive by the model's own code (not autograd) ...
     held_until: int = 0  # ... through the forward of this stage, even when the unit is released earlier
+    input_bytes: int = 0  # the stage's input: what a recomputation from it keeps on the device until it runs
 
     def encoding(self, name: str) -> Encoding:
         """The encoding called ``name`` (``KeyError`` if the stage offers none by that name)."""
@@ -175,6 +176,7 @@ class Chain:
     held = _column("held_bytes")
     held_until = _column("held_until")
     need = _column("need_from")
+    x = _column("input_bytes")
 
     @cached_property
     def offloadable(self) -> tuple[int, ...]:

@@ -29,7 +29,7 @@ MAX_TOTAL_BYTES = 2 ** 62  # sums of per-op memory stay exact in int64
 _SITE = re.compile(r"[^@\[\]]*(@\d+)?(\[\d+\])?")
 _KEYS = {"format", "name", "source", "platform", "base_bytes", "stages", "recipe"}
 _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from", "encodings",
-               "held_bytes", "held_until"}
+               "held_bytes", "held_until", "input_bytes"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
@@ -117,7 +117,8 @@ def _stage(s: Any, i: int, L: int) -> Stage:
     return Stage(name=v.string(s, "name", ctx, f"stage{i}"), kind=v.string(s, "kind", ctx, "layer"),
                  fwd_s=v.seconds(s, "fwd_s", ctx), bwd_s=v.seconds(s, "bwd_s", ctx), saved_bytes=saved,
                  fwd_peak_bytes=fwd_peak, bwd_peak_bytes=v.nbytes(s, "bwd_peak_bytes", ctx), need_from=need,
-                 encodings=_encodings(s.get("encodings", []), saved, ctx), held_bytes=held, held_until=until)
+                 encodings=_encodings(s.get("encodings", []), saved, ctx), held_bytes=held, held_until=until,
+                 input_bytes=v.nbytes(s, "input_bytes", ctx) if "input_bytes" in s else 0)
 
 
 def chain_from_dict(d: Any) -> Chain:
@@ -135,7 +136,7 @@ def chain_from_dict(d: Any) -> Chain:
         raise FormatError("'stages' must be a non-empty list")
     stages = tuple(_stage(s, i, len(raw)) for i, s in enumerate(raw, start=1))
     base = v.nbytes(d, "base_bytes", "") if "base_bytes" in d else 0
-    total = base + sum(s.saved_bytes + s.fwd_peak_bytes + s.bwd_peak_bytes
+    total = base + sum(s.saved_bytes + s.fwd_peak_bytes + s.bwd_peak_bytes + s.input_bytes
                        + sum(e.covered_bytes + e.encoded_bytes + e.workspace_bytes for e in s.encodings)
                        for s in stages)
     if total > MAX_TOTAL_BYTES:
@@ -160,6 +161,8 @@ def _stage_to_dict(s: Stage) -> dict:
         d["encodings"] = _encodings_to_list(s.encodings)
     if s.held_bytes:
         d.update(held_bytes=s.held_bytes, held_until=s.held_until)
+    if s.input_bytes:  # absent otherwise: chains from before recomputation keep their sha256
+        d["input_bytes"] = s.input_bytes
     return d
 
 

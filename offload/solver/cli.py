@@ -73,6 +73,9 @@ def print_chain(chain: Chain) -> None:
         if allowed(chain, mode):
             low = floor(chain, mode)[0]
             _line("", f"with {mode} encodings: {format_bytes(low)} ({low} B, {100 * low / peak:.1f}% of the peak)")
+    if peak:
+        _line("", f"with recomputation (--recompute): the same {format_bytes(plain_floor)}: a re-run forward op "
+              "holds its stage's working set again (docs/model.md, \"Recomputation\")")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -94,6 +97,9 @@ def _print_simulation(chain: Chain, sim: Simulation, base: int) -> None:
     _line("offloaded", f"{len(sim.offloads)} of {len(chain.offloadable)} offloadable units")
     if sim.encode:
         _line("encoded", ", ".join(f"U{i} {name}" for i, name in sorted(sim.encode.items())))
+    if sim.recompute:
+        _line("recomputed", ", ".join(f"{r.first}..{r.last}" if r.last > r.first else str(r.first) for r in sim.recompute)
+              + f" ({format_seconds(sim.recomputed_s)} of forward ops re-run)")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -101,10 +107,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sched = load_schedule(args.schedule, chain)
     budget = Budget.parse(args.budget, chain, args.total) if args.budget is not None else sched.budget
     base = budget.base(chain) if budget else 0
-    sim = simulate(chain, sched.offloads, budget, encode=sched.encode)
+    sim = simulate(chain, sched.offloads, budget, encode=sched.encode, recompute=sched.recompute)
     if args.json:
         json.dump({"makespan_s": sim.makespan_s, "peak_bytes": sim.peak_bytes + base, "stall_s": sim.stall_s,
-                   "ops": [vars(o) for o in sim.ops], "copies": [vars(c) for c in sim.copies]}, sys.stdout, indent=2)
+                   "ops": [vars(o) for o in sim.ops], "copies": [vars(c) for c in sim.copies],
+                   "recomputes": [vars(r) for r in sim.recomputes]}, sys.stdout, indent=2)
         print()
         return 0
     print(f"schedule {printable(sched.method) or '?'} for chain {printable(chain.name)!r}" + (f", budget {budget}" if budget else ""))
@@ -117,6 +124,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"\n{'copy':>6} {'stage':>6} {'issue':>12} {'start':>12} {'end':>12} {'bytes':>11}")
         for c in sim.copies:
             print(f"{c.direction:>6} {c.stage:>6} {c.issue:>12.6f} {c.start:>12.6f} {c.end:>12.6f} {format_bytes(c.nbytes):>11}")
+        if sim.recomputes:
+            print(f"\n{'re-run':>6} {'in op':>6} {'start':>12} {'end':>12} {'memory':>11}")
+            for r in sim.recomputes:
+                print(f"{'F' + str(r.stage):>6} {'B' + str(r.op_stage):>6} {r.start:>12.6f} {r.end:>12.6f} "
+                      f"{format_bytes(r.mem_bytes + base):>11}")
     return 0
 
 
@@ -132,7 +144,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
     chain = load_chain(args.chain)
     budget = Budget.parse(args.budget, chain, args.total)
     opts = Options(time_limit_s=args.time_limit, gap=args.gap, threads=args.threads, solver=args.solver,
-                   heuristic_time_s=args.heuristic_time, verbose=args.verbose, encodings=args.encodings)
+                   heuristic_time_s=args.heuristic_time, verbose=args.verbose, encodings=args.encodings,
+                   recompute=args.recompute, max_run=args.max_run)
     if args.method == "ilp":
         print(f"solving with {args.solver} (time limit {args.time_limit:g} s, gap {args.gap:g})…", file=sys.stderr, flush=True)
     res = solve(chain, budget, args.method, opts)
@@ -184,6 +197,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", "-o", help="write the schedule here (atomically)")
     p.add_argument("--total", action="store_true", help="the budget counts base_bytes too (weights, grads, optimizer state)")
     p.add_argument("--encodings", choices=MODES, default="lossless", help=MODE_HELP + " (used by ilp, relax-*, gist*)")
+    p.add_argument("--recompute", action="store_true",
+                   help="ilp and relax-* may also recompute runs of stages instead of keeping or offloading their "
+                        "units (recompute-only and checkpoint-* always do); see docs/model.md, \"Recomputation\"")
+    p.add_argument("--max-run", type=integer(1, 64), default=8, metavar="N",
+                   help="longest run of stages recomputed together that the ILP considers (default 8)")
     p.add_argument("--time-limit", type=seconds(), default=60.0, metavar="S",
                    help="wall time of the whole solve in seconds: heuristics, bounds, building and solving the MILP "
                         "(default 60); the best schedule found by then is returned, with its gap")

@@ -29,6 +29,13 @@ the fluid LP bound.  Each cut family has O(L^2) rows of O(L) terms, so beyond a 
 the pairs ``(k, j)`` closest together (and the whole-phase ones) are kept: any subset of
 valid cuts leaves the model exact, and the build stays O(L^2).
 
+With ``max_run > 0`` the model also chooses recomputation (docs/model.md, "Recomputation"):
+one binary ``g_{s,e}`` per run ``s..e`` of at most ``max_run`` stages, a stage in at most
+one run and never also offloaded or encoded.  A run's memory terms (its units gone from
+the boundary after ``F(i+1)`` to its rebuild, its checkpoint meanwhile) are linear in
+``g``; each re-run forward op gets a budget row that binds only when its run is chosen
+(a big-M row); the rebuild delays ``Bn``'s start after its prefetches are issued.
+
 A model may also leave most units *decided* (``Decided``): their choice is a constant,
 only the other units are free, and a free unit's prefetch point may be capped.  That is
 the sub-MILP of the large-neighbourhood search (``solver.lns``), built from the same rows.
@@ -48,7 +55,8 @@ from .deadline import Deadline
 from .encoding import apply, encoded_bytes
 from .memory import op_memory
 from .pulp_backend import SolveOutcome, run
-from .schedule import Choice, Offload
+from .recompute import run_op, run_seconds
+from .schedule import Choice, Offload, Recompute
 from .simulate import simulate
 
 RAW = ""  # the option "not encoded"
@@ -67,6 +75,7 @@ class Decided:
 class IlpResult:
     offloads: list[Offload] | None  # None: no schedule
     encode: dict[int, str]  # stage -> chosen encoding
+    recompute: list[Recompute]
     outcome: SolveOutcome
     objective_s: float | None  # the MILP objective, in seconds
     dual_bound_s: float | None
@@ -115,12 +124,15 @@ class Model:
     def __init__(self, chain: Chain, budget: int, lower_bound_s: float = 0.0,
                  options: Mapping[int, Sequence[Encoding]] | None = None,
                  decided: Mapping[int, Decided] | None = None, prefetch_cap: Mapping[int, int] | None = None,
-                 deadline: Deadline | None = None, cut_width: int | None = None) -> None:
+                 deadline: Deadline | None = None, cut_width: int | None = None, max_run: int = 0,
+                 offload: bool = True) -> None:
         self.chain, self.deadline = chain, deadline
         self.decided = dict(decided or {})
+        if max_run and self.decided:
+            raise ValueError("recomputation is modelled in whole models only (no decided units)")
         L = chain.L
         self.free = [i for i in range(1, L + 1) if i not in self.decided]
-        self.U = set(chain.offloadable)
+        self.U = set(chain.offloadable) if offload else set()  # units that may move
         self.need = {i: int(chain.need[i]) for i in range(1, L + 1)}
         self.cap = {i: min(L, max(self.need[i], (prefetch_cap or {}).get(i, L))) for i in self.free}
         self.tau, self.mu = chain.time_unit_s, chain.memory_unit_bytes
@@ -130,6 +142,7 @@ class Model:
         self._options(dict(options or {}))
         self._release_windows()
         self._decisions()
+        self._runs(max_run)
         self._memory_rows()
         self._durations()
         self._forward_times()
@@ -230,6 +243,30 @@ class Model:
             self._row(f"fetch_monotone_{i}_{self.opts[i].index(o)}_{j}",
                       _affine((v, 1.0)).add(self.fetched(i, o, j - 1), -1.0), "<=")
 
+    def _runs(self, max_run: int) -> None:
+        """``g_{s,e}``: stages ``s..e`` recomputed as one run; a stage in one run at most, and
+        then neither offloaded nor encoded."""
+        L = self.chain.L
+        self.g = {(s, e): self._var(f"recompute_{s}_{e}", True)
+                  for s in range(1, L) for e in range(s, min(L - 1, s + max_run - 1) + 1)} if max_run else {}
+        self.run_at: dict[int, list[tuple[int, int]]] = {}  # n -> runs rebuilt at the start of B_n
+        for (s, e) in self.g:
+            self.run_at.setdefault(run_op(self.chain, Recompute(s, e)), []).append((s, e))
+        for i in range(1, L):
+            row = self.recomputed(i)
+            if not row.terms:
+                continue
+            for o in self.opts[i]:
+                if o != RAW:
+                    row.add(self.c[i, o])
+                if (i, o) in self.x:
+                    row.add(self.x[i, o])
+            self._row(f"one_fate_{i}", row, "<=", 1)
+
+    def recomputed(self, i: int) -> _Affine:
+        """1 if stage ``i`` is in a recomputed run."""
+        return _affine(*((v, 1.0) for (s, e), v in self.g.items() if s <= i <= e))
+
     def chosen(self, i: int, o: str) -> _Form:
         """1 if unit ``i`` is stored with option ``o``."""
         if i in self.decided:
@@ -289,6 +326,8 @@ class Model:
         L, need = self.chain.L, self.need
         const = self._constant_memory()
         rows: dict[tuple, tuple[float, _Affine, str]] = {}
+        a, x, mu = self.chain.a, self.chain.x, self.mu
+        self.bwd_rows: dict[int, _Affine] = {}  # B_j's variable part, for the re-run ops' rows
         for o in range(2 * L):
             row = _Affine()
             if o < L:  # F_j
@@ -304,6 +343,12 @@ class Model:
                     row.add(self._extra(j, "fwd_extra_bytes"))
                 if j > 1 and j - 1 not in self.decided:
                     row.add(self._extra(j - 1, "output_bytes"))
+                for (s, e), g in self.g.items():
+                    if s < j:  # the checkpoint, from the end of F_s
+                        row.add(g, x[s] / mu)
+                    for i in range(s, min(e, j - 2) + 1):  # released at the end of F_{i+1}
+                        held = self.chain.held[i] if j <= self.chain.held_until[i] else 0
+                        row.add(g, -max(0, int(a[i]) - int(held)) / mu)
                 name = f"memory_F{j}"
             else:  # B_j
                 j = 2 * L - o
@@ -317,6 +362,11 @@ class Model:
                             row.add(self.fetched(i, opt, j), self.size[i, opt])
                     if j <= need[i]:
                         row.add(self._extra(i, "bwd_extra_bytes"))
+                for n, at_n in self.run_at.items():
+                    if n < j:  # not rebuilt yet: the checkpoint instead of the units
+                        for (s, e) in at_n:
+                            row.add(self.g[s, e], (int(x[s]) - int(sum(a[s:e + 1]))) / mu)
+                self.bwd_rows[j] = _Affine().add(row)  # a copy: the row's constant changes below
                 name = f"memory_B{j}"
             key = tuple(sorted((v.name, round(c, 12)) for v, c in row.terms.items() if c))
             total = row.const + float(const[o])
@@ -325,6 +375,28 @@ class Model:
         for total, row, name in rows.values():
             row.const = total
             self._row(name, row, "<=", self.B)
+        self._rebuild_rows()
+
+    def _rebuild_rows(self) -> None:
+        """Each re-run forward op ``Rj`` of a run ``s..e`` rebuilt at ``Bn`` holds ``Bn``'s
+        units less those not rebuilt yet (``j..e``, and the runs at ``n`` that come after),
+        plus ``Fj``'s transient: a budget row that binds only when the run is chosen."""
+        a, x, fp, mu = self.chain.a, self.chain.x, self.chain.fp, self.mu
+        for n, at_n in self.run_at.items():
+            for (s, e) in at_n:
+                g = self.g[s, e]
+                later = _Affine()
+                for (s2, e2) in at_n:
+                    if s2 < s:  # rebuilt after this run
+                        later.add(self.g[s2, e2], (int(x[s2]) - int(sum(a[s2:e2 + 1]))) / mu)
+                for j in range(s, e + 1):
+                    row = _Affine().add(self.bwd_rows[n]).add(later)
+                    row.const += (int(fp[j]) - int(sum(a[j:e + 1]))) / mu
+                    big = sum(c for c in row.terms.values() if c > 0) + row.const - self.B
+                    if big <= 0:
+                        continue
+                    row.add(g, big)  # lhs <= B + big (1 - g)
+                    self._row(f"memory_R{j}_{s}_{e}", row, "<=", self.B + big)
 
     # ------------------------------------------------------------------ times
     def _durations(self) -> None:
@@ -394,7 +466,10 @@ class Model:
         slots = self._slots()
         span, clock = 0.0, None  # span: bound on (H2D clock - issue time) within the current group
         for k in range(L, 0, -1):
-            self._row(f"backward_{k}", _affine((self.s[k], 1.0)).add(self.issue[k], -1.0), ">=")
+            start = _affine((self.s[k], 1.0)).add(self.issue[k], -1.0)
+            for (s0, e0) in self.run_at.get(k, ()):  # rebuilt after the prefetches are issued
+                start.add(self.g[s0, e0], -run_seconds(self.chain, Recompute(s0, e0)) / self.tau)
+            self._row(f"backward_{k}", start, ">=")
             if k < L:
                 span = max(0.0, span - self.b[k + 1])
             members = slots.get(k)
@@ -494,10 +569,16 @@ class Model:
             self._row(f"cut_h2d_{j}_{k}", row, ">=")
 
     # ------------------------------------------------------------------ warm start
-    def load(self, offloads: Sequence[Offload], encode: Choice | None = None) -> float:
-        """Set every variable to the least solution for ``offloads`` and ``encode`` (decided units
-        as decided); returns its makespan (s)."""
+    def load(self, offloads: Sequence[Offload], encode: Choice | None = None,
+             runs: Sequence[Recompute] = ()) -> float:
+        """Set every variable to the least solution for ``offloads``, ``encode`` and the
+        recomputed ``runs`` (decided units as decided); returns its makespan (s)."""
         encode = dict(encode or {})
+        chosen_runs = {(r.first, r.last) for r in runs}
+        if not chosen_runs <= set(self.g):
+            raise ValueError(f"runs {sorted(chosen_runs - set(self.g))} are not in this model")
+        for key, v in self.g.items():
+            v.setInitialValue(1 if key in chosen_runs else 0)
         L, tau = self.chain.L, self.tau
         offloads = [Offload(o.stage, min(o.release, self.R.get(o.stage, o.release)), o.prefetch) for o in offloads]
         by = {o.stage: o for o in offloads}
@@ -513,7 +594,7 @@ class Model:
             v.setInitialValue(1 if mine(i, o) and by[i].release <= j else 0)
         for (i, o, j), v in self.y.items():
             v.setInitialValue(1 if mine(i, o) and by[i].prefetch >= j else 0)
-        sim = simulate(self.chain, offloads, encode=encode)
+        sim = simulate(self.chain, offloads, encode=encode, recompute=runs)
         derived = sim.chain
         for j in range(1, L):  # w_j is the start of F_{j+1}; w_L the start of B_L before prefetch waits
             self.w[j].setInitialValue(sim.start[j] / tau)
@@ -535,6 +616,10 @@ class Model:
                 clock = h2d_end[i] if i in by and by[i].prefetch == k else base
                 self.clock[i, k].setInitialValue(clock)
         return sim.makespan_s
+
+    def read_runs(self) -> list[Recompute]:
+        """The recomputed runs in the solver's incumbent."""
+        return sorted(Recompute(s, e) for (s, e), v in self.g.items() if (v.varValue or 0) > 0.5)
 
     def read(self) -> tuple[list[Offload], dict[int, str]]:
         """The schedule in the solver's incumbent (binaries rounded), decided units included."""
@@ -561,14 +646,17 @@ def solve_ilp(chain: Chain, budget: int, *, warm: Sequence[Offload] | None = Non
               decided: Mapping[int, Decided] | None = None, prefetch_cap: Mapping[int, int] | None = None,
               cut_width: int | None = None, lower_bound_s: float = 0.0, solver: str = "highs", time_limit: float | None = 60.0,
               gap: float | None = 1e-4, threads: int | None = None, msg: bool = False,
-              deadline: Deadline | None = None, presolve: bool = True) -> IlpResult:
+              deadline: Deadline | None = None, presolve: bool = True, max_run: int = 0,
+              warm_runs: Sequence[Recompute] = (), offload: bool = True) -> IlpResult:
     """Build and solve the MILP for an activation ``budget``; ``options`` are the encodings
     it may choose per stage (``solver.encoding.allowed``), ``decided`` the units it may not
-    change.  Raises ``OutOfTime`` if the ``deadline`` passes while the model is built."""
+    change, ``max_run`` the longest recomputed run (0: no recomputation), ``offload``
+    whether units may move at all (off: the recompute-only optimum).  Raises
+    ``OutOfTime`` if the ``deadline`` passes while the model is built."""
     t0 = time.perf_counter()
-    model = Model(chain, budget, lower_bound_s, options, decided, prefetch_cap, deadline, cut_width)
+    model = Model(chain, budget, lower_bound_s, options, decided, prefetch_cap, deadline, cut_width, max_run, offload)
     if warm is not None:
-        model.load(warm, warm_encode)
+        model.load(warm, warm_encode, warm_runs)
     build_s = time.perf_counter() - t0
     out = run(model.lp, solver, time_limit=time_limit, gap=gap, threads=threads, warm=warm is not None, msg=msg,
               deadline=deadline, presolve=presolve)
@@ -577,6 +665,7 @@ def solve_ilp(chain: Chain, budget: int, *, warm: Sequence[Offload] | None = Non
     return IlpResult(
         offloads=offloads,
         encode=encode,
+        recompute=model.read_runs() if out.has_solution else [],
         outcome=out,
         objective_s=out.objective * tau if out.objective is not None else None,
         dual_bound_s=out.dual_bound * tau if out.dual_bound is not None else None,

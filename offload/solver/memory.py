@@ -3,8 +3,12 @@
 Ops are indexed ``0..2L-1`` in execution order: ``Fj`` is ``j-1``, ``Bj`` is ``2L-j``.
 During ``Fj`` the resident units of earlier stages count plus ``fwd_peak_bytes`` of ``Fj``
 (which includes ``Uj``); during ``Bj`` the resident units of stages ``<= j`` count plus
-``bwd_peak_bytes``.  Memory depends only on the schedule's decisions, never on timing,
-which is what lets the ILP separate memory from time.
+``bwd_peak_bytes``.  A recomputed run's checkpoint counts from the end of its first
+forward op until it is rebuilt; each re-run forward op ``Rj`` of it holds what ``Bn``
+holds before its own transient, less the units not rebuilt yet, plus ``fwd_peak_bytes``
+of ``Fj``, and ``Bn``'s memory is the largest of those and its own.  Memory depends only
+on the schedule's decisions, never on timing, which is what lets the ILP separate memory
+from time.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from typing import Iterable
 import numpy as np
 
 from .chain import Chain
-from .schedule import Offload
+from .recompute import by_op
+from .schedule import Offload, Recompute
 
 
 def op_name(chain: Chain, o: int) -> str:
@@ -25,26 +30,73 @@ def _transient(chain: Chain) -> np.ndarray:
     return np.concatenate([chain.fp[1:], chain.bp[1:][::-1]])
 
 
-def op_memory(chain: Chain, offloads: Iterable[Offload]) -> np.ndarray:
-    """Activation bytes held during each op (int64 array of length ``2L``)."""
+def _held(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute]) -> np.ndarray:
+    """Per op, the bytes of units and checkpoints resident, without the recomputations' own."""
     L = chain.L
     diff = np.zeros(2 * L + 1, dtype=np.int64)
     kept = np.ones(L + 1, dtype=bool)
     kept[0] = False
-    for o in offloads:
-        i, a = o.stage, chain.a[o.stage]
+
+    def away(i: int, release: int, back: int) -> None:
+        """Unit ``i`` resident through ``F(release)`` (its held part through ``F(held_until)``),
+        then again from ``B(back)`` to the end of ``Bi``."""
+        a = chain.a[i]
         kept[i] = False
         diff[i] += a  # F_{i+1} .. F_r
-        diff[o.release] -= a
-        if chain.held_until[i] > o.release:  # the part the model's code holds: F_{r+1} .. F_held_until
-            diff[o.release] += chain.held[i]
+        diff[release] -= a
+        if chain.held_until[i] > release:  # the part the model's code holds: F_{r+1} .. F_held_until
+            diff[release] += chain.held[i]
             diff[chain.held_until[i]] -= chain.held[i]
-        diff[2 * L - o.prefetch] += a  # B_k .. B_i
+        diff[2 * L - back] += a  # B_back .. B_i
         diff[2 * L - i + 1] -= a
+
+    for o in offloads:
+        away(o.stage, o.release, o.prefetch)
+    for n, at_n in by_op(chain, runs).items():
+        for run in at_n:
+            for i in run.stages:
+                away(i, i + 1, n)
+            diff[run.first] += chain.x[run.first]  # the checkpoint: F_{s+1} .. B_{n+1}
+            diff[2 * L - n] -= chain.x[run.first]
     idx = np.nonzero(kept)[0]
     np.add.at(diff, idx, chain.a[idx])  # kept: F_{i+1} .. B_i
     np.add.at(diff, 2 * L - idx + 1, -chain.a[idx])
-    return np.cumsum(diff[:-1]) + _transient(chain)
+    return np.cumsum(diff[:-1])
+
+
+def _recompute_memory(chain: Chain, held: np.ndarray, runs: Iterable[Recompute]) -> list[tuple[int, int, int]]:
+    """``(n, j, bytes)`` per re-run forward op ``Rj`` (rebuilt at the start of ``Bn``), in
+    execution order; ``held`` is ``_held``'s per-op residency."""
+    L, a, x = chain.L, chain.a, chain.x
+    out = []
+    for n, at_n in sorted(by_op(chain, runs).items(), reverse=True):
+        # what B_n holds before its transient, with the runs at n rebuilt and their checkpoints gone
+        base = int(held[2 * L - n])
+        pending = [int(sum(a[j] for j in r.stages)) - int(x[r.first]) for r in at_n]
+        for m, run in enumerate(at_n):
+            later = sum(pending[m + 1:])
+            for j in run.stages:
+                missing = int(sum(a[l] for l in range(j, run.last + 1)))
+                out.append((n, j, base - later - missing + int(chain.fp[j])))
+    return out
+
+
+def memory_profile(chain: Chain, offloads: Iterable[Offload],
+                   runs: Iterable[Recompute] = ()) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """Activation bytes held during each op (int64 array of length ``2L``; ``Bn`` counts the
+    recomputations at its start) and, per re-run forward op, ``(n, j, bytes)``."""
+    runs = tuple(runs)
+    held = _held(chain, offloads, runs)
+    mem = held + _transient(chain)
+    rebuilt = _recompute_memory(chain, held, runs)
+    for n, _, nbytes in rebuilt:
+        mem[2 * chain.L - n] = max(mem[2 * chain.L - n], nbytes)
+    return mem, rebuilt
+
+
+def op_memory(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute] = ()) -> np.ndarray:
+    """Activation bytes held during each op (``memory_profile`` without the re-run ops)."""
+    return memory_profile(chain, offloads, runs)[0]
 
 
 def floor_savings(chain: Chain, i: int) -> list[tuple[int, int, int]]:

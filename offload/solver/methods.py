@@ -11,14 +11,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..errors import InfeasibleBudget, SolverFailure
-from . import baselines, encoding, lns, relax
+from . import baselines, checkpointing, encoding, lns, relax
 from .bounds import fluid_lp
 from .budget import Budget
 from .chain import Chain
 from .deadline import Deadline, OutOfTime
 from .ilp import solve_ilp
 from .memory import floor_offloads, op_memory, op_name
-from .schedule import Choice, Offload, Schedule, make_schedule
+from .schedule import Choice, Offload, Recompute, Schedule, make_schedule
 from .simulate import Simulation, simulate
 from .units import format_bytes
 
@@ -38,6 +38,8 @@ class Options:
     heuristic_time_s: float = 1.0
     verbose: bool = False
     encodings: str = "lossless"  # which encodings ilp, relax-*, gist* may choose (solver.encoding.MODES)
+    recompute: bool = False  # whether ilp and relax-* may recompute runs of stages as well
+    max_run: int = 8  # the longest recomputed run they consider
 
 
 @dataclass
@@ -53,11 +55,13 @@ class Result:
 
 @dataclass(frozen=True)
 class Planned:
-    """What a method chose: the offloads, the encodings, notes for ``solver`` info."""
+    """What a method chose: the offloads, the encodings, notes for ``solver`` info, the
+    recomputed runs."""
 
     offloads: list[Offload]
     encode: Choice = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    recompute: tuple[Recompute, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,11 @@ class _Context:
         return self.options.encodings
 
     @property
+    def max_run(self) -> int:
+        """The longest recomputed run the joint methods consider (0: none)."""
+        return self.options.max_run if self.options.recompute else 0
+
+    @property
     def heuristic_s(self) -> float:
         """Local-search time of one relax heuristic: its option, within a quarter of what is left."""
         return min(self.options.heuristic_time_s, self.deadline.share(0.25))
@@ -100,12 +109,18 @@ def _adaptive(policy: Callable[[Chain, int], list[Offload] | None]) -> Callable[
     return run
 
 
+def _found(found: relax.Found) -> Planned:
+    offloads, encode, runs = found
+    return Planned(offloads, encode, recompute=tuple(runs))
+
+
 def _relax_lp(ctx: _Context) -> Planned:
-    return Planned(*relax.relax_lp(ctx.chain, ctx.budget, ctx.lp, ctx.heuristic_s, ctx.mode, LP_BOUND_MAX_STAGES))
+    return _found(relax.relax_lp(ctx.chain, ctx.budget, ctx.lp, ctx.heuristic_s, ctx.mode, LP_BOUND_MAX_STAGES,
+                                 ctx.max_run))
 
 
 def _relax_bw(ctx: _Context) -> Planned:
-    return Planned(*relax.relax_bw(ctx.chain, ctx.budget, ctx.heuristic_s, ctx.mode))
+    return _found(relax.relax_bw(ctx.chain, ctx.budget, ctx.heuristic_s, ctx.mode, ctx.max_run))
 
 
 def _gist(with_swap: bool) -> Callable[[_Context], Planned | None]:
@@ -122,7 +137,7 @@ def _gist(with_swap: bool) -> Callable[[_Context], Planned | None]:
 
 
 def _span(chain: Chain, p: Planned) -> float:
-    return simulate(chain, p.offloads, encode=p.encode).makespan_s
+    return simulate(chain, p.offloads, encode=p.encode, recompute=p.recompute).makespan_s
 
 
 def _ilp(ctx: _Context) -> Planned:
@@ -132,13 +147,17 @@ def _ilp(ctx: _Context) -> Planned:
     options = encoding.allowed(chain, ctx.mode)
     base = {"backend": opt.solver, "time_limit_s": opt.time_limit_s, "gap_limit": opt.gap, "warm_start_s": warm_span}
     if chain.L > FULL_MILP_MAX_STAGES:
+        if warm.recompute:  # the windows re-optimize offloads and encodings only
+            return replace(warm, info={**base, "status": "feasible", "note": f"{chain.L} stages with recomputation: "
+                                       "the best relax-* schedule is returned (the window search does not move runs)"})
         return _ilp_windows(ctx, warm, warm_span, options, base)
     target = budget
     for _ in range(3):  # a solver tolerance may round a binary onto the wrong side by a few bytes
         try:
             res = solve_ilp(chain, target, warm=warm.offloads, warm_encode=warm.encode, options=options,
                             lower_bound_s=ctx.lp_bound_s, solver=opt.solver, time_limit=None, gap=opt.gap,
-                            threads=opt.threads, msg=opt.verbose, deadline=ctx.deadline)
+                            threads=opt.threads, msg=opt.verbose, deadline=ctx.deadline, max_run=ctx.max_run,
+                            warm_runs=warm.recompute)
         except OutOfTime:
             return replace(warm, info={**base, "status": "timed-out", "note": "the time limit passed while the "
                                        "MILP was built; the warm start (best heuristic) is returned"})
@@ -152,16 +171,45 @@ def _ilp(ctx: _Context) -> Planned:
                                     "try --solver cbc, or report the chain: the warm start proves one exists")
             return replace(warm, info={**info, "status": "timed-out",
                                        "note": "the solver found no schedule in time; the warm start (best heuristic) is returned"})
-        peak = simulate(chain, res.offloads, encode=res.encode).peak_bytes
+        peak = simulate(chain, res.offloads, encode=res.encode, recompute=res.recompute).peak_bytes
         if peak <= budget:
             break
         target -= peak - budget + 1
     else:
         raise SolverFailure("the ILP's schedules exceed the budget after 3 tightened solves (numerical trouble)")
-    found = Planned(res.offloads, res.encode)
+    found = Planned(res.offloads, res.encode, recompute=tuple(res.recompute))
     if _span(chain, found) > warm_span:
         return replace(warm, info={**info, "status": "feasible", "note": "the solver's incumbent was worse than the warm start; the warm start is returned"})
-    return Planned(res.offloads, res.encode, {**info, "status": "optimal" if out.proven and target == budget else "feasible"})
+    return replace(found, info={**info, "status": "optimal" if out.proven and target == budget else "feasible"})
+
+
+def _checkpointing(name: str) -> Callable[[_Context], Planned | None]:
+    def run(ctx: _Context) -> Planned | None:
+        runs = tuple(checkpointing.POLICIES[name](ctx.chain))
+        fits = simulate(ctx.chain, [], recompute=runs).peak_bytes <= ctx.budget
+        return Planned([], recompute=runs) if fits else None
+    return run
+
+
+def _recompute_only(ctx: _Context) -> Planned | None:
+    """The best recompute-only schedule: the MILP with offloading turned off, warm-started
+    from the checkpointing policy that fits, if one does."""
+    chain, opt = ctx.chain, ctx.options
+    warm = min((p for p in (_checkpointing(n)(ctx) for n in checkpointing.POLICIES) if p is not None),
+               key=lambda p: _span(chain, p), default=None)
+    warm = warm if warm is None or max((len(r.stages) for r in warm.recompute), default=0) <= opt.max_run else None
+    try:
+        res = solve_ilp(chain, ctx.budget, warm=[] if warm else None, warm_runs=warm.recompute if warm else (),
+                        solver=opt.solver, time_limit=None, gap=opt.gap, threads=opt.threads, msg=opt.verbose,
+                        deadline=ctx.deadline, max_run=opt.max_run, offload=False)
+    except OutOfTime:
+        return replace(warm, info={"status": "timed-out"}) if warm else None
+    out = res.outcome
+    if res.offloads is None:
+        return replace(warm, info={"status": "timed-out"}) if warm and out.stop == "time-limit" else None
+    info = {"backend": opt.solver, "solver_seconds": round(out.seconds, 3), "solver_stop": out.stop,
+            "solver_bound_s": res.dual_bound_s, "status": "optimal" if out.proven else "feasible"}
+    return Planned([], recompute=tuple(res.recompute), info=info)
 
 
 def _ilp_windows(ctx: _Context, warm: Planned, warm_span: float, options: dict, base: dict) -> Planned:
@@ -191,7 +239,11 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("save-on-cpu", "torch save_on_cpu: offload everything, release at once, fetch on demand (exposed)", _fixed("save-on-cpu")),
     Method("gist", "Gist: every unit stored with its smallest allowed encoding (lossless unless --encodings lossy), no offloading", _gist(with_swap=False)),
     Method("gist-swap", "Gist's encodings, then swap-size-idle on the encoded chain (encode before offloading)", _gist(with_swap=True)),
+    Method("recompute-only", "the optimal recompute-only schedule over the class (the MILP with offloading off: rotor's role)", _recompute_only),
+    Method("checkpoint-sqrt", "torch checkpoint_sequential: runs of ceil(sqrt L) stages recomputed, the last segment kept", _checkpointing("checkpoint-sqrt")),
+    Method("checkpoint-blocks", "per-block activation checkpointing: every stage but the last recomputed from its own input", _checkpointing("checkpoint-blocks")),
 ]}
+RECOMPUTING = {"recompute-only", "checkpoint-sqrt", "checkpoint-blocks"}  # methods that recompute whatever the options
 
 
 def _refuse_below_floor(chain: Chain, budget: Budget, mode: str) -> int:
@@ -236,8 +288,9 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
     act = budget.activations(chain)
     encoded = bool(encoding.allowed(chain, options.encodings))
     lp = fluid_lp(chain, act) if chain.L <= LP_BOUND_MAX_STAGES else None
-    # the fluid LP knows no encodings: with them it is no lower bound, the ideal still is
-    lp_bound = lp.makespan_s if lp is not None and not encoded else chain.ideal_makespan_s
+    # the fluid LP knows neither encodings nor recomputation: with them it is no lower bound, the ideal still is
+    unbounded = encoded or options.recompute or method in RECOMPUTING
+    lp_bound = lp.makespan_s if lp is not None and not unbounded else chain.ideal_makespan_s
     ctx = _Context(chain, act, options, lp_bound, lp, deadline)
     planned = METHODS[method].run(ctx)
     if planned is None:
@@ -249,8 +302,8 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
             f"the smallest budget any schedule meets is {format_bytes(floor + base)}: try --method ilp or relax-lp",
             smallest_bytes=floor + base)
     info = dict(planned.info)
-    sim = simulate(chain, planned.offloads, budget, encode=planned.encode)
-    bounds = _bounds(ctx, encoded, info)
+    sim = simulate(chain, planned.offloads, budget, encode=planned.encode, recompute=planned.recompute)
+    bounds = _bounds(ctx, unbounded, info)
     bound, span = max(bounds.values()), sim.makespan_s
     status = info.pop("status", "heuristic")
     if span <= bound * (1 + 1e-9):
@@ -258,10 +311,11 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
     gap = max(0.0, (span - bound) / span) if span > 0 else 0.0
     seconds = time.perf_counter() - t0
     solver_info = {"status": status, "gap": gap, "seconds": round(seconds, 3), "bound_s": bound, "bounds": bounds,
-                   "encodings": options.encodings, **info}
+                   "encodings": options.encodings, "recompute": options.recompute or method in RECOMPUTING, **info}
     predicted = {"makespan_s": span, "peak_bytes": sim.peak_bytes + budget.base(chain), "stall_s": sim.stall_s,
                  "ideal_makespan_s": chain.ideal_makespan_s, "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes,
-                 "encoded_units": len(planned.encode), "lossy": bool(encoding.lossy_stages(chain, planned.encode))}
-    schedule = make_schedule(chain, planned.offloads, budget=budget, method=method, solver=solver_info,
-                             encode=dict(planned.encode), predicted=predicted)
+                 "encoded_units": len(planned.encode), "lossy": bool(encoding.lossy_stages(chain, planned.encode)),
+                 "recomputed_units": sum(len(r.stages) for r in planned.recompute), "recompute_s": sim.recomputed_s}
+    schedule = make_schedule(chain, planned.offloads, planned.recompute, budget=budget, method=method,
+                             solver=solver_info, encode=dict(planned.encode), predicted=predicted)
     return Result(schedule, sim, status, bound, gap, seconds, solver_info)

@@ -1,7 +1,9 @@
 """Timing rules that turn a set of offloaded units into a schedule.
 
 Which units to offload is the hard, NP-hard part; once the set ``S`` is chosen, these
-rules pick the release and prefetch points.  Heuristics and baselines share them:
+rules pick the release and prefetch points, around recomputed ``runs`` fixed beforehand
+(their memory is part of what the rules fit into the budget).  Heuristics and baselines
+share them:
 
 * ``release_asap``: at every forward boundary release each unit whose D2H copy is done
   (free), and wait for more copies, in FIFO order, only when the next op would not fit.
@@ -24,7 +26,7 @@ import numpy as np
 
 from .chain import Chain
 from .memory import floor_savings, op_memory
-from .schedule import Offload
+from .schedule import Offload, Recompute
 
 Points = dict[int, int]
 
@@ -34,26 +36,28 @@ def need_order(chain: Chain, units: Iterable[int]) -> list[int]:
     return sorted(units, key=lambda i: (-int(chain.need[i]), -i))
 
 
-def floor_memory(chain: Chain, units: Iterable[int]) -> np.ndarray:
+def floor_memory(chain: Chain, units: Iterable[int], runs: Iterable[Recompute] = ()) -> np.ndarray:
     """Per-op memory when ``units`` are released at once and fetched on demand: the least
-    any schedule offloading exactly these units can hold."""
-    return op_memory(chain, [Offload(i, i + 1, int(chain.need[i])) for i in units])
+    any schedule offloading exactly these units (and recomputing ``runs``) can hold."""
+    return op_memory(chain, [Offload(i, i + 1, int(chain.need[i])) for i in units], runs)
 
 
 def cover_peaks(chain: Chain, budget: int, pick: Callable[[np.ndarray, int], int],
-                start: Iterable[int] = ()) -> set[int] | None:
+                start: Iterable[int] = (), runs: Iterable[Recompute] = ()) -> set[int] | None:
     """Grow a set (from ``start``) until it fits: at each step the op with the most excess
     memory is covered by ``pick(candidates, excess)``, a unit absent from it (``candidates``:
     an array of stage indices).  ``None`` if none can be.  Incremental: O(L) array work per
     unit added."""
     L = chain.L
-    units = np.array(chain.offloadable, dtype=np.int64)
+    runs = tuple(runs)
+    rebuilt = {i for r in runs for i in r.stages}
+    units = np.array([i for i in chain.offloadable if i not in rebuilt], dtype=np.int64)
     first = units + 1  # a unit released at once is absent from op i+1 ...
     stop = 2 * L - chain.need[units]  # ... to op 2L - need_i (excluded): ``memory.floor_savings``
     chosen = set(start)
     left = ~np.isin(units, list(chosen))
     where = {int(u): n for n, u in enumerate(units)}
-    mem = floor_memory(chain, chosen)
+    mem = floor_memory(chain, chosen, runs)
     while True:
         o = int(mem.argmax())
         excess = int(mem[o]) - budget
@@ -69,15 +73,18 @@ def cover_peaks(chain: Chain, budget: int, pick: Callable[[np.ndarray, int], int
             mem[lo:hi] -= saved
 
 
-def set_fits(chain: Chain, units: Iterable[int], budget: int) -> bool:
-    """Whether some schedule offloading exactly ``units`` meets the activation budget."""
-    return bool(floor_memory(chain, units).max() <= budget)
+def set_fits(chain: Chain, units: Iterable[int], budget: int, runs: Iterable[Recompute] = ()) -> bool:
+    """Whether some schedule offloading exactly ``units`` (recomputing ``runs``) meets the budget."""
+    return bool(floor_memory(chain, units, runs).max() <= budget)
 
 
 # ----------------------------------------------------------------------- release rules
-def release_asap(chain: Chain, units: Iterable[int], budget: int) -> Points | None:
-    """Forward greedy (optimal for a fixed set); ``None`` if the set cannot fit."""
+def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable[Recompute] = ()) -> Points | None:
+    """Forward greedy (optimal for a fixed set and runs); ``None`` if the set cannot fit.
+    A recomputed unit goes at the end of ``F(i+1)``; a run's checkpoint stays."""
     S = set(units)
+    recomputed = {i for r in runs for i in r.stages}
+    checkpoint = {r.first: int(chain.x[r.first]) for r in runs}
     L, p = chain.L, chain.platform
     f, a, fp = chain.f, chain.a, chain.fp
     release: Points = {}
@@ -99,6 +106,9 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int) -> Points | No
     for j in range(1, L + 1):
         if j >= 2:  # boundary j-1, before F_j: units i <= j-2 may be released
             resident -= held.pop(j - 1, 0)
+            resident += checkpoint.get(j - 1, 0)
+            if j - 2 in recomputed:
+                resident -= free(j - 2, j - 1)
             while head < len(pending) and pending[head] <= j - 2 and d2h_end[pending[head]] <= t:
                 release[pending[head]] = j - 1
                 resident -= free(pending[head], j - 1)
@@ -130,17 +140,17 @@ def release_next(chain: Chain, units: Iterable[int]) -> Points:
 
 
 # ---------------------------------------------------------------------- prefetch rules
-def _backward_memory(chain: Chain, units: Iterable[int]) -> np.ndarray:
+def _backward_memory(chain: Chain, units: Iterable[int], runs: Iterable[Recompute] = ()) -> np.ndarray:
     """Memory per backward op ``B_j`` (index j) with every unit in its must-reside window."""
     L = chain.L
-    mem = floor_memory(chain, units)
+    mem = floor_memory(chain, units, runs)
     return np.concatenate([[0], mem[L:][::-1]])  # mem[2L - j] is B_j
 
 
-def prefetch_earliest(chain: Chain, units: Iterable[int], budget: int) -> Points:
+def prefetch_earliest(chain: Chain, units: Iterable[int], budget: int, runs: Iterable[Recompute] = ()) -> Points:
     """In need order, each prefetch as early as memory allows (assumes the set fits)."""
     L = chain.L
-    mem = _backward_memory(chain, units)
+    mem = _backward_memory(chain, units, runs)
     points: Points = {}
     cap = L
     for u in need_order(chain, units):
@@ -196,11 +206,13 @@ def combine(release: Points, prefetch: Points) -> list[Offload]:
     return [Offload(i, release[i], prefetch[i]) for i in sorted(release)]
 
 
-def plan_greedy(chain: Chain, units: Iterable[int], budget: int) -> list[Offload] | None:
-    """The best timing our rules know for a fixed set: ``release_asap`` + ``prefetch_earliest``."""
-    units = sorted(units)
-    release = release_asap(chain, units, budget)
-    if release is None or not set_fits(chain, units, budget):
+def plan_greedy(chain: Chain, units: Iterable[int], budget: int,
+                runs: Iterable[Recompute] = ()) -> list[Offload] | None:
+    """The best timing our rules know for a fixed set (and runs): ``release_asap`` +
+    ``prefetch_earliest``."""
+    units, runs = sorted(units), tuple(runs)
+    release = release_asap(chain, units, budget, runs)
+    if release is None or not set_fits(chain, units, budget, runs):
         return None
-    return combine(release, prefetch_earliest(chain, units, budget))
+    return combine(release, prefetch_earliest(chain, units, budget, runs))
 

@@ -19,9 +19,10 @@ fallback), never a guess.
               covers the ops from ``F(i+2)`` to ``B(need_i + 1)``), solved greedily for the
               least moved volume, earlier stages first on ties (more time to hide).
 
-The search (``iterated_search``): a state is a set of offloaded units and a choice of
-encodings.  First-improvement descent over drop / add / swap of a unit and toggling one
-unit's encoding; then, until the time budget is spent, a kick (drop one to three units,
+The search (``iterated_search``): a state is a set of offloaded units, a choice of
+encodings and, when recomputation is allowed, a set of recomputed runs.  First-improvement
+descent over drop / add / swap of a unit, toggling one unit's encoding, and recomputing a
+stage instead (a run of one), undoing a run, merging two adjacent runs or splitting one; then, until the time budget is spent, a kick (drop one to three units,
 cover the peaks again with random, preferably small, units) and another descent.  The
 kick matters on link-bound chains: several small copies can hide where the least volume,
 a few large copies, cannot (DenseNet-121, link-bound, 85%: 1.34x the optimum before the
@@ -41,14 +42,15 @@ from .bounds import FluidLP, rounding_lp
 from .chain import Chain
 from .memory import floor_offloads, floor_savings, smallest_feasible_budget
 from .policy import cover_peaks, floor_memory, plan_greedy
-from .schedule import Offload
+from .schedule import Offload, Recompute
 from .simulate import simulate
 
-State = tuple[frozenset[int], tuple[tuple[int, str], ...]]  # offloaded units, encodings (sorted)
+# offloaded units, encodings (sorted), recomputed runs
+State = tuple[frozenset[int], tuple[tuple[int, str], ...], frozenset[Recompute]]
 
 
-def _state(units: set[int] | frozenset[int], choice: dict[int, str]) -> State:
-    return frozenset(units), tuple(sorted(choice.items()))
+def _state(units: set[int] | frozenset[int], choice: dict[int, str], runs: frozenset[Recompute] = frozenset()) -> State:
+    return frozenset(units), tuple(sorted(choice.items())), frozenset(runs)
 
 
 class _Scorer:
@@ -68,8 +70,11 @@ class _Scorer:
     def __call__(self, state: State) -> float:
         if state not in self.cache:
             chain = self.derive(state[1])
-            plan = plan_greedy(chain, state[0], self.budget)
-            span = simulate(chain, plan).makespan_s if plan is not None else np.inf
+            plan = plan_greedy(chain, state[0], self.budget, state[2])
+            span = np.inf
+            if plan is not None:
+                sim = simulate(chain, plan, recompute=state[2])
+                span = sim.makespan_s if sim.peak_bytes <= self.budget else np.inf
             self.cache[state] = (span, plan)
         return self.cache[state][0]
 
@@ -96,14 +101,17 @@ def _fill(chain: Chain, budget: int, units: set[int], order: list[int]) -> set[i
 
 class _Moves:
     """Neighbours of a state: drop, add or swap one unit (swaps between nearby stages on
-    long chains, so that a pass fits the time budget), or change one unit's encoding.
+    long chains, so that a pass fits the time budget), change one unit's encoding, and with
+    ``max_run``: recompute one more stage (a run of one, the unit no longer offloaded),
+    undo a run, merge two adjacent runs (up to ``max_run`` stages) or split one.
 
     Held as small descriptions and built into states one at a time when read: on a chain of
     10,000 stages there are ~10^5 moves, each a set of thousands of units once built."""
 
-    def __init__(self, chain: Chain, state: State, opts: dict[int, tuple]) -> None:
-        self.units, self.choice = state[0], dict(state[1])
-        U = chain.offloadable
+    def __init__(self, chain: Chain, state: State, opts: dict[int, tuple], max_run: int = 0) -> None:
+        self.units, self.choice, self.runs = state[0], dict(state[1]), state[2]
+        rebuilt = {i for r in self.runs for i in r.stages}
+        U = [i for i in chain.offloadable if i not in rebuilt]
         radius = len(U) if len(U) <= 80 else 8
         inside = sorted(self.units)
         outside = [i for i in U if i not in self.units]
@@ -112,43 +120,62 @@ class _Moves:
             lo, hi = bisect.bisect_left(outside, u - radius), bisect.bisect_right(outside, u + radius)
             self.moves += [("swap", u, v) for v in outside[lo:hi]]
         for i, es in opts.items():
-            self.moves += [("encode", i, name) for name in [None] + [e.name for e in es] if name != self.choice.get(i)]
+            if i not in rebuilt:
+                self.moves += [("encode", i, name) for name in [None] + [e.name for e in es] if name != self.choice.get(i)]
+        if max_run:
+            self.moves += [("recompute", i) for i in range(1, chain.L) if i not in rebuilt and i not in self.choice]
+            self.moves += [("undo", r) for r in self.runs] + [("split", r) for r in self.runs if r.last > r.first]
+            ends = {r.last: r for r in self.runs}
+            self.moves += [("merge", ends[r.first - 1], r) for r in self.runs
+                           if r.first - 1 in ends and r.last - ends[r.first - 1].first < max_run]
 
     def __len__(self) -> int:
         return len(self.moves)
 
     def __getitem__(self, k: int) -> State:
         kind, *args = self.moves[k]
+        units, choice, runs = self.units, self.choice, self.runs
         if kind == "drop":
-            return _state(self.units - {args[0]}, self.choice)
-        if kind == "add":
-            return _state(self.units | {args[0]}, self.choice)
-        if kind == "swap":
-            return _state((self.units - {args[0]}) | {args[1]}, self.choice)
-        i, name = args
-        other = {k: v for k, v in self.choice.items() if k != i} | ({i: name} if name else {})
-        return _state(self.units, other)
+            units = units - {args[0]}
+        elif kind == "add":
+            units = units | {args[0]}
+        elif kind == "swap":
+            units = (units - {args[0]}) | {args[1]}
+        elif kind == "encode":
+            i, name = args
+            choice = {k: v for k, v in choice.items() if k != i} | ({i: name} if name else {})
+        elif kind == "recompute":
+            units, runs = units - {args[0]}, runs | {Recompute(args[0], args[0])}
+        elif kind == "undo":
+            runs = runs - {args[0]}
+        elif kind == "split":
+            runs = (runs - {args[0]}) | {Recompute(i, i) for i in args[0].stages}
+        else:  # merge
+            runs = (runs - set(args)) | {Recompute(args[0].first, args[1].last)}
+        return _state(units, choice, runs)
 
 
-def local_search(chain: Chain, score: _Scorer, start: State, deadline: float, opts: dict[int, tuple]) -> State:
+def local_search(chain: Chain, score: _Scorer, start: State, deadline: float, opts: dict[int, tuple],
+                 max_run: int = 0) -> State:
     """First-improvement descent over ``_Moves`` until a whole round of moves finds nothing
     better or time is up.  After an improvement the scan goes on from where it stopped (a
     restart from the first move would try the same early moves again and again)."""
     ideal = chain.ideal_makespan_s
     best, best_s = start, score(start)
-    moves, at, tried = _Moves(chain, best, opts), 0, 0
+    moves, at, tried = _Moves(chain, best, opts, max_run), 0, 0
     while tried < len(moves) and best_s > ideal * (1 + 1e-12) and time.perf_counter() < deadline:
         cand = moves[at % len(moves)]
         at, tried = at + 1, tried + 1
         s = score(cand)
         if s < best_s * (1 - 1e-12):
             best, best_s = cand, s
-            moves, tried = _Moves(chain, best, opts), 0
+            moves, tried = _Moves(chain, best, opts, max_run), 0
             at %= max(1, len(moves))
     return best
 
 
-def _recover(score: _Scorer, units: set[int], choice: tuple, rng: np.random.Generator) -> set[int]:
+def _recover(score: _Scorer, units: set[int], choice: tuple, runs: frozenset[Recompute],
+             rng: np.random.Generator) -> set[int]:
     """Cover the peaks again after units were dropped: each pick a random unit absent from the
     worst op, smaller units more likely (several small copies hide where one large one cannot)."""
     chain = score.derive(choice)
@@ -156,25 +183,26 @@ def _recover(score: _Scorer, units: set[int], choice: tuple, rng: np.random.Gene
     def pick(cands: np.ndarray, excess: int) -> int:
         weight = 1.0 / chain.a[cands].astype(float)
         return int(rng.choice(cands, p=weight / weight.sum()))
-    chosen = cover_peaks(chain, score.budget, pick, start=units)
-    return chosen if chosen is not None else set(chain.offloadable)
+    chosen = cover_peaks(chain, score.budget, pick, start=units, runs=runs)
+    return chosen if chosen is not None else set(chain.offloadable) - {i for r in runs for i in r.stages}
 
 
-def iterated_search(chain: Chain, score: _Scorer, start: State, deadline: float, opts: dict[int, tuple]) -> State:
+def iterated_search(chain: Chain, score: _Scorer, start: State, deadline: float, opts: dict[int, tuple],
+                    max_run: int = 0) -> State:
     """``local_search``, then until time is up: drop one to three units of the current state
     (each losing its encoding half the time; a quarter of the kicks drop every encoding),
     cover the peaks again at random (``_recover``), descend again; move to the result when
     it is no worse, keep the best.  Seeded, so a run is reproducible unless time cuts it short."""
     ideal = chain.ideal_makespan_s
     rng = np.random.default_rng(0)
-    best = current = local_search(chain, score, start, deadline, opts)
+    best = current = local_search(chain, score, start, deadline, opts, max_run)
     while time.perf_counter() < deadline and score(best) > ideal * (1 + 1e-12) and current[0]:
         units = sorted(current[0])
         dropped = set(rng.choice(units, size=int(rng.integers(1, min(3, len(units)) + 1)), replace=False).tolist())
         choice = {} if rng.random() < 0.25 else {i: e for i, e in current[1] if i not in dropped or rng.random() < 0.5}
         kept = _state(set(), choice)[1]
-        kicked = _state(_recover(score, set(units) - dropped, kept, rng), choice)
-        cand = local_search(chain, score, kicked, deadline, opts)
+        kicked = _state(_recover(score, set(units) - dropped, kept, current[2], rng), choice, current[2])
+        cand = local_search(chain, score, kicked, deadline, opts, max_run)
         if score(cand) <= score(current):
             current = cand
         if score(cand) < score(best):
@@ -182,9 +210,13 @@ def iterated_search(chain: Chain, score: _Scorer, start: State, deadline: float,
     return best
 
 
+Found = tuple[list[Offload], dict[int, str], list[Recompute]]
+
+
 def _search(chain: Chain, budget: int, mode: str, time_budget_s: float,
-            start_sets: Callable[[Chain], list[set[int]]]) -> tuple[list[Offload], dict[int, str]]:
-    """Starts from ``start_sets(derived)`` for a few encoding choices, then ``iterated_search``."""
+            start_sets: Callable[[Chain], list[set[int]]], max_run: int = 0) -> Found:
+    """Starts from ``start_sets(derived)`` for a few encoding choices, then ``iterated_search``
+    (recomputing runs of up to ``max_run`` stages where that helps)."""
     deadline = time.perf_counter() + time_budget_s
     score = _Scorer(chain, budget)
     opts = encoding.allowed(chain, mode)
@@ -194,12 +226,12 @@ def _search(chain: Chain, budget: int, mode: str, time_budget_s: float,
         derived = score.derive(tuple(sorted(choice.items())))
         if smallest_feasible_budget(derived) <= budget:
             starts += [_state(units, choice) for units in start_sets(derived)]
-    best = iterated_search(chain, score, min(starts, key=score), deadline, opts)
+    best = iterated_search(chain, score, min(starts, key=score), deadline, opts, max_run)
     plan = score.plan(best)
-    if plan is None:  # unreachable: every start fits, so the floor schedule of its chain does
+    if plan is None or score(best) == np.inf:  # unreachable: every start fits, so its floor schedule does
         derived = score.derive(best[1])
-        return floor_offloads(derived), dict(best[1])
-    return plan, dict(best[1])
+        return floor_offloads(derived), dict(best[1]), []
+    return plan, dict(best[1]), sorted(best[2])
 
 
 def _lp_sets(derived: Chain, budget: int, lp: FluidLP | None) -> list[set[int]]:
@@ -213,13 +245,13 @@ def _lp_sets(derived: Chain, budget: int, lp: FluidLP | None) -> list[set[int]]:
 
 
 def relax_lp(chain: Chain, budget: int, lp: FluidLP | None = None, time_budget_s: float = 1.0,
-             mode: str = "none", max_lp_stages: int = 2000) -> tuple[list[Offload], dict[int, str]]:
+             mode: str = "none", max_lp_stages: int = 2000, max_run: int = 0) -> Found:
     """Round the fluid LP's fractional offload and search from there (module docstring);
     ``lp`` is the plain chain's LP when the caller has it."""
     def sets(derived: Chain) -> list[set[int]]:
         own = lp if derived is chain and lp is not None else rounding_lp(derived, budget, max_lp_stages)
         return _lp_sets(derived, budget, own)
-    return _search(chain, budget, mode, time_budget_s, sets)
+    return _search(chain, budget, mode, time_budget_s, sets, max_run)
 
 
 def cover_without_bandwidth(chain: Chain, budget: int) -> set[int]:
@@ -235,10 +267,9 @@ def cover_without_bandwidth(chain: Chain, budget: int) -> set[int]:
     return chosen if chosen is not None else set(chain.offloadable)
 
 
-def relax_bw(chain: Chain, budget: int, time_budget_s: float = 1.0,
-             mode: str = "none") -> tuple[list[Offload], dict[int, str]]:
+def relax_bw(chain: Chain, budget: int, time_budget_s: float = 1.0, mode: str = "none", max_run: int = 0) -> Found:
     """Solve the infinite-bandwidth relaxation, then search from there (module docstring)."""
     def sets(derived: Chain) -> list[set[int]]:
         # second start: the same volume taken from the earliest stages (most time to hide copies)
         return [cover_without_bandwidth(derived, budget), _fill(derived, budget, set(), sorted(derived.offloadable))]
-    return _search(chain, budget, mode, time_budget_s, sets)
+    return _search(chain, budget, mode, time_budget_s, sets, max_run)

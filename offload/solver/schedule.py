@@ -1,10 +1,12 @@
-"""Schedules (docs/model.md): which units are offloaded, when released, when prefetched.
+"""Schedules (docs/model.md): which units are offloaded or recomputed, and when.
 
 A schedule is, per offloaded unit ``Ui``, a release point ``r`` (``i < r <= L``: at the end
 of ``Fr`` the next op waits for the D2H copy, then ``Ui`` is freed) and a prefetch point
-``k`` (``need_from <= k <= L``: the H2D copy is issued at the start of ``Bk``); ``encode``
-names, per encoded unit (kept or offloaded), the stage's encoding it uses.  A schedule
-names its chain by hash.  The file format is ``schedulefile``.
+``k`` (``need_from <= k <= L``: the H2D copy is issued at the start of ``Bk``); per
+recomputed *run* of stages ``s..e`` (``e < L``), their units are dropped at the end of the
+next forward op and rebuilt by re-running ``Fs..Fe`` from ``Fs``'s input at the start of
+``B(max need_from)``; ``encode`` names, per encoded unit (kept or offloaded), the stage's
+encoding it uses.  A schedule names its chain by hash.  The file format is ``schedulefile``.
 """
 from __future__ import annotations
 
@@ -29,6 +31,19 @@ class Offload:
     prefetch: int
 
 
+@dataclass(frozen=True, order=True)
+class Recompute:
+    """A run of recomputed stages ``first..last`` (1-based, ``last < L``), rebuilt together
+    from ``first``'s input (its *checkpoint*, kept on the device until then)."""
+
+    first: int
+    last: int
+
+    @property
+    def stages(self) -> range:
+        return range(self.first, self.last + 1)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """A schedule bound to one chain (by name and sha256)."""
@@ -41,11 +56,30 @@ class Schedule:
     solver: Mapping[str, Any] = field(default_factory=dict)
     predicted: Mapping[str, Any] = field(default_factory=dict)
     encode: Mapping[int, str] = field(default_factory=dict)  # stage -> encoding name
+    recompute: tuple[Recompute, ...] = ()
 
 
-def make_schedule(chain: Chain, offloads: Iterable[Offload], **meta: Any) -> Schedule:
+def make_schedule(chain: Chain, offloads: Iterable[Offload], recompute: Iterable[Recompute] = (), **meta: Any) -> Schedule:
     """A schedule for ``chain`` (sorted by stage), with optional metadata fields."""
-    return Schedule(chain.name, chain.sha256, tuple(sorted(offloads)), **meta)
+    return Schedule(chain.name, chain.sha256, tuple(sorted(offloads)), recompute=tuple(sorted(recompute)), **meta)
+
+
+def check_recompute(chain: Chain, runs: Iterable[Recompute], offloads: Iterable[Offload] = (),
+                    encode: Mapping[int, str] | None = None) -> None:
+    """Refuse recomputed runs outside the class: stages ``1..L-1``, no stage in two runs,
+    none also offloaded or encoded."""
+    L = chain.L
+    taken = {o.stage: "offloaded" for o in offloads}
+    taken.update({i: "encoded" for i in (encode or {})})
+    for run in runs:
+        if not 1 <= run.first <= run.last < L:
+            raise ScheduleRejected(f"recomputed run {run.first}..{run.last}: runs lie within stages 1..{L - 1} "
+                                   f"(stage {L}'s backward runs right after its forward)")
+        for i in run.stages:
+            if i in taken:
+                raise ScheduleRejected(f"stage {i} is in two recomputed runs" if taken[i] == "recomputed" else
+                                       f"stage {i} is recomputed and {taken[i]}: a unit has one fate")
+            taken[i] = "recomputed"
 
 
 def check_offloads(chain: Chain, offloads: Iterable[Offload]) -> None:

@@ -1,4 +1,7 @@
-"""The schedule file format, ``offload-schedule/1`` (docs/formats.md).
+"""The schedule file format, ``offload-schedule/2`` (docs/formats.md).
+
+``/2`` adds ``recompute``, the recomputed runs; ``/1`` files (offloads and encodings only)
+still load.
 
 ``"turn"`` in a file means ``L``: the boundary between the last forward and the first
 backward op.  A schedule whose chain hash differs from the chain it is used with is
@@ -14,10 +17,12 @@ from . import validate as v
 from .budget import SCOPES, Budget
 from .chain import Chain
 from .fileio import read_document, write_json
-from .schedule import Offload, Schedule, check_choice, check_offloads
+from .schedule import Offload, Recompute, Schedule, check_choice, check_offloads, check_recompute
 
-SCHEDULE_FORMAT = "offload-schedule/1"
-_KEYS = {"format", "chain", "budget_bytes", "budget_scope", "method", "solver", "predicted", "offload", "encode"}
+SCHEDULE_FORMAT = "offload-schedule/2"
+OLD_FORMATS = ("offload-schedule/1",)
+_KEYS = {"format", "chain", "budget_bytes", "budget_scope", "method", "solver", "predicted", "offload", "encode",
+         "recompute"}
 
 
 def _point(value: Any, L: int, ctx: str) -> int:
@@ -56,10 +61,11 @@ def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
     """Validate a parsed ``schedule.json`` against ``chain`` (hash first, then actions)."""
     if not isinstance(d, Mapping):
         raise FormatError(f"a schedule must be a JSON object, got {type(d).__name__}")
-    if d.get("format") != SCHEDULE_FORMAT:
-        raise FormatError(f"not a schedule file: 'format' is {d.get('format')!r}, expected {SCHEDULE_FORMAT!r}",
+    fmt = d.get("format")
+    if fmt != SCHEDULE_FORMAT and fmt not in OLD_FORMATS:
+        raise FormatError(f"not a schedule file: 'format' is {fmt!r}, expected {SCHEDULE_FORMAT!r}",
                           "produce schedules with `offload solve`")
-    v.no_unknown(d, _KEYS, "the schedule")
+    v.no_unknown(d, _KEYS - ({"recompute"} if fmt in OLD_FORMATS else set()), "the schedule")
     ref = _check_chain(d, chain)
     encode = _encode(d.get("encode", []))
     check_choice(chain, encode)
@@ -70,6 +76,9 @@ def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
         offloads.append(Offload(v.whole(o, "stage", ctx, 1, 2 ** 31), _point(o["release"], chain.L, f"{ctx}.release"),
                                 _point(o["prefetch"], chain.L, f"{ctx}.prefetch")))
     check_offloads(chain, offloads)
+    runs = [Recompute(v.whole(r, "first", ctx, 1, 2 ** 31), v.whole(r, "last", ctx, 1, 2 ** 31))
+            for ctx, r in v.objects(d.get("recompute", []), "recompute", {"first", "last"})]
+    check_recompute(chain, runs, offloads, encode)
     budget = None
     if d.get("budget_bytes") is not None:
         scope = d.get("budget_scope", "activations")
@@ -83,7 +92,7 @@ def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
         raise FormatError(f"'method' must be a string, got {method!r}")
     return Schedule(chain_name=str(ref.get("name", "")), chain_sha256=ref["sha256"], offloads=tuple(sorted(offloads)),
                     budget=budget, method=method, solver=dict(d.get("solver", {})),
-                    predicted=dict(d.get("predicted", {})), encode=encode)
+                    predicted=dict(d.get("predicted", {})), encode=encode, recompute=tuple(sorted(runs)))
 
 
 def schedule_to_dict(s: Schedule, chain: Chain) -> dict:
@@ -100,6 +109,7 @@ def schedule_to_dict(s: Schedule, chain: Chain) -> dict:
         "offload": [{"stage": o.stage, "release": "turn" if o.release == L else o.release,
                      "prefetch": "turn" if o.prefetch == L else o.prefetch} for o in s.offloads],
         "encode": [{"stage": i, "encoding": name} for i, name in sorted(s.encode.items())],
+        "recompute": [{"first": r.first, "last": r.last} for r in s.recompute],
     }
 
 

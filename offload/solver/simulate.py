@@ -6,7 +6,9 @@ released before it, then (for ``Bk``) issues the prefetches whose point is ``k``
 ``need_from`` first, ties larger stage), then waits for the H2D copies of the units whose
 ``need_from`` is its stage, then runs.  D2H copies are issued at the end of ``Fi`` in
 stage order.  Copies run one at a time per direction in issue order, an H2D copy never
-before its own D2H has ended.  Encoded units are replayed on the derived chain of
+before its own D2H has ended.  Recomputed runs (``solver.recompute``) re-run their
+forward ops at the start of their ``Bn``, after its prefetches are issued and before it
+waits for its copies.  Encoded units are replayed on the derived chain of
 ``solver.encoding.apply``.
 """
 from __future__ import annotations
@@ -20,8 +22,9 @@ from ..errors import ScheduleRejected
 from .budget import Budget
 from .chain import Chain
 from .encoding import apply
-from .memory import op_memory, op_name
-from .schedule import Offload, check_offloads
+from .memory import memory_profile, op_name
+from .recompute import by_op
+from .schedule import Offload, Recompute, check_offloads, check_recompute
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,17 @@ class CopyRecord:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class RecomputeRecord:
+    """One re-run forward op ``Rj``, at the start of ``B(op_stage)``."""
+
+    stage: int
+    op_stage: int
+    start: float
+    end: float
+    mem_bytes: int
+
+
 @dataclass
 class Simulation:
     """The replayed timeline of one schedule (``chain`` is the one replayed: with the
@@ -57,14 +71,28 @@ class Simulation:
     memory: np.ndarray  # activation bytes per op
     copies: list[CopyRecord]
     encode: Mapping[int, str] = field(default_factory=dict)
+    recompute: tuple[Recompute, ...] = ()
+    recomputes: list[RecomputeRecord] = field(default_factory=list)
+    recompute_s: np.ndarray | None = None  # per op, the recomputation it starts with
 
     @property
     def makespan_s(self) -> float:
         return float(self.end[-1])
 
     @property
+    def stalls(self) -> np.ndarray:
+        """Per op, the time it waited for copies."""
+        rt = self.recompute_s if self.recompute_s is not None else 0.0
+        return self.start - self.ready - rt
+
+    @property
     def stall_s(self) -> float:
-        return float((self.start - self.ready).sum())
+        return float(self.stalls.sum())
+
+    @property
+    def recomputed_s(self) -> float:
+        """Compute time spent re-running forward ops."""
+        return float(sum(r.end - r.start for r in self.recomputes))
 
     @property
     def peak_bytes(self) -> int:
@@ -87,7 +115,7 @@ class Simulation:
     def ops(self) -> list[OpRecord]:
         return [
             OpRecord(op_name(self.chain, o), float(self.ready[o]), float(self.start[o]), float(self.end[o]),
-                     float(self.start[o] - self.ready[o]), int(self.memory[o]))
+                     float(self.stalls[o]), int(self.memory[o]))
             for o in range(len(self.end))
         ]
 
@@ -107,13 +135,19 @@ class Simulation:
 
 
 def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | None = None,
-             encode: Mapping[int, str] | None = None) -> Simulation:
-    """Replay ``offloads`` (with the units of ``encode`` encoded) on ``chain``; with a
-    budget (an ``int``: activation bytes), refuse it if memory exceeds it."""
+             encode: Mapping[int, str] | None = None, recompute: Iterable[Recompute] = ()) -> Simulation:
+    """Replay ``offloads`` and the recomputed runs ``recompute`` (with the units of
+    ``encode`` encoded) on ``chain``; with a budget (an ``int``: activation bytes), refuse it
+    if memory exceeds it."""
     encode = dict(encode or {})
     chain = apply(chain, encode)
     offloads = tuple(sorted(offloads))
+    runs = tuple(sorted(recompute))
     check_offloads(chain, offloads)
+    check_recompute(chain, runs, offloads, encode)
+    rebuilt = by_op(chain, runs)
+    memory, rebuilt_memory = memory_profile(chain, offloads, runs)
+    sub_memory = {j: nbytes for _, j, nbytes in rebuilt_memory}
     L, p = chain.L, chain.platform
     f, b, a = chain.f, chain.b, chain.a
     released_at: list[list[int]] = [[] for _ in range(L + 1)]
@@ -135,6 +169,8 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     start = np.empty(2 * L)
     end = np.empty(2 * L)
     copies: list[CopyRecord] = []
+    recomputes: list[RecomputeRecord] = []
+    rt = np.zeros(2 * L)
     t = 0.0
     for j in range(1, L + 1):  # forward
         o = j - 1
@@ -159,11 +195,16 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
             c0 = max(s, h2d_free, d2h_end[i])
             h2d_end[i] = h2d_free = c0 + p.h2d_s(float(a[i]))
             copies.append(CopyRecord(i, "H2D", float(s), float(c0), float(h2d_end[i]), int(a[i])))
+        for run in rebuilt.get(j, ()):
+            for i in run.stages:
+                recomputes.append(RecomputeRecord(i, j, float(s), float(s + f[i]), sub_memory[i]))
+                s += f[i]
+                rt[o] += f[i]
         for i in needed_at[j]:
             s = max(s, h2d_end[i])
         start[o] = s
         t = end[o] = s + b[j]
-    sim = Simulation(chain, offloads, ready, start, end, op_memory(chain, offloads), copies, encode)
+    sim = Simulation(chain, offloads, ready, start, end, memory, copies, encode, runs, recomputes, rt)
     if budget is not None:
         sim.check_budget(budget if isinstance(budget, Budget) else Budget(int(budget)))
     return sim

@@ -1,0 +1,32 @@
+"""Recompute-only policies of the checkpointing literature, on this project's model.
+
+``checkpoint-sqrt`` is ``torch.utils.checkpoint.checkpoint_sequential`` with about ``sqrt(L)``
+segments: runs of ``ceil(sqrt(L))`` stages, the segment holding the last stage not
+recomputed (Chen et al., 2016).  ``checkpoint-blocks`` is the per-block policy of PyTorch
+users and of torchtune/Megatron's "full" activation checkpointing: every stage but the last
+its own run, each rebuilt from its own input just before its backward needs it.  The
+optimal recompute-only schedule over the class (the role that Beaumont et al.'s rotor
+dynamic program plays in its own model) is the MILP with offloading turned off
+(``methods``, ``recompute-only``).
+"""
+from __future__ import annotations
+
+import math
+
+from .chain import Chain
+from .schedule import Recompute
+
+
+def sqrt_runs(chain: Chain) -> list[Recompute]:
+    """Runs of ``ceil(sqrt(L))`` stages from stage 1; the segment with stage ``L`` is not recomputed."""
+    L = chain.L
+    size = max(1, math.ceil(math.sqrt(L)))
+    return [Recompute(s, s + size - 1) for s in range(1, L + 1, size) if s + size - 1 < L]
+
+
+def block_runs(chain: Chain) -> list[Recompute]:
+    """Every stage but the last, each its own run."""
+    return [Recompute(i, i) for i in range(1, chain.L)]
+
+
+POLICIES = {"checkpoint-sqrt": sqrt_runs, "checkpoint-blocks": block_runs}

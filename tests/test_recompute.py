@@ -1,0 +1,219 @@
+"""Recomputation joined with offloading (docs/model.md, "Recomputation"): the simulator's
+semantics by hand, the MILP exact over the extended class, the methods, the file format,
+the CLI, and the executor's refusal (it does not run recomputation yet)."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from offload.cli import main as offload
+from offload.errors import ScheduleRejected
+from offload.executor.plan import StepPlan
+from offload.solver.chainfile import chain_from_dict, save_chain
+from offload.solver.ilp import Model, solve_ilp
+from offload.solver.memory import smallest_feasible_budget
+from offload.solver.methods import Options, solve
+from offload.solver.schedule import Offload, Recompute, make_schedule
+from offload.solver.schedulefile import schedule_from_dict, schedule_to_dict
+from offload.solver.simulate import simulate
+from tests.conftest import chain_doc
+from tests.strategies import chain_and_budget
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXACT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.02)
+JOINT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.02, recompute=True)
+REL = 1e-7
+
+
+@pytest.fixture
+def small():
+    """Four stages: 1 ms forward, 2 ms backward, 100-byte units, forward transient 120,
+    backward 50, every input 30 bytes."""
+    stages = [{"fwd_s": 0.001, "bwd_s": 0.002, "saved_bytes": 100, "fwd_peak_bytes": 120, "bwd_peak_bytes": 50,
+               "input_bytes": 30} for _ in range(4)]
+    return chain_from_dict({"format": "offload-chain/2", "name": "small", "stages": stages,
+                            "platform": {"d2h_bytes_per_s": 1e4, "h2d_bytes_per_s": 1e4}})
+
+
+@pytest.mark.parametrize("runs, memory, rerun, makespan", [
+    # nothing recomputed: U1..U4 build up to B4
+    ((), [120, 220, 320, 420, 450, 350, 250, 150], [], 0.012),
+    # U1 gone after F2, its 30-byte checkpoint kept from F2 to B1, where F1 re-runs first
+    ((Recompute(1, 1),), [120, 250, 250, 350, 380, 280, 180, 150], [(1, 1, 120)], 0.013),
+    # one run 1..2, rebuilt at B2 from stage 1's input: R1 then R2 (holding U1)
+    ((Recompute(1, 2),), [120, 250, 250, 250, 280, 180, 250, 150], [(1, 2, 120), (2, 2, 220)], 0.014),
+    # the same stages as two runs: each its own checkpoint, each rebuilt just before its backward
+    ((Recompute(1, 1), Recompute(2, 2)), [120, 250, 280, 280, 310, 210, 180, 150], [(2, 2, 150), (1, 1, 120)], 0.014),
+])
+def test_simulator_semantics_by_hand(small, runs, memory, rerun, makespan):
+    sim = simulate(small, [], recompute=runs)
+    assert sim.memory.tolist() == memory
+    assert [(r.stage, r.op_stage, r.mem_bytes) for r in sim.recomputes] == rerun
+    assert sim.makespan_s == pytest.approx(makespan)
+    assert sim.stall_s == pytest.approx(0.0, abs=1e-15)
+    assert sim.recomputed_s == pytest.approx(makespan - 0.012)
+
+
+def test_rebuild_overlaps_the_prefetch_it_issued(small):
+    """B2 issues U1's prefetch, then re-runs F2 while the copy runs, then waits for it."""
+    sim = simulate(small, [Offload(1, 2, 2)], recompute=[Recompute(2, 2)])
+    h2d = next(c for c in sim.copies if c.direction == "H2D")
+    r2 = sim.recomputes[0]
+    assert h2d.issue == pytest.approx(r2.start) and h2d.end > r2.end
+    b1 = sim.ops[-1]
+    assert b1.start == pytest.approx(max(h2d.end, sim.ops[-2].end))
+
+
+@pytest.mark.parametrize("runs, offloads, words", [
+    ([Recompute(4, 4)], [], "within stages 1..3"),
+    ([Recompute(2, 1)], [], "within stages"),
+    ([Recompute(1, 2), Recompute(2, 3)], [], "stage 2 is in two recomputed runs"),
+    ([Recompute(1, 2)], [Offload(2, 3, 2)], "stage 2 is recomputed and offloaded"),
+])
+def test_runs_outside_the_class_are_refused(small, runs, offloads, words):
+    with pytest.raises(ScheduleRejected, match=words):
+        simulate(small, offloads, recompute=runs)
+
+
+def _runs(L: int):
+    """Every set of runs over stages 1..L-1: each stage kept, starting a run, or extending one."""
+    for marks in itertools.product("-sc", repeat=L - 1):
+        if marks and marks[0] == "c" or any(m == "c" and p == "-" for p, m in zip(marks, marks[1:])):
+            continue
+        runs, cur = [], None
+        for i, m in enumerate(marks, start=1):
+            if m != "c" and cur:
+                runs.append(cur)
+                cur = None
+            if m == "s":
+                cur = [i, i]
+            elif m == "c":
+                cur[1] = i
+        if cur:
+            runs.append(cur)
+        yield [Recompute(a, b) for a, b in runs]
+
+
+def brute_force(chain, budget):
+    """Best makespan over the whole extended class (offloads x runs), by enumeration."""
+    def options(i, rebuilt):
+        yield None
+        if i in rebuilt:
+            return
+        for r in range(i + 1, chain.L + 1):
+            for k in range(int(chain.need[i]), chain.L + 1):
+                yield Offload(i, r, k)
+    best = None
+    for runs in _runs(chain.L):
+        rebuilt = {i for r in runs for i in r.stages}
+        for combo in itertools.product(*[list(options(i, rebuilt)) for i in chain.offloadable]):
+            sim = simulate(chain, [o for o in combo if o], recompute=runs)
+            if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best):
+                best = sim.makespan_s
+    return best
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(chain_and_budget(max_stages=4, inputs=True))
+def test_joint_ilp_equals_brute_force(cb):
+    chain, budget = cb
+    res = solve(chain, budget, "ilp", JOINT)
+    assert res.status == "optimal"
+    assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget), rel=REL)
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(chain_and_budget(min_stages=2, max_stages=6, inputs=True))
+def test_joint_objective_is_the_simulated_makespan_and_loads_exactly(cb):
+    """The MILP's optimum replays to its objective; loading any joint schedule satisfies
+    every row with the simulated makespan (the rows say what the simulator does)."""
+    chain, budget = cb
+    res = solve_ilp(chain, budget, gap=0.0, max_run=8)
+    assert res.outcome.proven
+    assert res.objective_s == pytest.approx(simulate(chain, res.offloads, recompute=res.recompute).makespan_s, rel=1e-6)
+    plan = solve(chain, budget, "relax-bw", JOINT).schedule
+    model = Model(chain, budget, max_run=8)
+    span = model.load(plan.offloads, runs=plan.recompute)
+    assert not [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
+    assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(chain_and_budget(min_stages=2, max_stages=6, inputs=True))
+def test_joint_is_never_worse_than_either_family_and_every_method_replays(cb):
+    chain, budget = cb
+    joint = solve(chain, budget, "ilp", JOINT)
+    assert joint.simulation.makespan_s <= solve(chain, budget, "ilp", EXACT).simulation.makespan_s * (1 + REL)
+    for method in ("recompute-only", "checkpoint-sqrt", "checkpoint-blocks", "relax-lp", "relax-bw"):
+        try:
+            res = solve(chain, budget, method, JOINT)
+        except Exception as exc:  # a recompute-only policy may not fit this budget
+            assert method in ("recompute-only", "checkpoint-sqrt", "checkpoint-blocks"), exc
+            continue
+        s = res.schedule
+        replay = simulate(chain, s.offloads, budget, recompute=s.recompute)
+        assert s.predicted["makespan_s"] == replay.makespan_s
+        assert joint.simulation.makespan_s <= replay.makespan_s * (1 + REL), method
+        assert res.bound_s <= replay.makespan_s * (1 + REL)
+
+
+def test_joint_floor_is_the_offload_floor(small):
+    """A re-run forward op holds its stage's working set again, so no schedule of the joint
+    class goes below the all-offloaded floor, which it contains."""
+    floor = smallest_feasible_budget(small)
+    assert solve(small, floor, "ilp", JOINT).simulation.peak_bytes <= floor
+    with pytest.raises(Exception, match="below the smallest feasible budget"):
+        solve(small, floor - 1, "ilp", JOINT)
+
+
+def test_recomputation_beats_offloading_on_a_slow_link():
+    """Cheap forwards, big units, a slow link: recomputing hides what copies cannot."""
+    stages = [{"fwd_s": 0.001, "bwd_s": 0.002, "saved_bytes": 1000, "fwd_peak_bytes": 1000, "bwd_peak_bytes": 100,
+               "input_bytes": 100} for _ in range(6)]
+    chain = chain_from_dict({"format": "offload-chain/2", "name": "slow", "stages": stages,
+                             "platform": {"d2h_bytes_per_s": 1e5, "h2d_bytes_per_s": 1e5}})
+    budget = 3600
+    offload_only = solve(chain, budget, "ilp", EXACT).simulation.makespan_s
+    joint = solve(chain, budget, "ilp", JOINT)
+    assert joint.schedule.recompute and joint.simulation.makespan_s < offload_only
+    assert joint.simulation.makespan_s <= solve(chain, budget, "recompute-only", EXACT).simulation.makespan_s
+
+
+def test_schedule_format_2_round_trips_and_1_still_loads(small):
+    s = make_schedule(small, [Offload(3, 4, 3)], [Recompute(1, 2)], method="test")
+    doc = json.loads(json.dumps(schedule_to_dict(s, small)))
+    assert doc["format"] == "offload-schedule/2" and doc["recompute"] == [{"first": 1, "last": 2}]
+    again = schedule_from_dict(doc, small)
+    assert again.recompute == (Recompute(1, 2),) and again.offloads == s.offloads
+    old = {k: v for k, v in doc.items() if k != "recompute"} | {"format": "offload-schedule/1"}
+    assert schedule_from_dict(old, small).recompute == ()
+    with pytest.raises(Exception, match="unknown field"):
+        schedule_from_dict(old | {"recompute": []}, small)
+    doc["recompute"] = [{"first": 2, "last": 3}]
+    with pytest.raises(ScheduleRejected, match="stage 3 is recomputed and offloaded"):
+        schedule_from_dict(doc, small)
+
+
+def test_executor_refuses_recomputation_clearly(small):
+    s = make_schedule(small, [], [Recompute(1, 2)])
+    with pytest.raises(ScheduleRejected, match="does not run recomputation yet"):
+        StepPlan.from_schedule(small, s)
+
+
+def test_cli_solves_with_recompute_and_replays(tmp_path, capsys):
+    chain = chain_from_dict(chain_doc(stages=[
+        {"fwd_s": 0.001, "bwd_s": 0.002, "saved_bytes": 1000, "fwd_peak_bytes": 1000, "bwd_peak_bytes": 100,
+         "input_bytes": 100} for _ in range(6)], platform={"d2h_bytes_per_s": 1e5, "h2d_bytes_per_s": 1e5}))
+    save_chain(chain, tmp_path / "c.json")
+    out = tmp_path / "s.json"
+    assert offload(["solve", str(tmp_path / "c.json"), "--budget", "3600", "--recompute", "-o", str(out)]) == 0
+    assert "recomputed" in capsys.readouterr().out
+    assert json.loads(out.read_text())["recompute"]
+    assert offload(["simulate", str(tmp_path / "c.json"), str(out), "--timeline"]) == 0
+    printed = capsys.readouterr().out
+    assert "re-run" in printed and "recomputed" in printed
+    assert offload(["show", str(tmp_path / "c.json")]) == 0
+    assert "with recomputation" in capsys.readouterr().out

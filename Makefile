@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo torch; else echo torch==2.13.0; fi)
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-all bench demo reproduce encodings realmodels gpu clean
+.PHONY: install test test-all bench demo reproduce encodings recompute realmodels gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ realmodels: $(STAMP)
 # Encoding + offloading vs offloading alone on the zoo CNNs (experiments/results/encodings/).
 encodings: $(STAMP)
 	$(PY) -m experiments.encodings
+
+# Recomputation + offloading vs either alone on the zoo chains (experiments/results/recompute/).
+recompute: $(STAMP)
+	$(PY) -m experiments.recompute
 
 # Everything only a GPU can show, in one command on a machine with one: the executor benchmark
 # (ResNet-50 and GPT-2 small at 50% of their peak: measured vs predicted time and peak, overlap,

@@ -3,7 +3,6 @@ semantics by hand, the MILP exact over the extended class, the methods, the file
 the CLI, and the executor's refusal (it does not run recomputation yet)."""
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
@@ -20,6 +19,7 @@ from offload.solver.schedule import Offload, Recompute, make_schedule
 from offload.solver.schedulefile import schedule_from_dict, schedule_to_dict
 from offload.solver.simulate import simulate
 from tests.conftest import chain_doc
+from tests.brute import brute_force
 from tests.strategies import chain_and_budget
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -78,54 +78,16 @@ def test_runs_outside_the_class_are_refused(small, runs, offloads, words):
         simulate(small, offloads, recompute=runs)
 
 
-def _runs(L: int):
-    """Every set of runs over stages 1..L-1: each stage kept, starting a run, or extending one."""
-    for marks in itertools.product("-sc", repeat=L - 1):
-        if marks and marks[0] == "c" or any(m == "c" and p == "-" for p, m in zip(marks, marks[1:])):
-            continue
-        runs, cur = [], None
-        for i, m in enumerate(marks, start=1):
-            if m != "c" and cur:
-                runs.append(cur)
-                cur = None
-            if m == "s":
-                cur = [i, i]
-            elif m == "c":
-                cur[1] = i
-        if cur:
-            runs.append(cur)
-        yield [Recompute(a, b) for a, b in runs]
-
-
-def brute_force(chain, budget):
-    """Best makespan over the whole extended class (offloads x runs), by enumeration."""
-    def options(i, rebuilt):
-        yield None
-        if i in rebuilt:
-            return
-        for r in range(i + 1, chain.L + 1):
-            for k in range(int(chain.need[i]), chain.L + 1):
-                yield Offload(i, r, k)
-    best = None
-    for runs in _runs(chain.L):
-        rebuilt = {i for r in runs for i in r.stages}
-        for combo in itertools.product(*[list(options(i, rebuilt)) for i in chain.offloadable]):
-            sim = simulate(chain, [o for o in combo if o], recompute=runs)
-            if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best):
-                best = sim.makespan_s
-    return best
-
-
 @settings(max_examples=30, **SETTINGS)
 @given(chain_and_budget(max_stages=4, inputs=True))
 def test_joint_ilp_equals_brute_force(cb):
     chain, budget = cb
     res = solve(chain, budget, "ilp", JOINT)
     assert res.status == "optimal"
-    assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget), rel=REL)
+    assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget, recompute=True), rel=REL)
 
 
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=15, **SETTINGS)
 @given(chain_and_budget(min_stages=2, max_stages=6, inputs=True))
 def test_joint_objective_is_the_simulated_makespan_and_loads_exactly(cb):
     """The MILP's optimum replays to its objective; loading any joint schedule satisfies
@@ -141,7 +103,7 @@ def test_joint_objective_is_the_simulated_makespan_and_loads_exactly(cb):
     assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
 
 
-@settings(max_examples=20, **SETTINGS)
+@settings(max_examples=12, **SETTINGS)
 @given(chain_and_budget(min_stages=2, max_stages=6, inputs=True))
 def test_joint_is_never_worse_than_either_family_and_every_method_replays(cb):
     chain, budget = cb

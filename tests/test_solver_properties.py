@@ -1,6 +1,5 @@
 """Property tests over random chains: the simulator is the truth, the ILP is exact."""
 import dataclasses
-import itertools
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -9,29 +8,14 @@ from offload.solver.bounds import fluid_lp
 from offload.errors import InfeasibleBudget
 from offload.solver.ilp import Model, solve_ilp
 from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
-from offload.solver.schedule import Offload
 from offload.solver.simulate import simulate
+from tests.brute import brute_force
 from tests.strategies import chain_and_budget
 
 EXACT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.02)
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REL = 1e-7
 FIXED_POLICIES = {"none", "vdnn-all", "vdnn-conv", "vdnn-dyn", "layrub", "save-on-cpu", "gist", "gist-swap"}
-
-
-def brute_force(chain, budget):
-    """Best makespan over the whole schedule class, by enumeration."""
-    def options(i):
-        yield None
-        for r in range(i + 1, chain.L + 1):
-            for k in range(int(chain.need[i]), chain.L + 1):
-                yield Offload(i, r, k)
-    best = None
-    for combo in itertools.product(*[list(options(i)) for i in chain.offloadable]):
-        sim = simulate(chain, [o for o in combo if o])
-        if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best):
-            best = sim.makespan_s
-    return best
 
 
 @settings(max_examples=40, **SETTINGS)

@@ -1,0 +1,111 @@
+"""Recomputation with offloading vs either alone, on the zoo chains.
+
+    python -m experiments.recompute          # or: make recompute
+
+For each zoo chain of the reproduction (``reproduce.zoo_chains``), on the measured
+platform and on the link-bound what-if (``reproduce.link_bound``), at 25%, 35%, 50% and
+70% of the no-offload peak: the step time / ideal of three families, each by its exact
+MILP (docs/model.md, "Recomputation"): offloading only (``ilp``), recomputation only
+(``recompute-only``), both (``ilp --recompute``); and of the heuristics and policies on
+the joint class (``relax-lp``/``relax-bw`` with recomputation, ``checkpoint-sqrt``,
+``checkpoint-blocks``).  The smallest feasible budget of offloading, and so of the joint
+class, is the floor ``offload show`` prints; the smallest budget of each recompute-only
+policy is its peak (the exact one is not searched for here).
+
+The committed chains carry no ``input_bytes`` (the profiler does not measure a stage's
+input yet), so a recomputation's checkpoint is not counted: recomputation is favoured by
+at most one stage input per run.  Outputs in ``experiments/results/recompute/``:
+``at_budgets.csv`` (one sweep row per platform and cell), ``families.png``; the tables
+are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from offload.analysis.plots import plot_bars
+from offload.analysis.sweep import sweep
+from offload.solver.fileio import write_csv
+from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.methods import Options
+from offload.solver.simulate import simulate
+from offload.solver import checkpointing
+
+from .reproduce import CHAINS, link_bound, zoo_chains
+
+OUT = Path(__file__).parent / "results" / "recompute"
+SHARES = (0.25, 0.35, 0.5, 0.7)
+FAMILIES = {"offload only": ("ilp", False), "recompute only": ("recompute-only", False), "joint": ("ilp", True)}
+OTHERS = [("relax-lp", True), ("relax-bw", True), ("checkpoint-sqrt", False), ("checkpoint-blocks", False)]
+PLATFORMS = {"measured": lambda c: c, "link-bound": link_bound}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chains", type=Path, default=CHAINS, help=f"folder of profiled chains (default {CHAINS})")
+    ap.add_argument("--time-limit", type=float, default=20, help="time limit per solve (default 20 s)")
+    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per core)")
+    ap.add_argument("--out", type=Path, default=OUT, help=f"results folder (default {OUT})")
+    ap.add_argument("--only", default="", help="comma list of chain name prefixes (default: every zoo chain)")
+    args = ap.parse_args(argv)
+    prefixes = [p for p in args.only.split(",") if p]
+    chains = [c for c in zoo_chains(args.chains) if not prefixes or c.name.startswith(tuple(prefixes))]
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    floors: list[dict] = []
+    for platform, make in PLATFORMS.items():
+        for chain in (make(c) for c in chains):
+            peak = no_offload_peak(chain)
+            budgets = [int(s * peak) for s in SHARES]
+            for family, (method, joint) in list(FAMILIES.items()) + [(m, (m, j)) for m, j in OTHERS]:
+                opts = Options(time_limit_s=args.time_limit, heuristic_time_s=1.0, recompute=joint)
+                for r in sweep(chain, budgets, [method], opts, jobs=args.jobs):
+                    rows.append({"platform": platform, "family": family, **vars(r)})
+            if platform == "measured":
+                floors.append({"chain": chain.name, "offload_and_joint_floor_share": smallest_feasible_budget(chain) / peak,
+                               **{f"{name}_peak_share": simulate(chain, [], recompute=policy(chain)).peak_bytes / peak
+                                  for name, policy in checkpointing.POLICIES.items()}})
+            print(f"{platform:<11} {chain.name} done", file=sys.stderr, flush=True)
+    write_csv(args.out / "at_budgets.csv", rows)
+    write_csv(args.out / "smallest.csv", floors)
+    names = [c.name for c in chains]
+    panels = {f"{platform}, {share:.0%} of the peak": {f: [_slowdown(rows, platform, n, f, share)[0] for n in names]
+                                                       for f in FAMILIES}
+              for platform in PLATFORMS for share in SHARES[1:]}
+    plot_bars(panels, [n.split("-b")[0] for n in names], "step time / ideal (exact MILP per family)",
+              args.out / "families.png", legend="")
+    _print_tables(rows, floors, names)
+    print(f"wrote {args.out}/: at_budgets.csv, smallest.csv, families.png")
+    return 0
+
+
+def _slowdown(rows: list[dict], platform: str, chain: str, family: str, share: float) -> tuple[float | None, str]:
+    for r in rows:
+        if (r["platform"], r["chain"], r["family"]) == (platform, chain, family) and abs(r["budget_share"] - share) < 1e-3:
+            return r["slowdown"], r["status"]
+    return None, "missing"
+
+
+def _print_tables(rows: list[dict], floors: list[dict], names: list[str]) -> None:
+    print("\nsmallest feasible budget, % of the no-offload peak (offloading = joint; the policies' own peaks)")
+    for f in floors:
+        print(f"{f['chain']:<28}" + "".join(f"{k.replace('_share', '')}={100 * v:.1f}%  "
+                                            for k, v in f.items() if k != "chain"))
+    families = list(FAMILIES) + [m for m, _ in OTHERS]
+    for platform in PLATFORMS:
+        for share in SHARES:
+            print(f"\nstep time / ideal at {share:.0%} of the peak, {platform} platform "
+                  "('-': infeasible; '*': not proven optimal)")
+            print(f"{'chain':<28}" + "".join(f"{f:>18}" for f in families))
+            for name in names:
+                cells = []
+                for f in families:
+                    slow, status = _slowdown(rows, platform, name, f, share)
+                    cells.append("-" if slow is None else f"{slow:.3f}{'' if status == 'optimal' else '*'}")
+                print(f"{name:<28}" + "".join(f"{c:>18}" for c in cells))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

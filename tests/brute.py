@@ -1,0 +1,42 @@
+"""Brute force over the schedule class: the reference the MILP's exactness is tested against."""
+from __future__ import annotations
+
+import itertools
+from typing import Iterator
+
+from offload.solver.chain import Chain
+from offload.solver.schedule import Offload, Recompute
+from offload.solver.simulate import simulate
+
+
+def all_runs(L: int) -> Iterator[list[Recompute]]:
+    """Every set of runs over stages 1..L-1: each stage kept, starting a run, or extending one."""
+    for marks in itertools.product("-sc", repeat=max(0, L - 1)):
+        if marks and marks[0] == "c" or any(m == "c" and p == "-" for p, m in zip(marks, marks[1:])):
+            continue
+        runs: list[list[int]] = []
+        for i, m in enumerate(marks, start=1):
+            if m == "s":
+                runs.append([i, i])
+            elif m == "c":
+                runs[-1][1] = i
+        yield [Recompute(a, b) for a, b in runs]
+
+
+def brute_force(chain: Chain, budget: int, recompute: bool = False) -> float | None:
+    """Best makespan over every schedule (offloads, and with ``recompute`` every set of runs)."""
+    def options(i: int, rebuilt: set[int]) -> Iterator[Offload | None]:
+        yield None
+        if i in rebuilt:
+            return
+        for r in range(i + 1, chain.L + 1):
+            for k in range(int(chain.need[i]), chain.L + 1):
+                yield Offload(i, r, k)
+    best = None
+    for runs in all_runs(chain.L) if recompute else [[]]:
+        rebuilt = {i for r in runs for i in r.stages}
+        for combo in itertools.product(*[list(options(i, rebuilt)) for i in chain.offloadable]):
+            sim = simulate(chain, [o for o in combo if o], recompute=runs)
+            if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best):
+                best = sim.makespan_s
+    return best

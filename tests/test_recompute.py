@@ -179,3 +179,8 @@ def test_cli_solves_with_recompute_and_replays(tmp_path, capsys):
     assert "re-run" in printed and "recomputed" in printed
     assert offload(["show", str(tmp_path / "c.json")]) == 0
     assert "with recomputation" in capsys.readouterr().out
+    trace = tmp_path / "t.json"
+    assert offload(["trace", str(tmp_path / "c.json"), str(out), "-o", str(trace)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("cat") == "R" and e["name"].startswith("R") for e in events)  # re-run ops on the compute lane
+    assert offload(["plot", "--timeline", str(tmp_path / "c.json"), str(out), "-o", str(tmp_path / "t.png")]) == 0

@@ -129,7 +129,8 @@ def plot_timeline(t: Timeline, path: str | os.PathLike) -> None:
     mscale, munit = _byte_unit(max(m for _, _, m in t.memory))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 5.5), sharex=True, gridspec_kw={"height_ratios": [1.1, 1]})
     rows = {lane: len(LANES) - 1 - k for k, lane in enumerate(LANES)}
-    colors = {"F": "tab:blue", "B": "tab:orange", "stall": "tab:red", "D2H": "tab:green", "H2D": "tab:purple"}
+    colors = {"F": "tab:blue", "B": "tab:orange", "R": "tab:cyan", "stall": "tab:red", "D2H": "tab:green",
+              "H2D": "tab:purple"}
     span_min = sim.makespan_s / 60  # label bars wide enough to hold text
     for s in t.spans:
         key = s.name if s.name == "stall" else (s.lane if s.lane != "compute" else s.name[0])
@@ -141,8 +142,9 @@ def plot_timeline(t: Timeline, path: str | os.PathLike) -> None:
                      color="white")
     top.set_yticks(list(rows.values()), list(rows))
     top.set_ylim(-0.6, len(LANES) - 0.4)
-    top.legend(handles=[Patch(color=colors[k], label=k) for k in ("F", "B", "stall", "D2H", "H2D")],
-               ncol=5, fontsize=7, loc="upper right", bbox_to_anchor=(1, 1.18))
+    top.legend(handles=[Patch(color=colors[k], label={"R": "R (re-run F)"}.get(k, k))
+                        for k in ("F", "B", "R", "stall", "D2H", "H2D")],
+               ncol=6, fontsize=7, loc="upper right", bbox_to_anchor=(1, 1.18))
     top.set_title(f"{t.chain.name}, {t.schedule.method or 'schedule'}: step {_fmt_time(sim.makespan_s)} "
                   f"(ideal {_fmt_time(t.chain.ideal_makespan_s)}, stalls {_fmt_time(sim.stall_s)}), "
                   f"{sum(1 for s in t.spans if s.lane == 'D2H')} units offloaded", fontsize=10, loc="left")

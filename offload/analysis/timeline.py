@@ -40,13 +40,14 @@ class Timeline:
 
 
 def timeline(chain: Chain, schedule: Schedule) -> Timeline:
-    sim = simulate(chain, schedule.offloads, encode=schedule.encode)
+    sim = simulate(chain, schedule.offloads, encode=schedule.encode, recompute=schedule.recompute)
     base = schedule.budget.base(chain) if schedule.budget else 0
-    spans, memory = [], []
+    spans = [Span("compute", f"R{r.stage}", r.start, r.end) for r in sim.recomputes]  # re-run forward ops
+    memory = []
     for o in range(2 * chain.L):
         ready, start, end = (float(a[o]) for a in (sim.ready, sim.start, sim.end))
-        if start > ready:
-            spans.append(Span("compute", "stall", ready, start))
+        if sim.stalls[o] > 0:  # after the op's recomputations, if any
+            spans.append(Span("compute", "stall", start - float(sim.stalls[o]), start))
         spans.append(Span("compute", op_name(chain, o), start, end))
         memory.append((ready, end, int(sim.memory[o]) + base))
     spans += [Span(c.direction, f"U{c.stage}", c.start, c.end, c.nbytes) for c in sim.copies]

@@ -30,7 +30,7 @@ from offload.solver.methods import Options
 from offload.solver.simulate import simulate
 
 from offload.analysis.plots import plot_bars
-from .reproduce import CHAINS, link_bound, zoo_chains
+from .reproduce import CHAINS, link_bound, slowdown_at, zoo_chains
 from offload.analysis.sweep import sweep
 
 OUT = Path(__file__).parent / "results" / "encodings"
@@ -85,10 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _slowdown(rows: list[dict], platform: str, chain: str, mode: str, share: float) -> tuple[float | None, str]:
-    for r in rows:
-        if (r["platform"], r["chain"], r["encodings"]) == (platform, chain, mode) and abs(r["budget_share"] - share) < 1e-3:
-            return r["slowdown"], r["status"]
-    return None, "missing"
+    return slowdown_at(rows, share, platform=platform, chain=chain, encodings=mode)
 
 
 def _print_tables(smallest: list[dict], rows: list[dict], names: list[str]) -> None:

@@ -32,12 +32,15 @@ from offload.solver.methods import Options
 from offload.solver.simulate import simulate
 from offload.solver import checkpointing
 
-from .reproduce import CHAINS, link_bound, zoo_chains
+from .reproduce import CHAINS, link_bound, slowdown_at, zoo_chains
 
 OUT = Path(__file__).parent / "results" / "recompute"
 SHARES = (0.25, 0.35, 0.5, 0.7)
-FAMILIES = {"offload only": ("ilp", False), "recompute only": ("recompute-only", False), "joint": ("ilp", True)}
-OTHERS = [("relax-lp", True), ("relax-bw", True), ("checkpoint-sqrt", False), ("checkpoint-blocks", False)]
+# column -> (method, whether --recompute); the first three are the families of the figure
+COLUMNS = {"offload only": ("ilp", False), "recompute only": ("recompute-only", False), "joint": ("ilp", True),
+           "relax-lp": ("relax-lp", True), "relax-bw": ("relax-bw", True),
+           "checkpoint-sqrt": ("checkpoint-sqrt", False), "checkpoint-blocks": ("checkpoint-blocks", False)}
+FAMILIES = list(COLUMNS)[:3]
 PLATFORMS = {"measured": lambda c: c, "link-bound": link_bound}
 
 
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         for chain in (make(c) for c in chains):
             peak = no_offload_peak(chain)
             budgets = [int(s * peak) for s in SHARES]
-            for family, (method, joint) in list(FAMILIES.items()) + [(m, (m, j)) for m, j in OTHERS]:
+            for family, (method, joint) in COLUMNS.items():
                 opts = Options(time_limit_s=args.time_limit, heuristic_time_s=1.0, recompute=joint)
                 for r in sweep(chain, budgets, [method], opts, jobs=args.jobs):
                     rows.append({"platform": platform, "family": family, **vars(r)})
@@ -82,10 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _slowdown(rows: list[dict], platform: str, chain: str, family: str, share: float) -> tuple[float | None, str]:
-    for r in rows:
-        if (r["platform"], r["chain"], r["family"]) == (platform, chain, family) and abs(r["budget_share"] - share) < 1e-3:
-            return r["slowdown"], r["status"]
-    return None, "missing"
+    return slowdown_at(rows, share, platform=platform, chain=chain, family=family)
 
 
 def _print_tables(rows: list[dict], floors: list[dict], names: list[str]) -> None:
@@ -93,15 +93,14 @@ def _print_tables(rows: list[dict], floors: list[dict], names: list[str]) -> Non
     for f in floors:
         print(f"{f['chain']:<28}" + "".join(f"{k.replace('_share', '')}={100 * v:.1f}%  "
                                             for k, v in f.items() if k != "chain"))
-    families = list(FAMILIES) + [m for m, _ in OTHERS]
     for platform in PLATFORMS:
         for share in SHARES:
             print(f"\nstep time / ideal at {share:.0%} of the peak, {platform} platform "
                   "('-': infeasible; '*': not proven optimal)")
-            print(f"{'chain':<28}" + "".join(f"{f:>18}" for f in families))
+            print(f"{'chain':<28}" + "".join(f"{f:>18}" for f in COLUMNS))
             for name in names:
                 cells = []
-                for f in families:
+                for f in COLUMNS:
                     slow, status = _slowdown(rows, platform, name, f, share)
                     cells.append("-" if slow is None else f"{slow:.3f}{'' if status == 'optimal' else '*'}")
                 print(f"{name:<28}" + "".join(f"{c:>18}" for c in cells))

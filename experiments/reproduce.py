@@ -70,6 +70,15 @@ def link_bound(chain: Chain) -> Chain:
     return dataclasses.replace(chain, platform=platform)
 
 
+def slowdown_at(rows: list[dict], share: float, **match: object) -> tuple[float | None, str]:
+    """The step time / ideal and status of the sweep row at ``share`` of the peak whose
+    fields equal ``match`` (``None, "missing"`` if there is none)."""
+    for r in rows:
+        if all(r[k] == v for k, v in match.items()) and abs(r["budget_share"] - share) < 1e-3:
+            return r["slowdown"], r["status"]
+    return None, "missing"
+
+
 def smallest_of(chain: Chain, method: str, options: Options) -> int | None:
     """The smallest activation budget ``method`` meets on ``chain`` (bisection for adaptive policies)."""
     floor, peak = smallest_feasible_budget(chain), no_offload_peak(chain)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from offload.solver.argtypes import integer, seconds
 from offload.solver.chainfile import load_chain
+from offload.solver.cli import add_recompute_arguments
 from offload.errors import FormatError
 from offload.solver.fileio import write_atomic
 from offload.solver.encoding import MODE_HELP, MODES
@@ -47,7 +48,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     budgets = parse_budgets(args.budgets, chain, args.total)
     methods = parse_methods(args.methods)
     options = Options(time_limit_s=args.time_limit, heuristic_time_s=args.heuristic_time, encodings=args.encodings,
-                      recompute=args.recompute)
+                      recompute=args.recompute, max_run=args.max_run)
     cells = len(budgets) * len(methods)
     print(f"sweeping {chain.name} ({chain.L} stages): {len(methods)} methods x {len(budgets)} budgets from "
           f"{budgets[0]} to {budgets[-1]}", file=sys.stderr)
@@ -109,8 +110,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heuristic-time", type=seconds(strict=False), default=1.0, metavar="S",
                    help="search time of each relax-* heuristic (default 1)")
     p.add_argument("--encodings", choices=MODES, default="lossless", help=MODE_HELP.replace("%", "%%"))
-    p.add_argument("--recompute", action="store_true",
-                   help="ilp and relax-* may also recompute runs of stages (docs/model.md, \"Recomputation\")")
+    add_recompute_arguments(p)
     p.add_argument("--jobs", "-j", type=integer(1, 256), default=None, help="worker processes (default: one per core)")
     p.add_argument("--output", "-o", required=True, help="results CSV (written atomically)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")

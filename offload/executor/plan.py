@@ -31,7 +31,7 @@ class StepPlan:
     @classmethod
     def from_schedule(cls, chain: Chain, schedule: Schedule) -> "StepPlan":
         if schedule.recompute:  # solver-side only so far (docs/model.md, "Recomputation")
-            runs = ", ".join(f"{r.first}..{r.last}" for r in schedule.recompute)
+            runs = ", ".join(r.text for r in schedule.recompute)
             raise ScheduleRejected(f"this schedule recomputes stages ({runs}); the executor does not run "
                                    "recomputation yet", "solve without --recompute (and with a method other than "
                                    "recompute-only or checkpoint-*) to train with the schedule")

@@ -123,12 +123,8 @@ def _stage(s: Any, i: int, L: int) -> Stage:
 
 def chain_from_dict(d: Any) -> Chain:
     """Validate a parsed ``chain.json`` document and build the ``Chain``."""
-    if not isinstance(d, Mapping):
-        raise FormatError(f"a chain must be a JSON object, got {type(d).__name__}")
-    fmt = d.get("format")
-    if fmt != CHAIN_FORMAT and fmt not in OLD_FORMATS:
-        raise FormatError(f"not a chain file: 'format' is {fmt!r}, expected {CHAIN_FORMAT!r}",
-                          "produce chains with `offload profile`, or see docs/formats.md")
+    fmt = v.document_format(d, "chain", CHAIN_FORMAT, OLD_FORMATS,
+                             "produce chains with `offload profile`, or see docs/formats.md")
     v.no_unknown(d, _KEYS, "the chain")
     source = v.obj(d.get("source", {}), "source")
     raw = d.get("stages")

@@ -98,7 +98,7 @@ def _print_simulation(chain: Chain, sim: Simulation, base: int) -> None:
     if sim.encode:
         _line("encoded", ", ".join(f"U{i} {name}" for i, name in sorted(sim.encode.items())))
     if sim.recompute:
-        _line("recomputed", ", ".join(f"{r.first}..{r.last}" if r.last > r.first else str(r.first) for r in sim.recompute)
+        _line("recomputed", ", ".join(r.text for r in sim.recompute)
               + f" ({format_seconds(sim.recomputed_s)} of forward ops re-run)")
 
 
@@ -130,6 +130,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 print(f"{'F' + str(r.stage):>6} {'B' + str(r.op_stage):>6} {r.start:>12.6f} {r.end:>12.6f} "
                       f"{format_bytes(r.mem_bytes + base):>11}")
     return 0
+
+
+def add_recompute_arguments(p: argparse.ArgumentParser) -> None:
+    """``--recompute`` and ``--max-run`` (``Options.recompute``, ``Options.max_run``), for solve and sweep."""
+    p.add_argument("--recompute", action="store_true",
+                   help="ilp and relax-* may also recompute runs of stages instead of keeping or offloading their "
+                        "units (recompute-only and checkpoint-* always do); see docs/model.md, \"Recomputation\"")
+    p.add_argument("--max-run", type=integer(1, 64), default=8, metavar="N",
+                   help="longest run of stages recomputed together that the ILP considers (default 8)")
 
 
 def cmd_solve(args: argparse.Namespace) -> int:
@@ -197,11 +206,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", "-o", help="write the schedule here (atomically)")
     p.add_argument("--total", action="store_true", help="the budget counts base_bytes too (weights, grads, optimizer state)")
     p.add_argument("--encodings", choices=MODES, default="lossless", help=MODE_HELP + " (used by ilp, relax-*, gist*)")
-    p.add_argument("--recompute", action="store_true",
-                   help="ilp and relax-* may also recompute runs of stages instead of keeping or offloading their "
-                        "units (recompute-only and checkpoint-* always do); see docs/model.md, \"Recomputation\"")
-    p.add_argument("--max-run", type=integer(1, 64), default=8, metavar="N",
-                   help="longest run of stages recomputed together that the ILP considers (default 8)")
+    add_recompute_arguments(p)
     p.add_argument("--time-limit", type=seconds(), default=60.0, metavar="S",
                    help="wall time of the whole solve in seconds: heuristics, bounds, building and solving the MILP "
                         "(default 60); the best schedule found by then is returned, with its gap")

@@ -250,8 +250,11 @@ class Model:
         self.g = {(s, e): self._var(f"recompute_{s}_{e}", True)
                   for s in range(1, L) for e in range(s, min(L - 1, s + max_run - 1) + 1)} if max_run else {}
         self.run_at: dict[int, list[tuple[int, int]]] = {}  # n -> runs rebuilt at the start of B_n
+        a, x = self.chain.a, self.chain.x
+        self.unbuilt: dict[tuple[int, int], float] = {}  # run -> its checkpoint less its units (model units)
         for (s, e) in self.g:
             self.run_at.setdefault(run_op(self.chain, Recompute(s, e)), []).append((s, e))
+            self.unbuilt[s, e] = (int(x[s]) - int(sum(a[s:e + 1]))) / self.mu
         for i in range(1, L):
             row = self.recomputed(i)
             if not row.terms:
@@ -364,8 +367,8 @@ class Model:
                         row.add(self._extra(i, "bwd_extra_bytes"))
                 for n, at_n in self.run_at.items():
                     if n < j:  # not rebuilt yet: the checkpoint instead of the units
-                        for (s, e) in at_n:
-                            row.add(self.g[s, e], (int(x[s]) - int(sum(a[s:e + 1]))) / mu)
+                        for run in at_n:
+                            row.add(self.g[run], self.unbuilt[run])
                 self.bwd_rows[j] = _Affine().add(row)  # a copy: the row's constant changes below
                 name = f"memory_B{j}"
             key = tuple(sorted((v.name, round(c, 12)) for v, c in row.terms.items() if c))
@@ -381,14 +384,14 @@ class Model:
         """Each re-run forward op ``Rj`` of a run ``s..e`` rebuilt at ``Bn`` holds ``Bn``'s
         units less those not rebuilt yet (``j..e``, and the runs at ``n`` that come after),
         plus ``Fj``'s transient: a budget row that binds only when the run is chosen."""
-        a, x, fp, mu = self.chain.a, self.chain.x, self.chain.fp, self.mu
+        a, fp, mu = self.chain.a, self.chain.fp, self.mu
         for n, at_n in self.run_at.items():
             for (s, e) in at_n:
                 g = self.g[s, e]
                 later = _Affine()
-                for (s2, e2) in at_n:
-                    if s2 < s:  # rebuilt after this run
-                        later.add(self.g[s2, e2], (int(x[s2]) - int(sum(a[s2:e2 + 1]))) / mu)
+                for run in at_n:
+                    if run[0] < s:  # rebuilt after this run
+                        later.add(self.g[run], self.unbuilt[run])
                 for j in range(s, e + 1):
                     row = _Affine().add(self.bwd_rows[n]).add(later)
                     row.const += (int(fp[j]) - int(sum(a[j:e + 1]))) / mu

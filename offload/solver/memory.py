@@ -30,7 +30,7 @@ def _transient(chain: Chain) -> np.ndarray:
     return np.concatenate([chain.fp[1:], chain.bp[1:][::-1]])
 
 
-def _held(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute]) -> np.ndarray:
+def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute]) -> np.ndarray:
     """Per op, the bytes of units and checkpoints resident, without the recomputations' own."""
     L = chain.L
     diff = np.zeros(2 * L + 1, dtype=np.int64)
@@ -64,14 +64,14 @@ def _held(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute]) 
     return np.cumsum(diff[:-1])
 
 
-def _recompute_memory(chain: Chain, held: np.ndarray, runs: Iterable[Recompute]) -> list[tuple[int, int, int]]:
+def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompute]) -> list[tuple[int, int, int]]:
     """``(n, j, bytes)`` per re-run forward op ``Rj`` (rebuilt at the start of ``Bn``), in
-    execution order; ``held`` is ``_held``'s per-op residency."""
+    execution order; ``resident`` is ``_resident``'s per-op residency."""
     L, a, x = chain.L, chain.a, chain.x
     out = []
     for n, at_n in sorted(by_op(chain, runs).items(), reverse=True):
         # what B_n holds before its transient, with the runs at n rebuilt and their checkpoints gone
-        base = int(held[2 * L - n])
+        base = int(resident[2 * L - n])
         pending = [int(sum(a[j] for j in r.stages)) - int(x[r.first]) for r in at_n]
         for m, run in enumerate(at_n):
             later = sum(pending[m + 1:])
@@ -86,16 +86,16 @@ def memory_profile(chain: Chain, offloads: Iterable[Offload],
     """Activation bytes held during each op (int64 array of length ``2L``; ``Bn`` counts the
     recomputations at its start) and, per re-run forward op, ``(n, j, bytes)``."""
     runs = tuple(runs)
-    held = _held(chain, offloads, runs)
-    mem = held + _transient(chain)
-    rebuilt = _recompute_memory(chain, held, runs)
+    resident = _resident(chain, offloads, runs)
+    mem = resident + _transient(chain)
+    rebuilt = _recompute_memory(chain, resident, runs)
     for n, _, nbytes in rebuilt:
         mem[2 * chain.L - n] = max(mem[2 * chain.L - n], nbytes)
     return mem, rebuilt
 
 
 def op_memory(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute] = ()) -> np.ndarray:
-    """Activation bytes held during each op (``memory_profile`` without the re-run ops)."""
+    """Activation bytes held during each op (``memory_profile``'s first part)."""
     return memory_profile(chain, offloads, runs)[0]
 
 

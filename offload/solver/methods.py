@@ -195,9 +195,9 @@ def _recompute_only(ctx: _Context) -> Planned | None:
     """The best recompute-only schedule: the MILP with offloading turned off, warm-started
     from the checkpointing policy that fits, if one does."""
     chain, opt = ctx.chain, ctx.options
-    warm = min((p for p in (_checkpointing(n)(ctx) for n in checkpointing.POLICIES) if p is not None),
-               key=lambda p: _span(chain, p), default=None)
-    warm = warm if warm is None or max((len(r.stages) for r in warm.recompute), default=0) <= opt.max_run else None
+    fitting = [p for p in (_checkpointing(n)(ctx) for n in checkpointing.POLICIES)
+               if p is not None and all(len(r.stages) <= opt.max_run for r in p.recompute)]
+    warm = min(fitting, key=lambda p: _span(chain, p), default=None)
     try:
         res = solve_ilp(chain, ctx.budget, warm=[] if warm else None, warm_runs=warm.recompute if warm else (),
                         solver=opt.solver, time_limit=None, gap=opt.gap, threads=opt.threads, msg=opt.verbose,

@@ -43,6 +43,11 @@ class Recompute:
     def stages(self) -> range:
         return range(self.first, self.last + 1)
 
+    @property
+    def text(self) -> str:
+        """``3`` for a run of one stage, ``3..5`` otherwise."""
+        return f"{self.first}..{self.last}" if self.last > self.first else str(self.first)
+
 
 @dataclass(frozen=True)
 class Schedule:

@@ -59,12 +59,7 @@ def _encode(raw: Any) -> dict[int, str]:
 
 def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
     """Validate a parsed ``schedule.json`` against ``chain`` (hash first, then actions)."""
-    if not isinstance(d, Mapping):
-        raise FormatError(f"a schedule must be a JSON object, got {type(d).__name__}")
-    fmt = d.get("format")
-    if fmt != SCHEDULE_FORMAT and fmt not in OLD_FORMATS:
-        raise FormatError(f"not a schedule file: 'format' is {fmt!r}, expected {SCHEDULE_FORMAT!r}",
-                          "produce schedules with `offload solve`")
+    fmt = v.document_format(d, "schedule", SCHEDULE_FORMAT, OLD_FORMATS, "produce schedules with `offload solve`")
     v.no_unknown(d, _KEYS - ({"recompute"} if fmt in OLD_FORMATS else set()), "the schedule")
     ref = _check_chain(d, chain)
     encode = _encode(d.get("encode", []))

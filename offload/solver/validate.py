@@ -31,6 +31,17 @@ def _present(d: Mapping, key: str, ctx: str) -> Any:
     return d[key]
 
 
+def document_format(d: Any, what: str, current: str, old: Sequence[str], hint: str) -> str:
+    """The ``format`` of a parsed document that must be a JSON object of format ``current``
+    (or one of the ``old`` ones it still reads): a ``what`` file, made as ``hint`` says."""
+    if not isinstance(d, Mapping):
+        raise FormatError(f"a {what} must be a JSON object, got {type(d).__name__}")
+    fmt = d.get("format")
+    if fmt != current and fmt not in old:
+        raise FormatError(f"not a {what} file: 'format' is {fmt!r}, expected {current!r}", hint)
+    return fmt
+
+
 def number(d: Mapping, key: str, ctx: str, low: float = 0.0, high: float = MAX_SECONDS) -> float:
     """A finite number in ``[low, high]``."""
     v = _present(d, key, ctx)

@@ -34,6 +34,8 @@ def brute_force(chain: Chain, budget: int, recompute: bool = False) -> float | N
                 yield Offload(i, r, k)
     best = None
     for runs in all_runs(chain.L) if recompute else [[]]:
+        if not all(chain.can_recompute(r.first, r.last) for r in runs):
+            continue
         rebuilt = {i for r in runs for i in r.stages}
         for combo in itertools.product(*[list(options(i, rebuilt)) for i in chain.offloadable]):
             sim = simulate(chain, [o for o in combo if o], recompute=runs)

@@ -2,12 +2,12 @@
 reason about) and budgets between the smallest feasible one and the no-offload peak."""
 from __future__ import annotations
 
-from hypothesis import strategies as st
+from hypothesis import assume, strategies as st
 
 from offload.solver import encoding
 from offload.solver.chain import Chain
 from offload.solver.chainfile import chain_from_dict
-from offload.solver.memory import no_offload_peak
+from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 
 
 def _encodings(draw, saved: int) -> list[dict]:
@@ -30,7 +30,9 @@ def _encodings(draw, saved: int) -> list[dict]:
 
 @st.composite
 def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = False, inputs: bool = False) -> Chain:
-    """``inputs``: stages carry ``input_bytes`` (a recomputation's checkpoint)."""
+    """``inputs``: stages carry what recomputation needs: ``input_bytes`` (a checkpoint),
+    sometimes ``carry_bytes`` (less than the unit alive in the next forward) and sometimes
+    ``recomputable: false``."""
     L = draw(st.integers(min_stages, max_stages))
     stages = []
     for i in range(1, L + 1):
@@ -48,6 +50,10 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
         })
         if saved and i + 2 <= L and draw(st.integers(0, 3)) == 0:  # part held by the model's own code
             stages[-1].update(held_bytes=draw(st.integers(1, saved)), held_until=draw(st.integers(i + 2, L)))
+        if inputs and draw(st.integers(0, 2)) == 0:
+            stages[-1]["carry_bytes"] = draw(st.integers(0, saved))
+        if inputs and draw(st.integers(0, 4)) == 0:
+            stages[-1]["recomputable"] = False
     return chain_from_dict({
         "format": "offload-chain/2",
         "name": "random",
@@ -63,9 +69,13 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
 
 @st.composite
 def chain_and_budget(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = False,
-                     mode: str = "lossless", inputs: bool = False) -> tuple[Chain, int]:
+                     mode: str = "lossless", inputs: bool = False, below: bool = False) -> tuple[Chain, int]:
     """A chain and a budget from the smallest feasible one (with ``mode``'s encodings) to
-    the no-offload peak."""
+    the no-offload peak; ``below``: under the offloading floor, from the lower bound with
+    recomputation."""
     chain = draw(chains(min_stages, max_stages, encodings, inputs))
     lo, hi = encoding.floor(chain, mode)[0], no_offload_peak(chain)
+    if below:  # where only recomputation may fit (if anything does)
+        lo, hi = smallest_feasible_budget(chain, recompute=True), lo - 1
+        assume(lo <= hi)
     return chain, draw(st.integers(lo, max(lo, hi)))

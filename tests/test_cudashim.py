@@ -15,6 +15,7 @@ from offload.executor import Offloaded
 from offload.executor import backends
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.checkpointing import block_runs
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
 from offload.solver.schedule import Offload, make_schedule
@@ -36,7 +37,10 @@ def schedules(chain):
     return {"everything": make_schedule(chain, [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable]),
             "solved": solve(chain, budget, "relax-lp", Options(heuristic_time_s=0.1)).schedule,
             "late-release": make_schedule(chain, [Offload(i, chain.L, chain.stage(i).need_from)
-                                                  for i in chain.offloadable])}
+                                                  for i in chain.offloadable]),
+            # what cannot be recomputed offloaded, the rest re-run before its backward
+            "recompute": make_schedule(chain, [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable
+                                               if i not in chain.recomputable], recompute=block_runs(chain))}
 
 
 def checked(backend_class: type, cuda: FakeCuda) -> type:
@@ -101,7 +105,7 @@ def test_the_protocol_round_trip_is_race_free(monkeypatch):
     assert cuda.races == [] and same
 
 
-@pytest.mark.parametrize("name", ["everything", "solved", "late-release"])
+@pytest.mark.parametrize("name", ["everything", "solved", "late-release", "recompute"])
 def test_the_cuda_backend_is_race_free_and_bit_exact(chain, name, monkeypatch):
     sched = schedules(chain)[name]
     cuda, equal, moved = train_steps(chain, sched, backends.CudaBackend, monkeypatch)

@@ -1,6 +1,6 @@
-"""The executor on the CPU: bit-exact gradients, measured memory equal to the prediction op by
-op, the lazy backend's missing-edge detection, no leaks, a reused host arena, refusals, and
-the Python API in a user's own loop."""
+"""The executor on the CPU: bit-exact gradients (dropout on), measured memory equal to the
+prediction op by op, with offloading and with recomputation, the lazy backend's missing-edge
+detection, no leaks, a reused host arena, refusals, and the Python API in a user's own loop."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,13 +18,15 @@ from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.budget import Budget
 from offload.solver.chainfile import save_chain
+from offload.solver.checkpointing import block_runs, sqrt_runs
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
 from offload.solver.schedule import Offload, make_schedule
 from offload.solver.schedulefile import save_schedule
 from offload.solver.simulate import simulate
 
-OPTIONS = {"resnet18": {"image": 16}, "gpt": {"layers": 2, "width": 32, "heads": 4, "seq": 16, "vocab": 50},
+OPTIONS = {"resnet18": {"image": 16},
+           "gpt": {"layers": 3, "width": 32, "heads": 4, "seq": 16, "vocab": 50, "dropout": 0.1},
            "mlp": {"layers": 3, "width": 256, "features": 64, "classes": 10}}
 FAST = ["gpt", "mlp"]
 TOLERANCE = 64 * 1024  # bytes a measured op may differ from its prediction (held storages dying mid-stage)
@@ -42,6 +44,25 @@ def schedules(chain):
     return {"none": make_schedule(chain, []), "all": everything, "solver": solved}
 
 
+def recomputing(chain):
+    """Every stage the executor can re-run recomputed on its own, the others offloaded at once;
+    and runs of about sqrt(L) stages, nothing offloaded."""
+    blocks = block_runs(chain)
+    rebuilt = {i for r in blocks for i in r.stages}
+    offloads = [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable if i not in rebuilt]
+    return {"blocks+offload": make_schedule(chain, offloads, recompute=blocks),
+            "sqrt": make_schedule(chain, [], recompute=sqrt_runs(chain))}
+
+
+def allowance(chain, sched, op):
+    """How far below its prediction an op's measured memory may be: allocator slack, and in the
+    forward of a recomputed stage what autograd no longer holds there (the model books the
+    stage's transient as measured with everything saved)."""
+    rebuilt = {i for r in sched.recompute for i in r.stages}
+    j = int(op[1:])
+    return TOLERANCE + (int(chain.a[j]) if op[0] == "F" and j in rebuilt else 0)
+
+
 def check_run(chain, sched, backend, name):
     """Two steps checked against training without offloading: gradients bit for bit, no leak,
     bytes moved and each op's memory as predicted, the arena allocating nothing after step 1."""
@@ -54,7 +75,7 @@ def check_run(chain, sched, backend, name):
     assert len(set(m["host_allocations"])) == 1
     measured, predicted = m["op_peak_bytes"], p["op_bytes"]
     assert list(measured) == list(predicted)
-    assert all(0 <= predicted[op] - measured[op] <= TOLERANCE for op in measured), \
+    assert all(0 <= predicted[op] - measured[op] <= allowance(chain, sched, op) for op in measured), \
         (name, {op: predicted[op] - measured[op] for op in measured if predicted[op] != measured[op]})
     return report
 
@@ -68,10 +89,19 @@ def test_gradients_bit_exact_and_memory_as_predicted(chains, model, backend):
             assert report["measured"]["peak_bytes"] < no_offload_peak(chains[model])
 
 
+@pytest.mark.parametrize("model, backend", [("gpt", "cpu-eager"), ("gpt", "cpu-lazy"), ("mlp", "cpu-eager"),
+                                            pytest.param("mlp", "cpu-lazy", marks=pytest.mark.slow)])
+def test_recomputation_bit_exact_and_memory_as_predicted(chains, model, backend):
+    """Re-run forwards replay the same dropout masks; measured memory never above the model."""
+    for name, sched in recomputing(chains[model]).items():
+        assert sched.recompute
+        check_run(chains[model], sched, backend, name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cpu-eager", "cpu-lazy"])
 def test_resnet18_gradients_bit_exact_and_memory_as_predicted(chains, backend):
-    for name, sched in schedules(chains["resnet18"]).items():
+    for name, sched in {**schedules(chains["resnet18"]), **recomputing(chains["resnet18"])}.items():
         check_run(chains["resnet18"], sched, backend, name)
 
 
@@ -188,11 +218,13 @@ def test_offloaded_in_a_users_own_loop(chains, model, tmp_path):
     run = Offloaded(mine.module, *_files(chain, sched, tmp_path), backend="cpu-lazy")
     assert dict(run.named_parameters()).keys() == {f"module.{n}" for n, _ in mine.module.named_parameters()}
     optimizer = torch.optim.SGD(run.parameters(), lr=0.1)
-    for _ in range(3):
+    for step in range(3):
         with torch.no_grad():
             for a, b in zip(mine.module.parameters(), plain.module.parameters()):
                 b.copy_(a)
+        torch.manual_seed(step)  # the same dropout masks
         mine.loss(run(*mine.args)).backward()
+        torch.manual_seed(step)
         plain.loss(plain.module(*plain.args)).backward()
         for a, b in zip(mine.module.parameters(), plain.module.parameters()):
             assert torch.equal(a.grad, b.grad)

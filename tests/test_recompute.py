@@ -1,6 +1,7 @@
 """Recomputation joined with offloading (docs/model.md, "Recomputation"): the simulator's
 semantics by hand, the MILP exact over the extended class, the methods, the file format,
-the CLI, and the executor's refusal (it does not run recomputation yet)."""
+the CLI, and the refusal of stages the profiler found the executor cannot re-run (the
+executor's own tests are in test_executor.py)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from offload.cli import main as offload
-from offload.errors import ScheduleRejected
+from offload.errors import InfeasibleBudget, ScheduleRejected
 from offload.executor.plan import StepPlan
 from offload.solver.chainfile import chain_from_dict, save_chain
 from offload.solver.ilp import Model, solve_ilp
@@ -28,25 +29,30 @@ JOINT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.02, recompute=True)
 REL = 1e-7
 
 
-@pytest.fixture
-def small():
+def small_chain(**stage_two) -> "Chain":
     """Four stages: 1 ms forward, 2 ms backward, 100-byte units, forward transient 120,
-    backward 50, every input 30 bytes."""
+    backward 50, every input 30 bytes (``stage_two``: fields of stage 2 changed)."""
     stages = [{"fwd_s": 0.001, "bwd_s": 0.002, "saved_bytes": 100, "fwd_peak_bytes": 120, "bwd_peak_bytes": 50,
                "input_bytes": 30} for _ in range(4)]
+    stages[1].update(stage_two)
     return chain_from_dict({"format": "offload-chain/2", "name": "small", "stages": stages,
                             "platform": {"d2h_bytes_per_s": 1e4, "h2d_bytes_per_s": 1e4}})
+
+
+@pytest.fixture
+def small():
+    return small_chain()
 
 
 @pytest.mark.parametrize("runs, memory, rerun, makespan", [
     # nothing recomputed: U1..U4 build up to B4
     ((), [120, 220, 320, 420, 450, 350, 250, 150], [], 0.012),
-    # U1 gone after F2, its 30-byte checkpoint kept from F2 to B1, where F1 re-runs first
-    ((Recompute(1, 1),), [120, 250, 250, 350, 380, 280, 180, 150], [(1, 1, 120)], 0.013),
-    # one run 1..2, rebuilt at B2 from stage 1's input: R1 then R2 (holding U1)
-    ((Recompute(1, 2),), [120, 250, 250, 250, 280, 180, 250, 150], [(1, 2, 120), (2, 2, 220)], 0.014),
+    # U1 gone after F2, its 30-byte checkpoint kept from F1 to B1, where F1 re-runs first (reading it)
+    ((Recompute(1, 1),), [150, 250, 250, 350, 380, 280, 180, 150], [(1, 1, 150)], 0.013),
+    # one run 1..2, rebuilt at B2 from stage 1's input: R1 (reading it) then R2 (holding U1)
+    ((Recompute(1, 2),), [150, 250, 250, 250, 280, 180, 250, 150], [(1, 2, 150), (2, 2, 220)], 0.014),
     # the same stages as two runs: each its own checkpoint, each rebuilt just before its backward
-    ((Recompute(1, 1), Recompute(2, 2)), [120, 250, 280, 280, 310, 210, 180, 150], [(2, 2, 150), (1, 1, 120)], 0.014),
+    ((Recompute(1, 1), Recompute(2, 2)), [150, 280, 280, 280, 310, 210, 180, 150], [(2, 2, 180), (1, 1, 150)], 0.014),
 ])
 def test_simulator_semantics_by_hand(small, runs, memory, rerun, makespan):
     sim = simulate(small, [], recompute=runs)
@@ -87,6 +93,21 @@ def test_joint_ilp_equals_brute_force(cb):
     assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget, recompute=True), rel=REL)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(chain_and_budget(min_stages=2, max_stages=4, inputs=True, below=True))
+def test_joint_ilp_equals_brute_force_below_the_offload_floor(cb):
+    """Under the offloading floor: the MILP's optimum is the brute force's, and where nothing
+    fits both say so."""
+    chain, budget = cb
+    best = brute_force(chain, budget, recompute=True)
+    if best is None:
+        with pytest.raises(InfeasibleBudget):
+            solve(chain, budget, "ilp", JOINT)
+        return
+    res = solve(chain, budget, "ilp", JOINT)
+    assert res.status == "optimal" and res.simulation.makespan_s == pytest.approx(best, rel=REL)
+
+
 @settings(max_examples=15, **SETTINGS)
 @given(chain_and_budget(min_stages=2, max_stages=6, inputs=True))
 def test_joint_objective_is_the_simulated_makespan_and_loads_exactly(cb):
@@ -122,13 +143,30 @@ def test_joint_is_never_worse_than_either_family_and_every_method_replays(cb):
         assert res.bound_s <= replay.makespan_s * (1 + REL)
 
 
-def test_joint_floor_is_the_offload_floor(small):
-    """A re-run forward op holds its stage's working set again, so no schedule of the joint
-    class goes below the all-offloaded floor, which it contains."""
+def test_joint_floor_is_the_offload_floor_when_units_are_carried_whole(small):
+    """With every unit alive through the next forward (no ``carry_bytes``), a re-run forward op
+    holds its stage's working set again: nothing goes below the all-offloaded floor."""
     floor = smallest_feasible_budget(small)
+    assert smallest_feasible_budget(small, recompute=True) == floor
     assert solve(small, floor, "ilp", JOINT).simulation.peak_bytes <= floor
     with pytest.raises(Exception, match="below the smallest feasible budget"):
         solve(small, floor - 1, "ilp", JOINT)
+
+
+def test_recomputation_goes_below_the_offload_floor():
+    """A transformer-like chain: the forward's own code drops most of a unit at its stage's end
+    (``carry_bytes``), an offloaded unit stays until its copy is done after the next forward."""
+    stages = [{"fwd_s": 0.001, "bwd_s": 0.002, "saved_bytes": 1000, "fwd_peak_bytes": 1000, "bwd_peak_bytes": 100,
+               "input_bytes": 50, "carry_bytes": 50} for _ in range(5)]
+    chain = chain_from_dict({"format": "offload-chain/2", "name": "carry", "stages": stages,
+                             "platform": {"d2h_bytes_per_s": 1e6, "h2d_bytes_per_s": 1e6}})
+    floor = smallest_feasible_budget(chain)
+    with pytest.raises(Exception, match="below the smallest feasible budget"):
+        solve(chain, floor - 1, "ilp", EXACT)
+    joint = solve(chain, floor - 1, "ilp", JOINT)
+    assert joint.schedule.recompute and joint.simulation.peak_bytes <= floor - 1
+    assert joint.status == "optimal"
+    assert smallest_feasible_budget(chain, recompute=True) <= joint.simulation.peak_bytes
 
 
 def test_recomputation_beats_offloading_on_a_slow_link():
@@ -159,10 +197,18 @@ def test_schedule_format_2_round_trips_and_1_still_loads(small):
         schedule_from_dict(doc, small)
 
 
-def test_executor_refuses_recomputation_clearly(small):
-    s = make_schedule(small, [], [Recompute(1, 2)])
-    with pytest.raises(ScheduleRejected, match="does not run recomputation yet"):
-        StepPlan.from_schedule(small, s)
+def test_stages_the_executor_cannot_rerun_are_never_recomputed():
+    """``recomputable: false`` (the profiler's verdict): refused in a schedule, and left alone by
+    every recomputing method."""
+    chain = small_chain(recomputable=False)
+    assert chain.recomputable == {1, 3} and chain.stage(2).recomputable is False
+    with pytest.raises(ScheduleRejected, match="stage 2 .* cannot re-run"):
+        simulate(chain, [], recompute=[Recompute(1, 2)])
+    for method in ("ilp", "recompute-only", "checkpoint-sqrt", "checkpoint-blocks", "relax-lp"):
+        runs = solve(chain, 10 ** 6, method, JOINT).schedule.recompute
+        assert all(2 not in r.stages for r in runs) and (runs or not method.startswith("checkpoint")), method
+    plan = StepPlan.from_schedule(chain, make_schedule(chain, [], [Recompute(1, 1), Recompute(3, 3)]))
+    assert plan.recomputed == {1, 3} and plan.run_starts == {1, 3}
 
 
 def test_cli_solves_with_recompute_and_replays(tmp_path, capsys):

@@ -70,6 +70,9 @@ class StageListener:
     has ended, just before the backward of stage ``k`` (``k = L``: the backward starts).
     """
 
+    def forward_start(self) -> None:
+        """The model's forward begins (stage 1 starts)."""
+
     def forward_boundary(self, k: int) -> None:  # pragma: no cover - default no-op
         pass
 
@@ -160,6 +163,7 @@ class Staging:
         if self.listener is not None:
             self.calls.clear()
             self.seen, self.forwarding = 0, True
+            self.listener.forward_start()
 
     @torch.compiler.disable
     def _end(self, module: nn.Module, args: tuple, out: Any) -> Any:

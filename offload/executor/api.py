@@ -156,7 +156,8 @@ class Offloaded(nn.Module):
             meter.close()
         done = self.runtime.steps - steps
         per = max(done, 1)
-        sim = simulate(self.chain, self.schedule.offloads, encode=self.schedule.encode)
+        sim = simulate(self.chain, self.schedule.offloads, encode=self.schedule.encode,
+                       recompute=self.schedule.recompute)
         report.update(steps=done, measured={
             "peak_bytes": max(op_peaks.values(), default=start) - start, "step_s": seconds / per,
             "d2h_bytes_per_step": (self.moved_bytes[0] - moved[0]) // per,

@@ -4,16 +4,17 @@ Boundary ``k`` in the forward (the end of ``Fk``; ``k = L`` is the model's outpu
 the D2H of ``Uk`` and performs the releases due at ``k``.  Boundary ``k`` in the backward
 (the start of ``Bk``) frees the prefetched ``U(k+1)``, issues the prefetches whose point is
 ``k`` (larger ``need_from`` first, then larger stage: docs/model.md) and waits for the
-units whose ``need_from`` is ``k``.  ``encoders`` says, for each encoded unit, which of its
-storages (by their index in first-save order) are stored with which encoder.
+units whose ``need_from`` is ``k``; between the two it rebuilds the recomputed runs due at
+``k`` (later runs first).  ``encoders`` says, for each encoded unit, which of its storages
+(by their index in first-save order) are stored with which encoder.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from offload.errors import ScheduleRejected
 from offload.solver.chain import Chain, EncodedTensor
 from offload.solver.encoding import encoded_bytes
+from offload.solver.recompute import by_op
 from offload.solver.schedule import Schedule
 
 
@@ -27,14 +28,16 @@ class StepPlan:
     planned_bytes: int  # all offloaded units' bytes, encoded ones as encoded (the host arena's size)
     encoders: dict[int, dict[int, EncodedTensor]]  # encoded unit -> storage index -> its encoding, as profiled
     unit_bytes: tuple[int, ...]  # per stage 0..L, the bytes its unit saves, as profiled
+    recomputed: frozenset[int] = frozenset()  # stages whose units are dropped and rebuilt
+    rebuild_at: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # k -> runs (first, last) rebuilt as B_k starts
+
+    @property
+    def run_starts(self) -> frozenset[int]:
+        """The first stage of each recomputed run (its input is the run's checkpoint)."""
+        return frozenset(first for runs in self.rebuild_at.values() for first, _ in runs)
 
     @classmethod
     def from_schedule(cls, chain: Chain, schedule: Schedule) -> "StepPlan":
-        if schedule.recompute:  # solver-side only so far (docs/model.md, "Recomputation")
-            runs = ", ".join(r.text for r in schedule.recompute)
-            raise ScheduleRejected(f"this schedule recomputes stages ({runs}); the executor does not run "
-                                   "recomputation yet", "solve without --recompute (and with a method other than "
-                                   "recompute-only or checkpoint-*) to train with the schedule")
         release: dict[int, list[int]] = {}
         prefetch: dict[int, list[int]] = {}
         wait: dict[int, list[int]] = {}
@@ -54,4 +57,6 @@ class StepPlan:
             planned_bytes=sum(size.values()),
             encoders={i: {t.index: t for t in e.tensors} for i, e in chosen.items()},
             unit_bytes=tuple(int(a) for a in chain.a),
+            recomputed=frozenset(i for r in schedule.recompute for i in r.stages),
+            rebuild_at={k: tuple((r.first, r.last) for r in runs) for k, runs in by_op(chain, schedule.recompute).items()},
         )

@@ -23,6 +23,14 @@ plus a pair of ``saved_tensors_hooks``.
   once, by its first reader.  The step drops its buffer when the last saved reference is
   read, as autograd frees a saved tensor once its node has run.
 
+Recomputation (docs/executor.md, "Recomputation"): a recomputed stage's top-level module
+calls are recorded as it runs (``offload.core.rerun``); a tensor of its unit is packed as a
+handle and the step keeps nothing of it, so the storage dies when the forward's code drops
+it.  The input of a run's first stage (its checkpoint) is held.  At the backward boundary
+of the run's op, after the prefetches are issued and before the waits, the run's stages
+are replayed one after another from the checkpoint; each storage the replay saves becomes
+the buffer of the handle with the same place in the stage's saves.
+
 A handle points at its own step, so a step's backward may run after later forwards have
 started; but a forward while an earlier step's graph is alive and its backward unfinished
 is refused (the schedule covers one forward and backward at a time).
@@ -37,8 +45,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from offload.core.encoders import ENCODERS, Encoder, flat_storage
+from offload.core.rerun import NotRerunnable, StageProgram, StageRecorder
 from offload.core.staging import StageListener, Staging
-from offload.core.units import UnitTracker
+from offload.core.units import UnitTracker, storage_key
 from offload.errors import ChainMismatch
 from offload.models.spec import tensors_in
 
@@ -110,18 +119,27 @@ class _Step(StageListener):
         self.tracker = UnitTracker(runtime.device, excluded)
         self.sid: dict[int, int] = {}  # live storage key -> id of its held storage
         self.stored: list[_Stored] = []  # held storages (offloaded or encoded), by id
-        self.units: dict[int, list[int]] = {i: [] for i in self.plan.offloaded | set(self.plan.encoders)}
+        self.units: dict[int, list[int]] = {i: [] for i in self.plan.offloaded | set(self.plan.encoders)
+                                            | self.plan.recomputed}
         self.backward_started = self.finished = False
+        self.recorder: StageRecorder | None = None  # of the recomputed stage running now
+        self.programs: dict[int, StageProgram] = {}  # recomputed stage -> its replay
+        self.ordinals: dict[int, list[int | None]] = {}  # recomputed stage -> per tensor it saved, its held storage
+        self.checkpoints: dict[int, torch.Tensor] = {}  # first stage of a run -> its input, until the rebuild
+        self.excluded_keys = self.tracker.excluded
 
     # ------------------------------------------------------------------ hooks (never traced by torch.compile)
     @torch.compiler.disable
     def pack(self, t: torch.Tensor) -> Any:
         saved = self.tracker.saw(t)
-        if saved is None:
-            return t
-        if saved.new:
-            self._hold(saved.key, t, saved.unit, saved.index)
-        sid = self.sid.get(saved.key)
+        sid = None
+        if saved is not None:
+            if saved.new:
+                self._hold(saved.key, t, saved.unit, saved.index)
+            sid = self.sid.get(saved.key)
+        if self.recorder is not None:
+            self.recorder.saved()
+            self.ordinals[self.recorder.stage].append(sid)
         if sid is None:
             return t
         self.stored[sid].readers += 1
@@ -132,9 +150,14 @@ class _Step(StageListener):
         """Take a new storage of ``unit`` into the step's hands if the schedule moves or encodes it."""
         self.sid.pop(key, None)  # an address reused by a new storage
         encoding = self.plan.encoders.get(unit, {}).get(index)
-        if unit not in self.plan.offloaded and encoding is None:
+        if unit not in self.plan.offloaded and encoding is None and unit not in self.plan.recomputed:
             return
         sid = len(self.stored)
+        self.sid[key] = sid
+        self.units[unit].append(sid)
+        if unit in self.plan.recomputed:  # nothing held: rebuilt before the backward reads it
+            self.stored.append(_Stored(unit, None, t.untyped_storage().nbytes()))
+            return
         if encoding is not None:
             flat = flat_storage(t)
             if flat.numel() * flat.element_size() != encoding.nbytes:
@@ -148,12 +171,10 @@ class _Step(StageListener):
             self.runtime.encoded_bytes += held.numel()
         else:
             codec = None
-            held = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-        self.sid[key] = sid
+            held = _bytes_of(t)
         offloaded = unit in self.plan.offloaded
         self.stored.append(_Stored(unit, held if offloaded else None, held.numel(), codec=codec,
                                    buffer=None if offloaded else held))
-        self.units[unit].append(sid)
 
     @staticmethod
     @torch.compiler.disable
@@ -163,8 +184,8 @@ class _Step(StageListener):
         s = packed.step.stored[packed.sid]
         s.check_versions()
         if s.buffer is None:
-            raise RuntimeError(f"U{s.unit} is read by the backward but was not prefetched: the schedule and the "
-                               "model disagree on need_from")
+            raise RuntimeError(f"U{s.unit} is read by the backward but was not prefetched or rebuilt: the schedule "
+                               "and the model disagree on need_from")
         raw = s.buffer
         if s.codec is not None:
             if s.decoded is None:
@@ -176,6 +197,41 @@ class _Step(StageListener):
         if s.readers == 0:  # the last saved reference is read: autograd would free it after this node
             s.buffer = s.decoded = None
         return out
+
+    # -------------------------------------------------------------- recomputation
+    def forward_start(self) -> None:
+        self._record(1, None)
+
+    def stage_output(self, k: int, x: torch.Tensor) -> None:
+        if self.recorder is not None:
+            try:
+                self.programs[k] = self.recorder.finish(x)
+            except NotRerunnable as exc:
+                raise ChainMismatch(f"{exc}; the schedule recomputes it", "profile the model again (the profiler "
+                                    "marks such stages and the solver leaves them alone), then solve again") from None
+            self.recorder = None
+        if k + 1 < self.plan.L:
+            self._record(k + 1, x)
+
+    def _record(self, k: int, x: torch.Tensor | None) -> None:
+        """Stage ``k`` starts on input ``x``: record it if it is recomputed, hold ``x`` if a run starts there."""
+        if k not in self.plan.recomputed:
+            return
+        self.recorder = StageRecorder(k, x, self.runtime.device, lambda t: storage_key(t) in self.excluded_keys)
+        self.ordinals[k] = []
+        if x is not None and k in self.plan.run_starts:
+            self.checkpoints[k] = x.detach()
+
+    def _rebuild(self, k: int) -> None:
+        """Replay the runs due at the start of ``Bk`` (docs/model.md, "Recomputation")."""
+        for first, last in self.plan.rebuild_at.get(k, ()):
+            x = self.checkpoints.pop(first, None)
+            for j in range(first, last + 1):
+                program = self.programs.pop(j)
+                replayed = _Replay(self, j, range(first, last + 1))
+                x = program.run(x, self.runtime.device, replayed.saved)
+                replayed.check(program.packs)
+            del x
 
     # -------------------------------------------------------------- boundaries
     def forward_boundary(self, k: int) -> None:
@@ -237,6 +293,7 @@ class _Step(StageListener):
                 s.h2d = self.backend.h2d(s.slot, s.buffer, s.d2h)
                 arena.set_guard(s.slot_index, s.h2d)
                 self.runtime.h2d_bytes += s.nbytes
+        self._rebuild(k)
         for i in self.plan.wait_at.get(k, ()):
             for sid in self.units[i]:
                 self.backend.wait(self.stored[sid].h2d)
@@ -248,6 +305,39 @@ class _Step(StageListener):
     def _free(self, unit: int) -> None:
         for sid in self.units.get(unit, ()):
             self.stored[sid].buffer = self.stored[sid].decoded = None
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage behind ``t``, as bytes."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+class _Replay:
+    """The saves of one recomputed stage's replay, matched to its forward's by their place; those
+    of the run's own units become their buffers (a unit of another run is that run's to
+    rebuild, at its own op, even when this stage reads it too)."""
+
+    def __init__(self, step: _Step, stage: int, run: range) -> None:
+        self.step, self.stage, self.run, self.n = step, stage, run, 0
+        self.sids = step.ordinals.pop(stage)
+
+    def saved(self, t: torch.Tensor) -> None:
+        sid = self.sids[self.n] if self.n < len(self.sids) else None
+        self.n += 1
+        if sid is not None:
+            s = self.step.stored[sid]
+            if s.unit in self.run and s.buffer is None:
+                raw = _bytes_of(t)
+                if raw.numel() != s.nbytes:
+                    raise RuntimeError(f"re-running stage {self.stage} saved a {raw.numel()} B storage where its "
+                                       f"forward saved {s.nbytes} B: the stage does not run the same way twice")
+                s.buffer = raw
+
+    def check(self, packs: int) -> None:
+        if self.n != packs:
+            raise RuntimeError(f"re-running stage {self.stage} saved {self.n} tensors for the backward where its "
+                               f"forward saved {packs}: the stage does not run the same way twice (data-dependent "
+                               "control flow?); solve without recomputing it")
 
 
 class OffloadRuntime:

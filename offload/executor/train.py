@@ -112,7 +112,7 @@ def train(model: str | None, chain: Chain, schedule: Schedule, opts: TrainOption
     moved = _moved(runtime, run)  # before the baselines and the traced step
     compare = compare_baselines(trainer, opts.steps, run, base) if completed and opts.compare else None
     trace = trace_step(opts.trace, trainer, runtime) if completed and opts.trace else None
-    sim = simulate(chain, schedule.offloads, encode=schedule.encode)
+    sim = simulate(chain, schedule.offloads, encode=schedule.encode, recompute=schedule.recompute)
     report = _report(chain, schedule, opts, backend.name, device, run, runtime, moved, sim, base, check)
     report.update(compare=compare, trace=trace, error=str(error) if error else None)
     return report, error

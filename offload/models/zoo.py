@@ -271,20 +271,21 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLPBlock(nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.fc = nn.Linear(width, 4 * width)
         self.proj = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
+    def __init__(self, width: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.ln_1, self.attn = nn.LayerNorm(width), CausalSelfAttention(width, heads)
-        self.ln_2, self.mlp = nn.LayerNorm(width), MLPBlock(width)
+        self.ln_2, self.mlp = nn.LayerNorm(width), MLPBlock(width, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -292,10 +293,10 @@ class DecoderBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, layers: int, width: int, heads: int, seq: int, vocab: int) -> None:
+    def __init__(self, layers: int, width: int, heads: int, seq: int, vocab: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(seq, width)
-        self.h = nn.ModuleList(DecoderBlock(width, heads) for _ in range(layers))
+        self.h = nn.ModuleList(DecoderBlock(width, heads, dropout) for _ in range(layers))
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
 
@@ -307,8 +308,10 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def gpt(batch: int, layers: int = 12, width: int = 768, heads: int = 12, seq: int = 1024, vocab: int = 50257) -> ModelSpec:
-    """GPT-style decoder (pre-LN, causal SDPA). Options: layers=12, width=768, heads=12, seq=1024, vocab=50257."""
+def gpt(batch: int, layers: int = 12, width: int = 768, heads: int = 12, seq: int = 1024, vocab: int = 50257,
+        dropout: float = 0.0) -> ModelSpec:
+    """GPT-style decoder (pre-LN, causal SDPA). Options: layers=12, width=768, heads=12, seq=1024, vocab=50257,
+    dropout=0.0 (on each block's MLP output)."""
     if width % heads:
         raise ValueError(f"width ({width}) must be a multiple of heads ({heads})")
     tokens = torch.randint(0, vocab, (batch, seq + 1))
@@ -317,7 +320,7 @@ def gpt(batch: int, layers: int = 12, width: int = 768, heads: int = 12, seq: in
     def loss(logits: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.to(logits.device).flatten())
 
-    return ModelSpec(GPT(layers, width, heads, seq, vocab), (tokens[:, :-1].contiguous(),), {}, loss,
+    return ModelSpec(GPT(layers, width, heads, seq, vocab, dropout), (tokens[:, :-1].contiguous(),), {}, loss,
                      f"GPT decoder, {layers} layers, width {width}, {heads} heads, sequence {seq}")
 
 

@@ -14,7 +14,10 @@ with stage boundaries at its cut sites (``offload.core.staging``):
   turn (``F_L`` ends, ``B_L`` starts) is when the model's output gets its gradient, as in
   the executor (``offload.core.staging``): the loss, and the loss's own backward when the
   loss is computed outside the model, count in ``F_L``.  The model's output is not held
-  through the backward (a loop holds the loss);
+  through the backward (a loop holds the loss).  Each stage's module calls are recorded
+  too (``offload.core.rerun``): whether the executor can re-run the stage, and its
+  ``input_bytes`` (its input and the gradient-free tensors its calls read: what a
+  recomputation from it holds);
 * timing passes: warm-up steps, then ``repeats`` steps timed at the boundaries (CUDA events
   or ``perf_counter``); each stage's time is the median over the repeats, and the spread
   of the repeats is reported (``source.timing``).
@@ -36,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload.core.devices import make_optimizer, persistent_tensors
 from offload.core.meters import Clock, CpuMeter, make_meter
+from offload.core.rerun import NotRerunnable, StageRecorder
 from offload.core.staging import StageListener, Staging
 from offload.core.units import Saved, UnitTracker, storage_key
 from offload.models.spec import ModelSpec, tensors_in
@@ -51,6 +55,24 @@ class StageMeasurement:
     need_from: int
     held_bytes: int = 0
     held_until: int = 0
+    carry_bytes: int = 0
+    input_bytes: int = 0
+    recomputable: bool = True
+
+
+@dataclass
+class MemoryPass:
+    """What one step read at the stage boundaries (``StepRunner.memory_pass``)."""
+
+    m0: int  # bytes live as the step starts
+    fwd_peaks: list[int]  # peak of each F_i
+    bwd_peaks: list[int]  # peak of each B_i
+    saved: list[int]  # bytes of each unit
+    need: list[int]  # need_from of each unit
+    peak_ops: list[int] | None  # the op at which each F_i peaked (CPU only)
+    starts: list[int]  # the bytes live as each F_i starts
+    inputs: list[int]  # input_bytes of each stage
+    rerun: list[str | None]  # per stage, why the executor cannot re-run it (None: it can)
 
 
 @dataclass
@@ -85,6 +107,46 @@ class _Boundaries(StageListener):
 
     def backward_boundary(self, k: int) -> None:
         self.on_boundary()
+
+
+class _Recording(_Boundaries):
+    """The memory pass's listener: also records every stage's calls (can it be re-run, what
+    would a re-run hold)."""
+
+    def __init__(self, L: int, on_boundary: Callable[[], None], tracker: UnitTracker, device: torch.device) -> None:
+        super().__init__(L, on_boundary, tracker)
+        self.device = device
+        self.recorder: StageRecorder | None = None
+        self.inputs, self.why = [0] * L, ["the last stage's backward follows its forward at once"] * L
+
+    def forward_start(self) -> None:
+        self._start(1, None)
+
+    def stage_output(self, k: int, x: torch.Tensor) -> None:
+        recorder, self.recorder = self.recorder, None
+        try:
+            recorder.finish(x)
+            self.why[k - 1] = None
+            input_bytes = recorder.input.untyped_storage().nbytes() if recorder.input_key is not None else 0
+            self.inputs[k - 1] = input_bytes + recorder.held_bytes()
+        except NotRerunnable as exc:
+            self.why[k - 1] = str(exc)
+        if k + 1 < self.L:
+            self._start(k + 1, x)
+
+    def _start(self, k: int, x: torch.Tensor | None) -> None:
+        excluded = self.tracker.excluded
+        if x is not None and storage_key(x) in excluded:
+            x = None  # the batch: the training loop holds it anyway
+        self.recorder = StageRecorder(k, x, self.device, lambda t: storage_key(t) in excluded, keep=False)
+
+    def saved(self) -> None:
+        if self.recorder is not None:
+            self.recorder.saved()
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 class StepRunner:
@@ -149,9 +211,8 @@ class StepRunner:
                                                if isinstance(v, torch.Tensor) and v.dim() > 0)
         return parts
 
-    def memory_pass(self) -> tuple[int, list[int], list[int], list[int], list[int], list[int] | None, list[int]]:
-        """(M0, peak of each F_i, peak of each B_i, saved bytes, need_from, the op at which each F_i
-        peaked: CPU only, the bytes live as each F_i starts) from one step."""
+    def memory_pass(self) -> MemoryPass:
+        """One step read at every stage boundary."""
         L = self.L
         meter = make_meter(self.device)
         readings: list[tuple[int, int]] = []
@@ -162,10 +223,11 @@ class StepRunner:
         def read() -> None:
             readings.append(meter.boundary())
             peak_ops.append(getattr(meter, "interval_peak_op", -1) - start)
-        listener = _Boundaries(L, read, tracker)
+        listener = _Recording(L, read, tracker, self.device)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             tracker.saw(t)
+            listener.saved()
             return t
 
         with meter:
@@ -176,7 +238,10 @@ class StepRunner:
                 meter.boundary()
                 m0 = meter.live
                 start = getattr(meter, "ops", 0)  # ops before the forward's first
-                loss = self.forward(args, kwargs, listener, pack)
+                try:
+                    loss = self.forward(args, kwargs, listener, pack)
+                finally:
+                    listener.close()
                 loss.backward()  # the boundaries' autograd contexts and the turn's hook hold the listener
                 readings.append(meter.boundary())  # B_1
                 del loss
@@ -187,8 +252,8 @@ class StepRunner:
         saved, need = tracker.units(L)
         exact = isinstance(meter, CpuMeter)
         starts = [m0] + [live for _, live in readings[:L - 1]]
-        return (m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
-                peak_ops[:L] if exact else None, starts)
+        return MemoryPass(m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
+                          peak_ops[:L] if exact else None, starts, listener.inputs, listener.why)
 
     def timing_pass(self) -> tuple[list[float], list[float]]:
         """(forward seconds of each stage, backward seconds of each stage) of one step."""
@@ -244,10 +309,12 @@ class _Holding(StageListener, TorchDispatchMode):
 
 
 def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int],
-                 starts: list[int]) -> list[tuple[int, int]]:
-    """Per stage, ``(held_bytes, held_until)`` of its unit: the storages the model's own code
-    (a local of its forward, an argument of a call still running, a cache) keeps alive at the
-    peak of ``F(i+2)`` or later, when autograd keeps none of them.  One forward in which the
+                 starts: list[int]) -> list[tuple[int, int, int]]:
+    """Per stage, ``(held_bytes, held_until, carry_bytes)`` of its unit: the storages the model's
+    own code (a local of its forward, an argument of a call still running, a cache) keeps
+    alive at the peak of ``F(i+2)`` or later, and those alive when ``F(i+1)`` runs its first op
+    (what a recomputation, which keeps nothing of the unit, still finds there), when autograd
+    keeps none of them.  One forward in which the
     saved tensors are dropped as they are saved (the graph can run no backward), with ops
     counted as in the memory pass: ``peak_ops[j]`` is the op at which ``F(j+1)`` peaked
     there, ``peaks[j]`` and ``starts[j]`` its peak and the bytes live as it started (exact
@@ -273,15 +340,17 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
             if holding.first_op[j] - 1 <= death < at[j - 1]:
                 at_start[j] = at_start.get(j, 0) + saved.nbytes
     matters = {j for j, b in at_start.items() if peak_ops is None or starts[j - 1] + b > peaks[j - 1]}
-    held = [[0, 0] for _ in range(runner.L + 1)]
+    held = [[0, 0, 0] for _ in range(runner.L + 1)]
     for saved, death in zip(holding.storages, holding.death):
         i = saved.unit
+        if i < runner.L and death >= holding.first_op[i + 1]:  # alive into F(i+1): its peak may move
+            held[i][2] += saved.nbytes  # there once the unit is not saved, so at any of its ops
         alive = [j for j in range(i + 2, runner.L + 1)
                  if death >= at[j - 1] or (j in matters and death >= holding.first_op[j] - 1)]
         if alive:
             held[i][0] += saved.nbytes
             held[i][1] = max(held[i][1], max(alive))
-    return [(b, u) for b, u in held[1:]]
+    return [(b, u, c) for b, u, c in held[1:]]
 
 
 def spread(values: list[float]) -> float:
@@ -294,8 +363,9 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     """Warm up, take the memory pass, then ``repeats`` timing passes (``tick(phase)`` as each ends)."""
     update_s = runner.warmup(warmup)
     tick("warm-up")
-    m0, peak_f, peak_b, saved, need, peak_ops, starts = runner.memory_pass()
-    held = holding_pass(runner, peak_ops, peak_f, starts)
+    mem = runner.memory_pass()
+    m0, peak_f, peak_b, saved, need = mem.m0, mem.fwd_peaks, mem.bwd_peaks, mem.saved, mem.need
+    held = holding_pass(runner, mem.peak_ops, peak_f, mem.starts)
     tick("memory pass")
     times = []
     for _ in range(repeats):
@@ -308,6 +378,10 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
         bwd_peak = peak_b[i] - m0 - resident - saved[i]
         resident += saved[i]
         stages.append(StageMeasurement(statistics.median(t[0][i] for t in times), statistics.median(t[1][i] for t in times),
-                                       saved[i], fwd_peak, bwd_peak, need[i], *held[i]))
+                                       saved[i], fwd_peak, bwd_peak, need[i], *held[i], mem.inputs[i],
+                                       mem.rerun[i] is None))
     step = [sum(f) + sum(b) for f, b in times]
-    return Measurement(stages, m0, runner.base_parts(), step, update_s)
+    fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
+    notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "
+             f"first: {fixed[0]}"] if fixed else []
+    return Measurement(stages, m0, runner.base_parts(), step, update_s, notes)

@@ -145,15 +145,16 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
         "profiled_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "measured_by": "offload profile",
     }
-    if stages.notes:
-        source["notes"] = stages.notes
+    if stages.notes or m.notes:
+        source["notes"] = stages.notes + m.notes
     recipe = Recipe(model=model, batch=opts.batch, options=dict(spec.options), dtype=opts.dtype, seed=opts.seed,
                     optimizer=opts.optimizer, cuts=tuple(c.text for c in stages.cuts),
                     inputs=signature(spec.args, spec.kwargs), autocast=opts.autocast,
                     set_to_none=opts.set_to_none)
     rows = [Stage(name=info.name, kind=info.kind, fwd_s=s.fwd_s, bwd_s=s.bwd_s, saved_bytes=s.saved_bytes,
                   fwd_peak_bytes=s.fwd_peak_bytes, bwd_peak_bytes=s.bwd_peak_bytes, need_from=s.need_from, encodings=enc,
-                  held_bytes=s.held_bytes, held_until=s.held_until)
+                  held_bytes=s.held_bytes, held_until=s.held_until, input_bytes=s.input_bytes,
+                  recomputable=s.recomputable, carry_bytes=s.carry_bytes)
             for info, s, enc in zip(stages.stages, m.stages, encodings)]
     return make_chain(opts.name or f"{_model_label(model)}-b{opts.batch}", rows, plat, m.base_bytes, source, recipe)
 

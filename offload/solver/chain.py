@@ -91,6 +91,13 @@ class Stage:
     held_bytes: int = 0  # of the unit, kept alive by the model's own code (not autograd) ...
     held_until: int = 0  # ... through the forward of this stage, even when the unit is released earlier
     input_bytes: int = 0  # the stage's input: what a recomputation from it keeps on the device until it runs
+    recomputable: bool = True  # the executor can re-run this stage's forward (the profiler says when it cannot)
+    carry_bytes: int | None = None  # of the unit, alive through F(i+1) when autograd holds none of it (None: all)
+
+    @property
+    def carried(self) -> int:
+        """Bytes of the unit a recomputation still finds alive during the next stage's forward."""
+        return self.saved_bytes if self.carry_bytes is None else self.carry_bytes
 
     def encoding(self, name: str) -> Encoding:
         """The encoding called ``name`` (``KeyError`` if the stage offers none by that name)."""
@@ -177,12 +184,22 @@ class Chain:
     held_until = _column("held_until")
     need = _column("need_from")
     x = _column("input_bytes")
+    carry = _column("carried")
 
     @cached_property
     def offloadable(self) -> tuple[int, ...]:
         """Units that a schedule may offload: ``i < L`` (a release point ``r > i`` must
         exist) and ``saved_bytes > 0``."""
         return tuple(i for i in range(1, self.L) if self.a[i] > 0)
+
+    @cached_property
+    def recomputable(self) -> frozenset[int]:
+        """Stages a schedule may recompute: ``i < L`` whose forward the executor can re-run."""
+        return frozenset(i for i in range(1, self.L) if self.stage(i).recomputable)
+
+    def can_recompute(self, first: int, last: int) -> bool:
+        """Whether stages ``first..last`` may form a recomputed run."""
+        return all(i in self.recomputable for i in range(first, last + 1))
 
     @cached_property
     def has_encodings(self) -> bool:

@@ -29,7 +29,8 @@ MAX_TOTAL_BYTES = 2 ** 62  # sums of per-op memory stay exact in int64
 _SITE = re.compile(r"[^@\[\]]*(@\d+)?(\[\d+\])?")
 _KEYS = {"format", "name", "source", "platform", "base_bytes", "stages", "recipe"}
 _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from", "encodings",
-               "held_bytes", "held_until", "input_bytes"}
+               "held_bytes", "held_until", "input_bytes", "recomputable",
+               "carry_bytes"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
@@ -118,7 +119,9 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                  fwd_s=v.seconds(s, "fwd_s", ctx), bwd_s=v.seconds(s, "bwd_s", ctx), saved_bytes=saved,
                  fwd_peak_bytes=fwd_peak, bwd_peak_bytes=v.nbytes(s, "bwd_peak_bytes", ctx), need_from=need,
                  encodings=_encodings(s.get("encodings", []), saved, ctx), held_bytes=held, held_until=until,
-                 input_bytes=v.nbytes(s, "input_bytes", ctx) if "input_bytes" in s else 0)
+                 input_bytes=v.nbytes(s, "input_bytes", ctx) if "input_bytes" in s else 0,
+                 recomputable=v.flag(s, "recomputable", ctx, True),
+                 carry_bytes=v.whole(s, "carry_bytes", ctx, 0, saved) if "carry_bytes" in s else None)
 
 
 def chain_from_dict(d: Any) -> Chain:
@@ -159,6 +162,10 @@ def _stage_to_dict(s: Stage) -> dict:
         d.update(held_bytes=s.held_bytes, held_until=s.held_until)
     if s.input_bytes:  # absent otherwise: chains from before recomputation keep their sha256
         d["input_bytes"] = s.input_bytes
+    if not s.recomputable:  # likewise: written only where the profiler found a stage it cannot re-run
+        d["recomputable"] = False
+    if s.carry_bytes is not None:
+        d["carry_bytes"] = s.carry_bytes
     return d
 
 

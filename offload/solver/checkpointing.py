@@ -18,15 +18,33 @@ from .schedule import Recompute
 
 
 def sqrt_runs(chain: Chain) -> list[Recompute]:
-    """Runs of ``ceil(sqrt(L))`` stages from stage 1; the segment with stage ``L`` is not recomputed."""
+    """Runs of ``ceil(sqrt(L))`` stages from stage 1; the segment with stage ``L`` is not recomputed.
+    A stage the executor cannot re-run (``Stage.recomputable``) is kept, splitting its segment."""
     L = chain.L
     size = max(1, math.ceil(math.sqrt(L)))
-    return [Recompute(s, s + size - 1) for s in range(1, L + 1, size) if s + size - 1 < L]
+    runs = []
+    for s in range(1, L + 1, size):
+        if s + size - 1 < L:
+            runs += _recomputable_parts(chain, s, s + size - 1)
+    return runs
 
 
 def block_runs(chain: Chain) -> list[Recompute]:
-    """Every stage but the last, each its own run."""
-    return [Recompute(i, i) for i in range(1, chain.L)]
+    """Every stage but the last (and those the executor cannot re-run), each its own run."""
+    return [Recompute(i, i) for i in sorted(chain.recomputable)]
+
+
+def _recomputable_parts(chain: Chain, first: int, last: int) -> list[Recompute]:
+    """The maximal runs of recomputable stages within ``first..last``."""
+    parts: list[Recompute] = []
+    start = None
+    for i in range(first, last + 2):
+        if i <= last and i in chain.recomputable:
+            start = i if start is None else start
+        elif start is not None:
+            parts.append(Recompute(start, i - 1))
+            start = None
+    return parts
 
 
 POLICIES = {"checkpoint-sqrt": sqrt_runs, "checkpoint-blocks": block_runs}

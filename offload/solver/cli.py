@@ -74,8 +74,9 @@ def print_chain(chain: Chain) -> None:
             low = floor(chain, mode)[0]
             _line("", f"with {mode} encodings: {format_bytes(low)} ({low} B, {100 * low / peak:.1f}% of the peak)")
     if peak:
-        _line("", f"with recomputation (--recompute): the same {format_bytes(plain_floor)}: a re-run forward op "
-              "holds its stage's working set again (docs/model.md, \"Recomputation\")")
+        low = smallest_feasible_budget(chain, recompute=True)
+        _line("", f"with recomputation (--recompute): no lower than {format_bytes(low)} ({100 * low / peak:.1f}% of the "
+              f"peak; {len(chain.recomputable)} of {chain.L - 1} stages recomputable, docs/model.md, \"Recomputation\")")
 
 
 def cmd_show(args: argparse.Namespace) -> int:

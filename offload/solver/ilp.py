@@ -248,7 +248,8 @@ class Model:
         then neither offloaded nor encoded."""
         L = self.chain.L
         self.g = {(s, e): self._var(f"recompute_{s}_{e}", True)
-                  for s in range(1, L) for e in range(s, min(L - 1, s + max_run - 1) + 1)} if max_run else {}
+                  for s in range(1, L) for e in range(s, min(L - 1, s + max_run - 1) + 1)
+                  if self.chain.can_recompute(s, e)} if max_run else {}
         self.run_at: dict[int, list[tuple[int, int]]] = {}  # n -> runs rebuilt at the start of B_n
         a, x = self.chain.a, self.chain.x
         self.unbuilt: dict[tuple[int, int], float] = {}  # run -> its checkpoint less its units (model units)
@@ -347,11 +348,14 @@ class Model:
                 if j > 1 and j - 1 not in self.decided:
                     row.add(self._extra(j - 1, "output_bytes"))
                 for (s, e), g in self.g.items():
-                    if s < j:  # the checkpoint, from the end of F_s
+                    if s <= j:  # the checkpoint, from F_s
                         row.add(g, x[s] / mu)
-                    for i in range(s, min(e, j - 2) + 1):  # released at the end of F_{i+1}
-                        held = self.chain.held[i] if j <= self.chain.held_until[i] else 0
-                        row.add(g, -max(0, int(a[i]) - int(held)) / mu)
+                    for i in range(s, min(e, j - 1) + 1):  # its carried part through F_{i+1}, held part after
+                        if i == j - 1:
+                            kept = self.chain.carry[i]
+                        else:
+                            kept = self.chain.held[i] if j <= self.chain.held_until[i] else 0
+                        row.add(g, -max(0, int(a[i]) - int(kept)) / mu)
                 name = f"memory_F{j}"
             else:  # B_j
                 j = 2 * L - o
@@ -394,7 +398,7 @@ class Model:
                         later.add(self.g[run], self.unbuilt[run])
                 for j in range(s, e + 1):
                     row = _Affine().add(self.bwd_rows[n]).add(later)
-                    row.const += (int(fp[j]) - int(sum(a[j:e + 1]))) / mu
+                    row.const += (int(fp[j]) - int(sum(a[j:e + 1])) + (int(self.chain.x[s]) if j == s else 0)) / mu
                     big = sum(c for c in row.terms.values() if c > 0) + row.const - self.B
                     if big <= 0:
                         continue

@@ -3,10 +3,11 @@
 Ops are indexed ``0..2L-1`` in execution order: ``Fj`` is ``j-1``, ``Bj`` is ``2L-j``.
 During ``Fj`` the resident units of earlier stages count plus ``fwd_peak_bytes`` of ``Fj``
 (which includes ``Uj``); during ``Bj`` the resident units of stages ``<= j`` count plus
-``bwd_peak_bytes``.  A recomputed run's checkpoint counts from the end of its first
-forward op until it is rebuilt; each re-run forward op ``Rj`` of it holds what ``Bn``
-holds before its own transient, less the units not rebuilt yet, plus ``fwd_peak_bytes``
-of ``Fj``, and ``Bn``'s memory is the largest of those and its own.  Memory depends only
+``bwd_peak_bytes``.  A recomputed unit counts its carried part during the next forward op
+(its held part after); a run's checkpoint counts from its first forward op until it is
+rebuilt; each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its own
+transient, less the units not rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (and ``Rs``
+the checkpoint it reads), and ``Bn``'s memory is the largest of those and its own.  Memory depends only
 on the schedule's decisions, never on timing, which is what lets the ILP separate memory
 from time.
 """
@@ -37,13 +38,13 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
     kept = np.ones(L + 1, dtype=bool)
     kept[0] = False
 
-    def away(i: int, release: int, back: int) -> None:
-        """Unit ``i`` resident through ``F(release)`` (its held part through ``F(held_until)``),
-        then again from ``B(back)`` to the end of ``Bi``."""
+    def away(i: int, release: int, back: int, first: int) -> None:
+        """Unit ``i`` resident through ``F(release)`` (``first`` bytes of it; its held part
+        through ``F(held_until)``), then again from ``B(back)`` to the end of ``Bi``."""
         a = chain.a[i]
         kept[i] = False
-        diff[i] += a  # F_{i+1} .. F_r
-        diff[release] -= a
+        diff[i] += first  # F_{i+1} .. F_r
+        diff[release] -= first
         if chain.held_until[i] > release:  # the part the model's code holds: F_{r+1} .. F_held_until
             diff[release] += chain.held[i]
             diff[chain.held_until[i]] -= chain.held[i]
@@ -51,12 +52,12 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
         diff[2 * L - i + 1] -= a
 
     for o in offloads:
-        away(o.stage, o.release, o.prefetch)
+        away(o.stage, o.release, o.prefetch, chain.a[o.stage])
     for n, at_n in by_op(chain, runs).items():
         for run in at_n:
             for i in run.stages:
-                away(i, i + 1, n)
-            diff[run.first] += chain.x[run.first]  # the checkpoint: F_{s+1} .. B_{n+1}
+                away(i, i + 1, n, chain.carry[i])  # during F_{i+1}: what the model's code still holds
+            diff[run.first - 1] += chain.x[run.first]  # the checkpoint: F_s .. B_{n+1}
             diff[2 * L - n] -= chain.x[run.first]
     idx = np.nonzero(kept)[0]
     np.add.at(diff, idx, chain.a[idx])  # kept: F_{i+1} .. B_i
@@ -77,7 +78,8 @@ def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompu
             later = sum(pending[m + 1:])
             for j in run.stages:
                 missing = int(sum(a[l] for l in range(j, run.last + 1)))
-                out.append((n, j, base - later - missing + int(chain.fp[j])))
+                checkpoint = int(x[j]) if j == run.first else 0  # R_s reads it
+                out.append((n, j, base - later - missing + int(chain.fp[j]) + checkpoint))
     return out
 
 
@@ -118,11 +120,23 @@ def floor_offloads(chain: Chain) -> list[Offload]:
     return [Offload(i, i + 1, int(chain.need[i])) for i in chain.offloadable]
 
 
+def floor_bound_memory(chain: Chain, recompute: bool) -> np.ndarray:
+    """Per op, the least any schedule can hold: the all-offloaded floor schedule's memory, and
+    with ``recompute`` less, during each ``F(i+1)``, what a recomputed ``Ui`` does not carry
+    into it (a lower bound: a recomputation's checkpoint and re-run ops only add)."""
+    mem = op_memory(chain, floor_offloads(chain))
+    if recompute:
+        for i in chain.recomputable:
+            mem[i] -= max(0, int(chain.a[i]) - int(chain.carry[i]))
+    return mem
+
+
 def no_offload_peak(chain: Chain) -> int:
     """Activation peak when nothing is offloaded."""
     return int(op_memory(chain, ()).max())
 
 
-def smallest_feasible_budget(chain: Chain) -> int:
-    """Smallest activation budget met by any schedule of the class."""
-    return int(op_memory(chain, floor_offloads(chain)).max())
+def smallest_feasible_budget(chain: Chain, recompute: bool = False) -> int:
+    """Smallest activation budget met by any schedule of the class (without recomputation);
+    with ``recompute``, a lower bound on it for the joint class (``floor_bound_memory``)."""
+    return int(floor_bound_memory(chain, recompute).max())

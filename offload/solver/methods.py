@@ -17,7 +17,7 @@ from .budget import Budget
 from .chain import Chain
 from .deadline import Deadline, OutOfTime
 from .ilp import solve_ilp
-from .memory import floor_offloads, op_memory, op_name
+from .memory import floor_bound_memory, op_name, smallest_feasible_budget
 from .schedule import Choice, Offload, Recompute, Schedule, make_schedule
 from .simulate import Simulation, simulate
 from .units import format_bytes
@@ -109,18 +109,22 @@ def _adaptive(policy: Callable[[Chain, int], list[Offload] | None]) -> Callable[
     return run
 
 
-def _found(found: relax.Found) -> Planned:
+def _found(ctx: _Context, found: relax.Found) -> Planned | None:
+    """The heuristic's schedule, ``None`` if it does not fit (below the offloading floor, where
+    only some recomputations can, the search may find none)."""
     offloads, encode, runs = found
-    return Planned(offloads, encode, recompute=tuple(runs))
+    planned = Planned(offloads, encode, recompute=tuple(runs))
+    sim = simulate(ctx.chain, offloads, encode=encode, recompute=runs)
+    return planned if sim.peak_bytes <= ctx.budget else None
 
 
-def _relax_lp(ctx: _Context) -> Planned:
-    return _found(relax.relax_lp(ctx.chain, ctx.budget, ctx.lp, ctx.heuristic_s, ctx.mode, LP_BOUND_MAX_STAGES,
-                                 ctx.max_run))
+def _relax_lp(ctx: _Context) -> Planned | None:
+    return _found(ctx, relax.relax_lp(ctx.chain, ctx.budget, ctx.lp, ctx.heuristic_s, ctx.mode, LP_BOUND_MAX_STAGES,
+                                      ctx.max_run))
 
 
-def _relax_bw(ctx: _Context) -> Planned:
-    return _found(relax.relax_bw(ctx.chain, ctx.budget, ctx.heuristic_s, ctx.mode, ctx.max_run))
+def _relax_bw(ctx: _Context) -> Planned | None:
+    return _found(ctx, relax.relax_bw(ctx.chain, ctx.budget, ctx.heuristic_s, ctx.mode, ctx.max_run))
 
 
 def _gist(with_swap: bool) -> Callable[[_Context], Planned | None]:
@@ -142,7 +146,10 @@ def _span(chain: Chain, p: Planned) -> float:
 
 def _ilp(ctx: _Context) -> Planned:
     chain, budget, opt = ctx.chain, ctx.budget, ctx.options
-    warm = min((_relax_lp(ctx), _relax_bw(ctx)), key=lambda p: _span(chain, p))
+    fitting = [p for p in (_relax_lp(ctx), _relax_bw(ctx)) if p is not None]
+    if not fitting:  # below the offloading floor with no recomputation found that fits: the MILP decides
+        return _ilp_cold(ctx)
+    warm = min(fitting, key=lambda p: _span(chain, p))
     warm_span = _span(chain, warm)
     options = encoding.allowed(chain, ctx.mode)
     base = {"backend": opt.solver, "time_limit_s": opt.time_limit_s, "gap_limit": opt.gap, "warm_start_s": warm_span}
@@ -197,11 +204,24 @@ def _recompute_only(ctx: _Context) -> Planned | None:
     chain, opt = ctx.chain, ctx.options
     fitting = [p for p in (_checkpointing(n)(ctx) for n in checkpointing.POLICIES)
                if p is not None and all(len(r.stages) <= opt.max_run for r in p.recompute)]
-    warm = min(fitting, key=lambda p: _span(chain, p), default=None)
+    return _milp(ctx, min(fitting, key=lambda p: _span(chain, p), default=None), offload=False)
+
+
+def _ilp_cold(ctx: _Context) -> Planned | None:
+    """The joint MILP without a warm start (no heuristic found a schedule that fits)."""
+    return _milp(ctx, None, offload=True)
+
+
+def _milp(ctx: _Context, warm: Planned | None, offload: bool) -> Planned | None:
+    """The MILP over the class (``offload``: offloading and encodings allowed, else recomputation
+    only), warm-started from ``warm`` if given; ``None`` if it proves that nothing fits."""
+    opt = ctx.options
     try:
-        res = solve_ilp(chain, ctx.budget, warm=[] if warm else None, warm_runs=warm.recompute if warm else (),
+        res = solve_ilp(ctx.chain, ctx.budget, warm=list(warm.offloads) if warm else None,
+                        warm_runs=warm.recompute if warm else (),
+                        options=encoding.allowed(ctx.chain, ctx.mode) if offload else None,
                         solver=opt.solver, time_limit=None, gap=opt.gap, threads=opt.threads, msg=opt.verbose,
-                        deadline=ctx.deadline, max_run=opt.max_run, offload=False)
+                        deadline=ctx.deadline, max_run=opt.max_run, offload=offload)
     except OutOfTime:
         return replace(warm, info={"status": "timed-out"}) if warm else None
     out = res.outcome
@@ -209,7 +229,7 @@ def _recompute_only(ctx: _Context) -> Planned | None:
         return replace(warm, info={"status": "timed-out"}) if warm and out.stop == "time-limit" else None
     info = {"backend": opt.solver, "solver_seconds": round(out.seconds, 3), "solver_stop": out.stop,
             "solver_bound_s": res.dual_bound_s, "status": "optimal" if out.proven else "feasible"}
-    return Planned([], recompute=tuple(res.recompute), info=info)
+    return Planned(list(res.offloads), dict(res.encode or {}), recompute=tuple(res.recompute), info=info)
 
 
 def _ilp_windows(ctx: _Context, warm: Planned, warm_span: float, options: dict, base: dict) -> Planned:
@@ -246,17 +266,20 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 RECOMPUTING = {"recompute-only", "checkpoint-sqrt", "checkpoint-blocks"}  # methods that recompute whatever the options
 
 
-def _refuse_below_floor(chain: Chain, budget: Budget, mode: str) -> int:
-    """The smallest feasible activation budget with ``mode``'s encodings; ``InfeasibleBudget``
-    naming the op that holds it when ``budget`` is below."""
+def _refuse_below_floor(chain: Chain, budget: Budget, mode: str, recompute: bool) -> int:
+    """The smallest feasible activation budget with ``mode``'s encodings (with ``recompute``, a
+    lower bound on it); ``InfeasibleBudget`` naming the op that holds it when ``budget`` is below."""
     floor, floor_choice = encoding.floor(chain, mode)
+    derived = encoding.apply(chain, floor_choice)
+    if recompute:
+        floor = smallest_feasible_budget(derived, recompute=True)
     base = budget.base(chain)
     if budget.activations(chain) < floor:
-        derived = encoding.apply(chain, floor_choice)
-        o = int(op_memory(derived, floor_offloads(derived)).argmax())
+        o = int(floor_bound_memory(derived, recompute).argmax())
         raise InfeasibleBudget(
             f"budget {budget} is below the smallest feasible budget {format_bytes(floor + base)}: even with every "
-            f"unit offloaded at once and fetched on demand, {op_name(chain, o)} holds {format_bytes(floor)} of activations"
+            f"unit offloaded at once and fetched on demand{' or recomputed' if recompute else ''}, {op_name(chain, o)} "
+            f"holds {format_bytes(floor)} of activations"
             + (f" on top of {format_bytes(base)} of weights, gradients, optimizer state and the batch" if base else ""),
             f"use --budget {floor + base} or more, or a smaller batch", smallest_bytes=floor + base)
     return floor
@@ -284,7 +307,7 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
     options = options or Options()
     t0 = time.perf_counter()
     deadline = Deadline(options.time_limit_s)
-    floor = _refuse_below_floor(chain, budget, options.encodings)
+    floor = _refuse_below_floor(chain, budget, options.encodings, options.recompute or method in RECOMPUTING)
     act = budget.activations(chain)
     encoded = bool(encoding.allowed(chain, options.encodings))
     lp = fluid_lp(chain, act) if chain.L <= LP_BOUND_MAX_STAGES else None

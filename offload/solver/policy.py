@@ -81,7 +81,8 @@ def set_fits(chain: Chain, units: Iterable[int], budget: int, runs: Iterable[Rec
 # ----------------------------------------------------------------------- release rules
 def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable[Recompute] = ()) -> Points | None:
     """Forward greedy (optimal for a fixed set and runs); ``None`` if the set cannot fit.
-    A recomputed unit goes at the end of ``F(i+1)``; a run's checkpoint stays."""
+    A recomputed unit holds its carried part through ``F(i+1)`` and goes at its end (its
+    held part through ``F(held_until)``); a run's checkpoint stays."""
     S = set(units)
     recomputed = {i for r in runs for i in r.stages}
     checkpoint = {r.first: int(chain.x[r.first]) for r in runs}
@@ -92,26 +93,27 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
     held: dict[int, int] = {}  # boundary -> bytes the model's code stops holding there
     head = 0
 
-    def free(i: int, boundary: int) -> int:
-        """Bytes a release of ``i`` at ``boundary`` frees now (the held part frees at held_until)."""
+    def free(i: int, boundary: int, resident_bytes: int) -> int:
+        """Bytes a release of ``i`` (``resident_bytes`` of it on the GPU) at ``boundary`` frees
+        now (the held part frees at held_until)."""
         until = int(chain.held_until[i])
         if until > boundary:
             held[until] = held.get(until, 0) + int(chain.held[i])
-            return int(a[i]) - int(chain.held[i])
-        return int(a[i])
+            return resident_bytes - int(chain.held[i])
+        return resident_bytes
     d2h_end: dict[int, float] = {}
     d2h_free = 0.0
     resident = 0  # bytes of units of earlier stages still on the GPU
     t = 0.0
     for j in range(1, L + 1):
+        resident += checkpoint.get(j, 0)  # held from the run's first forward op
         if j >= 2:  # boundary j-1, before F_j: units i <= j-2 may be released
             resident -= held.pop(j - 1, 0)
-            resident += checkpoint.get(j - 1, 0)
             if j - 2 in recomputed:
-                resident -= free(j - 2, j - 1)
+                resident -= free(j - 2, j - 1, int(chain.carry[j - 2]))
             while head < len(pending) and pending[head] <= j - 2 and d2h_end[pending[head]] <= t:
                 release[pending[head]] = j - 1
-                resident -= free(pending[head], j - 1)
+                resident -= free(pending[head], j - 1, int(a[pending[head]]))
                 head += 1
             while resident + fp[j] > budget:
                 if head == len(pending) or pending[head] > j - 2:
@@ -119,12 +121,12 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
                 i = pending[head]
                 t = max(t, d2h_end[i])
                 release[i] = j - 1
-                resident -= free(i, j - 1)
+                resident -= free(i, j - 1, int(a[i]))
                 head += 1
-        elif fp[1] > budget:
+        elif resident + fp[1] > budget:
             return None
         t += f[j]
-        resident += int(a[j])
+        resident += int(chain.carry[j] if j in recomputed else a[j])
         if j in S:
             d2h_free = max(t, d2h_free) + p.d2h_s(float(a[j]))
             d2h_end[j] = d2h_free

@@ -123,7 +123,7 @@ class _Moves:
             if i not in rebuilt:
                 self.moves += [("encode", i, name) for name in [None] + [e.name for e in es] if name != self.choice.get(i)]
         if max_run:
-            self.moves += [("recompute", i) for i in range(1, chain.L) if i not in rebuilt and i not in self.choice]
+            self.moves += [("recompute", i) for i in sorted(chain.recomputable) if i not in rebuilt and i not in self.choice]
             self.moves += [("undo", r) for r in self.runs] + [("split", r) for r in self.runs if r.last > r.first]
             ends = {r.last: r for r in self.runs}
             self.moves += [("merge", ends[r.first - 1], r) for r in self.runs
@@ -226,6 +226,9 @@ def _search(chain: Chain, budget: int, mode: str, time_budget_s: float,
         derived = score.derive(tuple(sorted(choice.items())))
         if smallest_feasible_budget(derived) <= budget:
             starts += [_state(units, choice) for units in start_sets(derived)]
+    if max_run or not starts:  # below the offloading floor only recomputation can fit: every stage its own run
+        runs = frozenset(Recompute(i, i) for i in chain.recomputable) if max_run else frozenset()
+        starts.append(_state(set(chain.offloadable) - {r.first for r in runs}, {}, runs))
     best = iterated_search(chain, score, min(starts, key=score), deadline, opts, max_run)
     plan = score.plan(best)
     if plan is None or score(best) == np.inf:  # unreachable: every start fits, so its floor schedule does

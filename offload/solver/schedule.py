@@ -81,6 +81,10 @@ def check_recompute(chain: Chain, runs: Iterable[Recompute], offloads: Iterable[
             raise ScheduleRejected(f"recomputed run {run.first}..{run.last}: runs lie within stages 1..{L - 1} "
                                    f"(stage {L}'s backward runs right after its forward)")
         for i in run.stages:
+            if i not in chain.recomputable:
+                raise ScheduleRejected(f"stage {i} ({chain.stage(i).name}) is recomputed, but the profiler found that "
+                                       "the executor cannot re-run its forward (its chain stage says recomputable: "
+                                       "false; docs/executor.md, \"Recomputation\")")
             if i in taken:
                 raise ScheduleRejected(f"stage {i} is in two recomputed runs" if taken[i] == "recomputed" else
                                        f"stage {i} is recomputed and {taken[i]}: a unit has one fate")

@@ -1,0 +1,268 @@
+"""Re-running one stage's forward: what a recomputation replays (docs/executor.md, "Recomputation").
+
+A stage is code of the user's forward between two boundaries; it has no function of its
+own to call again.  While it runs, a ``StageRecorder`` (global module hooks, installed for
+that stage only) records its *top-level module calls*: the calls that start and end within
+the stage, not nested in another such call (when the stage ends inside a call that began
+in it, a ``Sequential`` whose first block ends the stage, the calls completed inside that
+one count, in order).  The stage can be re-run exactly when
+
+* every tensor it saves for the backward is saved inside one of those calls, and
+* every tensor argument of a call is a parameter or buffer, part of the step's batch, the
+  stage's input (the value that crossed the previous boundary, or a view of it), an output
+  of an earlier call of the stage (or a view of one), or a tensor that carries no gradient
+  (a mask, position ids, a rotary table: *held* until the re-run), and
+* the stage's output is an output of one of its calls (or a view of one), and it writes in
+  place neither its input nor a held tensor.
+
+Then ``StageProgram.run`` replays the calls on a new input, under the stage's recorded
+random state and autocast state, with grad mode on and the modules' buffers (BatchNorm's
+running statistics) put back afterwards: the same kernels on the same values, so every
+tensor it saves is bit-identical to what the forward saved, in the same order.  The
+profiler records every stage (``recomputable`` and ``input_bytes`` in the chain); the
+executor records the stages its schedule recomputes and replays them before their backward.
+A compiled module's calls are invisible to hooks added after compilation: such a stage is
+reported as not re-runnable, never replayed wrong.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .units import is_weight, plain, storage_key
+
+View = tuple[torch.Size, tuple[int, ...], int] | None  # size, stride, storage offset (None: the tensor itself)
+
+
+@dataclass(frozen=True)
+class FromInput:
+    """The stage's input, or a view of it."""
+
+    view: View
+
+
+@dataclass(frozen=True)
+class FromCall:
+    """Output value ``leaf`` (pytree order) of top-level call ``call``, or a view of it."""
+
+    call: int
+    leaf: int
+    view: View
+
+
+@dataclass
+class Call:
+    """One top-level module call: its module, and its arguments with tensors as references."""
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+
+
+def _view_of(t: torch.Tensor, source: torch.Tensor | None) -> View:
+    return None if t is source else (t.size(), t.stride(), t.storage_offset())
+
+
+def _apply_view(base: torch.Tensor, view: View) -> torch.Tensor:
+    return base if view is None else base.as_strided(*view)
+
+
+class NotRerunnable(Exception):
+    """The stage cannot be re-run; the message says why."""
+
+
+@dataclass
+class StageProgram:
+    """A stage's top-level calls, ready to replay from a new input (``run``)."""
+
+    stage: int
+    calls: list[Call]
+    output: FromCall
+    input_requires_grad: bool
+    held: list[tuple[torch.Tensor, int]]  # tensors held for the re-run, their versions when recorded
+    rng: tuple[torch.Tensor, torch.Tensor | None]  # CPU and device generator states at the stage's start
+    autocast: list[tuple[str, bool, torch.dtype]]
+    packs: int  # tensors the stage saved for the backward (every one, weights included)
+
+    def run(self, stage_input: torch.Tensor | None, device: torch.device,
+            saved: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """Replay the calls on ``stage_input`` (its storage laid out as the recorded input's);
+        ``saved`` sees every tensor saved for the backward, in the forward's order (the replay's
+        own graph keeps none of them: it never runs backward, and an output saved as itself
+        would make a reference cycle through autograd that Python's collector cannot free).
+        Returns the stage's output, detached (the next stage's input)."""
+        for t, version in self.held:
+            if t._version != version:
+                raise NotRerunnable(f"stage {self.stage}: a tensor held to re-run it ({t.dtype} {list(t.shape)}) was "
+                                    "written in place after the stage ran")
+        x = None
+        if stage_input is not None:
+            x = stage_input.detach().requires_grad_(self.input_requires_grad)
+        outputs: list[list[Any]] = []
+
+        def resolve(ref: Any) -> Any:
+            if isinstance(ref, FromInput):
+                return _apply_view(x, ref.view)
+            if isinstance(ref, FromCall):
+                return _apply_view(outputs[ref.call][ref.leaf], ref.view)
+            return ref
+
+        buffers = [(b, b.clone()) for call in self.calls for b in call.module.buffers()]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
+            torch.set_rng_state(self.rng[0])
+            if self.rng[1] is not None:
+                torch.cuda.set_rng_state(self.rng[1], device)
+            stack.enter_context(torch.enable_grad())
+            for device_type, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: saved(t), _never_unpacked))
+            for n, call in enumerate(self.calls):
+                out = call.module(*tree_map(resolve, call.args), **tree_map(resolve, call.kwargs))
+                outputs.append(tree_flatten(out)[0])
+                del out
+                for done in self._last_read_by(n):  # as the forward's code drops them
+                    outputs[done] = []
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+        return resolve(self.output).detach()
+
+    def _last_read_by(self, n: int) -> list[int]:
+        """The calls whose outputs nothing reads after call ``n`` (the stage's output is read last)."""
+        last = {m: m for m in range(len(self.calls))}
+        for m, call in enumerate(self.calls):
+            for ref in tree_flatten((call.args, call.kwargs))[0]:
+                if isinstance(ref, FromCall):
+                    last[ref.call] = m
+        last[self.output.call] = len(self.calls)
+        return [m for m, at in last.items() if at == n]
+
+
+def _never_unpacked(_: None) -> torch.Tensor:
+    raise RuntimeError("the graph of a stage's re-run has no backward")
+
+
+def _autocast_state(device: torch.device) -> list[tuple[str, bool, torch.dtype]]:
+    kinds = dict.fromkeys([device.type, "cpu"])
+    return [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds]
+
+
+class StageRecorder:
+    """Records stage ``stage``'s top-level calls while it runs (module docstring).
+
+    ``start`` installs the hooks as the stage begins, ``saved`` is told of every tensor
+    saved for the backward, ``finish`` takes the stage's output, removes the hooks and
+    returns the ``StageProgram`` (``NotRerunnable`` if there is none).  ``excluded``:
+    storages that are never a stage's input (the batch, parameters, buffers).  Without
+    ``keep`` (the profiler, which only asks whether and at what cost) the held tensors are
+    sized, not held: recording must not change the memory it measures."""
+
+    def __init__(self, stage: int, stage_input: torch.Tensor | None, device: torch.device,
+                 excluded: Callable[[torch.Tensor], bool], keep: bool = True) -> None:
+        self.stage, self.device, self.excluded, self.keep = stage, device, excluded, keep
+        self.held_sizes: dict[int, int] = {}  # storage key -> bytes of each held storage
+        self.input = stage_input
+        self.input_key = storage_key(stage_input) if stage_input is not None and plain(stage_input) else None
+        self.input_version = stage_input._version if stage_input is not None else 0
+        self.calls: list[Call] = []  # completed calls not inside another completed call, in order
+        self.held: dict[int, tuple[torch.Tensor, int]] = {}  # storage key -> held tensor, its version
+        self.outputs: dict[int, list[tuple[weakref.ref, int, int]]] = {}  # storage key -> (tensor ref, call, leaf)
+        # per level (the stage itself, then each call begun in it and still running): where its
+        # completed calls begin in ``calls``, and why it cannot be re-run if it ends the stage open
+        self.starts: list[int] = [0]
+        self.whys: list[str | None] = [None]
+        self.packs = 0
+        self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        self.autocast = _autocast_state(device)
+        self._handles = [nn.modules.module.register_module_forward_pre_hook(self._pre),
+                         nn.modules.module.register_module_forward_hook(self._post, with_kwargs=True)]
+
+    def saved(self) -> int:
+        """A tensor is being saved for the backward now: its ordinal in the stage."""
+        self._fail("it saves a tensor for the backward outside any module call")
+        self.packs += 1
+        return self.packs - 1
+
+    def _fail(self, why: str) -> None:
+        """Not re-runnable, unless the innermost running call completes within the stage."""
+        if self.whys[-1] is None:
+            self.whys[-1] = why
+
+    def _pre(self, module: nn.Module, args: tuple) -> None:
+        self.starts.append(len(self.calls))
+        self.whys.append(None)
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        if len(self.starts) == 1:
+            return  # a call that began before the stage (the block the stage ends in)
+        start = self.starts.pop()
+        self.whys.pop()  # what happened inside it is re-run with it
+        del self.calls[start:]
+        self.outputs = {k: kept for k, v in self.outputs.items() if (kept := [o for o in v if o[1] < start])}
+        try:
+            call = Call(module, tree_map(self._reference, args), tree_map(self._reference, kwargs))
+        except NotRerunnable as exc:
+            self._fail(f"{exc} (a call of {type(module).__name__})")
+            return
+        n = len(self.calls)
+        self.calls.append(call)
+        for leaf, t in enumerate(tree_flatten(out)[0]):
+            if isinstance(t, torch.Tensor) and plain(t):
+                self.outputs.setdefault(storage_key(t), []).append((weakref.ref(t), n, leaf))
+
+    def _source(self, t: torch.Tensor) -> FromCall | None:
+        """``t`` as an output of an earlier call (itself first, else a view of a live one)."""
+        found = None
+        for ref, call, leaf in reversed(self.outputs.get(storage_key(t), ())):
+            source = ref()
+            if source is t:
+                return FromCall(call, leaf, None)
+            if source is not None and found is None:
+                found = FromCall(call, leaf, _view_of(t, source))
+        return found
+
+    def _reference(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not plain(t) or is_weight(t) or self.excluded(t):
+            return t
+        made = self._source(t)
+        if made is not None:
+            return made
+        if storage_key(t) == self.input_key:
+            return FromInput(_view_of(t, self.input) if t is not self.input else None)
+        if t.requires_grad:
+            raise NotRerunnable("a call reads an activation computed outside any module call of the stage")
+        self.held_sizes[storage_key(t)] = t.untyped_storage().nbytes()
+        if self.keep:
+            self.held.setdefault(storage_key(t), (t, t._version))
+        return t
+
+    def finish(self, output: torch.Tensor) -> StageProgram:
+        """The stage ended with ``output`` (the value crossing its boundary)."""
+        self.close()
+        why = next((w for w in self.whys if w is not None), None)
+        if why is None and self.input is not None and self.input._version != self.input_version:
+            why = "it writes its input in place"
+        source = self._source(output) if why is None else None
+        if why is None and source is None:
+            why = "its output is not the output of one of its module calls"
+        if why is not None:
+            raise NotRerunnable(f"stage {self.stage} cannot be re-run: {why}")
+        return StageProgram(self.stage, self.calls, source, bool(self.input is not None and self.input.requires_grad),
+                            list(self.held.values()), self.rng, self.autocast, self.packs)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def held_bytes(self) -> int:
+        """Bytes the program holds besides the stage's input (distinct storages)."""
+        return sum(n for k, n in self.held_sizes.items() if k != self.input_key)
+

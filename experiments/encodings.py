@@ -30,7 +30,7 @@ from offload.solver.methods import Options
 from offload.solver.simulate import simulate
 
 from offload.analysis.plots import plot_bars
-from .reproduce import CHAINS, link_bound, slowdown_at, zoo_chains
+from .reproduce import CHAINS, link_bound, slowdown_cell, slowdown_panels, zoo_chains
 from offload.analysis.sweep import sweep
 
 OUT = Path(__file__).parent / "results" / "encodings"
@@ -74,18 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(args.out / "smallest.csv", smallest)
     write_csv(args.out / "at_budgets_by_platform.csv", rows)
     names = [c.name for c in chains]
-    panels = {f"{platform}, budget {share:.0%} of the peak":
-              {mode: [_slowdown(rows, platform, n, mode, share)[0] for n in names] for mode in encoding.MODES}
-              for platform in ("measured", "link-bound") for share in SHARES}
+    panels = slowdown_panels(rows, names, ("measured", "link-bound"), SHARES, "encodings", encoding.MODES,
+                             "{platform}, budget {share:.0%} of the peak")
     plot_bars(panels, [n.split("-b")[0] for n in names], "ILP step time / ideal", args.out / "encodings.png",
               legend="encodings: ")
     _print_tables(smallest, rows, [c.name for c in chains])
     print(f"wrote {args.out}/: smallest.csv, at_budgets_by_platform.csv, encodings.png")
     return 0
-
-
-def _slowdown(rows: list[dict], platform: str, chain: str, mode: str, share: float) -> tuple[float | None, str]:
-    return slowdown_at(rows, share, platform=platform, chain=chain, encodings=mode)
 
 
 def _print_tables(smallest: list[dict], rows: list[dict], names: list[str]) -> None:
@@ -100,10 +95,7 @@ def _print_tables(smallest: list[dict], rows: list[dict], names: list[str]) -> N
                   "('-': infeasible; '*': time limit, best found)")
             print(f"{'chain':<28}" + "".join(f"{m:>14}" for m in encoding.MODES))
             for name in names:
-                cells = []
-                for mode in encoding.MODES:
-                    slow, status = _slowdown(rows, platform, name, mode, share)
-                    cells.append("-" if slow is None else f"{slow:.3f}{'' if status == 'optimal' else '*'}")
+                cells = [slowdown_cell(rows, share, platform=platform, chain=name, encodings=m) for m in encoding.MODES]
                 print(f"{name:<28}" + "".join(f"{c:>14}" for c in cells))
 
 

@@ -32,7 +32,7 @@ from offload.solver.methods import Options
 from offload.solver.simulate import simulate
 from offload.solver import checkpointing
 
-from .reproduce import CHAINS, link_bound, slowdown_at, zoo_chains
+from .reproduce import CHAINS, link_bound, slowdown_cell, slowdown_panels, zoo_chains
 
 OUT = Path(__file__).parent / "results" / "recompute"
 SHARES = (0.25, 0.35, 0.5, 0.7)
@@ -74,18 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(args.out / "at_budgets.csv", rows)
     write_csv(args.out / "smallest.csv", floors)
     names = [c.name for c in chains]
-    panels = {f"{platform}, {share:.0%} of the peak": {f: [_slowdown(rows, platform, n, f, share)[0] for n in names]
-                                                       for f in FAMILIES}
-              for platform in PLATFORMS for share in SHARES[1:]}
+    panels = slowdown_panels(rows, names, PLATFORMS, SHARES[1:], "family", FAMILIES, "{platform}, {share:.0%} of the peak")
     plot_bars(panels, [n.split("-b")[0] for n in names], "step time / ideal (exact MILP per family)",
               args.out / "families.png", legend="")
     _print_tables(rows, floors, names)
     print(f"wrote {args.out}/: at_budgets.csv, smallest.csv, families.png")
     return 0
-
-
-def _slowdown(rows: list[dict], platform: str, chain: str, family: str, share: float) -> tuple[float | None, str]:
-    return slowdown_at(rows, share, platform=platform, chain=chain, family=family)
 
 
 def _print_tables(rows: list[dict], floors: list[dict], names: list[str]) -> None:
@@ -99,10 +93,7 @@ def _print_tables(rows: list[dict], floors: list[dict], names: list[str]) -> Non
                   "('-': infeasible; '*': not proven optimal)")
             print(f"{'chain':<28}" + "".join(f"{f:>18}" for f in COLUMNS))
             for name in names:
-                cells = []
-                for f in COLUMNS:
-                    slow, status = _slowdown(rows, platform, name, f, share)
-                    cells.append("-" if slow is None else f"{slow:.3f}{'' if status == 'optimal' else '*'}")
+                cells = [slowdown_cell(rows, share, platform=platform, chain=name, family=f) for f in COLUMNS]
                 print(f"{name:<28}" + "".join(f"{c:>18}" for c in cells))
 
 

@@ -26,6 +26,7 @@ import dataclasses
 import re
 import sys
 from pathlib import Path
+from typing import Iterable
 
 from tqdm import tqdm
 
@@ -77,6 +78,21 @@ def slowdown_at(rows: list[dict], share: float, **match: object) -> tuple[float 
         if all(r[k] == v for k, v in match.items()) and abs(r["budget_share"] - share) < 1e-3:
             return r["slowdown"], r["status"]
     return None, "missing"
+
+
+def slowdown_cell(rows: list[dict], share: float, **match: object) -> str:
+    """``slowdown_at`` as a table cell: ``-`` when infeasible, ``*`` after a value not proven optimal."""
+    slow, status = slowdown_at(rows, share, **match)
+    return "-" if slow is None else f"{slow:.3f}{'' if status == 'optimal' else '*'}"
+
+
+def slowdown_panels(rows: list[dict], names: list[str], platforms: Iterable[str], shares: Iterable[float],
+                    field: str, series: Iterable[str], title: str) -> dict[str, dict[str, list[float | None]]]:
+    """Bar-chart panels (``analysis.plots.plot_bars``): per platform and budget share (``title``
+    formatted with both), per value of ``field``, each chain's step time / ideal."""
+    return {title.format(platform=platform, share=share):
+            {s: [slowdown_at(rows, share, platform=platform, chain=n, **{field: s})[0] for n in names] for s in series}
+            for platform in platforms for share in shares}
 
 
 def smallest_of(chain: Chain, method: str, options: Options) -> int | None:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .units import is_weight, plain, storage_key
 
@@ -88,7 +88,6 @@ class StageProgram:
     held: list[tuple[torch.Tensor, int]]  # tensors held for the re-run, their versions when recorded
     rng: tuple[torch.Tensor, torch.Tensor | None]  # CPU and device generator states at the stage's start
     autocast: list[tuple[str, bool, torch.dtype]]
-    packs: int  # tensors the stage saved for the backward (every one, weights included)
 
     def run(self, stage_input: torch.Tensor | None, device: torch.device,
             saved: Callable[[torch.Tensor], None]) -> torch.Tensor:
@@ -123,26 +122,31 @@ class StageProgram:
             for device_type, enabled, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: saved(t), _never_unpacked))
+            last_read = self._last_reads()
             for n, call in enumerate(self.calls):
                 out = call.module(*tree_map(resolve, call.args), **tree_map(resolve, call.kwargs))
                 outputs.append(tree_flatten(out)[0])
                 del out
-                for done in self._last_read_by(n):  # as the forward's code drops them
+                for done in last_read.get(n, ()):  # as the forward's code drops them
                     outputs[done] = []
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
         return resolve(self.output).detach()
 
-    def _last_read_by(self, n: int) -> list[int]:
-        """The calls whose outputs nothing reads after call ``n`` (the stage's output is read last)."""
+    def _last_reads(self) -> dict[int, list[int]]:
+        """Per call ``n``, the calls whose outputs nothing reads after it (the stage's output is
+        read last)."""
         last = {m: m for m in range(len(self.calls))}
         for m, call in enumerate(self.calls):
             for ref in tree_flatten((call.args, call.kwargs))[0]:
                 if isinstance(ref, FromCall):
                     last[ref.call] = m
         last[self.output.call] = len(self.calls)
-        return [m for m, at in last.items() if at == n]
+        out: dict[int, list[int]] = {}
+        for m, at in last.items():
+            out.setdefault(at, []).append(m)
+        return out
 
 
 def _never_unpacked(_: None) -> torch.Tensor:
@@ -157,38 +161,35 @@ def _autocast_state(device: torch.device) -> list[tuple[str, bool, torch.dtype]]
 class StageRecorder:
     """Records stage ``stage``'s top-level calls while it runs (module docstring).
 
-    ``start`` installs the hooks as the stage begins, ``saved`` is told of every tensor
-    saved for the backward, ``finish`` takes the stage's output, removes the hooks and
-    returns the ``StageProgram`` (``NotRerunnable`` if there is none).  ``excluded``:
-    storages that are never a stage's input (the batch, parameters, buffers).  Without
+    Made as the stage begins (it installs the hooks); ``saved`` is told of every tensor
+    saved for the backward; ``finish`` takes the stage's output, removes the hooks and
+    returns the ``StageProgram`` (``NotRerunnable`` if there is none).  ``excluded``: keys
+    of storages that are never a stage's input (the batch, parameters, buffers).  Without
     ``keep`` (the profiler, which only asks whether and at what cost) the held tensors are
     sized, not held: recording must not change the memory it measures."""
 
     def __init__(self, stage: int, stage_input: torch.Tensor | None, device: torch.device,
-                 excluded: Callable[[torch.Tensor], bool], keep: bool = True) -> None:
+                 excluded: set[int], keep: bool = True) -> None:
         self.stage, self.device, self.excluded, self.keep = stage, device, excluded, keep
-        self.held_sizes: dict[int, int] = {}  # storage key -> bytes of each held storage
         self.input = stage_input
         self.input_key = storage_key(stage_input) if stage_input is not None and plain(stage_input) else None
         self.input_version = stage_input._version if stage_input is not None else 0
         self.calls: list[Call] = []  # completed calls not inside another completed call, in order
-        self.held: dict[int, tuple[torch.Tensor, int]] = {}  # storage key -> held tensor, its version
+        # storage key -> (the held tensor, kept only with ``keep``; its version; its storage's bytes)
+        self.held: dict[int, tuple[torch.Tensor | None, int, int]] = {}
         self.outputs: dict[int, list[tuple[weakref.ref, int, int]]] = {}  # storage key -> (tensor ref, call, leaf)
         # per level (the stage itself, then each call begun in it and still running): where its
         # completed calls begin in ``calls``, and why it cannot be re-run if it ends the stage open
         self.starts: list[int] = [0]
         self.whys: list[str | None] = [None]
-        self.packs = 0
         self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
         self.autocast = _autocast_state(device)
         self._handles = [nn.modules.module.register_module_forward_pre_hook(self._pre),
                          nn.modules.module.register_module_forward_hook(self._post, with_kwargs=True)]
 
-    def saved(self) -> int:
-        """A tensor is being saved for the backward now: its ordinal in the stage."""
+    def saved(self) -> None:
+        """A tensor is being saved for the backward now."""
         self._fail("it saves a tensor for the backward outside any module call")
-        self.packs += 1
-        return self.packs - 1
 
     def _fail(self, why: str) -> None:
         """Not re-runnable, unless the innermost running call completes within the stage."""
@@ -229,7 +230,7 @@ class StageRecorder:
         return found
 
     def _reference(self, t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or not plain(t) or is_weight(t) or self.excluded(t):
+        if not isinstance(t, torch.Tensor) or not plain(t) or is_weight(t) or storage_key(t) in self.excluded:
             return t
         made = self._source(t)
         if made is not None:
@@ -238,9 +239,7 @@ class StageRecorder:
             return FromInput(_view_of(t, self.input) if t is not self.input else None)
         if t.requires_grad:
             raise NotRerunnable("a call reads an activation computed outside any module call of the stage")
-        self.held_sizes[storage_key(t)] = t.untyped_storage().nbytes()
-        if self.keep:
-            self.held.setdefault(storage_key(t), (t, t._version))
+        self.held.setdefault(storage_key(t), (t if self.keep else None, t._version, t.untyped_storage().nbytes()))
         return t
 
     def finish(self, output: torch.Tensor) -> StageProgram:
@@ -255,7 +254,8 @@ class StageRecorder:
         if why is not None:
             raise NotRerunnable(f"stage {self.stage} cannot be re-run: {why}")
         return StageProgram(self.stage, self.calls, source, bool(self.input is not None and self.input.requires_grad),
-                            list(self.held.values()), self.rng, self.autocast, self.packs)
+                            [(t, version) for t, version, _ in self.held.values() if t is not None], self.rng,
+                            self.autocast)
 
     def close(self) -> None:
         for h in self._handles:
@@ -264,5 +264,5 @@ class StageRecorder:
 
     def held_bytes(self) -> int:
         """Bytes the program holds besides the stage's input (distinct storages)."""
-        return sum(n for k, n in self.held_sizes.items() if k != self.input_key)
+        return sum(n for k, (_, _, n) in self.held.items() if k != self.input_key)
 

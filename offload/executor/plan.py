@@ -11,11 +11,12 @@ units whose ``need_from`` is ``k``; between the two it rebuilds the recomputed r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from offload.solver.chain import Chain, EncodedTensor
 from offload.solver.encoding import encoded_bytes
 from offload.solver.recompute import by_op
-from offload.solver.schedule import Schedule
+from offload.solver.schedule import Recompute, Schedule
 
 
 @dataclass(frozen=True)
@@ -28,13 +29,17 @@ class StepPlan:
     planned_bytes: int  # all offloaded units' bytes, encoded ones as encoded (the host arena's size)
     encoders: dict[int, dict[int, EncodedTensor]]  # encoded unit -> storage index -> its encoding, as profiled
     unit_bytes: tuple[int, ...]  # per stage 0..L, the bytes its unit saves, as profiled
-    recomputed: frozenset[int] = frozenset()  # stages whose units are dropped and rebuilt
-    rebuild_at: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # k -> runs (first, last) rebuilt as B_k starts
+    rebuild_at: dict[int, tuple[Recompute, ...]] = field(default_factory=dict)  # k -> runs rebuilt as B_k starts
 
-    @property
+    @cached_property
+    def recomputed(self) -> frozenset[int]:
+        """Stages whose units are dropped and rebuilt."""
+        return frozenset(i for runs in self.rebuild_at.values() for r in runs for i in r.stages)
+
+    @cached_property
     def run_starts(self) -> frozenset[int]:
         """The first stage of each recomputed run (its input is the run's checkpoint)."""
-        return frozenset(first for runs in self.rebuild_at.values() for first, _ in runs)
+        return frozenset(r.first for runs in self.rebuild_at.values() for r in runs)
 
     @classmethod
     def from_schedule(cls, chain: Chain, schedule: Schedule) -> "StepPlan":
@@ -57,6 +62,5 @@ class StepPlan:
             planned_bytes=sum(size.values()),
             encoders={i: {t.index: t for t in e.tensors} for i, e in chosen.items()},
             unit_bytes=tuple(int(a) for a in chain.a),
-            recomputed=frozenset(i for r in schedule.recompute for i in r.stages),
-            rebuild_at={k: tuple((r.first, r.last) for r in runs) for k, runs in by_op(chain, schedule.recompute).items()},
+            rebuild_at={k: tuple(runs) for k, runs in by_op(chain, schedule.recompute).items()},
         )

@@ -47,7 +47,7 @@ import torch
 from offload.core.encoders import ENCODERS, Encoder, flat_storage
 from offload.core.rerun import NotRerunnable, StageProgram, StageRecorder
 from offload.core.staging import StageListener, Staging
-from offload.core.units import UnitTracker, storage_key
+from offload.core.units import UnitTracker
 from offload.errors import ChainMismatch
 from offload.models.spec import tensors_in
 
@@ -126,7 +126,6 @@ class _Step(StageListener):
         self.programs: dict[int, StageProgram] = {}  # recomputed stage -> its replay
         self.ordinals: dict[int, list[int | None]] = {}  # recomputed stage -> per tensor it saved, its held storage
         self.checkpoints: dict[int, torch.Tensor] = {}  # first stage of a run -> its input, until the rebuild
-        self.excluded_keys = self.tracker.excluded
 
     # ------------------------------------------------------------------ hooks (never traced by torch.compile)
     @torch.compiler.disable
@@ -217,20 +216,20 @@ class _Step(StageListener):
         """Stage ``k`` starts on input ``x``: record it if it is recomputed, hold ``x`` if a run starts there."""
         if k not in self.plan.recomputed:
             return
-        self.recorder = StageRecorder(k, x, self.runtime.device, lambda t: storage_key(t) in self.excluded_keys)
+        self.recorder = StageRecorder(k, x, self.runtime.device, self.tracker.excluded)
         self.ordinals[k] = []
         if x is not None and k in self.plan.run_starts:
             self.checkpoints[k] = x.detach()
 
     def _rebuild(self, k: int) -> None:
         """Replay the runs due at the start of ``Bk`` (docs/model.md, "Recomputation")."""
-        for first, last in self.plan.rebuild_at.get(k, ()):
-            x = self.checkpoints.pop(first, None)
-            for j in range(first, last + 1):
+        for run in self.plan.rebuild_at.get(k, ()):
+            x = self.checkpoints.pop(run.first, None)
+            for j in run.stages:
                 program = self.programs.pop(j)
-                replayed = _Replay(self, j, range(first, last + 1))
+                replayed = _Replay(self, j, run.stages)
                 x = program.run(x, self.runtime.device, replayed.saved)
-                replayed.check(program.packs)
+                replayed.check()
             del x
 
     # -------------------------------------------------------------- boundaries
@@ -317,7 +316,7 @@ class _Replay:
     of the run's own units become their buffers (a unit of another run is that run's to
     rebuild, at its own op, even when this stage reads it too)."""
 
-    def __init__(self, step: _Step, stage: int, run: range) -> None:
+    def __init__(self, step: _Step, stage: int, run: range) -> None:  # run: the run's stages
         self.step, self.stage, self.run, self.n = step, stage, run, 0
         self.sids = step.ordinals.pop(stage)
 
@@ -333,10 +332,10 @@ class _Replay:
                                        f"forward saved {s.nbytes} B: the stage does not run the same way twice")
                 s.buffer = raw
 
-    def check(self, packs: int) -> None:
-        if self.n != packs:
+    def check(self) -> None:
+        if self.n != len(self.sids):
             raise RuntimeError(f"re-running stage {self.stage} saved {self.n} tensors for the backward where its "
-                               f"forward saved {packs}: the stage does not run the same way twice (data-dependent "
+                               f"forward saved {len(self.sids)}: the stage does not run the same way twice (data-dependent "
                                "control flow?); solve without recomputing it")
 
 

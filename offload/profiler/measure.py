@@ -135,10 +135,9 @@ class _Recording(_Boundaries):
             self._start(k + 1, x)
 
     def _start(self, k: int, x: torch.Tensor | None) -> None:
-        excluded = self.tracker.excluded
-        if x is not None and storage_key(x) in excluded:
+        if x is not None and storage_key(x) in self.tracker.excluded:
             x = None  # the batch: the training loop holds it anyway
-        self.recorder = StageRecorder(k, x, self.device, lambda t: storage_key(t) in excluded, keep=False)
+        self.recorder = StageRecorder(k, x, self.device, self.tracker.excluded, keep=False)
 
     def saved(self) -> None:
         if self.recorder is not None:

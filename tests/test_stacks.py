@@ -94,6 +94,7 @@ def test_data_parallel_two_ranks(data_parallel, mode):
     assert (out["d2h_bytes"], out["h2d_bytes"]) == (3 * sim.d2h_bytes, 3 * sim.h2d_bytes) != (0, 0)
 
 
+@pytest.mark.slow  # 7 s: the two-rank API path above runs in `make test`; this CLI path in `make test-all`
 def test_offload_train_on_two_ranks(chains, tmp_path):
     """``offload train --nproc 2``: ``Offloaded(DDP(model))`` on two gloo ranks with their own
     batches; each rank's gradients bit for bit those of DDP without offloading (a rank that

@@ -322,7 +322,10 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
         raise InfeasibleBudget(
             f"method {method} cannot meet the budget {budget}" + (f": it needs at least {format_bytes(own + base)}"
                                                                   if own is not None else ""),
-            f"the smallest budget any schedule meets is {format_bytes(floor + base)}: try --method ilp or relax-lp",
+            (f"no schedule with recomputation meets less than {format_bytes(floor + base)} (a lower bound; the "
+             f"exact MILP decides above it)" if options.recompute or method in RECOMPUTING else
+             f"the smallest budget any schedule meets is {format_bytes(floor + base)}")
+            + ("" if method == "ilp" else ": try --method ilp or relax-lp"),
             smallest_bytes=floor + base)
     info = dict(planned.info)
     sim = simulate(chain, planned.offloads, budget, encode=planned.encode, recompute=planned.recompute)

@@ -31,8 +31,9 @@ def _encodings(draw, saved: int) -> list[dict]:
 @st.composite
 def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = False, inputs: bool = False) -> Chain:
     """``inputs``: stages carry what recomputation needs: ``input_bytes`` (a checkpoint),
-    sometimes ``carry_bytes`` (less than the unit alive in the next forward) and sometimes
-    ``recomputable: false``."""
+    sometimes ``carry_bytes`` (less than the unit alive in the next forward) with part of the
+    checkpoint in it (and in the held part), a smaller forward transient when recomputed, the
+    gradient live as the backward starts, and sometimes ``recomputable: false``."""
     L = draw(st.integers(min_stages, max_stages))
     stages = []
     for i in range(1, L + 1):
@@ -50,8 +51,17 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
         })
         if saved and i + 2 <= L and draw(st.integers(0, 3)) == 0:  # part held by the model's own code
             stages[-1].update(held_bytes=draw(st.integers(1, saved)), held_until=draw(st.integers(i + 2, L)))
+        if inputs:
+            st_ = stages[-1]
+            st_["bwd_start_bytes"] = draw(st.integers(0, st_["bwd_peak_bytes"]))
+            if draw(st.booleans()):
+                st_["recomputed_fwd_peak_bytes"] = draw(st.integers(0, st_["fwd_peak_bytes"]))
         if inputs and draw(st.integers(0, 2)) == 0:
-            stages[-1]["carry_bytes"] = draw(st.integers(0, saved))
+            st_ = stages[-1]
+            st_["carry_bytes"] = draw(st.integers(0, saved))
+            st_["input_carried_bytes"] = draw(st.integers(0, min(st_["carry_bytes"], st_["input_bytes"])))
+            if "held_bytes" in st_:
+                st_["input_held_bytes"] = draw(st.integers(0, min(st_["input_carried_bytes"], st_["held_bytes"])))
         if inputs and draw(st.integers(0, 4)) == 0:
             stages[-1]["recomputable"] = False
     return chain_from_dict({

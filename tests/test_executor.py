@@ -18,18 +18,18 @@ from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.budget import Budget
 from offload.solver.chainfile import save_chain
-from offload.solver.checkpointing import block_runs, sqrt_runs
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
 from offload.solver.schedule import Offload, make_schedule
 from offload.solver.schedulefile import save_schedule
 from offload.solver.simulate import simulate
 
+from tests.runs import check_run, recomputing
+
 OPTIONS = {"resnet18": {"image": 16},
            "gpt": {"layers": 3, "width": 32, "heads": 4, "seq": 16, "vocab": 50, "dropout": 0.1},
            "mlp": {"layers": 3, "width": 256, "features": 64, "classes": 10}}
 FAST = ["gpt", "mlp"]
-TOLERANCE = 64 * 1024  # bytes a measured op may differ from its prediction (held storages dying mid-stage)
 
 
 @pytest.fixture(scope="module")
@@ -42,42 +42,6 @@ def schedules(chain):
     solved = solve(chain, budget, "relax-lp", Options(heuristic_time_s=0.1)).schedule
     everything = make_schedule(chain, [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable])
     return {"none": make_schedule(chain, []), "all": everything, "solver": solved}
-
-
-def recomputing(chain):
-    """Every stage the executor can re-run recomputed on its own, the others offloaded at once;
-    and runs of about sqrt(L) stages, nothing offloaded."""
-    blocks = block_runs(chain)
-    rebuilt = {i for r in blocks for i in r.stages}
-    offloads = [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable if i not in rebuilt]
-    return {"blocks+offload": make_schedule(chain, offloads, recompute=blocks),
-            "sqrt": make_schedule(chain, [], recompute=sqrt_runs(chain))}
-
-
-def allowance(chain, sched, op):
-    """How far below its prediction an op's measured memory may be: allocator slack, and in the
-    forward of a recomputed stage what autograd no longer holds there (the model books the
-    stage's transient as measured with everything saved)."""
-    rebuilt = {i for r in sched.recompute for i in r.stages}
-    j = int(op[1:])
-    return TOLERANCE + (int(chain.a[j]) if op[0] == "F" and j in rebuilt else 0)
-
-
-def check_run(chain, sched, backend, name):
-    """Two steps checked against training without offloading: gradients bit for bit, no leak,
-    bytes moved and each op's memory as predicted, the arena allocating nothing after step 1."""
-    report, error = train(None, chain, sched, TrainOptions(steps=2, backend=backend, check_grads=True, op_memory=True))
-    assert error is None
-    assert report["grads_match"] is True, (name, report["grad_mismatches"])
-    m, p = report["measured"], report["predicted"]
-    assert m["leaked_bytes_after_step"] == 0
-    assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes"], p["h2d_bytes"])
-    assert len(set(m["host_allocations"])) == 1
-    measured, predicted = m["op_peak_bytes"], p["op_bytes"]
-    assert list(measured) == list(predicted)
-    assert all(0 <= predicted[op] - measured[op] <= allowance(chain, sched, op) for op in measured), \
-        (name, {op: predicted[op] - measured[op] for op in measured if predicted[op] != measured[op]})
-    return report
 
 
 @pytest.mark.parametrize("backend", ["cpu-eager", "cpu-lazy"])

@@ -2,15 +2,22 @@
 keyword inputs, the loss from ``output.loss``): profiled into a stage per block, solved,
 trained with gradients bit for bit those of training without offloading and every op's
 measured memory equal to the prediction, in both CPU backends; the same with half the
-blocks frozen."""
+blocks frozen, and with the decoder blocks recomputed; a key/value cache keeps them from
+being recomputed."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
+from offload.errors import ChainMismatch
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
+from offload.solver.schedule import Recompute, make_schedule
+
+from tests.runs import check_run, recomputing
 
 pytest.importorskip("transformers")
 
@@ -25,14 +32,15 @@ TOLERANCE = 64 * 1024
 
 @pytest.fixture(scope="module")
 def profiled():
-    """``profiled(model, frozen)``: the chain, profiled once per module."""
+    """``profiled(model, **options)``: the chain, profiled once per module."""
     cache = {}
 
-    def chain(model, frozen=0):
-        if (model, frozen) not in cache:
-            options = {**MODELS[model], "frozen": frozen}
-            cache[model, frozen] = profile(model, ProfileOptions(batch=2, repeats=1, warmup=1, options=options)).chain
-        return cache[model, frozen]
+    def chain(model, **options):
+        key = (model, *sorted(options.items()))
+        if key not in cache:
+            options = {**MODELS[model], **options}
+            cache[key] = profile(model, ProfileOptions(batch=2, repeats=1, warmup=1, options=options)).chain
+        return cache[key]
     return chain
 
 
@@ -58,13 +66,41 @@ def _run(chain, share_of_range, backend):
     assert all(abs(d) <= TOLERANCE for d in off.values()), off
 
 
-@pytest.mark.parametrize("backend", ["cpu-eager", "cpu-lazy"])
-@pytest.mark.parametrize("model", list(MODELS))
+SLOW = pytest.mark.slow  # the same path as the other models' in make test; make test-all runs them
+
+
+@pytest.mark.parametrize("model, backend", [(m, b) for m in MODELS for b in ("cpu-eager", "cpu-lazy")
+                                            if b == "cpu-eager" or m in ("gpt2", "llama")]
+                         + [pytest.param(m, "cpu-lazy", marks=SLOW) for m in ("bert", "vit")])
 def test_trains_bit_exact_at_half_the_peak(profiled, model, backend):
     _run(profiled(model), None, backend)
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", ["llama", *(pytest.param(m, marks=SLOW) for m in ("gpt2", "bert", "vit"))])
 def test_half_the_blocks_frozen(profiled, model):
     """Frozen blocks save nothing for backward (their floor is higher): halfway from the floor to the peak."""
-    _run(profiled(model, MODELS[model]["layers"] // 2), 0.5, "cpu-lazy")
+    _run(profiled(model, frozen=MODELS[model]["layers"] // 2), 0.5, "cpu-lazy")
+
+
+@pytest.mark.parametrize("dropout, backend", [(0.1, "cpu-eager"), pytest.param(0.1, "cpu-lazy", marks=SLOW),
+                                              (0.0, "cpu-lazy")])
+def test_llama_blocks_recomputed_bit_exact(profiled, dropout, backend):
+    """Re-run decoder blocks (rotary tables and masks held, keyword calls) replay their
+    attention-dropout masks; without dropout SDPA takes its fused kernel, which saves its own
+    statistics, and the replay saves the same."""
+    chain = profiled("llama", dropout=dropout)
+    assert len(chain.recomputable) >= MODELS["llama"]["layers"]
+    for name, sched in recomputing(chain).items():
+        check_run(chain, sched, backend, name)
+
+
+def test_a_key_value_cache_keeps_blocks_from_being_recomputed(profiled):
+    """transformers configs default to ``use_cache=True``: every attention call appends to the
+    cache, so a re-run would see another cache; the profiler says so and the executor refuses."""
+    chain = profiled("llama", cache=True)
+    assert len(chain.recomputable) < MODELS["llama"]["layers"]
+    assert any("use_cache=False" in note for note in chain.source["notes"])
+    block = min(set(range(1, chain.L)) - chain.recomputable)
+    forced = dataclasses.replace(chain, stages=[dataclasses.replace(s, recomputable=True) for s in chain.stages])
+    _, error = train(None, forced, make_schedule(forced, [], recompute=[Recompute(block, block)]), TrainOptions(steps=1))
+    assert isinstance(error, ChainMismatch) and "use_cache=False" in str(error), error

@@ -47,12 +47,13 @@ def small():
 @pytest.mark.parametrize("runs, memory, rerun, makespan", [
     # nothing recomputed: U1..U4 build up to B4
     ((), [120, 220, 320, 420, 450, 350, 250, 150], [], 0.012),
-    # U1 gone after F2, its 30-byte checkpoint kept from F1 to B1, where F1 re-runs first (reading it)
-    ((Recompute(1, 1),), [150, 250, 250, 350, 380, 280, 180, 150], [(1, 1, 150)], 0.013),
+    # U1 gone after F2, its 30-byte checkpoint kept from F2 (F1's own memory holds its input) to
+    # B1, where F1 re-runs first (reading it)
+    ((Recompute(1, 1),), [120, 250, 250, 350, 380, 280, 180, 150], [(1, 1, 150)], 0.013),
     # one run 1..2, rebuilt at B2 from stage 1's input: R1 (reading it) then R2 (holding U1)
-    ((Recompute(1, 2),), [150, 250, 250, 250, 280, 180, 250, 150], [(1, 2, 150), (2, 2, 220)], 0.014),
+    ((Recompute(1, 2),), [120, 250, 250, 250, 280, 180, 250, 150], [(1, 2, 150), (2, 2, 220)], 0.014),
     # the same stages as two runs: each its own checkpoint, each rebuilt just before its backward
-    ((Recompute(1, 1), Recompute(2, 2)), [150, 280, 280, 280, 310, 210, 180, 150], [(2, 2, 180), (1, 1, 150)], 0.014),
+    ((Recompute(1, 1), Recompute(2, 2)), [120, 250, 280, 280, 310, 210, 180, 150], [(2, 2, 180), (1, 1, 150)], 0.014),
 ])
 def test_simulator_semantics_by_hand(small, runs, memory, rerun, makespan):
     sim = simulate(small, [], recompute=runs)
@@ -61,6 +62,17 @@ def test_simulator_semantics_by_hand(small, runs, memory, rerun, makespan):
     assert sim.makespan_s == pytest.approx(makespan)
     assert sim.stall_s == pytest.approx(0.0, abs=1e-15)
     assert sim.recomputed_s == pytest.approx(makespan - 0.012)
+
+
+def test_what_a_recomputed_stage_holds_as_measured():
+    """Stage 2 recomputed, with what the profiler measures of it: its forward transient when
+    autograd keeps nothing (40, not 120), the part of its unit alive into F3 (30 bytes: its
+    input, which its checkpoint holds too, so counted once), and the gradient live as B2
+    starts (20), which the rebuild there holds besides U1 and the re-run's transient."""
+    chain = small_chain(recomputed_fwd_peak_bytes=40, carry_bytes=30, input_carried_bytes=30, bwd_start_bytes=20)
+    sim = simulate(chain, [], recompute=[Recompute(2, 2)])
+    assert sim.memory.tolist() == [120, 140, 250, 350, 380, 280, 270, 150]
+    assert [(r.stage, r.op_stage, r.mem_bytes) for r in sim.recomputes] == [(2, 2, 270)]
 
 
 def test_rebuild_overlaps_the_prefetch_it_issued(small):

@@ -12,6 +12,11 @@ one count, in order).  The stage can be re-run exactly when
   stage's input (the value that crossed the previous boundary, or a view of it), an output
   of an earlier call of the stage (or a view of one), or a tensor that carries no gradient
   (a mask, position ids, a rotary table: *held* until the re-run), and
+* every other argument is a value nothing can change (a number, a string, ``None``, a dtype,
+  a device...): an object with state, such as a Hugging Face key/value cache that every
+  attention call appends to, would be in another state when the stage runs again (so
+  transformers itself turns the cache off under gradient checkpointing: train with
+  ``use_cache=False``), and
 * the stage's output is an output of one of its calls (or a view of one), and it writes in
   place neither its input nor a held tensor.
 
@@ -27,6 +32,8 @@ reported as not re-runnable, never replayed wrong.
 from __future__ import annotations
 
 import contextlib
+import enum
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -63,6 +70,12 @@ class Call:
     module: nn.Module
     args: tuple
     kwargs: dict
+
+
+# argument values a re-run may pass again as they are: nothing can change them in between
+_UNCHANGING = (type(None), bool, int, float, complex, str, bytes, slice, type(Ellipsis), enum.Enum, type,
+               types.FunctionType, types.BuiltinFunctionType, torch.dtype, torch.device, torch.layout,
+               torch.memory_format, torch.Size)
 
 
 def _view_of(t: torch.Tensor, source: torch.Tensor | None) -> View:
@@ -230,7 +243,12 @@ class StageRecorder:
         return found
 
     def _reference(self, t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or not plain(t) or is_weight(t) or storage_key(t) in self.excluded:
+        if not isinstance(t, torch.Tensor):
+            if not isinstance(t, _UNCHANGING):
+                raise NotRerunnable(f"a call takes a {type(t).__name__} argument, an object whose state the forward may "
+                                    "change before the re-run (a key/value cache: train with use_cache=False)")
+            return t
+        if not plain(t) or is_weight(t) or storage_key(t) in self.excluded:
             return t
         made = self._source(t)
         if made is not None:
@@ -261,6 +279,10 @@ class StageRecorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def keys(self) -> set[int]:
+        """Storage keys of what the program keeps: the input and the held tensors."""
+        return set(self.held) | ({self.input_key} if self.input_key is not None else set())
 
     def held_bytes(self) -> int:
         """Bytes the program holds besides the stage's input (distinct storages)."""

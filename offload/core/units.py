@@ -115,6 +115,11 @@ class UnitTracker:
         self.last.append(self.stage)
         return saved
 
+    def record_of(self, key: int) -> Saved | None:
+        """The record of the live storage ``key`` if it was saved this step (``None`` otherwise)."""
+        ref = self._refs.get(key)
+        return self.records[self._known[key]] if ref is not None and ref() is not None else None
+
     def units(self, L: int) -> tuple[list[int], list[int]]:
         """(bytes of each unit, need_from of each unit), stages ``1..L`` (a unit's ``need_from``
         is the latest last saver among its storages, at least its own stage)."""

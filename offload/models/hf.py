@@ -6,7 +6,8 @@ They are the models nobody on this project wrote: a decoder (GPT-2), a Llama-sty
 decoder (rotary embeddings, grouped-query attention, the causal mask built inside
 ``forward``), an encoder with a padding mask (BERT), and two vision models (ViT, and
 ConvNeXt for a timm-style CNN: timm itself needs torchvision, whose wheel here links a CUDA
-build of torch).  ``use_cache=False``: a training step keeps no key/value cache.
+build of torch).  ``use_cache=False``: a training step keeps no key/value cache (a cache's
+state changes as the forward runs, so a block that takes it cannot be recomputed).
 """
 from __future__ import annotations
 
@@ -56,13 +57,15 @@ def gpt2(batch: int, layers: int = 4, width: int = 256, heads: int = 4, seq: int
 
 
 def llama(batch: int, layers: int = 4, width: int = 256, heads: int = 8, kv_heads: int = 2, seq: int = 128,
-          vocab: int = 1000, frozen: int = 0) -> ModelSpec:
+          vocab: int = 1000, frozen: int = 0, dropout: float = 0.1, cache: bool = False) -> ModelSpec:
     """Llama-style decoder (transformers LlamaForCausalLM: RoPE, GQA). Options: layers=4, width=256, heads=8,
-    kv_heads=2, seq=128, vocab=1000, frozen=0."""
+    kv_heads=2, seq=128, vocab=1000, frozen=0, dropout=0.1 (attention dropout; 0 takes SDPA's fused kernel),
+    cache=False (True: the key/value cache transformers configs default to, which keeps the blocks from being
+    recomputed)."""
     tf = _transformers()
     config = tf.LlamaConfig(hidden_size=width, intermediate_size=int(width * 8 / 3) // 8 * 8, num_hidden_layers=layers,
                             num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                            max_position_embeddings=seq, use_cache=False, attention_dropout=0.1,
+                            max_position_embeddings=seq, use_cache=cache, attention_dropout=dropout,
                             bos_token_id=0, eos_token_id=0, pad_token_id=0)
     ids = _tokens(batch, seq, vocab)
     model = tf.LlamaForCausalLM(config)

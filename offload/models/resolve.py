@@ -37,6 +37,8 @@ ALL_ZOO: dict[str, Callable[..., ModelSpec]] = {**ZOO, **HF_ZOO}
 
 
 def _parse_value(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     for cast in (int, float):
         try:
             return cast(text)
@@ -46,7 +48,7 @@ def _parse_value(text: str) -> Any:
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, Any]:
-    """``["layers=4", "seq=256"]`` -> ``{"layers": 4, "seq": 256}``."""
+    """``["layers=4", "seq=256", "cache=true"]`` -> ``{"layers": 4, "seq": 256, "cache": True}``."""
     options: dict[str, Any] = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")

@@ -61,9 +61,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.graphml:
         write_op_graphml(result.capture, result.stages, args.graphml)
     if not args.quiet:
-        print_chain(result.chain)
-        for note in result.stages.notes:
-            print(f"note        {printable(note)}")
+        print_chain(result.chain)  # with the profiler's notes
     for warning in result.warnings:
         print(f"warning: {printable(warning)}", file=sys.stderr)
     print(f"wrote {args.output}" + (f" and {args.graphml}" if args.graphml else ""))

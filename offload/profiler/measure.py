@@ -17,7 +17,9 @@ with stage boundaries at its cut sites (``offload.core.staging``):
   through the backward (a loop holds the loss).  Each stage's module calls are recorded
   too (``offload.core.rerun``): whether the executor can re-run the stage, and its
   ``input_bytes`` (its input and the gradient-free tensors its calls read: what a
-  recomputation from it holds);
+  recomputation from it holds); and ``bwd_start_i = live(B_i starts) - M0 - sum_{j<=i} U_j``,
+  the part of ``B_i``'s transient already live before it runs (the gradient flowing in),
+  which a recomputation rebuilt at ``B_i``'s start finds there;
 * timing passes: warm-up steps, then ``repeats`` steps timed at the boundaries (CUDA events
   or ``perf_counter``); each stage's time is the median over the repeats, and the spread
   of the repeats is reported (``source.timing``).
@@ -58,6 +60,10 @@ class StageMeasurement:
     carry_bytes: int = 0
     input_bytes: int = 0
     recomputable: bool = True
+    bwd_start_bytes: int = 0
+    recomputed_fwd_peak_bytes: int = 0
+    input_carried_bytes: int = 0  # of input_bytes, storages of the unit that carry_bytes counts too ...
+    input_held_bytes: int = 0  # ... and held_bytes
 
 
 @dataclass
@@ -71,7 +77,9 @@ class MemoryPass:
     need: list[int]  # need_from of each unit
     peak_ops: list[int] | None  # the op at which each F_i peaked (CPU only)
     starts: list[int]  # the bytes live as each F_i starts
+    bwd_starts: list[int]  # the bytes live as each B_i starts (the gradient flowing in is new)
     inputs: list[int]  # input_bytes of each stage
+    own: list[dict[int, int]]  # per stage, index -> bytes of its checkpoint's storages in its own unit
     rerun: list[str | None]  # per stage, why the executor cannot re-run it (None: it can)
 
 
@@ -118,6 +126,7 @@ class _Recording(_Boundaries):
         self.device = device
         self.recorder: StageRecorder | None = None
         self.inputs, self.why = [0] * L, ["the last stage's backward follows its forward at once"] * L
+        self.own: list[dict[int, int]] = [{} for _ in range(L)]  # per stage, its checkpoint's storages in its unit
 
     def forward_start(self) -> None:
         self._start(1, None)
@@ -129,6 +138,10 @@ class _Recording(_Boundaries):
             self.why[k - 1] = None
             input_bytes = recorder.input.untyped_storage().nbytes() if recorder.input_key is not None else 0
             self.inputs[k - 1] = input_bytes + recorder.held_bytes()
+            for key in recorder.keys():
+                record = self.tracker.record_of(key)
+                if record is not None and record.unit == k:
+                    self.own[k - 1][record.index] = record.nbytes
         except NotRerunnable as exc:
             self.why[k - 1] = str(exc)
         if k + 1 < self.L:
@@ -251,8 +264,10 @@ class StepRunner:
         saved, need = tracker.units(L)
         exact = isinstance(meter, CpuMeter)
         starts = [m0] + [live for _, live in readings[:L - 1]]
+        bwd_starts = [readings[2 * L - i - 1][1] for i in range(1, L + 1)]  # B_L starts at the turn
         return MemoryPass(m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
-                          peak_ops[:L] if exact else None, starts, listener.inputs, listener.why)
+                          peak_ops[:L] if exact else None, starts, bwd_starts, listener.inputs, listener.own,
+                          listener.why)
 
     def timing_pass(self) -> tuple[list[float], list[float]]:
         """(forward seconds of each stage, backward seconds of each stage) of one step."""
@@ -271,32 +286,47 @@ class StepRunner:
 
 
 class _Holding(StageListener, TorchDispatchMode):
-    """The holding pass: counts the ops, and records at which op each saved storage dies."""
+    """The holding pass: counts the ops, records at which op each saved storage dies, and reads
+    the meter (the mode outside this one) after every op: the most bytes live beyond ``m0``
+    and the storages of earlier units during each forward op (``transient``)."""
 
-    def __init__(self, L: int, tracker: UnitTracker) -> None:
+    def __init__(self, L: int, tracker: UnitTracker, meter: Any) -> None:
         TorchDispatchMode.__init__(self)
-        self.L, self.tracker = L, tracker
+        self.L, self.tracker, self.meter = L, tracker, meter
         self.ops = 0
+        self.m0 = 0  # bytes live as the forward starts
         self.first_op = [0] * (L + 2)  # per stage, its first op
         self.storages: list[Saved] = []
         self.death: list[float] = []  # per storage, the op at which it died (inf: alive at the end)
+        self.transient = [0] * (L + 1)  # per F_j
+        self.unit_alive = [0] * (L + 1)  # per unit, bytes of its storages alive now
+        self.earlier = 0  # bytes of storages of units before the running stage alive now
         self._finalizers: list[weakref.finalize] = []
 
     def forward_boundary(self, k: int) -> None:
         if k < self.L:
+            self.earlier += self.unit_alive[k]
             self.tracker.stage = k + 1
             self.first_op[k + 1] = self.ops + 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        j = self.tracker.stage
+        self.transient[j] = max(self.transient[j], self.meter.live - self.m0 - self.earlier)
+        return out
 
     def _died(self, n: int) -> None:
         self.death[n] = self.ops
+        saved = self.storages[n]
+        self.unit_alive[saved.unit] -= saved.nbytes
+        if saved.unit < self.tracker.stage:
+            self.earlier -= saved.nbytes
 
     def pack(self, t: torch.Tensor) -> None:
         saved = self.tracker.saw(t)
         if saved is not None and saved.new:
+            self.unit_alive[saved.unit] += saved.nbytes
             self.death.append(float("inf"))
             self._finalizers.append(weakref.finalize(t.untyped_storage(), self._died, len(self.storages)))
             self.storages.append(saved)
@@ -307,29 +337,49 @@ class _Holding(StageListener, TorchDispatchMode):
             f.detach()
 
 
+@dataclass
+class Holding:
+    """Per stage, from the holding pass (``holding_pass``)."""
+
+    held_bytes: int
+    held_until: int
+    carry_bytes: int
+    recomputed_fwd_peak_bytes: int  # F_i's transient when autograd keeps none of U_i
+    carried: set[int] = field(default_factory=set)  # indices in U_i of the storages in carry_bytes ...
+    held: set[int] = field(default_factory=set)  # ... and in held_bytes
+
+
 def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int],
-                 starts: list[int]) -> list[tuple[int, int, int]]:
-    """Per stage, ``(held_bytes, held_until, carry_bytes)`` of its unit: the storages the model's
-    own code (a local of its forward, an argument of a call still running, a cache) keeps
-    alive at the peak of ``F(i+2)`` or later, and those alive when ``F(i+1)`` runs its first op
-    (what a recomputation, which keeps nothing of the unit, still finds there), when autograd
-    keeps none of them.  One forward in which the
-    saved tensors are dropped as they are saved (the graph can run no backward), with ops
-    counted as in the memory pass: ``peak_ops[j]`` is the op at which ``F(j+1)`` peaked
-    there, ``peaks[j]`` and ``starts[j]`` its peak and the bytes live as it started (exact
-    meter, CPU).  A storage that dies as ``F(j+1)`` starts, before its first op (a local of
-    an outer forward: ``x = block(x)`` drops the old ``x`` after the block's last hook), is
-    held through it if it would raise the stage's peak there: when the stage started within
-    its bytes of its peak.  Without ``peak_ops`` (CUDA's meter gives no op), a storage alive
-    at a stage's first op counts as held through the stage: a little conservative."""
+                 starts: list[int]) -> list[Holding]:
+    """Per stage, the storages of its unit that the model's own code (a local of its forward,
+    an argument of a call still running, a cache) keeps alive at the peak of ``F(i+2)`` or
+    later, and those alive when ``F(i+1)`` runs its first op (what a recomputation, which
+    keeps nothing of the unit, still finds there), when autograd keeps none of them; and the
+    transient of each ``F_i`` then (its peak less ``M0`` and the earlier units' storages still
+    alive, which the model counts as their held or carried parts, read after every op).  One forward in
+    which the saved tensors are dropped as they are saved (the graph can run no backward),
+    with ops counted as in the memory pass: ``peak_ops[j]`` is the op at which ``F(j+1)``
+    peaked there, ``peaks[j]`` and ``starts[j]`` its peak and the bytes live as it started
+    (exact meter, CPU).  A storage that dies as ``F(j+1)`` starts, before its first op (a
+    local of an outer forward: ``x = block(x)`` drops the old ``x`` after the block's last
+    hook), is held through it if it would raise the stage's peak there: when the stage
+    started within its bytes of its peak.  Without op counts (CUDA's meter gives none), a
+    storage alive at a stage's first op counts as held through the stage: a little
+    conservative."""
     persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
-    holding = _Holding(runner.L, UnitTracker(runner.device, persistent))
-    with runner.batch() as (args, kwargs):
-        holding.tracker.exclude(tensors_in((args, kwargs)))
-        with holding:
-            loss = runner.forward(args, kwargs, holding, holding.pack)
-            end = holding.ops  # the forward and the loss are done (an autocast cache is emptied here)
-        del loss
+    meter = make_meter(runner.device)
+    holding = _Holding(runner.L, UnitTracker(runner.device, persistent), meter)
+    with meter:
+        meter.track(persistent)
+        with runner.batch() as (args, kwargs):
+            holding.tracker.exclude(tensors_in((args, kwargs)))
+            meter.track(tensors_in((args, kwargs)))
+            holding.m0 = meter.live
+            with holding:
+                loss = runner.forward(args, kwargs, holding, holding.pack)
+                end = holding.ops  # the forward and the loss are done (an autocast cache is emptied here)
+            del loss
+    meter.close()
     holding.close()
     at = list(peak_ops if peak_ops is not None else holding.first_op[1:runner.L + 1])
     at[-1] = min(at[-1], end)  # F_L's peak may come in the loss's backward, which this pass does not run
@@ -339,17 +389,21 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
             if holding.first_op[j] - 1 <= death < at[j - 1]:
                 at_start[j] = at_start.get(j, 0) + saved.nbytes
     matters = {j for j, b in at_start.items() if peak_ops is None or starts[j - 1] + b > peaks[j - 1]}
-    held = [[0, 0, 0] for _ in range(runner.L + 1)]
+    out = [Holding(0, 0, 0, 0) for _ in range(runner.L + 1)]
     for saved, death in zip(holding.storages, holding.death):
-        i = saved.unit
+        i, h = saved.unit, out[saved.unit]
         if i < runner.L and death >= holding.first_op[i + 1]:  # alive into F(i+1): its peak may move
-            held[i][2] += saved.nbytes  # there once the unit is not saved, so at any of its ops
+            h.carry_bytes += saved.nbytes  # there once the unit is not saved, so at any of its ops
+            h.carried.add(saved.index)
         alive = [j for j in range(i + 2, runner.L + 1)
                  if death >= at[j - 1] or (j in matters and death >= holding.first_op[j] - 1)]
         if alive:
-            held[i][0] += saved.nbytes
-            held[i][1] = max(held[i][1], max(alive))
-    return [(b, u, c) for b, u, c in held[1:]]
+            h.held_bytes += saved.nbytes
+            h.held.add(saved.index)
+            h.held_until = max(h.held_until, max(alive))
+    for j in range(1, runner.L + 1):
+        out[j].recomputed_fwd_peak_bytes = max(0, holding.transient[j])
+    return out[1:]
 
 
 def spread(values: list[float]) -> float:
@@ -375,10 +429,14 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     for i in range(runner.L):
         fwd_peak = peak_f[i] - m0 - resident
         bwd_peak = peak_b[i] - m0 - resident - saved[i]
+        bwd_start = min(bwd_peak, max(0, mem.bwd_starts[i] - m0 - resident - saved[i]))
         resident += saved[i]
         stages.append(StageMeasurement(statistics.median(t[0][i] for t in times), statistics.median(t[1][i] for t in times),
-                                       saved[i], fwd_peak, bwd_peak, need[i], *held[i], mem.inputs[i],
-                                       mem.rerun[i] is None))
+                                       saved[i], fwd_peak, bwd_peak, need[i], held[i].held_bytes,
+                                       held[i].held_until, held[i].carry_bytes, mem.inputs[i], mem.rerun[i] is None,
+                                       bwd_start, min(fwd_peak, held[i].recomputed_fwd_peak_bytes),
+                                       sum(b for n, b in mem.own[i].items() if n in held[i].carried),
+                                       sum(b for n, b in mem.own[i].items() if n in held[i].held)))
     step = [sum(f) + sum(b) for f, b in times]
     fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "

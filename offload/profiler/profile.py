@@ -154,7 +154,9 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
     rows = [Stage(name=info.name, kind=info.kind, fwd_s=s.fwd_s, bwd_s=s.bwd_s, saved_bytes=s.saved_bytes,
                   fwd_peak_bytes=s.fwd_peak_bytes, bwd_peak_bytes=s.bwd_peak_bytes, need_from=s.need_from, encodings=enc,
                   held_bytes=s.held_bytes, held_until=s.held_until, input_bytes=s.input_bytes,
-                  recomputable=s.recomputable, carry_bytes=s.carry_bytes)
+                  recomputable=s.recomputable, carry_bytes=s.carry_bytes, bwd_start_bytes=s.bwd_start_bytes,
+                  recomputed_fwd_peak_bytes=s.recomputed_fwd_peak_bytes if s.recomputable else None,
+                  input_carried_bytes=s.input_carried_bytes, input_held_bytes=s.input_held_bytes)
             for info, s, enc in zip(stages.stages, m.stages, encodings)]
     return make_chain(opts.name or f"{_model_label(model)}-b{opts.batch}", rows, plat, m.base_bytes, source, recipe)
 

@@ -93,6 +93,15 @@ class Stage:
     input_bytes: int = 0  # the stage's input: what a recomputation from it keeps on the device until it runs
     recomputable: bool = True  # the executor can re-run this stage's forward (the profiler says when it cannot)
     carry_bytes: int | None = None  # of the unit, alive through F(i+1) when autograd holds none of it (None: all)
+    bwd_start_bytes: int = 0  # of Bi's transient, live when it starts (the gradient flowing in): a rebuild there holds it
+    recomputed_fwd_peak_bytes: int | None = None  # Fi's transient when autograd keeps none of Ui (None: fwd_peak_bytes)
+    input_carried_bytes: int = 0  # of input_bytes, storages of Ui that carry_bytes counts too ...
+    input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
+
+    @property
+    def recomputed_fwd_peak(self) -> int:
+        """``Fi``'s transient when its unit is recomputed: its saved tensors die as its code drops them."""
+        return self.fwd_peak_bytes if self.recomputed_fwd_peak_bytes is None else self.recomputed_fwd_peak_bytes
 
     @property
     def carried(self) -> int:
@@ -185,6 +194,10 @@ class Chain:
     need = _column("need_from")
     x = _column("input_bytes")
     carry = _column("carried")
+    bs = _column("bwd_start_bytes")
+    rfp = _column("recomputed_fwd_peak")
+    xc = _column("input_carried_bytes")
+    xh = _column("input_held_bytes")
 
     @cached_property
     def offloadable(self) -> tuple[int, ...]:

@@ -30,7 +30,8 @@ _SITE = re.compile(r"[^@\[\]]*(@\d+)?(\[\d+\])?")
 _KEYS = {"format", "name", "source", "platform", "base_bytes", "stages", "recipe"}
 _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from", "encodings",
                "held_bytes", "held_until", "input_bytes", "recomputable",
-               "carry_bytes"}
+               "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes",
+               "input_carried_bytes", "input_held_bytes"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
@@ -90,8 +91,8 @@ def recipe_from_dict(d: Any) -> Recipe:
     v.no_unknown(d, _RECIPE_KEYS, "recipe")
     options = v.obj(d.get("options", {}), "recipe.options")
     for key, value in options.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise FormatError(f"'recipe.options.{key}' must be a number or a string, got {value!r}")
+        if not isinstance(value, (int, float, str)):  # bool is an int
+            raise FormatError(f"'recipe.options.{key}' must be a number, a string or a boolean, got {value!r}")
     return Recipe(model=v.string(d, "model", "recipe"), batch=v.whole(d, "batch", "recipe", 1, 2 ** 31),
                   options=dict(options), dtype=v.choice(d, "dtype", "recipe", DTYPES, "float32"),
                   seed=v.whole(d, "seed", "recipe", 0, 2 ** 63) if "seed" in d else 0,
@@ -115,13 +116,22 @@ def _stage(s: Any, i: int, L: int) -> Stage:
     need = v.whole(s, "need_from", ctx, i, L) if "need_from" in s else i
     held = v.whole(s, "held_bytes", ctx, 0, saved) if "held_bytes" in s else 0
     until = v.whole(s, "held_until", ctx, min(i + 2, L), L) if held else 0
+    bwd_peak = v.nbytes(s, "bwd_peak_bytes", ctx)
+    checkpoint = v.nbytes(s, "input_bytes", ctx) if "input_bytes" in s else 0
+    carry = v.whole(s, "carry_bytes", ctx, 0, saved) if "carry_bytes" in s else None
+    carried = v.whole(s, "input_carried_bytes", ctx, 0, min(checkpoint, saved if carry is None else carry)) \
+        if "input_carried_bytes" in s else 0
     return Stage(name=v.string(s, "name", ctx, f"stage{i}"), kind=v.string(s, "kind", ctx, "layer"),
                  fwd_s=v.seconds(s, "fwd_s", ctx), bwd_s=v.seconds(s, "bwd_s", ctx), saved_bytes=saved,
-                 fwd_peak_bytes=fwd_peak, bwd_peak_bytes=v.nbytes(s, "bwd_peak_bytes", ctx), need_from=need,
+                 fwd_peak_bytes=fwd_peak, bwd_peak_bytes=bwd_peak, need_from=need,
                  encodings=_encodings(s.get("encodings", []), saved, ctx), held_bytes=held, held_until=until,
-                 input_bytes=v.nbytes(s, "input_bytes", ctx) if "input_bytes" in s else 0,
+                 input_bytes=checkpoint,
                  recomputable=v.flag(s, "recomputable", ctx, True),
-                 carry_bytes=v.whole(s, "carry_bytes", ctx, 0, saved) if "carry_bytes" in s else None)
+                 carry_bytes=carry, input_carried_bytes=carried,
+                 input_held_bytes=v.whole(s, "input_held_bytes", ctx, 0, min(carried, held)) if "input_held_bytes" in s else 0,
+                 bwd_start_bytes=v.whole(s, "bwd_start_bytes", ctx, 0, bwd_peak) if "bwd_start_bytes" in s else 0,
+                 recomputed_fwd_peak_bytes=(v.whole(s, "recomputed_fwd_peak_bytes", ctx, 0, fwd_peak)
+                                            if "recomputed_fwd_peak_bytes" in s else None))
 
 
 def chain_from_dict(d: Any) -> Chain:
@@ -166,6 +176,14 @@ def _stage_to_dict(s: Stage) -> dict:
         d["recomputable"] = False
     if s.carry_bytes is not None:
         d["carry_bytes"] = s.carry_bytes
+    if s.bwd_start_bytes:
+        d["bwd_start_bytes"] = s.bwd_start_bytes
+    if s.recomputed_fwd_peak_bytes is not None:
+        d["recomputed_fwd_peak_bytes"] = s.recomputed_fwd_peak_bytes
+    if s.input_carried_bytes:
+        d["input_carried_bytes"] = s.input_carried_bytes
+    if s.input_held_bytes:
+        d["input_held_bytes"] = s.input_held_bytes
     return d
 
 

@@ -42,6 +42,8 @@ def print_chain(chain: Chain) -> None:
                         + "".join(f", {k}={v}" for k, v in r.options.items())))
     if src:
         print("source      " + printable(", ".join(f"{k}={v}" for k, v in src.items() if not isinstance(v, (dict, list)))))
+        for note in src.get("notes", ()):  # what the profiler found worth saying (stages it cannot re-run...)
+            print(f"note        {printable(str(note))}")
     p = chain.platform
     print(f"platform    D2H {p.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {p.h2d_bytes_per_s / 1e9:.2f} GB/s, "
           f"latency {format_seconds(p.latency_s)}" + (f" ({printable(p.note)})" if p.note else ""))

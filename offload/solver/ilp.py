@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -53,7 +54,7 @@ import pulp
 from .chain import Chain, Encoding
 from .deadline import Deadline
 from .encoding import apply, encoded_bytes
-from .memory import op_memory
+from .memory import forward_checkpoint, op_memory
 from .pulp_backend import SolveOutcome, run
 from .recompute import run_op, run_seconds
 from .schedule import Choice, Offload, Recompute
@@ -330,7 +331,8 @@ class Model:
         L, need = self.chain.L, self.need
         const = self._constant_memory()
         rows: dict[tuple, tuple[float, _Affine, str]] = {}
-        a, x, mu = self.chain.a, self.chain.x, self.mu
+        a, mu = self.chain.a, self.mu
+        checkpoint = partial(forward_checkpoint, self.chain)
         self.bwd_rows: dict[int, _Affine] = {}  # B_j's variable part, for the re-run ops' rows
         for o in range(2 * L):
             row = _Affine()
@@ -348,8 +350,10 @@ class Model:
                 if j > 1 and j - 1 not in self.decided:
                     row.add(self._extra(j - 1, "output_bytes"))
                 for (s, e), g in self.g.items():
-                    if s <= j:  # the checkpoint, from F_s
-                        row.add(g, x[s] / mu)
+                    if s < j:  # the checkpoint, from F_{s+1} (during F_s the stage's own memory counts it)
+                        row.add(g, checkpoint(s, j) / mu)
+                    if s <= j <= e:  # autograd keeps none of U_j
+                        row.add(g, -(int(self.chain.fp[j]) - int(self.chain.rfp[j])) / mu)
                     for i in range(s, min(e, j - 1) + 1):  # its carried part through F_{i+1}, held part after
                         if i == j - 1:
                             kept = self.chain.carry[i]
@@ -388,7 +392,7 @@ class Model:
         """Each re-run forward op ``Rj`` of a run ``s..e`` rebuilt at ``Bn`` holds ``Bn``'s
         units less those not rebuilt yet (``j..e``, and the runs at ``n`` that come after),
         plus ``Fj``'s transient: a budget row that binds only when the run is chosen."""
-        a, fp, mu = self.chain.a, self.chain.fp, self.mu
+        a, fp, bs, mu = self.chain.a, self.chain.fp, self.chain.bs, self.mu
         for n, at_n in self.run_at.items():
             for (s, e) in at_n:
                 g = self.g[s, e]
@@ -398,7 +402,8 @@ class Model:
                         later.add(self.g[run], self.unbuilt[run])
                 for j in range(s, e + 1):
                     row = _Affine().add(self.bwd_rows[n]).add(later)
-                    row.const += (int(fp[j]) - int(sum(a[j:e + 1])) + (int(self.chain.x[s]) if j == s else 0)) / mu
+                    row.const += (int(fp[j]) - int(sum(a[j:e + 1])) + (int(self.chain.x[s]) if j == s else 0)
+                                  + int(bs[n])) / mu
                     big = sum(c for c in row.terms.values() if c > 0) + row.const - self.B
                     if big <= 0:
                         continue

@@ -2,12 +2,14 @@
 
 Ops are indexed ``0..2L-1`` in execution order: ``Fj`` is ``j-1``, ``Bj`` is ``2L-j``.
 During ``Fj`` the resident units of earlier stages count plus ``fwd_peak_bytes`` of ``Fj``
-(which includes ``Uj``); during ``Bj`` the resident units of stages ``<= j`` count plus
+(which includes ``Uj``; ``recomputed_fwd_peak_bytes`` when ``Uj`` is recomputed, autograd
+keeping none of it); during ``Bj`` the resident units of stages ``<= j`` count plus
 ``bwd_peak_bytes``.  A recomputed unit counts its carried part during the next forward op
-(its held part after); a run's checkpoint counts from its first forward op until it is
-rebuilt; each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its own
-transient, less the units not rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (and ``Rs``
-the checkpoint it reads), and ``Bn``'s memory is the largest of those and its own.  Memory depends only
+(its held part after); a run's checkpoint counts from the op after its first forward op
+until it is rebuilt; each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its
+own transient (units and the gradient flowing in, ``bwd_start_bytes``), less the units not
+rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (and ``Rs`` the checkpoint it reads), and
+``Bn``'s memory is the largest of those and its own.  Memory depends only
 on the schedule's decisions, never on timing, which is what lets the ILP separate memory
 from time.
 """
@@ -31,6 +33,17 @@ def _transient(chain: Chain) -> np.ndarray:
     return np.concatenate([chain.fp[1:], chain.bp[1:][::-1]])
 
 
+def forward_checkpoint(chain: Chain, s: int, j: int) -> int:
+    """Bytes the checkpoint of a run starting at ``s`` adds during ``Fj``: none through ``Fs``
+    (the stage's own memory counts its input), then ``input_bytes`` less the storages of ``Us``
+    that its carried part (``F(s+1)``) and held part (through ``F(held_until)``) count too."""
+    if j <= s:
+        return 0
+    if j == s + 1:
+        return int(chain.x[s] - chain.xc[s])
+    return int(chain.x[s] - (chain.xh[s] if j <= chain.held_until[s] else 0))
+
+
 def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute]) -> np.ndarray:
     """Per op, the bytes of units and checkpoints resident, without the recomputations' own."""
     L = chain.L
@@ -51,14 +64,22 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
         diff[2 * L - back] += a  # B_back .. B_i
         diff[2 * L - i + 1] -= a
 
+    def checkpoint(s: int, n: int) -> None:
+        """Run ``s..``'s checkpoint, from ``F(s+1)`` until its rebuild at ``Bn``: less, while the
+        model's code holds them too, the storages of ``Us`` its carried and held parts count."""
+        x, carried, held = chain.x[s], chain.xc[s], chain.xh[s]
+        diff[s] += x - carried  # F_{s+1}
+        diff[s + 1] += carried - held  # F_{s+2} .. F_held_until
+        diff[max(s + 1, chain.held_until[s])] += held
+        diff[2 * L - n] -= x
+
     for o in offloads:
         away(o.stage, o.release, o.prefetch, chain.a[o.stage])
     for n, at_n in by_op(chain, runs).items():
         for run in at_n:
             for i in run.stages:
                 away(i, i + 1, n, chain.carry[i])  # during F_{i+1}: what the model's code still holds
-            diff[run.first - 1] += chain.x[run.first]  # the checkpoint: F_s .. B_{n+1}
-            diff[2 * L - n] -= chain.x[run.first]
+            checkpoint(run.first, n)
     idx = np.nonzero(kept)[0]
     np.add.at(diff, idx, chain.a[idx])  # kept: F_{i+1} .. B_i
     np.add.at(diff, 2 * L - idx + 1, -chain.a[idx])
@@ -79,7 +100,7 @@ def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompu
             for j in run.stages:
                 missing = int(sum(a[l] for l in range(j, run.last + 1)))
                 checkpoint = int(x[j]) if j == run.first else 0  # R_s reads it
-                out.append((n, j, base - later - missing + int(chain.fp[j]) + checkpoint))
+                out.append((n, j, base - later - missing + int(chain.fp[j]) + checkpoint + int(chain.bs[n])))
     return out
 
 
@@ -90,6 +111,8 @@ def memory_profile(chain: Chain, offloads: Iterable[Offload],
     runs = tuple(runs)
     resident = _resident(chain, offloads, runs)
     mem = resident + _transient(chain)
+    for run in runs:  # a recomputed stage's forward: autograd keeps none of its unit
+        mem[run.first - 1:run.last] -= chain.fp[run.first:run.last + 1] - chain.rfp[run.first:run.last + 1]
     rebuilt = _recompute_memory(chain, resident, runs)
     for n, _, nbytes in rebuilt:
         mem[2 * chain.L - n] = max(mem[2 * chain.L - n], nbytes)
@@ -123,10 +146,12 @@ def floor_offloads(chain: Chain) -> list[Offload]:
 def floor_bound_memory(chain: Chain, recompute: bool) -> np.ndarray:
     """Per op, the least any schedule can hold: the all-offloaded floor schedule's memory, and
     with ``recompute`` less, during each ``F(i+1)``, what a recomputed ``Ui`` does not carry
-    into it (a lower bound: a recomputation's checkpoint and re-run ops only add)."""
+    into it, and during ``Fi`` what autograd would keep of it (a lower bound: a
+    recomputation's checkpoint and re-run ops only add)."""
     mem = op_memory(chain, floor_offloads(chain))
     if recompute:
         for i in chain.recomputable:
+            mem[i - 1] -= int(chain.fp[i]) - int(chain.rfp[i])
             mem[i] -= max(0, int(chain.a[i]) - int(chain.carry[i]))
     return mem
 

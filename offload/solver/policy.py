@@ -25,7 +25,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from .chain import Chain
-from .memory import floor_savings, op_memory
+from .memory import floor_savings, forward_checkpoint, op_memory
 from .schedule import Offload, Recompute
 
 Points = dict[int, int]
@@ -85,9 +85,10 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
     held part through ``F(held_until)``); a run's checkpoint stays."""
     S = set(units)
     recomputed = {i for r in runs for i in r.stages}
-    checkpoint = {r.first: int(chain.x[r.first]) for r in runs}
+    starts = {r.first for r in runs}
     L, p = chain.L, chain.platform
-    f, a, fp = chain.f, chain.a, chain.fp
+    f, a = chain.f, chain.a
+    fp = [int((chain.rfp if j in recomputed else chain.fp)[j]) for j in range(L + 1)]  # F_j's own transient
     release: Points = {}
     pending: list[int] = []  # offloaded, not yet released, stage order == D2H FIFO order
     held: dict[int, int] = {}  # boundary -> bytes the model's code stops holding there
@@ -106,7 +107,7 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
     resident = 0  # bytes of units of earlier stages still on the GPU
     t = 0.0
     for j in range(1, L + 1):
-        resident += checkpoint.get(j, 0)  # held from the run's first forward op
+        resident += sum(forward_checkpoint(chain, s, j) - forward_checkpoint(chain, s, j - 1) for s in starts if s < j)
         if j >= 2:  # boundary j-1, before F_j: units i <= j-2 may be released
             resident -= held.pop(j - 1, 0)
             if j - 2 in recomputed:

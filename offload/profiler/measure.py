@@ -288,11 +288,14 @@ class StepRunner:
 class _Holding(StageListener, TorchDispatchMode):
     """The holding pass: counts the ops, records at which op each saved storage dies, and reads
     the meter (the mode outside this one) after every op: the most bytes live beyond ``m0``
-    and the storages of earlier units during each forward op (``transient``)."""
+    and the storages of earlier units during each forward op (``transient``), with the stage's
+    checkpoint held through it as the executor holds it when a run starts there (a stage
+    within a run is booked a little high when its input would die before its end)."""
 
-    def __init__(self, L: int, tracker: UnitTracker, meter: Any) -> None:
+    def __init__(self, L: int, tracker: UnitTracker, meter: Any, device: torch.device) -> None:
         TorchDispatchMode.__init__(self)
-        self.L, self.tracker, self.meter = L, tracker, meter
+        self.L, self.tracker, self.meter, self.device = L, tracker, meter, device
+        self.checkpoint: StageRecorder | None = None  # of the running stage (what it holds, nothing else)
         self.ops = 0
         self.m0 = 0  # bytes live as the forward starts
         self.first_op = [0] * (L + 2)  # per stage, its first op
@@ -302,6 +305,19 @@ class _Holding(StageListener, TorchDispatchMode):
         self.unit_alive = [0] * (L + 1)  # per unit, bytes of its storages alive now
         self.earlier = 0  # bytes of storages of units before the running stage alive now
         self._finalizers: list[weakref.finalize] = []
+
+    def forward_start(self) -> None:
+        self._hold(1, None)
+
+    def stage_output(self, k: int, x: torch.Tensor) -> None:
+        self._hold(k + 1, x if k + 1 < self.L else None)
+
+    def _hold(self, k: int, x: torch.Tensor | None) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint.close()
+        if x is not None and storage_key(x) in self.tracker.excluded:
+            x = None  # the batch: the training loop holds it anyway
+        self.checkpoint = StageRecorder(k, x, self.device, self.tracker.excluded) if k < self.L else None
 
     def forward_boundary(self, k: int) -> None:
         if k < self.L:
@@ -333,6 +349,7 @@ class _Holding(StageListener, TorchDispatchMode):
         # nothing is returned: autograd keeps no reference, only the model's own code can
 
     def close(self) -> None:
+        self._hold(self.L, None)
         for f in self._finalizers:
             f.detach()
 
@@ -368,7 +385,7 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
     conservative."""
     persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
     meter = make_meter(runner.device)
-    holding = _Holding(runner.L, UnitTracker(runner.device, persistent), meter)
+    holding = _Holding(runner.L, UnitTracker(runner.device, persistent), meter, runner.device)
     with meter:
         meter.track(persistent)
         with runner.batch() as (args, kwargs):

@@ -18,7 +18,6 @@ row per platform and cell, with status, gap and encoded units), ``encodings.png`
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from offload.solver.methods import Options
 from offload.solver.simulate import simulate
 
 from offload.analysis.plots import plot_bars
-from .reproduce import CHAINS, link_bound, slowdown_cell, slowdown_panels, zoo_chains
+from .reproduce import link_bound, slowdown_cell, slowdown_panels, sweep_parser, zoo_chains
 from offload.analysis.sweep import sweep
 
 OUT = Path(__file__).parent / "results" / "encodings"
@@ -49,12 +48,7 @@ def smallest_budgets(chain: Chain) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chains", type=Path, default=CHAINS, help=f"folder of profiled chains (default {CHAINS})")
-    ap.add_argument("--time-limit", type=float, default=60, help="ILP time limit per solve (default 60 s)")
-    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per core)")
-    ap.add_argument("--out", type=Path, default=OUT, help=f"results folder (default {OUT})")
+    ap = sweep_parser(__doc__, OUT, time_limit=60)
     args = ap.parse_args(argv)
     chains = [c for c in zoo_chains(args.chains) if c.has_encodings]
     if not chains:

@@ -20,7 +20,6 @@ are printed.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from offload.solver.methods import Options
 from offload.solver.simulate import simulate
 from offload.solver import checkpointing
 
-from .reproduce import CHAINS, link_bound, slowdown_cell, slowdown_panels, zoo_chains
+from .reproduce import link_bound, slowdown_cell, slowdown_panels, sweep_parser, zoo_chains
 
 OUT = Path(__file__).parent / "results" / "recompute"
 SHARES = (0.25, 0.35, 0.5, 0.7)
@@ -45,12 +44,7 @@ PLATFORMS = {"measured": lambda c: c, "link-bound": link_bound}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chains", type=Path, default=CHAINS, help=f"folder of profiled chains (default {CHAINS})")
-    ap.add_argument("--time-limit", type=float, default=20, help="time limit per solve (default 20 s)")
-    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per core)")
-    ap.add_argument("--out", type=Path, default=OUT, help=f"results folder (default {OUT})")
+    ap = sweep_parser(__doc__, OUT, time_limit=20)
     ap.add_argument("--only", default="", help="comma list of chain name prefixes (default: every zoo chain)")
     args = ap.parse_args(argv)
     prefixes = [p for p in args.only.split(",") if p]

@@ -48,6 +48,19 @@ POLICIES = [m for m in METHODS if not m.startswith("gist")]  # offloading only (
 SHARES = (0.3, 0.5, 0.7)
 
 
+def sweep_parser(doc: str, out: Path, time_limit: float) -> argparse.ArgumentParser:
+    """The command line every sweep over the zoo chains shares (its module docstring as help):
+    ``--chains``, ``--time-limit`` per solve, ``--jobs`` and ``--out``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0], epilog=doc.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chains", type=Path, default=CHAINS, help=f"folder of profiled chains (default {CHAINS})")
+    ap.add_argument("--time-limit", type=float, default=time_limit,
+                    help=f"time limit per solve (default {time_limit:g} s)")
+    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per core)")
+    ap.add_argument("--out", type=Path, default=out, help=f"results folder (default {out})")
+    return ap
+
+
 def zoo_chains(folder: Path = CHAINS) -> list[Chain]:
     """One chain per model: ``-cuda`` over ``-cpu``, then the most saved bytes (the largest size)."""
     best: dict[str, tuple[tuple, Path]] = {}
@@ -120,13 +133,8 @@ def smallest_of(chain: Chain, method: str, options: Options) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chains", type=Path, default=CHAINS, help="folder of zoo chains (default experiments/chains)")
+    ap = sweep_parser(__doc__, OUT, time_limit=60)
     ap.add_argument("--budgets", default="20%:100%:17", help="sweep budgets (default 20%%:100%%:17)")
-    ap.add_argument("--time-limit", type=float, default=60, help="ILP time limit per solve (default 60 s)")
-    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per core)")
-    ap.add_argument("--out", type=Path, default=OUT, help="results folder (default experiments/results/reproduction)")
     args = ap.parse_args(argv)
     chains = zoo_chains(args.chains)
     if not chains:

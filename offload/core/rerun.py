@@ -184,6 +184,8 @@ class StageRecorder:
     def __init__(self, stage: int, stage_input: torch.Tensor | None, device: torch.device,
                  excluded: set[int], keep: bool = True) -> None:
         self.stage, self.device, self.excluded, self.keep = stage, device, excluded, keep
+        if stage_input is not None and storage_key(stage_input) in excluded:
+            stage_input = None  # the batch: the training loop holds it anyway
         self.input = stage_input
         self.input_key = storage_key(stage_input) if stage_input is not None and plain(stage_input) else None
         self.input_version = stage_input._version if stage_input is not None else 0

@@ -148,8 +148,6 @@ class _Recording(_Boundaries):
             self._start(k + 1, x)
 
     def _start(self, k: int, x: torch.Tensor | None) -> None:
-        if x is not None and storage_key(x) in self.tracker.excluded:
-            x = None  # the batch: the training loop holds it anyway
         self.recorder = StageRecorder(k, x, self.device, self.tracker.excluded, keep=False)
 
     def saved(self) -> None:
@@ -315,8 +313,6 @@ class _Holding(StageListener, TorchDispatchMode):
     def _hold(self, k: int, x: torch.Tensor | None) -> None:
         if self.checkpoint is not None:
             self.checkpoint.close()
-        if x is not None and storage_key(x) in self.tracker.excluded:
-            x = None  # the batch: the training loop holds it anyway
         self.checkpoint = StageRecorder(k, x, self.device, self.tracker.excluded) if k < self.L else None
 
     def forward_boundary(self, k: int) -> None:

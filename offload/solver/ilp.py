@@ -375,8 +375,8 @@ class Model:
                         row.add(self._extra(i, "bwd_extra_bytes"))
                 for n, at_n in self.run_at.items():
                     if n < j:  # not rebuilt yet: the checkpoint instead of the units
-                        for run in at_n:
-                            row.add(self.g[run], self.unbuilt[run])
+                        for span in at_n:
+                            row.add(self.g[span], self.unbuilt[span])
                 self.bwd_rows[j] = _Affine().add(row)  # a copy: the row's constant changes below
                 name = f"memory_B{j}"
             key = tuple(sorted((v.name, round(c, 12)) for v, c in row.terms.items() if c))
@@ -397,9 +397,9 @@ class Model:
             for (s, e) in at_n:
                 g = self.g[s, e]
                 later = _Affine()
-                for run in at_n:
-                    if run[0] < s:  # rebuilt after this run
-                        later.add(self.g[run], self.unbuilt[run])
+                for span in at_n:
+                    if span[0] < s:  # rebuilt after this run
+                        later.add(self.g[span], self.unbuilt[span])
                 for j in range(s, e + 1):
                     row = _Affine().add(self.bwd_rows[n]).add(later)
                     row.const += (int(fp[j]) - int(sum(a[j:e + 1])) + (int(self.chain.x[s]) if j == s else 0)

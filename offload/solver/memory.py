@@ -65,13 +65,17 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
         diff[2 * L - i + 1] -= a
 
     def checkpoint(s: int, n: int) -> None:
-        """Run ``s..``'s checkpoint, from ``F(s+1)`` until its rebuild at ``Bn``: less, while the
-        model's code holds them too, the storages of ``Us`` its carried and held parts count."""
-        x, carried, held = chain.x[s], chain.xc[s], chain.xh[s]
-        diff[s] += x - carried  # F_{s+1}
-        diff[s + 1] += carried - held  # F_{s+2} .. F_held_until
-        diff[max(s + 1, chain.held_until[s])] += held
-        diff[2 * L - n] -= x
+        """Run ``s..``'s checkpoint until its rebuild at ``Bn``: ``forward_checkpoint`` in the
+        forward (it changes only where ``F(s+1)``, ``F(s+2)`` and ``F(held_until+1)`` start), then
+        ``input_bytes``."""
+        counted = 0
+        for j in sorted({s + 1, s + 2, int(chain.held_until[s]) + 1}):
+            if j <= L:
+                now = forward_checkpoint(chain, s, j)
+                diff[j - 1] += now - counted
+                counted = now
+        diff[L] += int(chain.x[s]) - counted
+        diff[2 * L - n] -= int(chain.x[s])
 
     for o in offloads:
         away(o.stage, o.release, o.prefetch, chain.a[o.stage])

@@ -143,7 +143,9 @@ def user_model(root: Path) -> None:
     (root / "models.py").write_text(
         "import sys, torch\n"
         "def no_params(batch):\n    return torch.nn.ReLU(), torch.randn(batch, 8)\n"
-        "def exits(batch):\n    sys.exit(3)\n")
+        "def exits(batch):\n    sys.exit(3)\n"
+        "class Argmax(torch.nn.Linear):\n    def forward(self, x):\n        return super().forward(x).argmax(-1)\n"
+        "def no_float(batch):\n    return Argmax(8, 4), torch.randn(batch, 8)\n")
 
 
 CASES |= {
@@ -151,6 +153,8 @@ CASES |= {
                                  "no parameters that require grad"),
     "model function calls sys.exit": (user_model, ["profile", "models.py:exits", "--batch", "2", "-q", "-o", "c.json"],
                                       "SystemExit"),
+    "model output without a loss": (user_model, ["profile", "models.py:no_float", "--batch", "2", "-q", "-o", "c.json"],
+                                    "no floating-point tensor"),
 }
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from offload.errors import OffloadError
+from offload.errors import ModelError
 
 
 def _describe(output: Any) -> str:

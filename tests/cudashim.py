@@ -167,6 +167,7 @@ class FakeCuda:
         self.races: list[str] = []
         self.unrecorded = False
         self.copies_issued = self.copies_run = 0
+        self.synchronizations = 0  # whole-device waits: none in a step (they end the CPU's lead)
 
     # -- torch.cuda stand-ins
     def _stream(self, device: Any = None, priority: int = 0) -> FakeStream:
@@ -188,6 +189,7 @@ class FakeCuda:
             self.current = previous
 
     def _synchronize(self, device: Any = None) -> None:
+        self.synchronizations += 1
         for s in self.streams:
             s.synchronize()
             self.compute.clock = _merge(self.compute.clock, s.clock)
@@ -258,3 +260,68 @@ class FakeCuda:
     def freed(self, t: torch.Tensor) -> None:
         """The compute stream drops ``t``'s storage (the block can be reused by the next kernel)."""
         self.access(self.compute, t, "write", self.compute.tick(), "free")
+
+
+class FakeAllocator:
+    """The caching allocator's counters as ``CudaMeter`` reads them, on made-up numbers:
+    ``allocate``/``free`` move the bytes in use, the cache holds ``reserved`` bytes in one
+    segment whose unused part is one free block.  Set ``sticky`` and every call raises as
+    CUDA does after an illegal memory access, so nothing may touch the device any more."""
+
+    def __init__(self, monkeypatch: Any, allocated: int, peak: int, reserved: int) -> None:
+        self.allocated, self.peak, self.reserved, self.reserved_peak = allocated, peak, reserved, reserved
+        self.sticky = False
+        self.touched: list[int] = []
+        from offload.core import meters
+        for name in ("synchronize", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats",
+                     "max_memory_reserved", "memory_snapshot", "current_stream", "current_device"):
+            monkeypatch.setattr(torch.cuda, name, self._guarded(getattr(self, "_" + name)))
+        monkeypatch.setattr(meters, "_touch", self._guarded(self._touch))
+
+    def _guarded(self, call: Callable) -> Callable:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if self.sticky:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return call(*args, **kwargs)
+        return guarded
+
+    def allocate(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        if self.allocated > self.reserved:  # the cache grows by what it lacks
+            self.reserved = self.allocated
+        self.peak, self.reserved_peak = max(self.peak, self.allocated), max(self.reserved_peak, self.reserved)
+
+    def free(self, nbytes: int) -> None:
+        self.allocated -= nbytes
+
+    def _touch(self, device: Any, nbytes: int) -> None:
+        self.touched.append(nbytes)
+        self.allocate(nbytes)
+        self.free(nbytes)
+
+    def _synchronize(self, device: Any = None) -> None:
+        pass
+
+    def _memory_allocated(self, device: Any = None) -> int:
+        return self.allocated
+
+    def _max_memory_allocated(self, device: Any = None) -> int:
+        return self.peak
+
+    def _max_memory_reserved(self, device: Any = None) -> int:
+        return self.reserved_peak
+
+    def _reset_peak_memory_stats(self, device: Any = None) -> None:
+        self.peak, self.reserved_peak = self.allocated, self.reserved
+
+    def _memory_snapshot(self) -> list[dict]:
+        free = self.reserved - self.allocated
+        blocks = [{"size": self.allocated, "state": "active_allocated"}] + (
+            [{"size": free, "state": "inactive"}] if free else [])
+        return [{"device": 0, "stream": 0, "segment_type": "large", "blocks": blocks}]
+
+    def _current_stream(self, device: Any = None) -> Any:
+        return type("Stream", (), {"cuda_stream": 0})()
+
+    def _current_device(self) -> int:
+        return 0

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from cudashim import FakeCuda
+from cudashim import FakeAllocator, FakeCuda
+from offload.core.meters import Clock, CudaMeter
 from offload.executor import Offloaded
 from offload.executor import backends
 from offload.models import resolve
@@ -73,6 +74,7 @@ def train_steps(chain, schedule, backend_class, monkeypatch, steps=2):
                 for a, b in zip(mine.module.parameters(), plain.module.parameters()):
                     equal &= torch.equal(a.grad, b.grad)
                     a.grad = b.grad = None
+        assert cuda.synchronizations == 0  # the steps never wait for the whole device
         torch.cuda.synchronize()
     return cuda, equal, run.moved_bytes
 
@@ -169,3 +171,66 @@ def test_a_forward_on_another_stream_is_refused(chain, monkeypatch):
         run = Offloaded(spec.module, chain, schedules(chain)["everything"], backend="cuda")
         with torch.cuda.stream(torch.cuda.Stream()), pytest.raises(RuntimeError, match="one compute stream"):
             run(*spec.args)
+
+
+# -- the CUDA meter on the fake allocator's counters --------------------------------------
+
+MiB = 2**20
+
+
+def metered(allocator: FakeAllocator, step: list[int]) -> CudaMeter:
+    """One metered block: ``step``'s allocations (negative: frees), a boundary after each."""
+    with CudaMeter(torch.device("cuda", 0)) as meter:
+        for nbytes in step:
+            allocator.allocate(nbytes) if nbytes > 0 else allocator.free(-nbytes)
+            meter.boundary()
+    return meter
+
+
+@pytest.mark.parametrize("prior_peak,step,peak_after", [
+    (10 * MiB, [3 * MiB, -3 * MiB], 10 * MiB),  # the user's earlier peak survives the resets
+    (2 * MiB, [3 * MiB, -3 * MiB], 4 * MiB),  # the block's own peak (1 MiB live + 3 MiB), not its last interval's
+])
+def test_the_meter_leaves_the_devices_peak_as_it_was(monkeypatch, prior_peak, step, peak_after):
+    allocator = FakeAllocator(monkeypatch, allocated=MiB, peak=prior_peak, reserved=12 * MiB)
+    meter = metered(allocator, step)
+    assert torch.cuda.max_memory_allocated() == peak_after
+    assert allocator.reserved == 12 * MiB  # served from the cache: no new device memory
+    assert meter.reserved_peak == 12 * MiB
+
+
+def test_the_meter_says_so_when_it_cannot_restore_the_peak(monkeypatch):
+    allocator = FakeAllocator(monkeypatch, allocated=MiB, peak=10 * MiB, reserved=4 * MiB)
+    with pytest.warns(UserWarning, match="peak before and during the metered steps was 10485760 B"):
+        meter = metered(allocator, [3 * MiB, -3 * MiB])
+    assert allocator.touched == [] and allocator.reserved == 4 * MiB
+    assert meter.reserved_peak == 4 * MiB
+
+
+def test_after_a_cuda_error_the_original_error_is_raised(monkeypatch):
+    """A CUDA error is sticky: every later call fails too.  The meter's exit touches nothing
+    then, so the user sees the error of the step, not one of the clean-up."""
+    allocator = FakeAllocator(monkeypatch, allocated=MiB, peak=10 * MiB, reserved=12 * MiB)
+    with pytest.raises(ValueError, match="the step's own error"):
+        with CudaMeter(torch.device("cuda", 0)):
+            allocator.allocate(MiB)
+            allocator.sticky = True
+            raise ValueError("the step's own error")
+
+
+def test_the_clock_marks_its_own_devices_stream(monkeypatch):
+    """Profiling on ``cuda:1`` while ``cuda:0`` is current must time ``cuda:1``'s work: the
+    clock records its events on that device's stream, never on whatever is current."""
+    recorded = []
+
+    class Event:
+        def __init__(self, **_):
+            pass
+
+        def record(self, stream=None):
+            recorded.append(stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    clock = Clock(torch.device("cuda", 1))
+    clock.mark(), clock.mark()
+    assert recorded == ["stream of cuda:1"] * 2

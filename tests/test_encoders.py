@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from offload.executor.train import TrainOptions, train
 from offload.cli import main
@@ -156,3 +158,33 @@ def test_an_encoder_is_never_put_on_another_storage(chains):
     encoders[unit][index] = dataclasses.replace(encoders[unit][index], nbytes=encoders[unit][index].nbytes + 4)
     with pytest.raises(ChainMismatch, match=f"storage #{index} of U{unit} is .* chosen for a"):
         run(*spec.args)
+
+
+# ops that make a GPU wait for the host or the host for the GPU: a value read back (item,
+# nonzero, masked_select, boolean indexing), or host data copied up (a tensor from a list)
+_SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "lift_fresh"}
+
+
+class _Syncs(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _SYNCING or (name.startswith("index") and any(
+                isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tree_flatten((args, kwargs))[0][1:])):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["sign-mask", "bf16", "sparse"])
+def test_which_encoders_synchronize(name):
+    """``sign-mask`` and ``bf16`` run in the executor's hooks without one op that would make a
+    GPU synchronize; ``sparse`` reads its non-zero count back once to size its blob."""
+    x = torch.relu(torch.randn(4099))
+    encoder = ENCODERS[name]
+    encoder.encode(x)  # the bit weights are made once per device, before the steps
+    with _Syncs() as syncs:
+        encoder.decode(encoder.encode(x), x.dtype, x.numel())
+    assert (syncs.seen == []) == (name != "sparse"), syncs.seen

@@ -25,6 +25,9 @@ def test_cuda_streams_keep_gradients_bit_exact(model, options):
     assert m["peak_activation_bytes"] <= p["peak_bytes"] + 16 * 2**20  # allocator rounding and workspaces
     assert m["leaked_bytes_after_step"] <= 2**20
     assert len(set(m["host_allocations"])) == 1
+    assert m["warmup_s"] > 0 and len(m["step_s"]["all"]) == 3  # step 1 left out of the step times
+    assert m["peak_reserved_bytes"] >= m["peak_bytes"]
+    assert torch.cuda.max_memory_allocated() >= m["peak_bytes"]  # the meters' resets undone
 
 
 def test_cuda_copies_overlap_compute_in_the_trace(tmp_path):

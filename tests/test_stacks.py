@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,11 @@ from offload.solver.methods import Options, solve
 from offload.solver.schedule import Offload, make_schedule
 from offload.solver.schedulefile import save_schedule
 from offload.solver.simulate import simulate
+from tests.runs import recomputing
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINTED = str(ROOT / "tests" / "models" / "checkpointed.py") + ":build"
+ODD_SAVES = str(ROOT / "tests" / "models" / "odd_saves.py") + ":build"
 GPT = {"layers": 2, "width": 32, "heads": 4, "seq": 16, "vocab": 50}
 MLP = {"layers": 3, "width": 256, "features": 64, "classes": 10}
 TOLERANCE = 64 * 1024
@@ -341,3 +344,59 @@ def test_an_in_place_write_to_a_saved_tensor_is_refused(chains):
         spec.loss(run(*spec.args)).backward()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # as without offloading
         spec.loss(spec.module(*spec.args)).backward()
+
+
+def test_a_second_backward_through_one_forward(chains):
+    """``retain_graph``: with nothing moved the second backward runs as without offloading;
+    once a unit is moved (or encoded, or recomputed) it was released as the first backward
+    read it, and the second is refused in words rather than failing on a missing tensor."""
+    chain = chains["mlp"]
+    for schedule, refused in ((make_schedule(chain, []), False), (everything(chain), True)):
+        spec, plain = resolve("mlp", 2, MLP), resolve("mlp", 2, MLP)
+        run = Offloaded(spec.module, chain, schedule, backend="cpu-lazy")
+        loss = spec.loss(run(*spec.args))
+        loss.backward(retain_graph=True)
+        if refused:
+            with pytest.raises(RuntimeError, match="a second backward through one forward"):
+                loss.backward()
+            continue
+        loss.backward()
+        reference = plain.loss(plain.module(*plain.args))
+        reference.backward(retain_graph=True), reference.backward()
+        for a, b in zip(spec.module.parameters(), plain.module.parameters()):
+            assert torch.equal(a.grad, b.grad)
+
+
+def test_tensors_no_copy_engine_can_move_stay_where_they_are():
+    """A saved tensor on another device, a sparse one and a subclass are never part of a
+    unit, in the profile as in the run: offloading everything else is exact.  (The blocks
+    are custom ``autograd.Function``s, whose ``apply`` no torch-function mode sees: the
+    capture follows the autograd graph to cut between them.)"""
+    chain = profile(ODD_SAVES, ProfileOptions(batch=8, repeats=1, warmup=1)).chain
+    activation = 8 * 64 * 4
+    # a block's unit: the linear's input (none in block 1: the batch) and the Function's x
+    assert [s.saved_bytes for s in chain.stages[:4]] == [activation] + [2 * activation] * 3
+    check_train(chain, everything(chain))
+
+
+@pytest.mark.parametrize("name", ["everything", "blocks+offload"])
+def test_the_backward_on_another_thread(name):
+    """On CUDA autograd runs the backward on its device thread, which shares no thread-local
+    with the forward's: here each step's backward runs on a thread of its own, offloading
+    and recomputing (dropout on, its random numbers replayed) bit for bit as without it."""
+    options = {**GPT, "dropout": 0.1}
+    chain = profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=options)).chain
+    sched = everything(chain) if name == "everything" else recomputing(chain)[name]
+    mine, plain = resolve("gpt", 2, options), resolve("gpt", 2, options)
+    run = Offloaded(mine.module, chain, sched, backend="cpu-lazy")
+    for step in range(2):
+        torch.manual_seed(step)
+        loss = mine.loss(run(*mine.args))
+        worker = threading.Thread(target=loss.backward)
+        worker.start(), worker.join()
+        torch.manual_seed(step)
+        plain.loss(plain.module(*plain.args)).backward()
+        for a, b in zip(mine.module.parameters(), plain.module.parameters()):
+            assert torch.equal(a.grad, b.grad)
+            a.grad = b.grad = None
+    assert run.moved_bytes[0] > 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Iterable, Iterator
 
@@ -58,13 +59,12 @@ class CpuMeter(TorchDispatchMode):
 
     def track(self, tensors: Iterable[Any]) -> None:
         """Count tensors that exist before the step (weights, gradients, optimizer state, inputs)."""
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                self._register(t)
+        for t in _held(tensors):
+            self._register(t)
 
     def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these storages (the executor's host arena is host memory, not device memory)."""
-        for t in tensors:
+        for t in _held(tensors):
             self._ignore(t)
 
     def _ignore(self, t: torch.Tensor) -> None:
@@ -76,8 +76,6 @@ class CpuMeter(TorchDispatchMode):
             self._finalizers.append(weakref.finalize(storage, self._ignored.discard, key))
 
     def _register(self, t: torch.Tensor) -> None:
-        if t.device.type != "cpu" or t.is_meta:
-            return
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         key = storage._cdata
@@ -95,20 +93,18 @@ class CpuMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         out = func(*args, **(kwargs or {}))
+        made = _held(tree_flatten(out)[0])
         if getattr(_host, "active", False):  # host memory that stands in for pinned memory
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self._ignore(t)
+            for t in made:
+                self._ignore(t)
             return out
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                key = t.untyped_storage()._cdata if t.device.type == "cpu" else None
-                if key in inputs and key not in self._tracked:
-                    self._ignore(t)  # a view of a tensor from before the step: not allocated here
-                else:
-                    self._register(t)
+        inputs = {t.untyped_storage()._cdata for t in _held(tree_flatten((args, kwargs))[0])}
+        for t in made:
+            key = t.untyped_storage()._cdata
+            if key in inputs and key not in self._tracked:
+                self._ignore(t)  # a view of a tensor from before the step: not allocated here
+            else:
+                self._register(t)
         return out
 
     def boundary(self) -> tuple[int, int]:
@@ -125,11 +121,44 @@ class CpuMeter(TorchDispatchMode):
         self._tracked.clear()
 
 
+_PARTS = {torch.sparse_coo: ("_indices", "_values"), torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+          torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+          torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+          torch.sparse_bsc: ("ccol_indices", "row_indices", "values")}
+
+
+def _held(objects: Iterable[Any]) -> list[torch.Tensor]:
+    """The strided CPU tensors whose storages hold the bytes of the tensors in ``objects``: a
+    sparse tensor has no storage of its own, its index and value tensors do."""
+    out = []
+    for t in objects:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            continue
+        if t.layout == torch.strided:
+            out.append(t)
+        else:
+            out.extend(_held(getattr(t, part)() for part in _PARTS.get(t.layout, ())))
+    return out
+
+
 class CudaMeter:
-    """The CUDA caching allocator's counters (all tensors on the device, workspaces included)."""
+    """The CUDA caching allocator's counters (all tensors on the device, workspaces included).
+
+    An interval's peak needs the allocator's peak counters reset at each boundary, and those
+    counters are the process's: a user who reads ``torch.cuda.max_memory_allocated()`` after a
+    metered block would get the block's last interval.  So the meter notes the peak the
+    device had before its first reset, and on a clean exit raises the counter back to the
+    larger of that and its own highest reading, with one allocation freed at once, served
+    from a free block of the allocator's cache (no new device memory; without one it warns
+    instead).  After a failure it touches nothing: a CUDA error is sticky, and another call
+    would raise over the original.  ``reserved_peak`` is the most the allocator held from
+    the device meanwhile (its slack included: what ``nvidia-smi`` sees of this process)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.reserved_peak = 0
+        self._prior: int | None = None  # the allocated-bytes peak before the meter's first reset
+        self._highest = 0  # the meter's highest reading
 
     def track(self, tensors: Iterable[Any]) -> None:  # the allocator already sees everything
         pass
@@ -141,35 +170,75 @@ class CudaMeter:
     def live(self) -> int:
         return torch.cuda.memory_allocated(self.device)
 
+    def _reset(self) -> None:
+        if self._prior is None:
+            self._prior = torch.cuda.max_memory_allocated(self.device)
+        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+
     def boundary(self) -> tuple[int, int]:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self._highest = max(self._highest, peak)
+        self._reset()
         return peak, self.live
 
     def __enter__(self) -> "CudaMeter":
         torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self._reset()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        pass
+    def __exit__(self, failed: type | None, *exc: Any) -> None:
+        if failed is None:
+            self._restore_peak()
+
+    def _restore_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
+        target = max(self._prior or 0, self._highest)
+        need = target - torch.cuda.memory_allocated(self.device)
+        if need <= 0 or torch.cuda.max_memory_allocated(self.device) >= target:
+            return
+        if not _cached_block_fits(self.device, need):
+            warnings.warn(f"the allocator's peak counters were reset to meter each op; the device's allocated-bytes "
+                          f"peak before and during the metered steps was {target} B "
+                          "(torch.cuda.max_memory_allocated() now reports less)", stacklevel=3)
+            return
+        _touch(self.device, need)
 
     def close(self) -> None:
         pass
+
+
+def _cached_block_fits(device: torch.device, nbytes: int) -> bool:
+    """Whether the allocator can serve ``nbytes`` on the current stream from a free cached
+    block, without asking the device for more (blocks up to 1 MiB come from the small pool)."""
+    pool = "small" if nbytes <= 1 << 20 else "large"
+    stream = torch.cuda.current_stream(device).cuda_stream
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return any(block["state"] == "inactive" and block["size"] >= nbytes
+               for segment in torch.cuda.memory_snapshot()
+               if segment.get("device", index) == index and segment.get("stream", stream) == stream
+               and segment.get("segment_type") == pool
+               for block in segment["blocks"])
+
+
+def _touch(device: torch.device, nbytes: int) -> None:
+    """Allocate ``nbytes`` on the device and free them: the peak counter now includes them."""
+    torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 class Clock:
     """Timestamps at boundaries; ``intervals()`` gives the seconds between consecutive marks."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         self.marks: list[Any] = []
 
     def mark(self) -> None:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))  # this device's, whichever is current
             self.marks.append(ev)
         else:
             self.marks.append(time.perf_counter())

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from offload.core.devices import persistent_tensors
-from offload.core.meters import make_meter
+from offload.core.meters import CudaMeter, make_meter
 from offload.core.staging import Site, Staging, unwrap
 from offload.errors import ChainMismatch
 from offload.models.spec import signature
@@ -139,7 +139,10 @@ class Offloaded(nn.Module):
         out, as in the chain; the bytes moved and the seconds, per step, the optimizer step
         included) and ``predicted`` (the simulator's activation peak, bytes moved and step
         time).  On a GPU the allocator's counters measure (each op boundary synchronizes the
-        device); on the CPU exact tensor accounting does, which slows the steps."""
+        device; ``peak_reserved_bytes`` is what the allocator held, its slack included; the
+        steps' time includes the first, so warm up before the block; the device's peak
+        counter ``torch.cuda.max_memory_allocated()`` is restored after it); on the CPU exact
+        tensor accounting does, which slows the steps."""
         device = self.runtime.device
         meter = make_meter(device)
         meter.ignore(self.runtime.arena.chunks)  # host memory, even when the device is the CPU
@@ -161,7 +164,8 @@ class Offloaded(nn.Module):
         report.update(steps=done, measured={
             "peak_bytes": max(op_peaks.values(), default=start) - start, "step_s": seconds / per,
             "d2h_bytes_per_step": (self.moved_bytes[0] - moved[0]) // per,
-            "h2d_bytes_per_step": (self.moved_bytes[1] - moved[1]) // per},
+            "h2d_bytes_per_step": (self.moved_bytes[1] - moved[1]) // per,
+            **({"peak_reserved_bytes": meter.reserved_peak} if isinstance(meter, CudaMeter) else {})},
             predicted={"peak_bytes": sim.peak_bytes, "step_s": sim.makespan_s, "d2h_bytes_per_step": sim.d2h_bytes,
                        "h2d_bytes_per_step": sim.h2d_bytes})
 

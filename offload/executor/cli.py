@@ -24,9 +24,12 @@ def _print_report(r: dict) -> None:
     print(f"{'':<14}{'measured':>16}{'predicted':>16}")
     if m["step_s"] is not None:
         print(f"{'step time':<14}{format_seconds(m['step_s']['median']):>16}{format_seconds(p['makespan_s']):>16}"
-              f"   (min {format_seconds(m['step_s']['min'])}, max {format_seconds(m['step_s']['max'])})")
+              f"   (min {format_seconds(m['step_s']['min'])}, max {format_seconds(m['step_s']['max'])}"
+              + (f"; step 1, a warm-up, {format_seconds(m['warmup_s'])} left out)" if "warmup_s" in m else ")"))
     print(f"{'peak memory':<14}{format_bytes(m['peak_bytes']):>16}{format_bytes(p['peak_bytes']):>16}"
           + (f"   budget {format_bytes(r['budget_bytes'])} ({r['budget_scope']})" if r["budget_bytes"] else ""))
+    if "peak_reserved_bytes" in m:
+        print(f"{'reserved':<14}{format_bytes(m['peak_reserved_bytes']):>16}   by the allocator (its slack included)")
     print(f"{'D2H per step':<14}{format_bytes(m['d2h_bytes_per_step']):>16}{format_bytes(p['d2h_bytes']):>16}")
     print(f"{'H2D per step':<14}{format_bytes(m['h2d_bytes_per_step']):>16}{format_bytes(p['h2d_bytes']):>16}")
     print(f"{'host arena':<14}{format_bytes(m['host_arena_bytes']):>16}")

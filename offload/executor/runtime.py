@@ -33,7 +33,8 @@ the buffer of the handle with the same place in the stage's saves.
 
 A handle points at its own step, so a step's backward may run after later forwards have
 started; but a forward while an earlier step's graph is alive and its backward unfinished
-is refused (the schedule covers one forward and backward at a time).
+is refused (the schedule covers one forward and backward at a time), and so is a second
+backward through one forward (``retain_graph``: what the first read is gone).
 """
 from __future__ import annotations
 
@@ -277,6 +278,10 @@ class _Step(StageListener):
     def backward_boundary(self, k: int) -> None:
         L = self.plan.L
         if k == L:
+            if self.backward_started and self.stored:
+                raise RuntimeError("a second backward through one forward (retain_graph=True): the step released "
+                                   "what it moved, encoded or recomputed as the first backward read it; run the "
+                                   "forward again for each backward (or call torch.autograd.grad once for all)")
             self.backward_started = True
             self.runtime.read(f"F{L}")  # the last stage and the loss
             self._release(L)

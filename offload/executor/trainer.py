@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from offload.core.devices import persistent_tensors, running
-from offload.core.meters import make_meter
+from offload.core.meters import CudaMeter, make_meter
 from offload.errors import OffloadError, OutOfMemory
 from offload.models.spec import ModelSpec, tensors_in
 
@@ -39,6 +39,8 @@ class Run:
     allocations: list[int] = field(default_factory=list)  # host arena buffers so far, after each step
     op_peaks: dict[str, int] = field(default_factory=dict)  # first step, per op (with the probe)
     metered_step_s: list[float] = field(default_factory=list)  # CPU: the metered steps' times (not step_s)
+    warmup_s: float | None = None  # GPU: step 1, left out of step_s (kernel selection, allocator growth)
+    reserved: list[int] = field(default_factory=list)  # GPU: the allocator's most reserved bytes, per step
 
     @property
     def steps_run(self) -> int:
@@ -51,6 +53,8 @@ class Run:
         times = {"median": statistics.median(self.step_s), "min": min(self.step_s), "max": max(self.step_s),
                  "all": self.step_s} if self.step_s else None
         return {"step_s": times, **({"metered_step_s": self.metered_step_s} if self.metered_step_s else {}),
+                **({"warmup_s": self.warmup_s} if self.warmup_s is not None else {}),
+                **({"peak_reserved_bytes": max(self.reserved)} if self.reserved else {}),
                 "peak_bytes": max(self.peaks) + base, "peak_activation_bytes": max(self.peaks),
                 "leaked_bytes_after_step": max(self.leaks), "leaked_by_step": self.leaks}
 
@@ -106,10 +110,15 @@ class Trainer:
                 hooks: StepHooks | None = None, runtime: OffloadRuntime | None = None,
                 probe: bool = False) -> tuple[Run, OffloadError | None]:
         """``steps`` steps with memory metered, then (on the CPU) ``steps`` more timed without the
-        meter.  On running out of memory: the steps before it, and the error.  With ``probe``, the
+        meter, after the metered ones warmed up; on a GPU the metered steps are timed, the first
+        left out as a warm-up (``warmup_s``).  On running out of memory: the steps before it,
+        and the error.  With ``probe``, the
         first step's memory is read at every op's end too (``run.op_peaks``, from ``runtime``)."""
         run, error = self._metered(steps, forward, wrap, hooks or StepHooks(), runtime, probe)
-        if error is None and self.device.type != "cuda":
+        if self.device.type == "cuda":
+            if len(run.step_s) > 1:  # the first step is a warm-up (kernel choice, allocator growth)
+                run.warmup_s, run.step_s = run.step_s[0], run.step_s[1:]
+        elif error is None:
             run.metered_step_s = run.step_s
             run.step_s, error = self._timed(steps, forward, wrap)
         return run, error
@@ -183,3 +192,5 @@ class _Metering:
         self.run.peaks.append(peak - m0)
         self.run.leaks.append(live - m0)
         self.run.allocations.append(self.runtime.arena.allocations if self.runtime else 0)
+        if isinstance(meter, CudaMeter):
+            self.run.reserved.append(meter.reserved_peak)

@@ -89,13 +89,41 @@ class _Recorder(TorchFunctionMode):
         self.count: Counter[str] = Counter()
         self.calls: list[CallRecord] = []
         self.open: list[tuple[str, int, int]] = []  # (module, occurrence, depth) of the calls running now
+        self.fn_nodes: dict[Any, int] = {}  # autograd node of a recorded output -> its graph node
 
     # -- values
     def _lookup(self, t: torch.Tensor) -> tuple[int | None, bool]:
         entry = self.values.get(id(t))
         if entry is None or entry[0]() is not t:
             return None, False
+        if entry[1] is None and entry[2] and t.requires_grad and t.grad_fn is not None:
+            # a custom autograd.Function's output: its forward ran without grad (no node), its
+            # ``apply`` is no torch function (the mode never sees it); the autograd graph links it
+            node = self._node_of(t.grad_fn)
+            self.values[id(t)] = (entry[0], node, True)
+            return node, True
         return entry[1], entry[2]
+
+    def _node_of(self, fn: Any) -> int | None:
+        """The graph node of autograd node ``fn``: one recorded, or a new one (a custom
+        Function's backward) whose edges come from the nodes its inputs' autograd nodes are."""
+        if fn is None or type(fn).__name__ == "AccumulateGrad":  # a leaf: a parameter, not an activation
+            return None
+        if fn in self.fn_nodes:
+            return self.fn_nodes[fn]
+        producers = {self._node_of(before) for before, _ in fn.next_functions} - {None}
+        node = len(self.order)
+        inner = self.stack[-1] if self.stack else ""
+        name = type(fn).__name__.removesuffix("Backward")
+        self.graph.add_node(node, op=name, module=inner, kind=self.kinds[inner] if inner else _kind(name),
+                            params=any(type(b).__name__ == "AccumulateGrad" for b, _ in fn.next_functions))
+        self.order.append(node)
+        for producer in producers:
+            self.graph.add_edge(producer, node)
+        if not producers:
+            self.graph.add_edge(SOURCE, node)
+        self.fn_nodes[fn] = node
+        return node
 
     def mark_inputs(self, inputs: Any) -> None:
         """The model's inputs: the data every activation comes from."""
@@ -127,6 +155,8 @@ class _Recorder(TorchFunctionMode):
                 self.graph.add_edge(SOURCE, node)
         for t in outs:
             self.values[id(t)] = (weakref.ref(t), node if t.requires_grad else None, from_data)
+            if node is not None and t.grad_fn is not None:
+                self.fn_nodes.setdefault(t.grad_fn, node)
         return out
 
     # -- module calls

@@ -31,7 +31,7 @@ from offload.core.devices import persistent_tensors
 from offload.core.encoders import ENCODERS, encoded_size, flat_storage
 from offload.core.meters import make_meter
 from offload.core.staging import StageListener
-from offload.core.units import Saved, UnitTracker, storage_key
+from offload.core.units import Saved, UnitTracker, plain, storage_key
 from offload.models.spec import tensors_in
 from offload.solver.chain import EncodedTensor, Encoding
 
@@ -70,7 +70,8 @@ class _Numbering(StageListener):
         self.outputs: set[int] = set()
 
     def stage_output(self, k: int, x: torch.Tensor) -> None:
-        self.outputs.add(storage_key(x))
+        if plain(x):
+            self.outputs.add(storage_key(x))
 
     def forward_boundary(self, k: int) -> None:
         if k < self.L:
@@ -94,7 +95,7 @@ def _readers(root: Any) -> dict[int, set[tuple[str, str]]]:
             except RuntimeError:  # freed or not a tensor
                 continue
             for t in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and plain(t):  # the rest is never in a unit
                     found.setdefault(storage_key(t), set()).add((kind, name))
         todo.extend(fn for fn, _ in getattr(node, "next_functions", ()))
     return found

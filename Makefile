@@ -65,7 +65,7 @@ gpu: $(STAMP)
 	$(PY) -m experiments.profile_zoo --device cuda
 	$(PY) -m experiments.reproduce
 	$(PY) -m experiments.encodings
-	$(PY) -m pytest -q -m gpu tests/test_executor_gpu.py
+	$(PY) -m pytest -q -m "gpu or cudashim" tests/test_executor_gpu.py tests/test_cudashim.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis demo

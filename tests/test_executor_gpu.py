@@ -57,3 +57,13 @@ def test_cuda_lossless_encodings_keep_gradients_bit_exact():
         assert error is None and report["grads_match"] is True
         m, p = report["measured"], report["predicted"]
         assert m["peak_activation_bytes"] <= p["peak_bytes"] + 16 * 2**20
+
+
+@pytest.mark.parametrize("name", ["everything", "solved", "late-release", "recompute"])
+def test_the_fake_cuda_schedules_on_real_cuda(name):
+    """The schedules ``tests/test_cudashim.py`` runs on the fake CUDA, on the real one."""
+    from test_cudashim import GPT, schedules
+
+    chain = profile("gpt", ProfileOptions(batch=2, device="cuda", repeats=1, warmup=1, options=GPT)).chain
+    report, error = train(None, chain, schedules(chain)[name], TrainOptions(steps=3, device="cuda", check_grads=True))
+    assert error is None and report["grads_match"] is True

@@ -105,8 +105,19 @@ def test_joint_ilp_equals_brute_force(cb):
     assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget, recompute=True), rel=REL)
 
 
+@settings(max_examples=6, **SETTINGS)
+@given(chain_and_budget(min_stages=5, max_stages=5, inputs=True))
+def test_joint_ilp_equals_brute_force_on_five_stages(cb):
+    """Five stages: 3^4 sets of runs, each with every offload of the stages it leaves (a
+    fraction of a second per chain, so a few chains)."""
+    chain, budget = cb
+    res = solve(chain, budget, "ilp", JOINT)
+    assert res.status == "optimal"
+    assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget, recompute=True), rel=REL)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(chain_and_budget(min_stages=2, max_stages=4, inputs=True, below=True))
+@given(chain_and_budget(min_stages=2, max_stages=5, inputs=True, below=True))
 def test_joint_ilp_equals_brute_force_below_the_offload_floor(cb):
     """Under the offloading floor: the MILP's optimum is the brute force's, and where nothing
     fits both say so."""

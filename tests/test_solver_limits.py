@@ -194,12 +194,8 @@ def test_a_solve_deaf_to_its_cancel_is_abandoned_at_the_deadline(monkeypatch):
     class Deaf:
         cancelled = False
 
-        def startSolve(self):
-            pass
-
-        def wait(self, timeout):
-            time.sleep(timeout)
-            return False, None
+        def run(self):
+            time.sleep(3)  # a presolve that looks at no callback
 
         def cancelSolve(self):
             self.cancelled = True
@@ -212,3 +208,35 @@ def test_a_solve_deaf_to_its_cancel_is_abandoned_at_the_deadline(monkeypatch):
     s.callSolver(lp)
     assert deaf.cancelled and s.abandoned and time.perf_counter() - t0 < 5
     assert s.findSolutionValues(lp) == (pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound)
+
+
+def test_a_solve_still_running_elsewhere_does_not_stop_the_next():
+    """A solve abandoned at its deadline (HiGHS's presolve heeds no interrupt) runs on on its
+    own thread.  highspy keeps ``startSolve``'s "running" lock on its class, so with it every
+    later solve in the process failed ("Solver is already running", 1 of 80 cells of the
+    recomputation experiment); each solve here runs on a thread of its own, with no such lock."""
+    import highspy
+    import numpy as np
+
+    busy = highspy.Highs()
+    busy.setOptionValue("output_flag", False)
+    busy.setOptionValue("time_limit", 60.0)
+    # a market split instance (Cornuejols and Dawande): 4 equations over 40 binaries, famously
+    # hard for branch and bound; HiGHS works on it until cancelled
+    rows, n = 4, 40
+    a = np.random.default_rng(0).integers(0, 100, size=(rows, n)).astype(float)
+    rhs = np.floor(a.sum(axis=1) / 2)
+    busy.passModel(n, rows, rows * n, int(highspy.MatrixFormat.kRowwise), int(highspy.ObjSense.kMinimize), 0.0,
+                   np.zeros(n), np.zeros(n), np.ones(n), rhs, rhs, np.arange(0, rows * n + 1, n, dtype=np.int32),
+                   np.tile(np.arange(n, dtype=np.int32), rows), a.ravel(), np.ones(n, dtype=np.int32))
+    busy.HandleUserInterrupt = True
+    busy.startSolve()
+    try:
+        assert busy.is_solver_running()
+        chain = synthetic_chain(6, seed=1)
+        res = solve(chain, _budget(chain, 0.3), "ilp", Options(time_limit_s=20, heuristic_time_s=0.05))
+        assert _ran(res), res.info
+        assert busy.is_solver_running()  # the two ran at once
+    finally:
+        busy.cancelSolve()
+        busy.wait()

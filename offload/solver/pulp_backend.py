@@ -7,7 +7,10 @@ What "honestly" takes with PuLP 3.3 and highspy 1.16:
   (``Option 'threads' is set to 1 but the scheduler has already been initialized``) and
   PuLP reads that refusal as "no solution in time".  Every solve here runs on a fresh
   thread (highspy's ``startSolve``), so each one gets the scheduler it asks for, in any
-  process, whatever ran before.  A solve HiGHS refuses to run raises ``SolverFailure``.
+  process, whatever ran before.  The thread is this module's own, not highspy's
+  ``startSolve``: highspy keeps that one's "a solve is running" lock on its class, so one
+  abandoned solve (below) made every later solve in the process fail.  A solve HiGHS
+  refuses to run raises ``SolverFailure``.
 * **Statuses.** After a time limit PuLP reports "Optimal" for any incumbent; here
   ``proven`` is HiGHS's own ``kOptimal``, a solution exists only when HiGHS says its
   primal solution is feasible, and ``stop`` says why the solver stopped.  Values are
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -145,25 +149,31 @@ class _Highs(pulp.HiGHS):
     def callSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802
         """Solve on a fresh thread (its own scheduler); cancel at the deadline or on Ctrl-C."""
         h = lp.solverModel
-        h.HandleUserInterrupt = True
-        h.startSolve()
+        h.HandleUserInterrupt = True  # HiGHS's interrupt callback reads the flag ``cancelSolve`` sets
+        finished = threading.Event()
+        outcome: dict[str, highspy.HighsStatus] = {}
+
+        def solve() -> None:
+            try:
+                outcome["status"] = h.run()  # the C++ solve itself (highspy's ``solve`` wraps it in its lock)
+                highspy.Highs.resetThreadScheduler(False)  # this thread's scheduler ends with it
+            finally:
+                finished.set()
+        threading.Thread(target=solve, name="highs-solve", daemon=True).start()
         cancelled_at = None
         try:
-            while True:
-                done, status = h.wait(_POLL_S)
-                if done:
-                    break
+            while not finished.wait(_POLL_S):
                 if cancelled_at is None and self.deadline is not None and self.deadline.expired():
                     h.cancelSolve()
                     cancelled_at = time.perf_counter()
                 elif cancelled_at is not None and time.perf_counter() - cancelled_at > _CANCEL_GRACE_S:
-                    status = highspy.HighsStatus.kWarning  # deaf to the interrupt (presolve): left to finish
-                    self.abandoned = True
+                    self.abandoned = True  # deaf to the interrupt (presolve): left to finish
                     break
         except KeyboardInterrupt:  # the solve thread stops at its next callback (not inside presolve);
             h.cancelSolve()  # it holds its own reference to ``h``, so nothing here waits for it
             raise
-        self.run_status = status
+        self.run_status = outcome.get("status", highspy.HighsStatus.kWarning if self.abandoned else
+                                      highspy.HighsStatus.kError)
 
     def findSolutionValues(self, lp: pulp.LpProblem) -> tuple[int, int]:  # noqa: N802
         if self.abandoned:  # its thread still runs: nothing of it may be read

@@ -8,15 +8,16 @@ platform and on the link-bound what-if (``reproduce.link_bound``), at 25%, 35%, 
 MILP (docs/model.md, "Recomputation"): offloading only (``ilp``), recomputation only
 (``recompute-only``), both (``ilp --recompute``); and of the heuristics and policies on
 the joint class (``relax-lp``/``relax-bw`` with recomputation, ``checkpoint-sqrt``,
-``checkpoint-blocks``).  The smallest feasible budget of offloading, and so of the joint
-class, is the floor ``offload show`` prints; the smallest budget of each recompute-only
-policy is its peak (the exact one is not searched for here).
+``checkpoint-blocks``).  The smallest feasible budget of each family: offloading's exact
+floor (what ``offload show`` prints), recompute-only's and the joint class's bisected with
+their MILPs between the joint lower bound and a budget known to be met (``smallest.csv``).
 
-The committed chains carry no ``input_bytes`` (the profiler does not measure a stage's
-input yet), so a recomputation's checkpoint is not counted: recomputation is favoured by
-at most one stage input per run.  Outputs in ``experiments/results/recompute/``:
-``at_budgets.csv`` (one sweep row per platform and cell), ``families.png``; the tables
-are printed.
+The chains carry what the model needs of a recomputation, measured by the profiler: each
+stage's input (the checkpoint), what its unit carries into the next forward, what a
+re-run forward holds, the gradient live as its backward starts (docs/model.md,
+"Recomputation").  Outputs in ``experiments/results/recompute/``: ``at_budgets.csv`` (one
+sweep row per platform and cell), ``smallest.csv``, ``families.png``; the tables are
+printed.
 """
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ from offload.analysis.plots import plot_bars
 from offload.analysis.sweep import sweep
 from offload.solver.fileio import write_csv
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
-from offload.solver.methods import Options
+from offload.errors import InfeasibleBudget
+from offload.solver.chain import Chain
+from offload.solver.methods import Options, solve
 from offload.solver.simulate import simulate
 from offload.solver import checkpointing
 
@@ -60,10 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                 opts = Options(time_limit_s=args.time_limit, heuristic_time_s=1.0, recompute=joint)
                 for r in sweep(chain, budgets, [method], opts, jobs=args.jobs):
                     rows.append({"platform": platform, "family": family, **vars(r)})
-            if platform == "measured":
-                floors.append({"chain": chain.name, "offload_and_joint_floor_share": smallest_feasible_budget(chain) / peak,
-                               **{f"{name}_peak_share": simulate(chain, [], recompute=policy(chain)).peak_bytes / peak
-                                  for name, policy in checkpointing.POLICIES.items()}})
+            if platform == "measured":  # a floor is memory alone: the same on every platform
+                floors.append(_floors(chain, min(args.time_limit, 10)))
             print(f"{platform:<11} {chain.name} done", file=sys.stderr, flush=True)
     write_csv(args.out / "at_budgets.csv", rows)
     write_csv(args.out / "smallest.csv", floors)
@@ -76,8 +77,37 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _floors(chain: Chain, time_limit: float) -> dict:
+    """Each family's smallest feasible budget as a share of the no-offload peak: offloading's
+    exact floor; recompute-only's and the joint class's found by bisection, to half a percent,
+    between the joint lower bound (nothing below it) and the least budget known to
+    be met (the policies' peaks; for the joint class also the other two floors), each step one
+    solve of the family's MILP; and the recompute-only policies' own peaks."""
+    peak = no_offload_peak(chain)
+    lower, offload_floor = smallest_feasible_budget(chain, recompute=True), smallest_feasible_budget(chain)
+    policies = {name: simulate(chain, [], recompute=policy(chain)).peak_bytes
+                for name, policy in checkpointing.POLICIES.items()}
+
+    def bisect(method: str, joint: bool, met: int) -> int:
+        below = lower - 1  # no schedule of any class meets it
+        while met - below > peak // 200:
+            mid = (below + met) // 2
+            try:
+                solve(chain, mid, method, Options(time_limit_s=time_limit, heuristic_time_s=1.0, recompute=joint))
+                met = mid
+            except InfeasibleBudget:  # proven, or no schedule found in the time: the floor found is then high
+                below = mid
+        return met
+    recompute_only = bisect("recompute-only", False, min(peak, *policies.values()))
+    return {"chain": chain.name, "joint_lower_bound_share": lower / peak, "offload_floor_share": offload_floor / peak,
+            "recompute_only_floor_share": recompute_only / peak,
+            "joint_floor_share": bisect("ilp", True, min(offload_floor, recompute_only)) / peak,
+            **{f"{name}_peak_share": b / peak for name, b in policies.items()}}
+
+
 def _print_tables(rows: list[dict], floors: list[dict], names: list[str]) -> None:
-    print("\nsmallest feasible budget, % of the no-offload peak (offloading = joint; the policies' own peaks)")
+    print("\nsmallest feasible budget, % of the no-offload peak (bisected to 0.5% by each family's MILP; the "
+          "policies' own peaks)")
     for f in floors:
         print(f"{f['chain']:<28}" + "".join(f"{k.replace('_share', '')}={100 * v:.1f}%  "
                                             for k, v in f.items() if k != "chain"))

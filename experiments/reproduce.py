@@ -36,7 +36,7 @@ from offload.solver.chainfile import load_chain
 from offload.errors import InfeasibleBudget
 from offload.solver.fileio import write_csv
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
-from offload.solver.methods import METHODS, Options, solve
+from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
 
 from offload.analysis.plots import plot_sweep
 from offload.analysis.sweep import Row, parse_budgets, sweep, write_rows
@@ -109,8 +109,10 @@ def slowdown_panels(rows: list[dict], names: list[str], platforms: Iterable[str]
 
 
 def smallest_of(chain: Chain, method: str, options: Options) -> int | None:
-    """The smallest activation budget ``method`` meets on ``chain`` (bisection for adaptive policies)."""
-    floor, peak = smallest_feasible_budget(chain), no_offload_peak(chain)
+    """The smallest activation budget ``method`` meets on ``chain`` (bisection for adaptive
+    policies, from the lower bound of the class it schedules: recomputing ones go below the
+    offloading floor)."""
+    floor, peak = smallest_feasible_budget(chain, recompute=method in RECOMPUTING), no_offload_peak(chain)
     if method in EXACT:
         return floor
     own = own_smallest_budget(chain, method)

@@ -22,7 +22,7 @@ fallback), never a guess.
 The search (``iterated_search``): a state is a set of offloaded units, a choice of
 encodings and, when recomputation is allowed, a set of recomputed runs.  First-improvement
 descent over drop / add / swap of a unit, toggling one unit's encoding, and recomputing a
-stage instead (a run of one), undoing a run, merging two adjacent runs or splitting one; then, until the time budget is spent, a kick (drop one to three units,
+stage instead (a run of one), undoing a run (its units kept or offloaded), merging two adjacent runs or splitting one; then, until the time budget is spent, a kick (drop one to three units,
 cover the peaks again with random, preferably small, units) and another descent.  The
 kick matters on link-bound chains: several small copies can hide where the least volume,
 a few large copies, cannot (DenseNet-121, link-bound, 85%: 1.34x the optimum before the
@@ -103,7 +103,8 @@ class _Moves:
     """Neighbours of a state: drop, add or swap one unit (swaps between nearby stages on
     long chains, so that a pass fits the time budget), change one unit's encoding, and with
     ``max_run``: recompute one more stage (a run of one, the unit no longer offloaded),
-    undo a run, merge two adjacent runs (up to ``max_run`` stages) or split one.
+    undo a run (its units kept, or offloaded), merge two adjacent runs (up to ``max_run``
+    stages) or split one.
 
     Held as small descriptions and built into states one at a time when read: on a chain of
     10,000 stages there are ~10^5 moves, each a set of thousands of units once built."""
@@ -124,7 +125,8 @@ class _Moves:
                 self.moves += [("encode", i, name) for name in [None] + [e.name for e in es] if name != self.choice.get(i)]
         if max_run:
             self.moves += [("recompute", i) for i in sorted(chain.recomputable) if i not in rebuilt and i not in self.choice]
-            self.moves += [("undo", r) for r in self.runs] + [("split", r) for r in self.runs if r.last > r.first]
+            self.moves += [("undo", r) for r in self.runs] + [("offload", r) for r in self.runs]
+            self.moves += [("split", r) for r in self.runs if r.last > r.first]
             ends = {r.last: r for r in self.runs}
             self.moves += [("merge", ends[r.first - 1], r) for r in self.runs
                            if r.first - 1 in ends and r.last - ends[r.first - 1].first < max_run]
@@ -148,6 +150,8 @@ class _Moves:
             units, runs = units - {args[0]}, runs | {Recompute(args[0], args[0])}
         elif kind == "undo":
             runs = runs - {args[0]}
+        elif kind == "offload":  # the run's units offloaded instead (``recompute``'s inverse)
+            units, runs = units | set(args[0].stages), runs - {args[0]}
         elif kind == "split":
             runs = (runs - {args[0]}) | {Recompute(i, i) for i in args[0].stages}
         else:  # merge

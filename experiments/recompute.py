@@ -28,13 +28,12 @@ from offload.analysis.plots import plot_bars
 from offload.analysis.sweep import sweep
 from offload.solver.fileio import write_csv
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
-from offload.errors import InfeasibleBudget
 from offload.solver.chain import Chain
-from offload.solver.methods import Options, solve
+from offload.solver.methods import Options
 from offload.solver.simulate import simulate
 from offload.solver import checkpointing
 
-from .reproduce import link_bound, slowdown_cell, slowdown_panels, sweep_parser, zoo_chains
+from .reproduce import bisect_budget, link_bound, slowdown_cell, slowdown_panels, sweep_parser, zoo_chains
 
 OUT = Path(__file__).parent / "results" / "recompute"
 SHARES = (0.25, 0.35, 0.5, 0.7)
@@ -88,16 +87,9 @@ def _floors(chain: Chain, time_limit: float) -> dict:
     policies = {name: simulate(chain, [], recompute=policy(chain)).peak_bytes
                 for name, policy in checkpointing.POLICIES.items()}
 
-    def bisect(method: str, joint: bool, met: int) -> int:
-        below = lower - 1  # no schedule of any class meets it
-        while met - below > peak // 200:
-            mid = (below + met) // 2
-            try:
-                solve(chain, mid, method, Options(time_limit_s=time_limit, heuristic_time_s=1.0, recompute=joint))
-                met = mid
-            except InfeasibleBudget:  # proven, or no schedule found in the time: the floor found is then high
-                below = mid
-        return met
+    def bisect(method: str, joint: bool, met: int) -> int:  # below ``lower`` no schedule of any class fits
+        options = Options(time_limit_s=time_limit, heuristic_time_s=1.0, recompute=joint)
+        return bisect_budget(chain, method, options, lower - 1, met, peak // 200)
     recompute_only = bisect("recompute-only", False, min(peak, *policies.values()))
     return {"chain": chain.name, "joint_lower_bound_share": lower / peak, "offload_floor_share": offload_floor / peak,
             "recompute_only_floor_share": recompute_only / peak,

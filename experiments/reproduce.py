@@ -118,20 +118,25 @@ def smallest_of(chain: Chain, method: str, options: Options) -> int | None:
     own = own_smallest_budget(chain, method)
     if own is not None:
         return own
-
-    def fits(budget: int) -> bool:
-        try:
-            solve(chain, budget, method, options)
-            return True
-        except InfeasibleBudget:
-            return False
-    if not fits(peak):
+    try:
+        solve(chain, peak, method, options)
+    except InfeasibleBudget:
         return None
-    lo, hi = floor - 1, peak  # fits(hi), not fits(lo)
-    while hi - lo > max(1, peak // 10_000):
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
+    return bisect_budget(chain, method, options, floor - 1, peak, max(1, peak // 10_000))
+
+
+def bisect_budget(chain: Chain, method: str, options: Options, below: int, met: int, resolution: int) -> int:
+    """The smallest budget in ``(below, met]``, to ``resolution`` bytes, at which ``method`` finds
+    a schedule, given that it finds none at ``below`` and one at ``met`` (a method that may run
+    out of time before finding one makes the result an upper bound)."""
+    while met - below > resolution:
+        mid = (below + met) // 2
+        try:
+            solve(chain, mid, method, options)
+            met = mid
+        except InfeasibleBudget:
+            below = mid
+    return met
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -173,8 +173,11 @@ class CudaMeter:
     def _reset(self) -> None:
         if self._prior is None:
             self._prior = torch.cuda.max_memory_allocated(self.device)
-        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
+        self._note_reserved()
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _note_reserved(self) -> None:
+        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
 
     def boundary(self) -> tuple[int, int]:
         torch.cuda.synchronize(self.device)
@@ -194,7 +197,7 @@ class CudaMeter:
 
     def _restore_peak(self) -> None:
         torch.cuda.synchronize(self.device)
-        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
+        self._note_reserved()
         target = max(self._prior or 0, self._highest)
         need = target - torch.cuda.memory_allocated(self.device)
         if need <= 0 or torch.cuda.max_memory_allocated(self.device) >= target:

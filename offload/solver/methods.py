@@ -148,7 +148,7 @@ def _ilp(ctx: _Context) -> Planned:
     chain, budget, opt = ctx.chain, ctx.budget, ctx.options
     fitting = [p for p in (_relax_lp(ctx), _relax_bw(ctx)) if p is not None]
     if not fitting:  # below the offloading floor with no recomputation found that fits: the MILP decides
-        return _ilp_cold(ctx)
+        return _milp(ctx, None, offload=True)
     warm = min(fitting, key=lambda p: _span(chain, p))
     warm_span = _span(chain, warm)
     options = encoding.allowed(chain, ctx.mode)
@@ -205,11 +205,6 @@ def _recompute_only(ctx: _Context) -> Planned | None:
     fitting = [p for p in (_checkpointing(n)(ctx) for n in checkpointing.POLICIES)
                if p is not None and all(len(r.stages) <= opt.max_run for r in p.recompute)]
     return _milp(ctx, min(fitting, key=lambda p: _span(chain, p), default=None), offload=False)
-
-
-def _ilp_cold(ctx: _Context) -> Planned | None:
-    """The joint MILP without a warm start (no heuristic found a schedule that fits)."""
-    return _milp(ctx, None, offload=True)
 
 
 def _milp(ctx: _Context, warm: Planned | None, offload: bool) -> Planned | None:

@@ -22,8 +22,9 @@ fallback), never a guess.
 The search (``iterated_search``): a state is a set of offloaded units, a choice of
 encodings and, when recomputation is allowed, a set of recomputed runs.  First-improvement
 descent over drop / add / swap of a unit, toggling one unit's encoding, and recomputing a
-stage instead (a run of one), undoing a run (its units kept or offloaded), merging two adjacent runs or splitting one; then, until the time budget is spent, a kick (drop one to three units,
-cover the peaks again with random, preferably small, units) and another descent.  The
+stage instead (a run of one), undoing a run (its units kept or offloaded), merging two
+adjacent runs or splitting one; then, until the time budget is spent, a kick (drop one to
+three units, cover the peaks again with random, preferably small, units) and another descent.  The
 kick matters on link-bound chains: several small copies can hide where the least volume,
 a few large copies, cannot (DenseNet-121, link-bound, 85%: 1.34x the optimum before the
 kick, the optimum with it).  With encodings, the starts are the relaxation on the derived

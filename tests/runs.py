@@ -2,9 +2,19 @@
 checks the executor tests and the real-model tests share."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from offload.executor.train import TrainOptions, train
+from offload.solver.chainfile import save_chain
 from offload.solver.checkpointing import block_runs, sqrt_runs
 from offload.solver.schedule import Offload, make_schedule
+from offload.solver.schedulefile import save_schedule
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TOLERANCE = 64 * 1024  # bytes a measured op may differ from its prediction (held storages dying mid-stage)
 
@@ -43,3 +53,18 @@ def check_run(chain, sched, backend, name):
     assert all(0 <= predicted[op] - measured[op] <= allowance(chain, sched, op) for op in measured), \
         (name, {op: predicted[op] - measured[op] for op in measured if predicted[op] != measured[op]})
     return report
+
+
+def data_parallel(chain, sched, where: Path, modes: list[str], nproc: int = 2, device: str = "cpu") -> dict:
+    """One ``torch.distributed.run`` of ``nproc`` ranks of ``tests/data_parallel_worker.py``
+    (gloo on the CPU, NCCL on CUDA) training the chain's model under every mode with and
+    without ``sched``: rank 0's summary per mode."""
+    save_chain(chain, where / "c.json")
+    save_schedule(sched, chain, where / "s.json")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           str(ROOT / "tests" / "data_parallel_worker.py"), ",".join(modes),
+           str(where / "c.json"), str(where / "s.json"), str(where / "out.json"), device]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((where / "out.json").read_text())

@@ -2,13 +2,23 @@
 within the predicted one plus allocator slack, nothing left behind."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.chainfile import save_chain
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
+from offload.solver.schedule import Offload, make_schedule
+from offload.solver.schedulefile import save_schedule
+from offload.solver.simulate import simulate
+from tests.runs import ROOT, data_parallel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -67,3 +77,27 @@ def test_the_fake_cuda_schedules_on_real_cuda(name):
     chain = profile("gpt", ProfileOptions(batch=2, device="cuda", repeats=1, warmup=1, options=GPT)).chain
     report, error = train(None, chain, schedules(chain)[name], TrainOptions(steps=3, device="cuda", check_grads=True))
     assert error is None and report["grads_match"] is True
+
+
+def test_data_parallel_on_nccl(tmp_path):
+    """DDP on either side of ``Offloaded`` and FSDP2 on NCCL, a rank per GPU (one rank where the
+    machine has one GPU): gradients and weights bit for bit those without offloading, the
+    predicted bytes moved; and ``offload train --nproc`` on the same GPUs."""
+    ranks = min(2, torch.cuda.device_count())
+    chain = profile("gpt", ProfileOptions(batch=2, device="cuda", repeats=1, options={"layers": 2, "width": 64, "heads": 4,
+                                                                                        "seq": 32, "vocab": 100})).chain
+    sched = make_schedule(chain, [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable])
+    sim = simulate(chain, sched.offloads)
+    summary = data_parallel(chain, sched, tmp_path, ["ddp", "ddp-inside", "fsdp2"], nproc=ranks, device="cuda")
+    for mode, out in summary.items():
+        assert out["ranks"] == ranks and out["mismatches"] == 0 and out["ranks_disagree"] == 0, mode
+        assert (out["d2h_bytes"], out["h2d_bytes"]) == (3 * sim.d2h_bytes, 3 * sim.h2d_bytes) != (0, 0), mode
+    save_chain(chain, tmp_path / "c.json")
+    save_schedule(sched, chain, tmp_path / "s.json")
+    done = subprocess.run([sys.executable, "-m", "offload", "train", "--chain", str(tmp_path / "c.json"),
+                           "--schedule", str(tmp_path / "s.json"), "--steps", "3", "--check-grads", "--device", "cuda",
+                           "--nproc", str(ranks), "--report", str(tmp_path / "r.json")],
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ranks"] == ranks and report["grads_match"] is True

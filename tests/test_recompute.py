@@ -116,7 +116,7 @@ def test_joint_ilp_equals_brute_force_on_five_stages(cb):
     assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget, recompute=True), rel=REL)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(chain_and_budget(min_stages=2, max_stages=5, inputs=True, below=True))
 def test_joint_ilp_equals_brute_force_below_the_offload_floor(cb):
     """Under the offloading floor: the MILP's optimum is the brute force's, and where nothing

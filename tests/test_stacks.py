@@ -26,6 +26,7 @@ from offload.solver.methods import Options, solve
 from offload.solver.schedule import Offload, make_schedule
 from offload.solver.schedulefile import save_schedule
 from offload.solver.simulate import simulate
+from tests import runs
 from tests.runs import recomputing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,17 +74,9 @@ MODES = ["ddp", "fsdp2"]  # Offloaded(DDP(m)): offload train --nproc, below
 @pytest.fixture(scope="module")
 def data_parallel(chains, tmp_path_factory):
     """One ``torch.distributed.run`` of two gloo ranks training the GPT under every mode."""
-    chain, where = chains["gpt"], tmp_path_factory.mktemp("ranks")
+    chain = chains["gpt"]
     sched = everything(chain)
-    save_chain(chain, where / "c.json")
-    save_schedule(sched, chain, where / "s.json")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           str(ROOT / "tests" / "data_parallel_worker.py"), ",".join(MODES),
-           str(where / "c.json"), str(where / "s.json"), str(where / "out.json")]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads((where / "out.json").read_text()), simulate(chain, sched.offloads)
+    return runs.data_parallel(chain, sched, tmp_path_factory.mktemp("ranks"), MODES), simulate(chain, sched.offloads)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -147,9 +140,13 @@ def _grads_under(kind, chain, sched, backend, steps=2):
     return grads, inner.moved_bytes
 
 
-@pytest.mark.parametrize("kind", ["outside", "inside", "method"])
-@pytest.mark.parametrize("backend", ["aot_eager", "eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_compiled(chains, kind, backend):
+# every backend and every place in `make test`: inductor in all three (its first compile, ~14 s
+# cold, serves the other two); the other backends' remaining places in `make test-all`
+@pytest.mark.parametrize("backend, kind", [("inductor", k) for k in ("outside", "inside", "method")]
+                         + [("aot_eager", "outside"), ("eager", "method")]
+                         + [pytest.param(b, k, marks=pytest.mark.slow)
+                            for b, k in [("aot_eager", "inside"), ("aot_eager", "method"), ("eager", "outside"), ("eager", "inside")]])
+def test_compiled(chains, backend, kind):
     """Gradients bit for bit those of the same compiled module under the schedule that moves
     nothing (the stage boundaries are graph breaks in both), the predicted bytes moved."""
     chain = chains["gpt"]

@@ -5,6 +5,7 @@ executor's own tests are in test_executor.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -12,9 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from offload.cli import main as offload
 from offload.errors import InfeasibleBudget, ScheduleRejected
 from offload.executor.plan import StepPlan
-from offload.solver.chainfile import chain_from_dict, save_chain
+from experiments.reproduce import link_bound
+from offload.solver import relax
+from offload.solver.chain import Chain
+from offload.solver.chainfile import chain_from_dict, load_chain, save_chain
 from offload.solver.ilp import Model, solve_ilp
-from offload.solver.memory import smallest_feasible_budget
+from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.policy import floor_memory
 from offload.solver.methods import Options, solve
 from offload.solver.schedule import Offload, Recompute, make_schedule
 from offload.solver.schedulefile import schedule_from_dict, schedule_to_dict
@@ -29,7 +34,7 @@ JOINT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.02, recompute=True)
 REL = 1e-7
 
 
-def small_chain(**stage_two) -> "Chain":
+def small_chain(**stage_two) -> Chain:
     """Four stages: 1 ms forward, 2 ms backward, 100-byte units, forward transient 120,
     backward 50, every input 30 bytes (``stage_two``: fields of stage 2 changed)."""
     stages = [{"fwd_s": 0.001, "bwd_s": 0.002, "saved_bytes": 100, "fwd_peak_bytes": 120, "bwd_peak_bytes": 50,
@@ -203,6 +208,39 @@ def test_recomputation_beats_offloading_on_a_slow_link():
     joint = solve(chain, budget, "ilp", JOINT)
     assert joint.schedule.recompute and joint.simulation.makespan_s < offload_only
     assert joint.simulation.makespan_s <= solve(chain, budget, "recompute-only", EXACT).simulation.makespan_s
+
+
+ZOO = Path(__file__).resolve().parent.parent / "experiments" / "chains"
+
+
+def test_relax_trades_a_recomputation_for_an_offload_nearby():
+    """ViT on the link-bound platform at 35% of its peak: the optimum recomputes stages 4, 5, 7
+    and 8 and offloads 3 and 6; from recomputing 3, 5..9 no single move goes downhill (offload
+    3 instead costs 0.1%, then offload 6 instead 13%).  The kicks that give a few nearby
+    stages another option find it."""
+    chain = link_bound(load_chain(ZOO / "vit-b4-64px-cpu.json"))
+    budget = int(0.35 * no_offload_peak(chain))
+    best = solve(chain, budget, "ilp", Options(time_limit_s=60, recompute=True))
+    assert best.status == "optimal"
+    found = solve(chain, budget, "relax-lp", Options(heuristic_time_s=2.0, recompute=True))
+    assert found.simulation.makespan_s <= best.simulation.makespan_s * 1.01
+
+
+def test_the_searchs_run_starts_fit_below_single_stage_runs():
+    """ResNet-101 at 25% of its peak: every stage its own run cannot fit (each run holds its
+    checkpoint until its backward), longer or fewer runs can; every start the search fits
+    leaves a schedule within the budget once the other units are offloaded."""
+    chain = link_bound(load_chain(ZOO / "resnet101-b4-128px-cpu.json"))
+    budget = int(0.25 * no_offload_peak(chain))
+    singles = [Recompute(i, i) for i in sorted(chain.recomputable)]
+    rest = [i for i in chain.offloadable if i not in chain.recomputable]
+    assert floor_memory(chain, rest, singles).max() > budget
+    fitted = [relax._fit_runs(chain, budget, runs, 8, float("inf")) for runs in relax._run_starts(chain, 8)]
+    assert sum(1 for runs in fitted if runs) >= 10
+    for runs in filter(None, fitted):
+        rebuilt = {i for r in runs for i in r.stages}
+        assert all(len(r.stages) <= 8 and chain.can_recompute(r.first, r.last) for r in runs)
+        assert floor_memory(chain, [i for i in chain.offloadable if i not in rebuilt], runs).max() <= budget
 
 
 def test_schedule_format_2_round_trips_and_1_still_loads(small):

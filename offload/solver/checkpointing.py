@@ -25,7 +25,7 @@ def sqrt_runs(chain: Chain) -> list[Recompute]:
     runs = []
     for s in range(1, L + 1, size):
         if s + size - 1 < L:
-            runs += _recomputable_parts(chain, s, s + size - 1)
+            runs += recomputable_parts(chain, s, s + size - 1)
     return runs
 
 
@@ -34,7 +34,7 @@ def block_runs(chain: Chain) -> list[Recompute]:
     return [Recompute(i, i) for i in sorted(chain.recomputable)]
 
 
-def _recomputable_parts(chain: Chain, first: int, last: int) -> list[Recompute]:
+def recomputable_parts(chain: Chain, first: int, last: int) -> list[Recompute]:
     """The maximal runs of recomputable stages within ``first..last``."""
     parts: list[Recompute] = []
     start = None

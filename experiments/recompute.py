@@ -27,13 +27,14 @@ from pathlib import Path
 from offload.analysis.plots import plot_bars
 from offload.analysis.sweep import sweep
 from offload.solver.fileio import write_csv
+from offload.solver.floors import bisect_budget, joint_floor
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.chain import Chain
 from offload.solver.methods import Options
 from offload.solver.simulate import simulate
 from offload.solver import checkpointing
 
-from .reproduce import bisect_budget, link_bound, slowdown_cell, slowdown_panels, sweep_parser, zoo_chains
+from .reproduce import link_bound, slowdown_cell, slowdown_panels, sweep_parser, zoo_chains
 
 OUT = Path(__file__).parent / "results" / "recompute"
 SHARES = (0.25, 0.35, 0.5, 0.7)
@@ -87,13 +88,12 @@ def _floors(chain: Chain, time_limit: float) -> dict:
     policies = {name: simulate(chain, [], recompute=policy(chain)).peak_bytes
                 for name, policy in checkpointing.POLICIES.items()}
 
-    def bisect(method: str, joint: bool, met: int) -> int:  # below ``lower`` no schedule of any class fits
-        options = Options(time_limit_s=time_limit, heuristic_time_s=1.0, recompute=joint)
-        return bisect_budget(chain, method, options, lower - 1, met, peak // 200)
-    recompute_only = bisect("recompute-only", False, min(peak, *policies.values()))
+    # below ``lower`` no schedule of any class fits
+    recompute_only = bisect_budget(chain, "recompute-only", Options(time_limit_s=time_limit, heuristic_time_s=1.0),
+                                   lower - 1, min(peak, *policies.values()), peak // 200)
+    joint = joint_floor(chain, time_limit, 0.005, met=min(offload_floor, recompute_only))
     return {"chain": chain.name, "joint_lower_bound_share": lower / peak, "offload_floor_share": offload_floor / peak,
-            "recompute_only_floor_share": recompute_only / peak,
-            "joint_floor_share": bisect("ilp", True, min(offload_floor, recompute_only)) / peak,
+            "recompute_only_floor_share": recompute_only / peak, "joint_floor_share": joint / peak,
             **{f"{name}_peak_share": b / peak for name, b in policies.items()}}
 
 

@@ -35,6 +35,7 @@ from offload.solver.chain import Chain
 from offload.solver.chainfile import load_chain
 from offload.errors import InfeasibleBudget
 from offload.solver.fileio import write_csv
+from offload.solver.floors import bisect_budget
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
 
@@ -123,20 +124,6 @@ def smallest_of(chain: Chain, method: str, options: Options) -> int | None:
     except InfeasibleBudget:
         return None
     return bisect_budget(chain, method, options, floor - 1, peak, max(1, peak // 10_000))
-
-
-def bisect_budget(chain: Chain, method: str, options: Options, below: int, met: int, resolution: int) -> int:
-    """The smallest budget in ``(below, met]``, to ``resolution`` bytes, at which ``method`` finds
-    a schedule, given that it finds none at ``below`` and one at ``met`` (a method that may run
-    out of time before finding one makes the result an upper bound)."""
-    while met - below > resolution:
-        mid = (below + met) // 2
-        try:
-            solve(chain, mid, method, options)
-            met = mid
-        except InfeasibleBudget:
-            below = mid
-    return met
 
 
 def main(argv: list[str] | None = None) -> int:

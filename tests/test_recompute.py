@@ -5,16 +5,18 @@ executor's own tests are in test_executor.py)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from offload.cli import main as offload
 from offload.errors import InfeasibleBudget, ScheduleRejected
 from offload.executor.plan import StepPlan
 from experiments.reproduce import link_bound
-from offload.solver import relax
+from offload.solver import encoding, relax
 from offload.solver.chain import Chain
 from offload.solver.chainfile import chain_from_dict, load_chain, save_chain
 from offload.solver.ilp import Model, solve_ilp
@@ -152,6 +154,29 @@ def test_joint_objective_is_the_simulated_makespan_and_loads_exactly(cb):
     assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
 
 
+@settings(max_examples=25, **SETTINGS)
+@given(chain_and_budget(min_stages=2, max_stages=6, encodings=True, inputs=True), st.randoms(use_true_random=False))
+def test_every_joint_schedule_with_encodings_is_a_point_of_the_milp(cb, rnd):
+    """Recomputed runs beside units stored encoded, kept or offloaded: loading such a schedule
+    (budget: its own peak) satisfies every row, objective = simulated makespan.  (A unit
+    offloaded encoded was counted twice in its one-fate row, so the joint MILP with
+    encodings could not offload encoded units of recomputable stages, and its "optimum" was
+    above schedules the heuristics found.)"""
+    chain, _ = cb
+    stages = sorted(chain.recomputable)
+    runs = [Recompute(i, i) for i in stages if rnd.random() < 0.4]
+    rebuilt = {r.first for r in runs}
+    options = encoding.allowed(chain, "lossless")
+    encode = {i: rnd.choice(es).name for i, es in options.items() if i not in rebuilt and rnd.random() < 0.7}
+    offloads = [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable
+                if i not in rebuilt and rnd.random() < 0.6]
+    sim = simulate(chain, offloads, encode=encode, recompute=runs)
+    model = Model(chain, sim.peak_bytes, options=options, max_run=8)
+    span = model.load(offloads, encode, runs)
+    assert not [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
+    assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
+
+
 @settings(max_examples=12, **SETTINGS)
 @given(chain_and_budget(min_stages=2, max_stages=6, inputs=True))
 def test_joint_is_never_worse_than_either_family_and_every_method_replays(cb):
@@ -270,6 +295,22 @@ def test_stages_the_executor_cannot_rerun_are_never_recomputed():
         assert all(2 not in r.stages for r in runs) and (runs or not method.startswith("checkpoint")), method
     plan = StepPlan.from_schedule(chain, make_schedule(chain, [], [Recompute(1, 1), Recompute(3, 3)]))
     assert plan.recomputed == {1, 3} and plan.run_starts == {1, 3}
+
+
+def test_show_bisects_the_exact_floor_with_recomputation(tmp_path, capsys):
+    """``offload show --exact-floor``: the least budget the joint MILP meets, between the
+    lower bound and offloading's floor, met at that budget and not half a percent below."""
+    stages = [{"fwd_s": 0.001, "bwd_s": 0.002, "saved_bytes": 1000, "fwd_peak_bytes": 1000, "bwd_peak_bytes": 100,
+               "input_bytes": 50, "carry_bytes": 50} for _ in range(5)]
+    chain = chain_from_dict({"format": "offload-chain/2", "name": "carry", "stages": stages,
+                             "platform": {"d2h_bytes_per_s": 1e6, "h2d_bytes_per_s": 1e6}})
+    save_chain(chain, tmp_path / "c.json")
+    assert offload(["show", str(tmp_path / "c.json"), "--exact-floor", "1"]) == 0
+    exact = int(re.search(r"with recomputation, exact: .*?\((\d+) B", capsys.readouterr().out).group(1))
+    assert smallest_feasible_budget(chain, recompute=True) <= exact < smallest_feasible_budget(chain)
+    assert solve(chain, exact, "ilp", JOINT).simulation.peak_bytes <= exact
+    with pytest.raises(InfeasibleBudget):
+        solve(chain, exact - int(0.005 * no_offload_peak(chain)) - 1, "ilp", JOINT)
 
 
 def test_cli_solves_with_recompute_and_replays(tmp_path, capsys):

@@ -16,6 +16,7 @@ from .chainfile import load_chain
 from .encoding import MODE_HELP, MODES, allowed, encoded_bytes, floor
 from ..errors import FormatError
 from .fileio import check_output
+from .floors import joint_floor
 from .graph import write_graphml
 from .memory import no_offload_peak, op_memory, op_name, smallest_feasible_budget
 from .methods import METHODS, Options, solve
@@ -84,6 +85,12 @@ def print_chain(chain: Chain) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     chain = load_chain(args.chain)
     print_chain(chain)
+    if args.exact_floor is not None and no_offload_peak(chain):
+        peak = no_offload_peak(chain)
+        print(f"bisecting the joint MILP's smallest budget ({format_seconds(args.exact_floor)} a solve) ...", flush=True)
+        low = joint_floor(chain, args.exact_floor)
+        _line("", f"with recomputation, exact: {format_bytes(low)} ({low} B, {100 * low / peak:.1f}% of the peak; "
+              f"the least budget the joint MILP meets, to 0.5% of the peak, at most that where a solve ran out of time)")
     if args.graphml:
         write_graphml(chain, args.graphml)
         print(f"wrote {args.graphml}")
@@ -179,6 +186,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                    "ideal makespan and the smallest budget any schedule can meet.")
     p.add_argument("chain", help="chain.json")
     p.add_argument("--graphml", metavar="PATH", help="also export the chain graph (ops, units, edges) to GraphML")
+    p.add_argument("--exact-floor", nargs="?", type=seconds(), const=10.0, metavar="SECONDS",
+                   help="also bisect the smallest budget with recomputation with the joint MILP (a few solves of "
+                        "SECONDS each, default 10; without it only a lower bound is printed)")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("simulate", help="replay a schedule and print its makespan, stalls and peak",

@@ -261,10 +261,10 @@ class Model:
             row = self.recomputed(i)
             if not row.terms:
                 continue
-            for o in self.opts[i]:
+            for o in self.opts[i]:  # offloaded encoded implies encoded: counted once
                 if o != RAW:
                     row.add(self.c[i, o])
-                if (i, o) in self.x:
+                elif (i, o) in self.x:
                     row.add(self.x[i, o])
             self._row(f"one_fate_{i}", row, "<=", 1)
 
@@ -363,6 +363,7 @@ class Model:
                 name = f"memory_F{j}"
             else:  # B_j
                 j = 2 * L - o
+                decoding = _Affine()  # the decoders' raw windows: B_j's transient, not its re-run ops'
                 for i in self.free:
                     if i > j:
                         break
@@ -372,12 +373,13 @@ class Model:
                             row.add(self.offloaded(i, opt), -self.size[i, opt])
                             row.add(self.fetched(i, opt, j), self.size[i, opt])
                     if j <= need[i]:
-                        row.add(self._extra(i, "bwd_extra_bytes"))
+                        decoding.add(self._extra(i, "bwd_extra_bytes"))
                 for n, at_n in self.run_at.items():
                     if n < j:  # not rebuilt yet: the checkpoint instead of the units
                         for span in at_n:
                             row.add(self.g[span], self.unbuilt[span])
                 self.bwd_rows[j] = _Affine().add(row)  # a copy: the row's constant changes below
+                row.add(decoding)
                 name = f"memory_B{j}"
             key = tuple(sorted((v.name, round(c, 12)) for v, c in row.terms.items() if c))
             total = row.const + float(const[o])

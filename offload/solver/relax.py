@@ -28,8 +28,8 @@ stage; then, until the time budget is spent, a kick (drop one to three units, or
 recomputation ``_reassign``; cover the peaks again with random, preferably small, units)
 and another descent.  With recomputation the starts include structured runs
 (``_run_starts``, made to fit by ``_fit_runs``), and each of the three best is descended
-first: link-bound ResNet-101 at 25% of its peak, 1.21x the joint MILP's schedule before
-these, 1.015x with them (1 s each).  The
+first: link-bound ResNet-101 at 35% of its peak, 1.23x the joint MILP's schedule before
+these, 1.007x with them (1 s of search; ``make recompute``).  The
 kick matters on link-bound chains: several small copies can hide where the least volume,
 a few large copies, cannot (DenseNet-121, link-bound, 85%: 1.34x the optimum before the
 kick, the optimum with it).  With encodings, the starts are the relaxation on the derived

@@ -46,10 +46,10 @@ import numpy as np
 from . import encoding
 from .bounds import FluidLP, rounding_lp
 from .chain import Chain
+from .checkpointing import recomputable_parts, sqrt_runs
 from .memory import floor_offloads, floor_savings, smallest_feasible_budget
 from .policy import cover_peaks, floor_memory, plan_greedy
 from .schedule import Offload, Recompute
-from .checkpointing import recomputable_parts, sqrt_runs
 from .simulate import simulate
 
 MAX_RUN_START_STAGES = 200  # longer chains start from the relaxation and from every stage its own run
@@ -331,9 +331,9 @@ def _run_starts(chain: Chain, max_run: int) -> list[list[Recompute]]:
     runs."""
     starts = []
     for part in (0.25, 0.5, 1.0):  # the fewest runs, the quickest to fit, first
+        end = min(int(part * chain.L), chain.L - 1)
         for size in range(1, min(4, max_run) + 1):
             for offset in range(size):
-                end = min(int(part * chain.L), chain.L - 1)
                 starts.append([r for first in range(1 + offset, end + 1, size)
                                for r in recomputable_parts(chain, first, min(first + size - 1, end))])
     return [s for s in starts if s] + [[r for r in sqrt_runs(chain) if len(r.stages) <= max_run]]

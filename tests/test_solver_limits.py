@@ -240,3 +240,19 @@ def test_a_solve_still_running_elsewhere_does_not_stop_the_next():
     finally:
         busy.cancelSolve()
         busy.wait()
+
+
+def test_a_bound_above_a_replayed_schedule_is_reported_not_believed(monkeypatch):
+    """A lower bound above the makespan the simulator replays can only come from a defect in
+    that bound's model (two such in the joint MILP made it print "optimal" above schedules
+    relax found): it is left out with a warning, and nothing is called optimal."""
+    from offload.solver import methods
+
+    chain = synthetic_chain(6, seed=0)
+    budget = (smallest_feasible_budget(chain) + no_offload_peak(chain)) // 2
+    honest = methods._bounds
+    monkeypatch.setattr(methods, "_bounds", lambda ctx, encoded, info: {**honest(ctx, encoded, info), "wrong_s": 1e9})
+    with pytest.warns(UserWarning, match="wrong_s lies above the replayed makespan"):
+        res = solve(chain, budget, "ilp", Options(time_limit_s=20))
+    assert res.status == "feasible" and res.schedule.solver["broken_bounds"] == {"wrong_s": 1e9}
+    assert res.bound_s <= res.simulation.makespan_s and "wrong_s" not in res.schedule.solver["bounds"]

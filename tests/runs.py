@@ -55,16 +55,30 @@ def check_run(chain, sched, backend, name):
     return report
 
 
+def _ranks(chain, sched, where: Path, cmd: list[str], out: str) -> tuple[str, dict]:
+    """Run ``cmd`` (its ``{chain}`` and ``{schedule}`` the saved files) as a job of ranks: its
+    output, and the JSON rank 0 wrote to ``where / out``."""
+    save_chain(chain, where / "c.json")
+    save_schedule(sched, chain, where / "s.json")
+    files = {"chain": str(where / "c.json"), "schedule": str(where / "s.json")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, *(a.format(**files) for a in cmd)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, json.loads((where / out).read_text())
+
+
 def data_parallel(chain, sched, where: Path, modes: list[str], nproc: int = 2, device: str = "cpu") -> dict:
     """One ``torch.distributed.run`` of ``nproc`` ranks of ``tests/data_parallel_worker.py``
     (gloo on the CPU, NCCL on CUDA) training the chain's model under every mode with and
     without ``sched``: rank 0's summary per mode."""
-    save_chain(chain, where / "c.json")
-    save_schedule(sched, chain, where / "s.json")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(ROOT / "tests" / "data_parallel_worker.py"), ",".join(modes),
-           str(where / "c.json"), str(where / "s.json"), str(where / "out.json"), device]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads((where / "out.json").read_text())
+    return _ranks(chain, sched, where, ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+                                        str(ROOT / "tests" / "data_parallel_worker.py"), ",".join(modes),
+                                        "{chain}", "{schedule}", str(where / "out.json"), device], "out.json")[1]
+
+
+def train_on_ranks(chain, sched, where: Path, nproc: int, *options: str) -> tuple[str, dict]:
+    """``offload train --nproc nproc --check-grads`` with ``options``: its output and rank 0's report."""
+    return _ranks(chain, sched, where, ["-m", "offload", "train", "--chain", "{chain}", "--schedule", "{schedule}",
+                                        "--check-grads", "--nproc", str(nproc), "--report", str(where / "r.json"),
+                                        *options], "r.json")

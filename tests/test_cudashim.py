@@ -17,7 +17,7 @@ from offload.executor import backends
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.checkpointing import block_runs
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
 from offload.solver.schedule import Offload, make_schedule
 from offload.solver.simulate import simulate
@@ -35,7 +35,7 @@ def chain():
 
 def schedules(chain):
     budget = (smallest_feasible_budget(chain) + no_offload_peak(chain)) // 2
-    return {"everything": make_schedule(chain, [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable]),
+    return {"everything": make_schedule(chain, floor_offloads(chain)),
             "solved": solve(chain, budget, "relax-lp", Options(heuristic_time_s=0.1)).schedule,
             "late-release": make_schedule(chain, [Offload(i, chain.L, chain.stage(i).need_from)
                                                   for i in chain.offloadable]),

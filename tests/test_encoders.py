@@ -16,7 +16,8 @@ from offload.core.encoders import ENCODERS, encoded_size
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver import encoding
 from offload.solver.chainfile import save_chain
-from offload.solver.schedule import Offload, make_schedule
+from offload.solver.memory import floor_offloads
+from offload.solver.schedule import make_schedule
 from offload.solver.schedulefile import save_schedule
 
 OPTIONS = {"resnet18": {"image": 16}, "mlp": {"layers": 4, "width": 256, "features": 64, "classes": 10}}
@@ -86,7 +87,7 @@ def test_readers_decide_the_sign_mask():
 def encoded_schedules(chain, mode="lossless"):
     choice = encoding.smallest(chain, mode)
     assert choice, "the model offers no encoding"
-    everything = [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable]
+    everything = floor_offloads(chain)
     half = everything[::2]
     return {"keep-encoded": make_schedule(chain, [], encode=choice),
             "offload-encoded": make_schedule(chain, everything, encode=choice),

@@ -18,9 +18,9 @@ from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.budget import Budget
 from offload.solver.chainfile import save_chain
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
-from offload.solver.schedule import Offload, make_schedule
+from offload.solver.schedule import make_schedule
 from offload.solver.schedulefile import save_schedule
 from offload.solver.simulate import simulate
 
@@ -40,7 +40,7 @@ def chains():
 def schedules(chain):
     budget = (smallest_feasible_budget(chain) + no_offload_peak(chain)) // 2
     solved = solve(chain, budget, "relax-lp", Options(heuristic_time_s=0.1)).schedule
-    everything = make_schedule(chain, [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable])
+    everything = make_schedule(chain, floor_offloads(chain))
     return {"none": make_schedule(chain, []), "all": everything, "solver": solved}
 
 

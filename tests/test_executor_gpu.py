@@ -2,23 +2,16 @@
 within the predicted one plus allocator slack, nothing left behind."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
-from offload.solver.chainfile import save_chain
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
-from offload.solver.schedule import Offload, make_schedule
-from offload.solver.schedulefile import save_schedule
+from offload.solver.schedule import make_schedule
 from offload.solver.simulate import simulate
-from tests.runs import ROOT, data_parallel
+from tests.runs import data_parallel, train_on_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -56,12 +49,11 @@ def test_cuda_copies_overlap_compute_in_the_trace(tmp_path):
 def test_cuda_lossless_encodings_keep_gradients_bit_exact():
     """Keep-encoded and offload-encoded units on CUDA streams: encoders in pack, decoders in unpack."""
     from offload.solver import encoding
-    from offload.solver.schedule import Offload, make_schedule
 
     chain = profile("resnet18", ProfileOptions(batch=4, device="cuda", repeats=3, options={"image": 64})).chain
     choice = encoding.smallest(chain, "lossless")
     assert choice
-    offloads = [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable][::2]
+    offloads = floor_offloads(chain)[::2]
     for sched in (make_schedule(chain, [], encode=choice), make_schedule(chain, offloads, encode=choice)):
         report, error = train(None, chain, sched, TrainOptions(steps=3, device="cuda", check_grads=True))
         assert error is None and report["grads_match"] is True
@@ -86,18 +78,11 @@ def test_data_parallel_on_nccl(tmp_path):
     ranks = min(2, torch.cuda.device_count())
     chain = profile("gpt", ProfileOptions(batch=2, device="cuda", repeats=1, options={"layers": 2, "width": 64, "heads": 4,
                                                                                         "seq": 32, "vocab": 100})).chain
-    sched = make_schedule(chain, [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable])
+    sched = make_schedule(chain, floor_offloads(chain))
     sim = simulate(chain, sched.offloads)
     summary = data_parallel(chain, sched, tmp_path, ["ddp", "ddp-inside", "fsdp2"], nproc=ranks, device="cuda")
     for mode, out in summary.items():
         assert out["ranks"] == ranks and out["mismatches"] == 0 and out["ranks_disagree"] == 0, mode
         assert (out["d2h_bytes"], out["h2d_bytes"]) == (3 * sim.d2h_bytes, 3 * sim.h2d_bytes) != (0, 0), mode
-    save_chain(chain, tmp_path / "c.json")
-    save_schedule(sched, chain, tmp_path / "s.json")
-    done = subprocess.run([sys.executable, "-m", "offload", "train", "--chain", str(tmp_path / "c.json"),
-                           "--schedule", str(tmp_path / "s.json"), "--steps", "3", "--check-grads", "--device", "cuda",
-                           "--nproc", str(ranks), "--report", str(tmp_path / "r.json")],
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "r.json").read_text())
+    _, report = train_on_ranks(chain, sched, tmp_path, ranks, "--steps", "3", "--device", "cuda")
     assert report["ranks"] == ranks and report["grads_match"] is True

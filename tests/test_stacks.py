@@ -5,12 +5,7 @@ weights) equal bit for bit to the same stack without offloading, moving the pred
 and the guard rails that stop a run the schedule does not describe."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,18 +15,14 @@ from offload.executor import Offloaded
 from offload.executor.train import TrainOptions, train
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
-from offload.solver.chainfile import save_chain
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
-from offload.solver.schedule import Offload, make_schedule
-from offload.solver.schedulefile import save_schedule
+from offload.solver.schedule import make_schedule
 from offload.solver.simulate import simulate
 from tests import runs
-from tests.runs import recomputing
 
-ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINTED = str(ROOT / "tests" / "models" / "checkpointed.py") + ":build"
-ODD_SAVES = str(ROOT / "tests" / "models" / "odd_saves.py") + ":build"
+CHECKPOINTED = str(runs.ROOT / "tests" / "models" / "checkpointed.py") + ":build"
+ODD_SAVES = str(runs.ROOT / "tests" / "models" / "odd_saves.py") + ":build"
 GPT = {"layers": 2, "width": 32, "heads": 4, "seq": 16, "vocab": 50}
 MLP = {"layers": 3, "width": 256, "features": 64, "classes": 10}
 TOLERANCE = 64 * 1024
@@ -45,7 +36,7 @@ def chains():
 
 def everything(chain):
     """The schedule that offloads every activation it can (the most the executor can get wrong)."""
-    return make_schedule(chain, [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable])
+    return make_schedule(chain, floor_offloads(chain))
 
 
 def halfway(chain):
@@ -96,17 +87,9 @@ def test_offload_train_on_two_ranks(chains, tmp_path):
     batches; each rank's gradients bit for bit those of DDP without offloading (a rank that
     differs fails the job), rank 0's report as predicted."""
     chain = chains["gpt"]
-    sched = everything(chain)
-    save_chain(chain, tmp_path / "c.json")
-    save_schedule(sched, chain, tmp_path / "s.json")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "offload", "train", "--chain", str(tmp_path / "c.json"),
-                           "--schedule", str(tmp_path / "s.json"), "--steps", "2", "--check-grads",
-                           "--backend", "cpu-lazy", "--op-memory", "--nproc", "2", "--report", str(tmp_path / "r.json")],
-                          env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("trained gpt") == 1 and "rank 0 of 2" in done.stdout
-    report = json.loads((tmp_path / "r.json").read_text())
+    printed, report = runs.train_on_ranks(chain, everything(chain), tmp_path, 2, "--steps", "2", "--backend", "cpu-lazy",
+                                          "--op-memory")
+    assert printed.count("trained gpt") == 1 and "rank 0 of 2" in printed
     m, p = report["measured"], report["predicted"]
     assert report["ranks"] == 2 and report["grads_match"] is True
     assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes"], p["h2d_bytes"]) != (0, 0)
@@ -383,7 +366,7 @@ def test_the_backward_on_another_thread(name):
     and recomputing (dropout on, its random numbers replayed) bit for bit as without it."""
     options = {**GPT, "dropout": 0.1}
     chain = profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=options)).chain
-    sched = everything(chain) if name == "everything" else recomputing(chain)[name]
+    sched = everything(chain) if name == "everything" else runs.recomputing(chain)[name]
     mine, plain = resolve("gpt", 2, options), resolve("gpt", 2, options)
     run = Offloaded(mine.module, chain, sched, backend="cpu-lazy")
     for step in range(2):

@@ -55,6 +55,7 @@ class CpuMeter(TorchDispatchMode):
         self.interval_peak_op = 0  # the same, for the interval the last boundary() closed
         self._tracked: dict[int, int] = {}  # storage key -> nbytes
         self._ignored: set[int] = set()
+        self.reserved_peak: int | None = None  # no allocator holds more than the tensors: nothing to report
         self._finalizers: list[weakref.finalize] = []
 
     def track(self, tensors: Iterable[Any]) -> None:
@@ -156,7 +157,7 @@ class CudaMeter:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.reserved_peak = 0
+        self.reserved_peak: int | None = 0
         self._prior: int | None = None  # the allocated-bytes peak before the meter's first reset
         self._highest = 0  # the meter's highest reading
 

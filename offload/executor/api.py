@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from offload.core.devices import persistent_tensors
-from offload.core.meters import CudaMeter, make_meter
+from offload.core.meters import make_meter
 from offload.core.staging import Site, Staging, unwrap
 from offload.errors import ChainMismatch
 from offload.models.spec import signature
@@ -165,7 +165,7 @@ class Offloaded(nn.Module):
             "peak_bytes": max(op_peaks.values(), default=start) - start, "step_s": seconds / per,
             "d2h_bytes_per_step": (self.moved_bytes[0] - moved[0]) // per,
             "h2d_bytes_per_step": (self.moved_bytes[1] - moved[1]) // per,
-            **({"peak_reserved_bytes": meter.reserved_peak} if isinstance(meter, CudaMeter) else {})},
+            **({"peak_reserved_bytes": meter.reserved_peak} if meter.reserved_peak is not None else {})},
             predicted={"peak_bytes": sim.peak_bytes, "step_s": sim.makespan_s, "d2h_bytes_per_step": sim.d2h_bytes,
                        "h2d_bytes_per_step": sim.h2d_bytes})
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from offload.core.devices import persistent_tensors, running
-from offload.core.meters import CudaMeter, make_meter
+from offload.core.meters import make_meter
 from offload.errors import OffloadError, OutOfMemory
 from offload.models.spec import ModelSpec, tensors_in
 
@@ -40,7 +40,7 @@ class Run:
     op_peaks: dict[str, int] = field(default_factory=dict)  # first step, per op (with the probe)
     metered_step_s: list[float] = field(default_factory=list)  # CPU: the metered steps' times (not step_s)
     warmup_s: float | None = None  # GPU: step 1, left out of step_s (kernel selection, allocator growth)
-    reserved: list[int] = field(default_factory=list)  # GPU: the allocator's most reserved bytes, per step
+    reserved_peak: int | None = None  # GPU: the most the allocator reserved over the steps so far
 
     @property
     def steps_run(self) -> int:
@@ -54,7 +54,7 @@ class Run:
                  "all": self.step_s} if self.step_s else None
         return {"step_s": times, **({"metered_step_s": self.metered_step_s} if self.metered_step_s else {}),
                 **({"warmup_s": self.warmup_s} if self.warmup_s is not None else {}),
-                **({"peak_reserved_bytes": max(self.reserved)} if self.reserved else {}),
+                **({"peak_reserved_bytes": self.reserved_peak} if self.reserved_peak is not None else {}),
                 "peak_bytes": max(self.peaks) + base, "peak_activation_bytes": max(self.peaks),
                 "leaked_bytes_after_step": max(self.leaks), "leaked_by_step": self.leaks}
 
@@ -192,5 +192,4 @@ class _Metering:
         self.run.peaks.append(peak - m0)
         self.run.leaks.append(live - m0)
         self.run.allocations.append(self.runtime.arena.allocations if self.runtime else 0)
-        if isinstance(meter, CudaMeter):
-            self.run.reserved.append(meter.reserved_peak)
+        self.run.reserved_peak = meter.reserved_peak

@@ -85,8 +85,8 @@ def print_chain(chain: Chain) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     chain = load_chain(args.chain)
     print_chain(chain)
-    if args.exact_floor is not None and no_offload_peak(chain):
-        peak = no_offload_peak(chain)
+    peak = no_offload_peak(chain)
+    if args.exact_floor is not None and peak:
         print(f"bisecting the joint MILP's smallest budget ({format_seconds(args.exact_floor)} a solve) ...", flush=True)
         low = joint_floor(chain, args.exact_floor)
         _line("", f"with recomputation, exact: {format_bytes(low)} ({low} B, {100 * low / peak:.1f}% of the peak; "

@@ -15,7 +15,7 @@ from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
 from offload.solver.schedule import Offload
 from offload.solver.schedulefile import load_schedule, save_schedule
 from offload.solver.simulate import simulate
-from tests.conftest import chain_doc
+from tests.conftest import assert_loads_exactly, chain_doc
 from tests.strategies import chain_and_budget
 from tests.test_solver_properties import FIXED_POLICIES, REL, SETTINGS
 
@@ -152,9 +152,7 @@ def test_warm_start_is_the_least_solution_with_encodings(cb):
     chain, budget = cb
     planned = solve(chain, budget, "relax-bw", LOSSY).schedule
     model = Model(chain, budget, options=encoding.allowed(chain, "lossy"))
-    span = model.load(planned.offloads, planned.encode)
-    assert not [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
-    assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
+    assert_loads_exactly(model, planned.offloads, planned.encode)
 
 
 @settings(max_examples=20, **SETTINGS)
@@ -241,7 +239,4 @@ def test_every_schedule_satisfies_every_row_of_the_model(cb, data):
     offloads = [Offload(i, data.draw(st.integers(i + 1, chain.L)), data.draw(st.integers(int(chain.need[i]), chain.L)))
                 for i in chain.offloadable if data.draw(st.booleans())]
     model = Model(chain, 10 * no_offload_peak(chain) + 10**6, options=opts)
-    span = model.load(offloads, encode)
-    bad = [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
-    assert not bad
-    assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
+    assert_loads_exactly(model, offloads, encode)

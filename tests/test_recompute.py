@@ -20,13 +20,13 @@ from offload.solver import encoding, relax
 from offload.solver.chain import Chain
 from offload.solver.chainfile import chain_from_dict, load_chain, save_chain
 from offload.solver.ilp import Model, solve_ilp
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.solver.policy import floor_memory
 from offload.solver.methods import Options, solve
 from offload.solver.schedule import Offload, Recompute, make_schedule
 from offload.solver.schedulefile import schedule_from_dict, schedule_to_dict
 from offload.solver.simulate import simulate
-from tests.conftest import chain_doc
+from tests.conftest import assert_loads_exactly, chain_doc
 from tests.brute import brute_force
 from tests.strategies import chain_and_budget
 
@@ -149,9 +149,7 @@ def test_joint_objective_is_the_simulated_makespan_and_loads_exactly(cb):
     assert res.objective_s == pytest.approx(simulate(chain, res.offloads, recompute=res.recompute).makespan_s, rel=1e-6)
     plan = solve(chain, budget, "relax-bw", JOINT).schedule
     model = Model(chain, budget, max_run=8)
-    span = model.load(plan.offloads, runs=plan.recompute)
-    assert not [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
-    assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
+    assert_loads_exactly(model, plan.offloads, runs=plan.recompute)
 
 
 @settings(max_examples=25, **SETTINGS)
@@ -168,13 +166,10 @@ def test_every_joint_schedule_with_encodings_is_a_point_of_the_milp(cb, rnd):
     rebuilt = {r.first for r in runs}
     options = encoding.allowed(chain, "lossless")
     encode = {i: rnd.choice(es).name for i, es in options.items() if i not in rebuilt and rnd.random() < 0.7}
-    offloads = [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable
-                if i not in rebuilt and rnd.random() < 0.6]
+    offloads = [o for o in floor_offloads(chain) if o.stage not in rebuilt and rnd.random() < 0.6]
     sim = simulate(chain, offloads, encode=encode, recompute=runs)
     model = Model(chain, sim.peak_bytes, options=options, max_run=8)
-    span = model.load(offloads, encode, runs)
-    assert not [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
-    assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
+    assert_loads_exactly(model, offloads, encode, runs)
 
 
 @settings(max_examples=12, **SETTINGS)

@@ -10,6 +10,7 @@ from offload.solver.ilp import Model, solve_ilp
 from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
 from offload.solver.simulate import simulate
 from tests.brute import brute_force
+from tests.conftest import assert_loads_exactly
 from tests.strategies import chain_and_budget
 
 EXACT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.02)
@@ -66,10 +67,7 @@ def test_warm_start_is_the_least_solution_of_the_model(cb):
     chain, budget = cb
     plan = solve(chain, budget, "relax-bw", EXACT).schedule.offloads
     model = Model(chain, budget)
-    span = model.load(plan)
-    bad = [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
-    assert not bad
-    assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)
+    assert_loads_exactly(model, plan)
 
 
 @settings(max_examples=30, **SETTINGS)

@@ -10,11 +10,13 @@ import time
 import pytest
 
 from experiments.reproduce import link_bound
-from offload.analysis.sweep import sweep
 from experiments.synthetic import synthetic_chain
+from offload.analysis.sweep import solve_one, sweep
+from offload.solver.budget import Budget
 from offload.solver.chainfile import save_chain
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
+from tests.runs import ROOT
 
 OFFLOAD = [sys.executable, "-m", "offload"]
 
@@ -210,6 +212,30 @@ def test_a_solve_deaf_to_its_cancel_is_abandoned_at_the_deadline(monkeypatch):
     assert s.findSolutionValues(lp) == (pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound)
 
 
+def test_sub_mip_heuristics_are_off_only_for_a_warm_offload_only_model(monkeypatch):
+    """RINS and RENS re-find a near-optimal warm start at length on offload-only models and
+    improve on it with encodings or recomputation (pulp_backend's docstring): the choice
+    reaches HiGHS itself."""
+    from offload.solver import encoding, pulp_backend
+    from offload.solver.chainfile import load_chain
+    from offload.solver.ilp import solve_ilp
+    from offload.solver.memory import floor_offloads
+
+    seen = []
+    configure = pulp_backend._Highs.createAndConfigureSolver
+
+    def spy(self, lp):
+        configure(self, lp)
+        seen.append(tuple(lp.solverModel.getOptionValue(f"mip_heuristic_run_{h}")[1] for h in ("rins", "rens")))
+    monkeypatch.setattr(pulp_backend._Highs, "createAndConfigureSolver", spy)
+    chain = load_chain(ROOT / "experiments/chains/gpt2-b4-cpu.json")
+    budget, warm = no_offload_peak(chain) * 6 // 10, floor_offloads(chain)
+    for kwargs in ({"warm": warm}, {}, {"warm": warm, "options": encoding.allowed(chain, "lossless")},
+                   {"warm": warm, "max_run": 2}):
+        assert solve_ilp(chain, budget, time_limit=5.0, **kwargs).outcome.has_solution
+    assert seen == [(False, False)] + [(True, True)] * 3
+
+
 def test_a_solve_still_running_elsewhere_does_not_stop_the_next():
     """A solve abandoned at its deadline (HiGHS's presolve heeds no interrupt) runs on on its
     own thread.  highspy keeps ``startSolve``'s "running" lock on its class, so with it every
@@ -256,3 +282,6 @@ def test_a_bound_above_a_replayed_schedule_is_reported_not_believed(monkeypatch)
         res = solve(chain, budget, "ilp", Options(time_limit_s=20))
     assert res.status == "feasible" and res.schedule.solver["broken_bounds"] == {"wrong_s": 1e9}
     assert res.bound_s <= res.simulation.makespan_s and "wrong_s" not in res.schedule.solver["bounds"]
+    with pytest.warns(UserWarning):  # a sweep's CSV row says so too
+        row = solve_one(chain, "relax-lp", Budget(budget), Options(time_limit_s=20))
+    assert row.status == "feasible" and "above the replayed makespan" in row.detail and "wrong_s" in row.detail

@@ -125,7 +125,16 @@ def solve_one(chain: Chain, method: str, budget: Budget, options: Options) -> Ro
                    slowdown=sim.makespan_s / chain.ideal_makespan_s, bound_s=res.bound_s, gap=res.gap,
                    stall_s=sim.stall_s, peak_bytes=sim.peak_bytes + base, d2h_bytes=sim.d2h_bytes,
                    h2d_bytes=sim.h2d_bytes, solve_s=res.seconds, encoded_units=len(res.schedule.encode),
-                   recomputed_units=sum(len(r.stages) for r in res.schedule.recompute), detail=res.info.get("note", ""))
+                   recomputed_units=sum(len(r.stages) for r in res.schedule.recompute), detail=_detail(res.info))
+
+
+def _detail(info: dict) -> str:
+    """The solver's note, and the lower bounds left out as broken (``solve`` warns of them,
+    but a sweep's warnings scroll away: the CSV keeps them)."""
+    broken = info.get("broken_bounds")
+    parts = [info.get("note", "")] + ([f"left out, above the replayed makespan (a defect, please report): "
+                                        f"{', '.join(sorted(broken))}"] if broken else [])
+    return "; ".join(p for p in parts if p)
 
 
 def sweep(chain: Chain, budgets: Iterable[Budget | int], methods: Iterable[str], options: Options | None = None,

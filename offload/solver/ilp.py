@@ -157,6 +157,11 @@ class Model:
         if lower_bound_s > 0:
             self._row("bound", makespan, ">=", lower_bound_s / self.tau * (1 - 1e-9))
 
+    @property
+    def offload_only(self) -> bool:
+        """No encoding or recomputation to choose: only which units move and when."""
+        return not self.g and all(len(o) == 1 for o in self.opts.values())
+
     # ------------------------------------------------------------------ plumbing
     def _row(self, name: str, lhs: _Affine, sense: str, rhs: float = 0.0) -> None:
         """Add ``lhs sense rhs`` unless it holds whatever the decisions (no variable left)."""
@@ -673,7 +678,7 @@ def solve_ilp(chain: Chain, budget: int, *, warm: Sequence[Offload] | None = Non
         model.load(warm, warm_encode, warm_runs)
     build_s = time.perf_counter() - t0
     out = run(model.lp, solver, time_limit=time_limit, gap=gap, threads=threads, warm=warm is not None, msg=msg,
-              deadline=deadline, presolve=presolve)
+              deadline=deadline, presolve=presolve, sub_mips=not (model.offload_only and warm is not None))
     tau = model.tau
     offloads, encode = model.read() if out.has_solution else (None, {})
     return IlpResult(

@@ -63,7 +63,7 @@ def test_timed_out_only_when_the_solver_ran_out_of_time():
     assert res.info["solver_stop"] != "optimal" or res.status == "optimal"
 
 
-@pytest.mark.parametrize("stages", [300, 2500])
+@pytest.mark.parametrize("stages", [pytest.param(300, marks=pytest.mark.slow), 2500])
 def test_time_limit_is_wall_time_on_large_chains(stages):
     """The whole solve (heuristics, bounds, build, solver, replay) within the limit, with slack
     for a loaded machine (the promise is 10% + 2 s)."""

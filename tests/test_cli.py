@@ -8,6 +8,7 @@ import pytest
 
 from offload.cli import main
 from offload.solver.chainfile import save_chain
+from offload.solver.cli import _percent
 from offload.solver.schedulefile import load_schedule
 from offload.solver.units import parse_budget
 from experiments.synthetic import synthetic_chain
@@ -126,3 +127,10 @@ def test_console_script_entry_point(chain_file):
     run = subprocess.run([sys.executable, "-m", "offload", "solve", str(chain_file), "--budget", "10B"],
                          capture_output=True, text=True)
     assert run.returncode == 4 and "smallest feasible" in run.stderr
+
+
+@pytest.mark.parametrize("gap, shown", [(0.0, "0.00%"), (1e-12, "0.00%"), (1.05e-4, "0.011%"), (8.4e-5, "0.0084%"),
+                                        (0.0273, "2.73%")])
+def test_a_gap_is_never_rounded_onto_the_proof_tolerance(gap, shown):
+    """A solve stopped at 0.0105% printed "gap 0.01%", the default tolerance, next to "feasible"."""
+    assert _percent(gap) == shown

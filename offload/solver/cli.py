@@ -166,10 +166,11 @@ def cmd_solve(args: argparse.Namespace) -> int:
                    heuristic_time_s=args.heuristic_time, verbose=args.verbose, encodings=args.encodings,
                    recompute=args.recompute, max_run=args.max_run)
     if args.method == "ilp":
-        print(f"solving with {args.solver} (time limit {args.time_limit:g} s, gap {args.gap:g})…", file=sys.stderr, flush=True)
+        print(f"solving with {args.solver} (time limit {args.time_limit:g} s, proven at a gap of {_percent(args.gap)})…",
+              file=sys.stderr, flush=True)
     res = solve(chain, budget, args.method, opts)
     _line("chain", f"{printable(chain.name)} ({chain.L} stages), budget {budget}")
-    _line("method", f"{args.method}: {res.status}, gap {100 * res.gap:.2f}% to the best lower bound "
+    _line("method", f"{args.method}: {res.status}, gap {_percent(res.gap)} to the best lower bound "
           f"{format_seconds(res.bound_s)}, {res.seconds:.2f} s")
     if "note" in res.info:
         _line("note", res.info["note"])
@@ -179,6 +180,12 @@ def cmd_solve(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}")
     return 0
 
+
+
+def _percent(share: float) -> str:
+    """A gap as a percentage with two decimals, or two significant digits below 0.1%: a
+    time-limited solve stopped at 0.0105% must not read "0.01%", the default proof tolerance."""
+    return f"{100 * share:.2f}%" if share < 1e-7 or share >= 1e-3 else f"{100 * share:.2g}%"
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("show", help="print a chain's stages, no-offload peak, ideal makespan, smallest budget",

@@ -181,11 +181,11 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def _percent(share: float) -> str:
     """A gap as a percentage with two decimals, or two significant digits below 0.1%: a
     time-limited solve stopped at 0.0105% must not read "0.01%", the default proof tolerance."""
     return f"{100 * share:.2f}%" if share < 1e-7 or share >= 1e-3 else f"{100 * share:.2g}%"
+
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("show", help="print a chain's stages, no-offload peak, ideal makespan, smallest budget",

@@ -168,7 +168,7 @@ def encodings_pass(runner: StepRunner) -> list[list[SavedStorage]]:
                 names.append("bf16")
             stored.candidates = [_try(n, flat, runner.sync) for n in names]
             stages[saved.unit - 1].append(stored)
-        del tensors
+        tensors.clear()  # the saved tensors' references go before the backward frees them
         loss.backward()
         del loss
     runner.zero_grads()

@@ -9,6 +9,7 @@ user should read (a chain that collapsed, timings that disagree).
 from __future__ import annotations
 
 import datetime
+import functools
 import platform as pyplatform
 import statistics
 from collections import Counter
@@ -93,6 +94,11 @@ def _measured(cap: Capture, cuts: list, spec: ModelSpec, device: torch.device, o
         raise
 
 
+def _forward_and_loss(spec: ModelSpec, args: tuple, kwargs: dict) -> torch.Tensor:
+    with spec.autocasting():
+        return spec.loss(spec.module(*args, **kwargs))
+
+
 def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lambda _: None) -> Profiled:
     """Profile ``model`` and return its measured chain (``tick(phase)`` as each phase ends)."""
     _check(opts)
@@ -100,14 +106,11 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     spec = resolve(model, opts.batch, opts.options, opts.seed)
     spec.autocast, spec.set_to_none = opts.autocast, opts.set_to_none
 
-    def forward_and_loss() -> torch.Tensor:
-        with spec.autocasting():
-            return spec.loss(spec.module(*args, **kwargs))
     with running(f"running {model}"):
         spec.place(device, DTYPES[opts.dtype])
         args, kwargs = spec.batch()
-        cap = capture(spec.module, forward_and_loss, (args, kwargs))
-        del args, kwargs
+        cap = capture(spec.module, functools.partial(_forward_and_loss, spec, args, kwargs), (args, kwargs))
+        del args, kwargs  # the batch is not kept through the measurements
         tick("capture")
         cuts = cap.candidates if opts.stages else default_cuts(cap)
         stages, runner, result = _measured(cap, cuts, spec, device, opts, tick)

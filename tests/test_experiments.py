@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from experiments import bench_executor, demo
+from tests.runs import ROOT
 
 
 def _is_png(path: Path) -> None:
@@ -70,3 +71,18 @@ def test_encodings_experiment_compares_modes(tmp_path, capsys):
             if "none" in done and "lossless" in done:  # more choices never hurt a proven optimum
                 assert done["lossless"] <= done["none"] * (1 + 1e-6)
     assert (tmp_path / "out" / "encodings.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_benchmark_cell_reports_its_own_peak_memory_not_its_parents():
+    """``ru_maxrss`` carries a parent's resident size into a child across exec on Linux, so
+    every cell of the scale benchmark reported the benchmark process's 577 MiB."""
+    import subprocess
+    import sys
+
+    ballast = bytearray(512 * 2**20)
+    ballast[::4096] = b"\1" * len(ballast[::4096])  # resident, not just reserved
+    child = subprocess.run([sys.executable, "-c", "from experiments.bench_solver import peak_rss_bytes; "
+                            "print(peak_rss_bytes())"], capture_output=True, text=True, check=True, cwd=ROOT)
+    held = len(ballast)
+    del ballast
+    assert int(child.stdout) < 256 * 2**20 < held

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,9 +78,6 @@ def test_encodings_experiment_compares_modes(tmp_path, capsys):
 def test_a_benchmark_cell_reports_its_own_peak_memory_not_its_parents():
     """``ru_maxrss`` carries a parent's resident size into a child across exec on Linux, so
     every cell of the scale benchmark reported the benchmark process's 577 MiB."""
-    import subprocess
-    import sys
-
     ballast = bytearray(512 * 2**20)
     ballast[::4096] = b"\1" * len(ballast[::4096])  # resident, not just reserved
     child = subprocess.run([sys.executable, "-c", "from experiments.bench_solver import peak_rss_bytes; "

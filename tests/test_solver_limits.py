@@ -12,10 +12,14 @@ import pytest
 from experiments.reproduce import link_bound
 from experiments.synthetic import synthetic_chain
 from offload.analysis.sweep import solve_one, sweep
+from offload.solver import encoding, lns, pulp_backend
 from offload.solver.budget import Budget
-from offload.solver.chainfile import save_chain
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver.chainfile import load_chain, save_chain
+from offload.solver.deadline import Deadline
+from offload.solver.ilp import solve_ilp
+from offload.solver.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
+from offload.solver.simulate import simulate
 from tests.runs import ROOT
 
 OFFLOAD = [sys.executable, "-m", "offload"]
@@ -149,14 +153,11 @@ def test_solver_flags_are_range_checked(flag, value, tmp_path):
 def test_window_model_keeps_the_incumbent_or_improves_it():
     """A window of the MILP with every other unit decided: warm-started from the incumbent,
     its schedule replays within budget and is never worse."""
-    from offload.solver.deadline import Deadline
-    from offload.solver import lns
     chain = link_bound(synthetic_chain(40, seed=8))
     budget = _budget(chain, 0.2)
     warm = solve(chain, budget, "relax-bw", Options(heuristic_time_s=0.1))
     start = lns.Incumbent(list(warm.schedule.offloads), {}, warm.simulation.makespan_s)
     best = lns.improve(chain, budget, start, options={}, deadline=Deadline(3.0), width=8)
-    from offload.solver.simulate import simulate
     replay = simulate(chain, best.offloads, budget, encode=best.encode)
     assert replay.makespan_s == pytest.approx(best.makespan_s)
     assert best.makespan_s <= warm.simulation.makespan_s * (1 + 1e-12)
@@ -175,9 +176,7 @@ def test_relax_heuristics_find_several_small_copies(zoo_densenet):
 
 @pytest.fixture
 def zoo_densenet():
-    from offload.solver.chainfile import load_chain
-    from pathlib import Path
-    return load_chain(Path(__file__).parent.parent / "experiments" / "chains" / "densenet121-b4-128px-cpu.json")
+    return load_chain(ROOT / "experiments" / "chains" / "densenet121-b4-128px-cpu.json")
 
 
 def test_cbc_is_used_when_asked():
@@ -190,8 +189,6 @@ def test_a_solve_deaf_to_its_cancel_is_abandoned_at_the_deadline(monkeypatch):
     """HiGHS's MIP presolve ignores the interrupt: a solve that does not stop within the grace
     after its deadline is left to finish on its own thread, and nothing is read from it."""
     import pulp
-    from offload.solver import pulp_backend
-    from offload.solver.deadline import Deadline
 
     class Deaf:
         cancelled = False
@@ -216,11 +213,6 @@ def test_sub_mip_heuristics_are_off_only_for_a_warm_offload_only_model(monkeypat
     """RINS and RENS re-find a near-optimal warm start at length on offload-only models and
     improve on it with encodings or recomputation (pulp_backend's docstring): the choice
     reaches HiGHS itself."""
-    from offload.solver import encoding, pulp_backend
-    from offload.solver.chainfile import load_chain
-    from offload.solver.ilp import solve_ilp
-    from offload.solver.memory import floor_offloads
-
     seen = []
     configure = pulp_backend._Highs.createAndConfigureSolver
 

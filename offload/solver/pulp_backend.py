@@ -28,7 +28,7 @@ What "honestly" takes with PuLP 3.3 and highspy 1.16:
   are turned off for a warm-started offload-only model (``sub_mips=False``): there the warm
   start (the best relax-* schedule) is already within a fraction of a percent, and the
   sub-MIPs spent 14 of 30 s at the root re-finding it.  Measured on this 2-core machine:
-  the 50-stage synthetic benchmark chain proven in 18 s instead of 73 s; link-bound
+  the 50-stage synthetic benchmark chain proven in 19 s instead of 73 s; link-bound
   ResNet-101 at 30/40/60% of its peak proven sooner or with a smaller gap within 60 s, the
   same at 50 and 80% (``experiments/results/README.md``).  With encodings or
   recomputation the start is further off and the sub-MIPs find better schedules (link-bound

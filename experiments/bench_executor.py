@@ -27,11 +27,11 @@ from offload.executor.train import TrainOptions, train
 from offload.core.devices import pick_device
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.chainfile import save_chain
-from offload.solver.fileio import write_csv, write_json
+from offload.io.files import write_csv, write_json
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
 from offload.solver.schedulefile import save_schedule
-from offload.solver.units import format_bytes, format_seconds
+from offload.io.text import format_bytes, format_seconds
 
 from .profile_zoo import SETS
 

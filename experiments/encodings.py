@@ -23,7 +23,7 @@ from pathlib import Path
 
 from offload.solver import encoding
 from offload.solver.chain import Chain
-from offload.solver.fileio import write_csv
+from offload.io.files import write_csv
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options
 from offload.solver.simulate import simulate

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from offload.analysis.plots import plot_bars
 from offload.analysis.sweep import sweep
-from offload.solver.fileio import write_csv
+from offload.io.files import write_csv
 from offload.solver.floors import bisect_budget, joint_floor
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.chain import Chain

@@ -34,7 +34,7 @@ from offload.solver.baselines import own_smallest_budget
 from offload.solver.chain import Chain
 from offload.solver.chainfile import load_chain
 from offload.errors import InfeasibleBudget
-from offload.solver.fileio import write_csv
+from offload.io.files import write_csv
 from offload.solver.floors import bisect_budget
 from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import METHODS, RECOMPUTING, Options, solve

@@ -14,9 +14,9 @@ import sys
 from offload.analysis import cli as analysis_cli
 from offload.errors import OffloadError
 from offload.executor import cli as executor_cli
+from offload.io.text import report_error
 from offload.profiler import cli as profiler_cli
 from offload.solver import cli as solver_cli
-from offload.solver.units import printable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,14 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     executor_cli.add_commands(sub)
     analysis_cli.add_commands(sub)
     return parser
-
-
-def report_error(command: str, exc: OffloadError) -> int:
-    """One error line (and its hint) on stderr; the exit code that goes with it."""
-    print(f"offload {command}: error: {printable(exc)}", file=sys.stderr)
-    if exc.hint:
-        print(f"  hint: {printable(exc.hint)}", file=sys.stderr)
-    return exc.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

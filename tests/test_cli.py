@@ -10,7 +10,7 @@ from offload.cli import main
 from offload.solver.chainfile import save_chain
 from offload.solver.cli import _percent
 from offload.solver.schedulefile import load_schedule
-from offload.solver.units import parse_budget
+from offload.io.text import parse_budget
 from experiments.synthetic import synthetic_chain
 
 

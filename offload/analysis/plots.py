@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from offload.solver.fileio import write_atomic  # noqa: E402
+from offload.io.files import write_atomic  # noqa: E402
 
 from .sweep import Row  # noqa: E402
 from .timeline import LANES, Timeline  # noqa: E402

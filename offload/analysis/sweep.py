@@ -23,7 +23,7 @@ import numpy as np
 from offload.solver.budget import Budget
 from offload.solver.chain import Chain
 from offload.errors import FormatError, InfeasibleBudget, OffloadError
-from offload.solver.fileio import write_csv
+from offload.io.files import write_csv
 from offload.solver.encoding import floor
 from offload.solver.memory import no_offload_peak
 from offload.solver.methods import METHODS, RECOMPUTING, Options, solve

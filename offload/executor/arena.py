@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from offload.core.meters import host_allocation
-from offload.solver.units import format_bytes
+from offload.io.text import format_bytes
 
 from .backends import Copy
 from .distributed import ranks_on_this_machine

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from offload.models.spec import ModelSpec
-from offload.solver.fileio import write_atomic
+from offload.io.files import write_atomic
 
 from .overlap import copy_overlap
 from .runtime import OffloadRuntime

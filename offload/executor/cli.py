@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 
 from offload.errors import OffloadError
-from offload.solver.argtypes import integer, number
+from offload.io.argtypes import integer, number
 from offload.solver.chainfile import OPTIMIZERS, load_chain
-from offload.solver.fileio import check_output, write_json
+from offload.io.files import check_output, write_json
 from offload.solver.schedulefile import load_schedule
-from offload.solver.units import format_bytes, format_seconds, printable
+from offload.io.text import format_bytes, format_seconds, printable, report_error
 
 BACKENDS = ("cuda", "cpu-eager", "cpu-lazy")  # offload.executor.backends implements them (a test checks)
 
@@ -69,7 +69,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.nproc > 1:
             return distributed.launch(args.argv, args.nproc)
         return _train(args)
-    from offload.cli import report_error  # here: offload.cli imports this module
     try:  # one rank of `--nproc N`
         code = _train(args)
     except OffloadError as exc:

@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from offload.errors import FormatError
-from offload.solver.argtypes import integer
+from offload.io.argtypes import integer
 from offload.solver.chainfile import AUTOCAST, DTYPES, OPTIMIZERS
-from offload.solver.units import parse_rate, parse_seconds
+from offload.io.text import parse_rate, parse_seconds
 
 
 def _platform(args: argparse.Namespace):
@@ -29,8 +29,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from offload.models import parse_options, zoo_help
     from offload.solver.chainfile import save_chain
     from offload.solver.cli import print_chain
-    from offload.solver.fileio import check_output
-    from offload.solver.units import printable
+    from offload.io.files import check_output
+    from offload.io.text import printable
 
     from .linearize import write_op_graphml
     from .profile import ProfileOptions, profile

@@ -17,7 +17,7 @@ import networkx as nx
 import numpy as np
 
 from offload.core.staging import Site
-from offload.solver.fileio import write_atomic
+from offload.io.files import write_atomic
 
 from .capture import Capture
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .chain import Chain
 from .memory import no_offload_peak
-from .units import format_bytes, parse_budget
+from offload.io.text import format_bytes, parse_budget
 
 SCOPES = ("activations", "total")
 

@@ -16,9 +16,9 @@ import re
 from typing import Any, Mapping
 
 from ..errors import FormatError
-from . import validate as v
+from offload.io import validate as v
 from .chain import Chain, EncodedTensor, Encoding, Platform, Recipe, Stage
-from .fileio import read_document, write_json
+from offload.io.files import read_document, write_json
 
 CHAIN_FORMAT = "offload-chain/2"
 OLD_FORMATS = ("offload-chain/1",)

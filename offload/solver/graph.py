@@ -11,7 +11,7 @@ import os
 import networkx as nx
 
 from .chain import Chain
-from .fileio import write_atomic
+from offload.io.files import write_atomic
 
 
 def chain_graph(chain: Chain) -> nx.DiGraph:

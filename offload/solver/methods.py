@@ -21,7 +21,7 @@ from .ilp import solve_ilp
 from .memory import floor_bound_memory, op_name, smallest_feasible_budget
 from .schedule import Choice, Offload, Recompute, Schedule, make_schedule
 from .simulate import Simulation, simulate
-from .units import format_bytes
+from offload.io.text import format_bytes
 
 
 LP_BOUND_MAX_STAGES = 2000  # above, the fluid LP's solve grows past seconds: cheaper bounds only

@@ -13,10 +13,10 @@ import os
 from typing import Any, Iterable, Mapping
 
 from ..errors import ChainMismatch, FormatError
-from . import validate as v
+from offload.io import validate as v
 from .budget import SCOPES, Budget
 from .chain import Chain
-from .fileio import read_document, write_json
+from offload.io.files import read_document, write_json
 from .schedule import Offload, Recompute, Schedule, check_choice, check_offloads, check_recompute
 
 SCHEDULE_FORMAT = "offload-schedule/2"

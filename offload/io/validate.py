@@ -6,7 +6,7 @@ range, so that no value is half-used or silently means something else:
 * bytes: whole numbers in ``[0, 2**53]`` (exact in a float, far above any memory);
 * seconds: finite, in ``[0, 1e6]``;
 * bandwidths: finite, in ``[1, 1e15]`` bytes per second;
-* no field the format does not define; strings are printed sanitized (``units.printable``).
+* no field the format does not define; strings are printed sanitized (``text.printable``).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import re
 from typing import Any, Iterator, Mapping, Sequence
 
 from ..errors import FormatError
+from .argtypes import MAX_SECONDS
 
 MAX_BYTES = 2 ** 53
-MAX_SECONDS = 1e6
 BANDWIDTH = (1.0, 1e15)
 
 

@@ -1,10 +1,12 @@
-"""Human units for bytes and time, both ways: ``6GiB`` / ``800MB`` / ``60%`` in, ``1.5 GiB`` out."""
+"""Text for people: bytes and time in human units both ways (``6GiB`` / ``800MB`` / ``60%`` in,
+``1.5 GiB`` out), file contents made safe to print, and the one line an error is shown as."""
 from __future__ import annotations
 
 import math
 import re
+import sys
 
-from ..errors import FormatError
+from ..errors import FormatError, OffloadError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -88,3 +90,11 @@ def printable(text: object) -> str:
     """``text`` with control characters (terminal escape sequences among them) written as
     ``\\xNN``: what a file says is shown, never interpreted by the terminal."""
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+
+
+def report_error(command: str, exc: OffloadError) -> int:
+    """One error line (and its hint) on stderr for ``offload COMMAND``; the exit code that goes with it."""
+    print(f"offload {command}: error: {printable(exc)}", file=sys.stderr)
+    if exc.hint:
+        print(f"  hint: {printable(exc.hint)}", file=sys.stderr)
+    return exc.exit_code

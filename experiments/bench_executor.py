@@ -23,15 +23,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from offload.executor.train import TrainOptions, train
 from offload.core.devices import pick_device
-from offload.profiler.profile import ProfileOptions, profile
-from offload.solver.chainfile import save_chain
+from offload.executor.train import TrainOptions, train
 from offload.io.files import write_csv, write_json
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
-from offload.solver.methods import Options, solve
-from offload.solver.schedulefile import save_schedule
 from offload.io.text import format_bytes, format_seconds
+from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.methods import Options, solve
+from offload.step.chainfile import save_chain
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.schedulefile import save_schedule
 
 from .profile_zoo import SETS
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from offload.profiler.profile import ProfileOptions, profile
-from offload.solver.chainfile import save_chain
+from offload.step.chainfile import save_chain
 
 RESULTS = Path(__file__).parent / "results"
 

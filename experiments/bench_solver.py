@@ -27,9 +27,9 @@ from pathlib import Path
 from experiments.synthetic import synthetic_chain
 from offload.errors import InfeasibleBudget
 from offload.io.files import write_csv
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import METHODS, Options, solve
-from offload.solver.simulate import simulate
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.simulate import simulate
 
 RESULTS = Path(__file__).parent / "results"
 

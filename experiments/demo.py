@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from offload.cli import main as offload
-from offload.solver.chainfile import load_chain
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.chainfile import load_chain
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
 
 
 def run(argv: list[str]) -> None:

@@ -21,16 +21,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from offload.solver import encoding
-from offload.solver.chain import Chain
-from offload.io.files import write_csv
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
-from offload.solver.methods import Options
-from offload.solver.simulate import simulate
-
 from offload.analysis.plots import plot_bars
-from .reproduce import link_bound, slowdown_cell, slowdown_panels, sweep_parser, zoo_chains
 from offload.analysis.sweep import sweep
+from offload.io.files import write_csv
+from offload.solver import encoded_floor
+from offload.solver.methods import Options
+from offload.step import encoding
+from offload.step.chain import Chain
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.simulate import simulate
+
+from .reproduce import link_bound, slowdown_cell, slowdown_panels, sweep_parser, zoo_chains
 
 OUT = Path(__file__).parent / "results" / "encodings"
 SHARES = (0.5, 0.3)
@@ -41,7 +42,7 @@ def smallest_budgets(chain: Chain) -> dict:
     peak = no_offload_peak(chain)
     cells = {"no_offload_peak": peak, "offload": smallest_feasible_budget(chain)}
     for mode in ("lossless", "lossy"):
-        cells[f"offload+{mode}"] = encoding.floor(chain, mode)[0]
+        cells[f"offload+{mode}"] = encoded_floor.floor(chain, mode)[0]
         cells[f"gist-{mode}"] = simulate(chain, [], encode=encoding.smallest(chain, mode)).peak_bytes
     return {"chain": chain.name, **cells,
             **{f"{k}_share": round(v / peak, 4) for k, v in cells.items() if k != "no_offload_peak"}}

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from offload.core.devices import pick_device
 from offload.profiler.profile import ProfileOptions, profile
-from offload.solver.chainfile import save_chain
+from offload.step.chainfile import save_chain
 
 CHAINS = Path(__file__).parent / "chains"
 

@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 from offload.executor.train import TrainOptions, train
-from offload.profiler.profile import ProfileOptions, profile
-from offload.solver.chainfile import save_chain
 from offload.io.files import write_csv
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
-from offload.solver.methods import Options, solve
-from offload.solver.schedulefile import save_schedule
 from offload.io.text import format_bytes, format_seconds
+from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.methods import Options, solve
+from offload.step.chainfile import save_chain
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.schedulefile import save_schedule
 
 OUT = Path(__file__).parent / "results" / "realmodels"
 MODELS = {

@@ -27,12 +27,12 @@ from pathlib import Path
 from offload.analysis.plots import plot_bars
 from offload.analysis.sweep import sweep
 from offload.io.files import write_csv
-from offload.solver.floors import bisect_budget, joint_floor
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
-from offload.solver.chain import Chain
-from offload.solver.methods import Options
-from offload.solver.simulate import simulate
 from offload.solver import checkpointing
+from offload.solver.floors import bisect_budget, joint_floor
+from offload.solver.methods import Options
+from offload.step.chain import Chain
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.simulate import simulate
 
 from .reproduce import link_bound, slowdown_cell, slowdown_panels, sweep_parser, zoo_chains
 

@@ -30,17 +30,16 @@ from typing import Iterable
 
 from tqdm import tqdm
 
-from offload.solver.baselines import own_smallest_budget
-from offload.solver.chain import Chain
-from offload.solver.chainfile import load_chain
-from offload.errors import InfeasibleBudget
-from offload.io.files import write_csv
-from offload.solver.floors import bisect_budget
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
-from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
-
 from offload.analysis.plots import plot_sweep
 from offload.analysis.sweep import Row, parse_budgets, sweep, write_rows
+from offload.errors import InfeasibleBudget
+from offload.io.files import write_csv
+from offload.solver.baselines import own_smallest_budget
+from offload.solver.floors import bisect_budget
+from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
+from offload.step.chain import Chain
+from offload.step.chainfile import load_chain
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
 
 CHAINS = Path(__file__).parent / "chains"
 OUT = Path(__file__).parent / "results" / "reproduction"

@@ -15,9 +15,8 @@ import argparse
 
 import numpy as np
 
-from offload.solver.chain import Chain
-
-from offload.solver.chainfile import chain_from_dict, save_chain
+from offload.step.chain import Chain
+from offload.step.chainfile import chain_from_dict, save_chain
 
 KINDS = ("conv", "conv", "conv", "block", "linear", "attention")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import itertools
 from typing import Iterator
 
-from offload.solver.chain import Chain
-from offload.solver.schedule import Offload, Recompute
-from offload.solver.simulate import simulate
+from offload.step.actions import Offload, Recompute
+from offload.step.chain import Chain
+from offload.step.simulate import simulate
 
 
 def all_runs(L: int) -> Iterator[list[Recompute]]:

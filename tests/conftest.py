@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from offload.solver.chainfile import chain_from_dict
+from offload.step.chainfile import chain_from_dict
 
 
 def chain_doc(**over):

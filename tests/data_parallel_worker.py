@@ -23,8 +23,8 @@ from offload import Offloaded
 from offload.core.staging import Site
 from offload.executor.distributed import finish, own_batch, start
 from offload.models import resolve
-from offload.solver.chainfile import load_chain
-from offload.solver.schedulefile import load_schedule
+from offload.step.chainfile import load_chain
+from offload.step.schedulefile import load_schedule
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

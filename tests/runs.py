@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 from offload.executor.train import TrainOptions, train
-from offload.solver.chainfile import save_chain
 from offload.solver.checkpointing import block_runs, sqrt_runs
-from offload.solver.schedule import Offload, make_schedule
-from offload.solver.schedulefile import save_schedule
+from offload.step.actions import Offload
+from offload.step.chainfile import save_chain
+from offload.step.schedule import make_schedule
+from offload.step.schedulefile import save_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 

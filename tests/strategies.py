@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from hypothesis import assume, strategies as st
 
-from offload.solver import encoding
-from offload.solver.chain import Chain
-from offload.solver.chainfile import chain_from_dict
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.solver import encoded_floor
+from offload.step.chain import Chain
+from offload.step.chainfile import chain_from_dict
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
 
 
 def _encodings(draw, saved: int) -> list[dict]:
@@ -84,7 +84,7 @@ def chain_and_budget(draw, min_stages: int = 1, max_stages: int = 6, encodings: 
     the no-offload peak; ``below``: under the offloading floor, from the lower bound with
     recomputation."""
     chain = draw(chains(min_stages, max_stages, encodings, inputs))
-    lo, hi = encoding.floor(chain, mode)[0], no_offload_peak(chain)
+    lo, hi = encoded_floor.floor(chain, mode)[0], no_offload_peak(chain)
     if below:  # where only recomputation may fit (if anything does)
         lo, hi = smallest_feasible_budget(chain, recompute=True), lo - 1
         assume(lo <= hi)

@@ -9,12 +9,12 @@ import pytest
 from experiments.synthetic import synthetic_chain
 from offload.analysis.sweep import parse_budgets, read_rows, sweep, write_rows
 from offload.cli import main as offload
-from offload.solver.budget import Budget
-from offload.solver.chainfile import load_chain, save_chain
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import METHODS, Options, solve
-from offload.solver.schedulefile import save_schedule
-from offload.solver.simulate import simulate
+from offload.step.budget import Budget
+from offload.step.chainfile import load_chain, save_chain
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.schedulefile import save_schedule
+from offload.step.simulate import simulate
 
 CHAINS = Path(__file__).parent.parent / "experiments" / "chains"
 

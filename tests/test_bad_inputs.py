@@ -16,10 +16,10 @@ import pytest
 
 from offload.cli import main
 from offload.profiler.profile import ProfileOptions, profile
-from offload.solver.chainfile import save_chain
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
-from offload.solver.schedulefile import save_schedule
+from offload.step.chainfile import save_chain
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.schedulefile import save_schedule
 
 MLP = {"layers": 3, "width": 64, "features": 32, "classes": 10}
 

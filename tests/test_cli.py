@@ -6,12 +6,12 @@ import sys
 import networkx as nx
 import pytest
 
-from offload.cli import main
-from offload.solver.chainfile import save_chain
-from offload.solver.cli import _percent
-from offload.solver.schedulefile import load_schedule
-from offload.io.text import parse_budget
 from experiments.synthetic import synthetic_chain
+from offload.cli import main
+from offload.io.text import parse_budget
+from offload.solver.cli import _percent
+from offload.step.chainfile import save_chain
+from offload.step.schedulefile import load_schedule
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def test_list_methods_one_per_line_name_first(capsys):
 
 
 def test_total_budget_counts_base_bytes(chain_file, tmp_path):
-    from offload.solver.chainfile import load_chain
+    from offload.step.chainfile import load_chain
     chain = load_chain(chain_file)
     out = tmp_path / "s.json"
     assert main(["solve", str(chain_file), "--budget", "70%", "--total", "-m", "relax-bw", "-o", str(out)]) == 0

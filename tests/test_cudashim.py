@@ -9,18 +9,19 @@ import textwrap
 
 import pytest
 import torch
-
 from cudashim import FakeAllocator, FakeCuda
+
 from offload.core.meters import Clock, CudaMeter
 from offload.executor import Offloaded
 from offload.executor import backends
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.checkpointing import block_runs
-from offload.solver.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
-from offload.solver.schedule import Offload, make_schedule
-from offload.solver.simulate import simulate
+from offload.step.actions import Offload
+from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.step.schedule import make_schedule
+from offload.step.simulate import simulate
 
 pytestmark = pytest.mark.cudashim
 

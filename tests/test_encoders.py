@@ -9,16 +9,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from offload.executor.train import TrainOptions, train
 from offload.cli import main
-from offload.profiler.encodable import SIGN_ONLY, encodings_pass
 from offload.core.encoders import ENCODERS, encoded_size
+from offload.executor.train import TrainOptions, train
+from offload.profiler.encodable import SIGN_ONLY, encodings_pass
 from offload.profiler.profile import ProfileOptions, profile
-from offload.solver import encoding
-from offload.solver.chainfile import save_chain
-from offload.solver.memory import floor_offloads
-from offload.solver.schedule import make_schedule
-from offload.solver.schedulefile import save_schedule
+from offload.step import encoding
+from offload.step.chainfile import save_chain
+from offload.step.memory import floor_offloads
+from offload.step.schedule import make_schedule
+from offload.step.schedulefile import save_schedule
 
 OPTIONS = {"resnet18": {"image": 16}, "mlp": {"layers": 4, "width": 256, "features": 64, "classes": 10}}
 

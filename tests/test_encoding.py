@@ -6,15 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload.solver import encoding
-from offload.solver.chainfile import chain_from_dict, to_dict
 from offload.errors import FormatError, InfeasibleBudget, ScheduleRejected
+from offload.solver import encoded_floor
 from offload.solver.ilp import Model, solve_ilp
-from offload.solver.memory import floor_offloads, no_offload_peak, op_memory, smallest_feasible_budget
 from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
-from offload.solver.schedule import Offload
-from offload.solver.schedulefile import load_schedule, save_schedule
-from offload.solver.simulate import simulate
+from offload.step import encoding
+from offload.step.actions import Offload
+from offload.step.chainfile import chain_from_dict
+from offload.step.memory import floor_offloads, no_offload_peak, op_memory, smallest_feasible_budget
+from offload.step.schedulefile import load_schedule, save_schedule
+from offload.step.simulate import simulate
 from tests.conftest import assert_loads_exactly, chain_doc
 from tests.strategies import chain_and_budget
 from tests.test_solver_properties import FIXED_POLICIES, REL, SETTINGS
@@ -72,7 +73,7 @@ def test_lossy_encodings_only_with_the_flag(encoded_four):
 
 
 def test_old_chains_keep_their_hash_and_files(four):
-    assert "encodings" not in to_dict(four)["stages"][0]
+    assert "encodings" not in four.document()["stages"][0]
     doc = chain_doc()
     doc["stages"][1]["encodings"] = []
     assert chain_from_dict(doc).sha256 == four.sha256
@@ -190,7 +191,7 @@ def test_encodings_never_hurt_the_optimum(cb):
 @given(chain_and_budget(max_stages=5, encodings=True))
 def test_encoded_floor_is_the_least_floor_peak(cb):
     chain, _ = cb
-    value, choice = encoding.floor(chain)
+    value, choice = encoded_floor.floor(chain)
     opts = encoding.allowed(chain)
     best = min(
         int(op_memory(d, floor_offloads(d)).max())
@@ -204,14 +205,14 @@ def test_encoded_floor_is_the_least_floor_peak(cb):
 
 
 def test_budget_below_the_encoded_floor_is_refused(encoded_four):
-    value, _ = encoding.floor(encoded_four)
+    value, _ = encoded_floor.floor(encoded_four)
     with pytest.raises(InfeasibleBudget) as err:
         solve(encoded_four, value - 1, "ilp", EXACT)
     assert err.value.smallest_bytes == value
 
 
 def test_chain_copy_with_encodings_round_trips(encoded_four):
-    doc = to_dict(encoded_four)
+    doc = encoded_four.document()
     again = chain_from_dict(copy.deepcopy(doc))
     assert again == encoded_four and again.sha256 == encoded_four.sha256
 

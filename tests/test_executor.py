@@ -16,14 +16,13 @@ from offload.executor.backends import CpuLazyBackend
 from offload.executor.train import TrainOptions, train
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
-from offload.solver.budget import Budget
-from offload.solver.chainfile import save_chain
-from offload.solver.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
-from offload.solver.schedule import make_schedule
-from offload.solver.schedulefile import save_schedule
-from offload.solver.simulate import simulate
-
+from offload.step.budget import Budget
+from offload.step.chainfile import save_chain
+from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.step.schedule import make_schedule
+from offload.step.schedulefile import save_schedule
+from offload.step.simulate import simulate
 from tests.runs import check_run, recomputing
 
 OPTIONS = {"resnet18": {"image": 16},

@@ -7,10 +7,10 @@ import torch
 
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
-from offload.solver.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
-from offload.solver.schedule import make_schedule
-from offload.solver.simulate import simulate
+from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.step.schedule import make_schedule
+from offload.step.simulate import simulate
 from tests.runs import data_parallel, train_on_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -48,7 +48,7 @@ def test_cuda_copies_overlap_compute_in_the_trace(tmp_path):
 
 def test_cuda_lossless_encodings_keep_gradients_bit_exact():
     """Keep-encoded and offload-encoded units on CUDA streams: encoders in pack, decoders in unpack."""
-    from offload.solver import encoding
+    from offload.step import encoding
 
     chain = profile("resnet18", ProfileOptions(batch=4, device="cuda", repeats=3, options={"image": 64})).chain
     choice = encoding.smallest(chain, "lossless")

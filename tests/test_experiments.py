@@ -48,7 +48,7 @@ def test_demo_pipeline_at_a_small_size(tmp_path, capsys):
 def test_encodings_experiment_compares_modes(tmp_path, capsys):
     from experiments import encodings
     from offload.profiler.profile import ProfileOptions, profile
-    from offload.solver.chainfile import save_chain
+    from offload.step.chainfile import save_chain
 
     folder = tmp_path / "chains"
     folder.mkdir()

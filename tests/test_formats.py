@@ -2,11 +2,12 @@ import json
 
 import pytest
 
-from offload.solver.chainfile import chain_from_dict, load_chain, save_chain, to_dict
 from offload.errors import ChainMismatch, FormatError, ScheduleRejected
-from offload.solver.budget import Budget
-from offload.solver.schedule import Offload, make_schedule
-from offload.solver.schedulefile import load_schedule, save_schedule, schedule_from_dict, schedule_to_dict
+from offload.step.actions import Offload
+from offload.step.budget import Budget
+from offload.step.chainfile import chain_from_dict, load_chain, save_chain
+from offload.step.schedule import make_schedule
+from offload.step.schedulefile import load_schedule, save_schedule, schedule_from_dict, schedule_to_dict
 from tests.conftest import chain_doc
 
 
@@ -78,7 +79,7 @@ def test_recipe_round_trips_and_is_part_of_the_identity(four):
     recipe = {"model": "resnet18", "batch": 8, "options": {"image": 32}, "dtype": "float32", "seed": 0,
               "optimizer": "adam", "cuts": ["layer1.0", "relu@2", "block@0[1]"], "inputs": ["0:float32[8,3,32,32]"]}
     a = chain_from_dict(chain_doc(recipe=recipe))
-    assert chain_from_dict(to_dict(a)) == a
+    assert chain_from_dict(a.document()) == a
     b = chain_from_dict(chain_doc(recipe={**recipe, "batch": 2}))
     assert a.sha256 != b.sha256 != four.sha256
 
@@ -146,4 +147,4 @@ def test_schedule_with_bad_fields(four):
 
 
 def test_to_dict_is_loadable(four):
-    assert chain_from_dict(to_dict(four)) == four
+    assert chain_from_dict(four.document()) == four

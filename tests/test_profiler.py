@@ -19,7 +19,7 @@ from offload.profiler.capture import capture
 from offload.profiler.linearize import default_cuts, merge_to, stages_at
 from offload.profiler.measure import StepRunner, measure, spread
 from offload.profiler.profile import ProfileOptions, profile, timing_warnings
-from offload.solver.chainfile import load_chain
+from offload.step.chainfile import load_chain
 
 SMALL = {
     "resnet18": {"image": 32},

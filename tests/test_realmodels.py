@@ -13,10 +13,10 @@ import pytest
 from offload.errors import ChainMismatch
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
-from offload.solver.schedule import Recompute, make_schedule
-
+from offload.step.actions import Recompute
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.schedule import make_schedule
 from tests.runs import check_run, recomputing
 
 pytest.importorskip("transformers")

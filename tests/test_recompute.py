@@ -12,22 +12,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from experiments.reproduce import link_bound
 from offload.cli import main as offload
 from offload.errors import InfeasibleBudget, ScheduleRejected
 from offload.executor.plan import StepPlan
-from experiments.reproduce import link_bound
-from offload.solver import encoding, relax
-from offload.solver.chain import Chain
-from offload.solver.chainfile import chain_from_dict, load_chain, save_chain
+from offload.solver import relax
 from offload.solver.ilp import Model, solve_ilp
-from offload.solver.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
-from offload.solver.policy import floor_memory
 from offload.solver.methods import Options, solve
-from offload.solver.schedule import Offload, Recompute, make_schedule
-from offload.solver.schedulefile import schedule_from_dict, schedule_to_dict
-from offload.solver.simulate import simulate
-from tests.conftest import assert_loads_exactly, chain_doc
+from offload.solver.policy import floor_memory
+from offload.step import encoding
+from offload.step.actions import Offload, Recompute
+from offload.step.chain import Chain
+from offload.step.chainfile import chain_from_dict, load_chain, save_chain
+from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.step.schedule import make_schedule
+from offload.step.schedulefile import schedule_from_dict, schedule_to_dict
+from offload.step.simulate import simulate
 from tests.brute import brute_force
+from tests.conftest import assert_loads_exactly, chain_doc
 from tests.strategies import chain_and_budget
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])

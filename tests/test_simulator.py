@@ -3,12 +3,12 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 
-from offload.solver.chainfile import chain_from_dict
 from offload.errors import ScheduleRejected
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
-from offload.solver.schedule import Offload
-from offload.solver.budget import Budget
-from offload.solver.simulate import simulate
+from offload.step.actions import Offload
+from offload.step.budget import Budget
+from offload.step.chainfile import chain_from_dict
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.simulate import simulate
 from tests.conftest import chain_doc
 from tests.strategies import chain_and_budget
 
@@ -74,7 +74,7 @@ def test_copy_directions_never_overlap(cb):
     """All D2H copies end before B_L (releases are <= L) and H2D copies are issued at B_L or
     later: whether the two directions could overlap (duplex copy engines) never matters,
     which is why the platform has no channel mode."""
-    from offload.solver.memory import floor_offloads
+    from offload.step.memory import floor_offloads
     chain, _ = cb
     copies = simulate(chain, floor_offloads(chain)).copies
     d2h_end = max((c.end for c in copies if c.direction == "D2H"), default=0.0)

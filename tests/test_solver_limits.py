@@ -12,14 +12,15 @@ import pytest
 from experiments.reproduce import link_bound
 from experiments.synthetic import synthetic_chain
 from offload.analysis.sweep import solve_one, sweep
-from offload.solver import encoding, lns, pulp_backend
-from offload.solver.budget import Budget
-from offload.solver.chainfile import load_chain, save_chain
+from offload.solver import lns, pulp_backend
 from offload.solver.deadline import Deadline
 from offload.solver.ilp import solve_ilp
-from offload.solver.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
-from offload.solver.simulate import simulate
+from offload.step import encoding
+from offload.step.budget import Budget
+from offload.step.chainfile import load_chain, save_chain
+from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.step.simulate import simulate
 from tests.runs import ROOT
 
 OFFLOAD = [sys.executable, "-m", "offload"]

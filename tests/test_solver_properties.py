@@ -4,11 +4,11 @@ import dataclasses
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
-from offload.solver.bounds import fluid_lp
 from offload.errors import InfeasibleBudget
+from offload.solver.bounds import fluid_lp
 from offload.solver.ilp import Model, solve_ilp
 from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
-from offload.solver.simulate import simulate
+from offload.step.simulate import simulate
 from tests.brute import brute_force
 from tests.conftest import assert_loads_exactly
 from tests.strategies import chain_and_budget

@@ -15,10 +15,10 @@ from offload.executor import Offloaded
 from offload.executor.train import TrainOptions, train
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
-from offload.solver.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.solver.methods import Options, solve
-from offload.solver.schedule import make_schedule
-from offload.solver.simulate import simulate
+from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.step.schedule import make_schedule
+from offload.step.simulate import simulate
 from tests import runs
 
 CHECKPOINTED = str(runs.ROOT / "tests" / "models" / "checkpointed.py") + ":build"

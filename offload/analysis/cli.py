@@ -7,15 +7,15 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from offload.io.argtypes import integer, seconds
-from offload.solver.chainfile import load_chain
-from offload.solver.cli import add_recompute_arguments
 from offload.errors import FormatError
+from offload.io.argtypes import integer, seconds
 from offload.io.files import write_atomic
-from offload.solver.encoding import MODE_HELP, MODES
-from offload.solver.methods import METHODS, Options
-from offload.solver.schedulefile import load_schedule
 from offload.io.text import format_bytes, format_seconds
+from offload.solver.cli import add_recompute_arguments
+from offload.solver.methods import METHODS, Options
+from offload.step.chainfile import load_chain
+from offload.step.encoding import MODE_HELP, MODES
+from offload.step.schedulefile import load_schedule
 
 from .sweep import Row, parse_budgets, parse_methods, read_rows, sweep, write_rows
 from .timeline import chrome_trace, timeline

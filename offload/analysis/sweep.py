@@ -20,13 +20,13 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from offload.solver.budget import Budget
-from offload.solver.chain import Chain
 from offload.errors import FormatError, InfeasibleBudget, OffloadError
 from offload.io.files import write_csv
-from offload.solver.encoding import floor
-from offload.solver.memory import no_offload_peak
+from offload.solver.encoded_floor import floor
 from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
+from offload.step.budget import Budget
+from offload.step.chain import Chain
+from offload.step.memory import no_offload_peak
 
 
 @dataclass

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offload.solver.chain import Chain
-from offload.solver.memory import op_name
-from offload.solver.schedule import Schedule
-from offload.solver.simulate import Simulation, simulate
+from offload.step.chain import Chain
+from offload.step.memory import op_name
+from offload.step.schedule import Schedule
+from offload.step.simulate import Simulation, simulate
 
 LANES = ("compute", "D2H", "H2D")
 

@@ -33,11 +33,11 @@ from offload.core.meters import make_meter
 from offload.core.staging import Site, Staging, unwrap
 from offload.errors import ChainMismatch
 from offload.models.spec import signature
-from offload.solver.chain import Chain
-from offload.solver.chainfile import load_chain
-from offload.solver.schedule import Schedule
-from offload.solver.schedulefile import load_schedule
-from offload.solver.simulate import simulate
+from offload.step.chain import Chain
+from offload.step.chainfile import load_chain
+from offload.step.schedule import Schedule
+from offload.step.schedulefile import load_schedule
+from offload.step.simulate import simulate
 
 from .backends import make_backend
 from .plan import StepPlan

@@ -6,10 +6,10 @@ import argparse
 
 from offload.errors import OffloadError
 from offload.io.argtypes import integer, number
-from offload.solver.chainfile import OPTIMIZERS, load_chain
 from offload.io.files import check_output, write_json
-from offload.solver.schedulefile import load_schedule
 from offload.io.text import format_bytes, format_seconds, printable, report_error
+from offload.step.chainfile import OPTIMIZERS, load_chain
+from offload.step.schedulefile import load_schedule
 
 BACKENDS = ("cuda", "cpu-eager", "cpu-lazy")  # offload.executor.backends implements them (a test checks)
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from offload.solver.chain import Chain, EncodedTensor
-from offload.solver.encoding import encoded_bytes
-from offload.solver.recompute import by_op
-from offload.solver.schedule import Recompute, Schedule
+from offload.step.actions import Recompute
+from offload.step.chain import Chain, EncodedTensor
+from offload.step.encoding import encoded_bytes
+from offload.step.recompute import by_op
+from offload.step.schedule import Schedule
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ import torch
 from offload.core.devices import DTYPES, make_optimizer, pick_device, running
 from offload.errors import BudgetExceeded, ChainMismatch, HostMemoryShortfall, OffloadError
 from offload.models import ModelSpec, resolve
-from offload.solver.chain import Chain
-from offload.solver.encoding import lossy_stages
-from offload.solver.schedule import Schedule
-from offload.solver.simulate import Simulation, simulate
+from offload.step.chain import Chain
+from offload.step.encoding import lossy_stages
+from offload.step.schedule import Schedule
+from offload.step.simulate import Simulation, simulate
 
 from . import distributed
 from .api import stage_like_chain

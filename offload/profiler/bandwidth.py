@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from offload.solver.chain import Platform
+from offload.step.chain import Platform
 
 LARGE, SMALL = 256 * 2**20, 64 * 2**10
 

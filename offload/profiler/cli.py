@@ -7,8 +7,8 @@ import sys
 
 from offload.errors import FormatError
 from offload.io.argtypes import integer
-from offload.solver.chainfile import AUTOCAST, DTYPES, OPTIMIZERS
 from offload.io.text import parse_rate, parse_seconds
+from offload.step.chainfile import AUTOCAST, DTYPES, OPTIMIZERS
 
 
 def _platform(args: argparse.Namespace):
@@ -27,7 +27,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from offload.models import parse_options, zoo_help
-    from offload.solver.chainfile import save_chain
+    from offload.step.chainfile import save_chain
     from offload.solver.cli import print_chain
     from offload.io.files import check_output
     from offload.io.text import printable

@@ -33,7 +33,7 @@ from offload.core.meters import make_meter
 from offload.core.staging import StageListener
 from offload.core.units import Saved, UnitTracker, plain, storage_key
 from offload.models.spec import tensors_in
-from offload.solver.chain import EncodedTensor, Encoding
+from offload.step.chain import EncodedTensor, Encoding
 
 from .measure import StepRunner
 

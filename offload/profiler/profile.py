@@ -24,9 +24,9 @@ from offload.core.staging import Staging
 from offload.errors import ModelError
 from offload.models import ModelSpec, resolve
 from offload.models.spec import signature
-from offload.solver.chain import Chain, Encoding, Platform, Recipe, Stage
-from offload.solver.chainfile import AUTOCAST, make_chain
-from offload.solver.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage
+from offload.step.chainfile import AUTOCAST, make_chain
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
 
 from .bandwidth import measure_platform
 from .capture import Capture, capture

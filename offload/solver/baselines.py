@@ -29,11 +29,12 @@ from typing import Callable
 
 import numpy as np
 
-from .chain import Chain
+from offload.step.actions import Offload
+from offload.step.chain import Chain
+from offload.step.simulate import simulate
+
 from .policy import (combine, cover_peaks, prefetch_latest, prefetch_lookahead, prefetch_on_demand,
                      release_asap, release_next)
-from .schedule import Offload
-from .simulate import simulate
 
 Plan = list[Offload]
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pulp
 
-from .chain import Chain, Stage
+from offload.step.chain import Chain, Stage
+
 from .pulp_backend import run
 
 

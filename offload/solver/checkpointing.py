@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from .chain import Chain
-from .schedule import Recompute
+from offload.step.actions import Recompute
+from offload.step.chain import Chain
 
 
 def sqrt_runs(chain: Chain) -> list[Recompute]:

@@ -9,21 +9,23 @@ import argparse
 import json
 import sys
 
+from offload.errors import FormatError
 from offload.io.argtypes import fraction, integer, seconds
-from .budget import Budget
-from .chain import Chain
-from .chainfile import load_chain
-from .encoding import MODE_HELP, MODES, allowed, encoded_bytes, floor
-from ..errors import FormatError
 from offload.io.files import check_output
+from offload.io.text import format_bytes, format_seconds, printable
+from offload.step.budget import Budget
+from offload.step.chain import Chain
+from offload.step.chainfile import load_chain
+from offload.step.encoding import MODE_HELP, MODES, allowed, encoded_bytes
+from offload.step.graph import write_graphml
+from offload.step.memory import no_offload_peak, op_memory, op_name, smallest_feasible_budget
+from offload.step.schedulefile import load_schedule, save_schedule
+from offload.step.simulate import Simulation, simulate
+
+from .encoded_floor import floor
 from .floors import joint_floor
-from .graph import write_graphml
-from .memory import no_offload_peak, op_memory, op_name, smallest_feasible_budget
 from .methods import METHODS, Options, solve
 from .pulp_backend import SOLVERS
-from .schedulefile import load_schedule, save_schedule
-from .simulate import Simulation, simulate
-from offload.io.text import format_bytes, format_seconds, printable
 
 BUDGET_HELP = ("memory budget: bytes (4000000000), a size (6GiB, 800MB) or a share of the no-offload peak "
                "(60%%); activation memory unless --total")

@@ -7,10 +7,11 @@ cheap, and the exact floor is the least budget at which the joint MILP finds a s
 """
 from __future__ import annotations
 
-from .chain import Chain
-from .memory import no_offload_peak, smallest_feasible_budget
+from offload.errors import InfeasibleBudget
+from offload.step.chain import Chain
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
+
 from .methods import Options, solve
-from ..errors import InfeasibleBudget
 
 
 def bisect_budget(chain: Chain, method: str, options: Options, below: int, met: int, resolution: int) -> int:

@@ -51,14 +51,15 @@ from typing import Mapping, Sequence
 import numpy as np
 import pulp
 
-from .chain import Chain, Encoding
+from offload.step.actions import Choice, Offload, Recompute
+from offload.step.chain import Chain, Encoding
+from offload.step.encoding import apply, encoded_bytes
+from offload.step.memory import forward_checkpoint, op_memory
+from offload.step.recompute import run_op, run_seconds
+from offload.step.simulate import simulate
+
 from .deadline import Deadline
-from .encoding import apply, encoded_bytes
-from .memory import forward_checkpoint, op_memory
 from .pulp_backend import SolveOutcome, run
-from .recompute import run_op, run_seconds
-from .schedule import Choice, Offload, Recompute
-from .simulate import simulate
 
 RAW = ""  # the option "not encoded"
 CUT_NONZEROS = 400_000  # per cut family, beyond which only the closest (k, j) pairs are kept

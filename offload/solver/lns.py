@@ -18,11 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from .chain import Chain, Encoding
+from offload.step.actions import Offload
+from offload.step.chain import Chain, Encoding
+from offload.step.simulate import simulate
+
 from .deadline import Deadline, OutOfTime
 from .ilp import RAW, Decided, solve_ilp
-from .schedule import Offload
-from .simulate import simulate
 
 
 @dataclass

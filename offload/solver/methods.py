@@ -11,17 +11,21 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ..errors import InfeasibleBudget, SolverFailure
-from . import baselines, checkpointing, encoding, lns, relax
+from offload.errors import InfeasibleBudget, SolverFailure
+from offload.io.text import format_bytes
+from offload.step import encoding
+from offload.step.actions import Choice, Offload, Recompute
+from offload.step.budget import Budget
+from offload.step.chain import Chain
+from offload.step.memory import floor_bound_memory, op_name, smallest_feasible_budget
+from offload.step.schedule import Schedule, make_schedule
+from offload.step.simulate import Simulation, simulate
+
+from . import baselines, checkpointing, lns, relax
+from . import encoded_floor
 from .bounds import fluid_lp
-from .budget import Budget
-from .chain import Chain
 from .deadline import Deadline, OutOfTime
 from .ilp import solve_ilp
-from .memory import floor_bound_memory, op_name, smallest_feasible_budget
-from .schedule import Choice, Offload, Recompute, Schedule, make_schedule
-from .simulate import Simulation, simulate
-from offload.io.text import format_bytes
 
 
 LP_BOUND_MAX_STAGES = 2000  # above, the fluid LP's solve grows past seconds: cheaper bounds only
@@ -265,7 +269,7 @@ RECOMPUTING = {"recompute-only", "checkpoint-sqrt", "checkpoint-blocks"}  # meth
 def _refuse_below_floor(chain: Chain, budget: Budget, mode: str, recompute: bool) -> int:
     """The smallest feasible activation budget with ``mode``'s encodings (with ``recompute``, a
     lower bound on it); ``InfeasibleBudget`` naming the op that holds it when ``budget`` is below."""
-    floor, floor_choice = encoding.floor(chain, mode)
+    floor, floor_choice = encoded_floor.floor(chain, mode)
     derived = encoding.apply(chain, floor_choice)
     if recompute:
         floor = smallest_feasible_budget(derived, recompute=True)

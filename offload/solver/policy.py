@@ -24,9 +24,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .chain import Chain
-from .memory import floor_savings, forward_checkpoint, op_memory
-from .schedule import Offload, Recompute
+from offload.step.actions import Offload, Recompute
+from offload.step.chain import Chain
+from offload.step.memory import floor_savings, forward_checkpoint, op_memory
 
 Points = dict[int, int]
 

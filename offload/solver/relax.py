@@ -43,14 +43,16 @@ from typing import Callable
 
 import numpy as np
 
-from . import encoding
+from offload.step import encoding
+from offload.step.actions import Offload, Recompute
+from offload.step.chain import Chain
+from offload.step.memory import floor_offloads, floor_savings, smallest_feasible_budget
+from offload.step.simulate import simulate
+
+from . import encoded_floor
 from .bounds import FluidLP, rounding_lp
-from .chain import Chain
 from .checkpointing import recomputable_parts, sqrt_runs
-from .memory import floor_offloads, floor_savings, smallest_feasible_budget
 from .policy import cover_peaks, floor_memory, plan_greedy
-from .schedule import Offload, Recompute
-from .simulate import simulate
 
 MAX_RUN_START_STAGES = 200  # longer chains start from the relaxation and from every stage its own run
 
@@ -276,7 +278,7 @@ def _search(chain: Chain, budget: int, mode: str, time_budget_s: float,
     deadline = time.perf_counter() + time_budget_s
     score = _Scorer(chain, budget)
     opts = encoding.allowed(chain, mode)
-    choices = [{}] + ([encoding.smallest(chain, mode), encoding.floor(chain, mode)[1]] if opts else [])
+    choices = [{}] + ([encoding.smallest(chain, mode), encoded_floor.floor(chain, mode)[1]] if opts else [])
     starts = []
     for choice in {tuple(sorted(c.items())): c for c in choices}.values():
         derived = score.derive(tuple(sorted(choice.items())))

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offload.io.text import format_bytes, parse_budget
+
 from .chain import Chain
 from .memory import no_offload_peak
-from offload.io.text import format_bytes, parse_budget
 
 SCOPES = ("activations", "total")
 

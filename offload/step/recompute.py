@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from .actions import Recompute
 from .chain import Chain
-from .schedule import Recompute
 
 
 def run_op(chain: Chain, run: Recompute) -> int:

@@ -10,8 +10,9 @@ import os
 
 import networkx as nx
 
-from .chain import Chain
 from offload.io.files import write_atomic
+
+from .chain import Chain
 
 
 def chain_graph(chain: Chain) -> nx.DiGraph:

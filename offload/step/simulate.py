@@ -18,13 +18,14 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from ..errors import ScheduleRejected
+from offload.errors import ScheduleRejected
+
+from .actions import Offload, Recompute, check_offloads, check_recompute
 from .budget import Budget
 from .chain import Chain
 from .encoding import apply
 from .memory import memory_profile, op_name
 from .recompute import by_op
-from .schedule import Offload, Recompute, check_offloads, check_recompute
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from typing import Iterable
 
 import numpy as np
 
+from .actions import Offload, Recompute
 from .chain import Chain
 from .recompute import by_op
-from .schedule import Offload, Recompute
 
 
 def op_name(chain: Chain, o: int) -> str:

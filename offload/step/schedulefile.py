@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Mapping
 
-from ..errors import ChainMismatch, FormatError
+from offload.errors import ChainMismatch, FormatError
 from offload.io import validate as v
+from offload.io.files import read_document, write_json
+
+from .actions import Offload, Recompute, check_choice, check_offloads, check_recompute
 from .budget import SCOPES, Budget
 from .chain import Chain
-from offload.io.files import read_document, write_json
-from .schedule import Offload, Recompute, Schedule, check_choice, check_offloads, check_recompute
+from .schedule import Schedule
 
 SCHEDULE_FORMAT = "offload-schedule/2"
 OLD_FORMATS = ("offload-schedule/1",)

@@ -1,7 +1,8 @@
-"""The chain file format, ``offload-chain/2`` (docs/formats.md): validation, I/O, the hash.
+"""Reading the chain file format, ``offload-chain/2`` (docs/formats.md): validation and I/O.
 
 Files are validated field by field on load (``validate``), so a malformed chain is refused
-with a message naming the field, never half-used.  The hash covers everything but
+with a message naming the field, never half-used.  A chain writes its own document (``Chain.document``), whose hash is its
+identity; the hash covers everything but
 ``source`` (provenance), the recipe included: a schedule binds to one chain and one way of
 rebuilding its model.  ``offload-chain/1`` files still load (their ``platform.channels`` is
 ignored: in this schedule class D2H and H2D copies never overlap); they carry no recipe,
@@ -9,18 +10,17 @@ so they can be solved but not trained with.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 from typing import Any, Mapping
 
-from ..errors import FormatError
+from offload.errors import FormatError
 from offload.io import validate as v
-from .chain import Chain, EncodedTensor, Encoding, Platform, Recipe, Stage
 from offload.io.files import read_document, write_json
 
-CHAIN_FORMAT = "offload-chain/2"
+from .chain import CHAIN_FORMAT, Chain, EncodedTensor, Encoding, Platform, Recipe, Stage
+
 OLD_FORMATS = ("offload-chain/1",)
 ENCODERS = ("sign-mask", "sparse", "bf16")  # offload.core.encoders implements them (a test checks)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -156,70 +156,11 @@ def chain_from_dict(d: Any) -> Chain:
                  source=dict(source), recipe=recipe_from_dict(d["recipe"]) if d.get("recipe") is not None else None)
 
 
-def _encodings_to_list(encodings: tuple[Encoding, ...]) -> list[dict]:
-    return [{"name": e.name, "lossless": e.lossless, "encode_s": e.encode_s, "decode_s": e.decode_s,
-             "tensors": [{"index": t.index, "encoder": t.encoder, "bytes": t.nbytes, "encoded_bytes": t.encoded_bytes,
-                          "output": t.output, "workspace_bytes": t.workspace_bytes} for t in e.tensors]}
-            for e in encodings]
-
-
-def _stage_to_dict(s: Stage) -> dict:
-    d: dict[str, Any] = {"name": s.name, "kind": s.kind, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s, "saved_bytes": s.saved_bytes,
-                         "fwd_peak_bytes": s.fwd_peak_bytes, "bwd_peak_bytes": s.bwd_peak_bytes, "need_from": s.need_from}
-    if s.encodings:
-        d["encodings"] = _encodings_to_list(s.encodings)
-    if s.held_bytes:
-        d.update(held_bytes=s.held_bytes, held_until=s.held_until)
-    if s.input_bytes:  # absent otherwise: chains from before recomputation keep their sha256
-        d["input_bytes"] = s.input_bytes
-    if not s.recomputable:  # likewise: written only where the profiler found a stage it cannot re-run
-        d["recomputable"] = False
-    if s.carry_bytes is not None:
-        d["carry_bytes"] = s.carry_bytes
-    if s.bwd_start_bytes:
-        d["bwd_start_bytes"] = s.bwd_start_bytes
-    if s.recomputed_fwd_peak_bytes is not None:
-        d["recomputed_fwd_peak_bytes"] = s.recomputed_fwd_peak_bytes
-    if s.input_carried_bytes:
-        d["input_carried_bytes"] = s.input_carried_bytes
-    if s.input_held_bytes:
-        d["input_held_bytes"] = s.input_held_bytes
-    return d
-
-
-def to_dict(chain: Chain) -> dict:
-    """The ``chain.json`` document of ``chain`` (all defaults written out)."""
-    p = chain.platform
-    platform: dict[str, Any] = {"d2h_bytes_per_s": p.d2h_bytes_per_s, "h2d_bytes_per_s": p.h2d_bytes_per_s,
-                                "latency_s": p.latency_s}
-    if p.note:
-        platform["note"] = p.note
-    doc: dict[str, Any] = {"format": CHAIN_FORMAT, "name": chain.name, "source": dict(chain.source),
-                           "platform": platform, "base_bytes": chain.base_bytes,
-                           "stages": [_stage_to_dict(s) for s in chain.stages]}
-    if chain.recipe is not None:
-        r = chain.recipe
-        doc["recipe"] = {"model": r.model, "batch": r.batch, "options": dict(r.options), "dtype": r.dtype,
-                         "seed": r.seed, "optimizer": r.optimizer, "cuts": list(r.cuts), "inputs": list(r.inputs)}
-        if r.autocast is not None:  # absent otherwise: chains from before autocast keep their sha256
-            doc["recipe"]["autocast"] = r.autocast
-        if r.set_to_none:  # the same
-            doc["recipe"]["set_to_none"] = True
-    return doc
-
-
-def canonical_sha256(chain: Chain) -> str:
-    """Hash of the chain's canonical JSON without ``source``."""
-    body = to_dict(chain)
-    body.pop("source")
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
 def make_chain(name: str, stages: list[Stage], platform: Platform, base_bytes: int = 0,
                source: Mapping[str, Any] | None = None, recipe: Recipe | None = None) -> Chain:
     """A chain built in code (profiler, generators), validated as if it were read from a file."""
     chain = Chain(name, tuple(stages), platform, base_bytes, dict(source or {}), recipe)
-    return chain_from_dict(json.loads(json.dumps(to_dict(chain))))
+    return chain_from_dict(json.loads(json.dumps(chain.document())))
 
 
 def load_chain(path: str | os.PathLike) -> Chain:
@@ -229,4 +170,4 @@ def load_chain(path: str | os.PathLike) -> Chain:
 
 def save_chain(chain: Chain, path: str | os.PathLike) -> None:
     """Write the chain (the output rule of ``fileio``)."""
-    write_json(path, to_dict(chain))
+    write_json(path, chain.document())

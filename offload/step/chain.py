@@ -2,18 +2,23 @@
 
 A chain has stages ``1..L``; the GPU runs ``F1..FL`` then ``BL..B1``.  Stage ``i`` saves a
 *unit* ``Ui`` of ``saved_bytes`` for its backward, the thing that can be offloaded, and may
-offer *encodings* of part of it (``solver.encoding`` gives their meaning).  The platform
+offer *encodings* of part of it (``encoding`` gives their meaning).  The platform
 gives the copy bandwidths.  A profiled chain carries its *recipe*: how its model is
-rebuilt and cut, so that the executor runs the step the chain describes.  The file
-format, its validation and the chain's hash are in ``chainfile``.
+rebuilt and cut, so that the executor runs the step the chain describes.  A chain writes
+its own canonical document (``Chain.document``; its hash is the chain's identity);
+``chainfile`` reads and validates documents.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Mapping
 
 import numpy as np
+
+CHAIN_FORMAT = "offload-chain/2"  # what ``document`` writes; ``chainfile`` reads it and older ones
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,37 @@ def _column(field: str, dtype: type = np.int64) -> cached_property:
     return cached_property(column)
 
 
+def _encodings_document(encodings: tuple[Encoding, ...]) -> list[dict]:
+    return [{"name": e.name, "lossless": e.lossless, "encode_s": e.encode_s, "decode_s": e.decode_s,
+             "tensors": [{"index": t.index, "encoder": t.encoder, "bytes": t.nbytes, "encoded_bytes": t.encoded_bytes,
+                          "output": t.output, "workspace_bytes": t.workspace_bytes} for t in e.tensors]}
+            for e in encodings]
+
+
+def _stage_document(s: Stage) -> dict:
+    d: dict[str, Any] = {"name": s.name, "kind": s.kind, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s, "saved_bytes": s.saved_bytes,
+                         "fwd_peak_bytes": s.fwd_peak_bytes, "bwd_peak_bytes": s.bwd_peak_bytes, "need_from": s.need_from}
+    if s.encodings:
+        d["encodings"] = _encodings_document(s.encodings)
+    if s.held_bytes:
+        d.update(held_bytes=s.held_bytes, held_until=s.held_until)
+    if s.input_bytes:  # absent otherwise: chains from before recomputation keep their sha256
+        d["input_bytes"] = s.input_bytes
+    if not s.recomputable:  # likewise: written only where the profiler found a stage it cannot re-run
+        d["recomputable"] = False
+    if s.carry_bytes is not None:
+        d["carry_bytes"] = s.carry_bytes
+    if s.bwd_start_bytes:
+        d["bwd_start_bytes"] = s.bwd_start_bytes
+    if s.recomputed_fwd_peak_bytes is not None:
+        d["recomputed_fwd_peak_bytes"] = s.recomputed_fwd_peak_bytes
+    if s.input_carried_bytes:
+        d["input_carried_bytes"] = s.input_carried_bytes
+    if s.input_held_bytes:
+        d["input_held_bytes"] = s.input_held_bytes
+    return d
+
+
 @dataclass(frozen=True)
 class Chain:
     """A validated chain.  Stage indices in the API are 1-based, like the model."""
@@ -241,8 +277,30 @@ class Chain:
         """The scale of the LP and MILP memory terms: the largest unit."""
         return float(max(int(self.a.max()), 1))
 
+    def document(self) -> dict[str, Any]:
+        """The ``chain.json`` document of this chain (all defaults written out): what files hold and,
+        less its ``source``, what the chain's ``sha256`` hashes."""
+        p = self.platform
+        platform: dict[str, Any] = {"d2h_bytes_per_s": p.d2h_bytes_per_s, "h2d_bytes_per_s": p.h2d_bytes_per_s,
+                                    "latency_s": p.latency_s}
+        if p.note:
+            platform["note"] = p.note
+        doc: dict[str, Any] = {"format": CHAIN_FORMAT, "name": self.name, "source": dict(self.source),
+                               "platform": platform, "base_bytes": self.base_bytes,
+                               "stages": [_stage_document(s) for s in self.stages]}
+        if self.recipe is not None:
+            r = self.recipe
+            doc["recipe"] = {"model": r.model, "batch": r.batch, "options": dict(r.options), "dtype": r.dtype,
+                             "seed": r.seed, "optimizer": r.optimizer, "cuts": list(r.cuts), "inputs": list(r.inputs)}
+            if r.autocast is not None:  # absent otherwise: chains from before autocast keep their sha256
+                doc["recipe"]["autocast"] = r.autocast
+            if r.set_to_none:  # the same
+                doc["recipe"]["set_to_none"] = True
+        return doc
+
     @cached_property
     def sha256(self) -> str:
-        """Hash of the canonical chain (everything but ``source``), binding schedules to it."""
-        from .chainfile import canonical_sha256  # the format owns the canonical form
-        return canonical_sha256(self)
+        """Hash of the canonical document without ``source`` (provenance), binding schedules to it."""
+        body = self.document()
+        body.pop("source")
+        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

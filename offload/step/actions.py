@@ -1,23 +1,24 @@
-"""Schedules (docs/model.md): which units are offloaded or recomputed, and when.
+"""What a schedule may do to a unit (docs/model.md, "Schedules"): the actions and the rules of
+the class.
 
-A schedule is, per offloaded unit ``Ui``, a release point ``r`` (``i < r <= L``: at the end
+Per offloaded unit ``Ui``, an ``Offload``: a release point ``r`` (``i < r <= L``: at the end
 of ``Fr`` the next op waits for the D2H copy, then ``Ui`` is freed) and a prefetch point
 ``k`` (``need_from <= k <= L``: the H2D copy is issued at the start of ``Bk``); per
-recomputed *run* of stages ``s..e`` (``e < L``), their units are dropped at the end of the
-next forward op and rebuilt by re-running ``Fs..Fe`` from ``Fs``'s input at the start of
-``B(max need_from)``; ``encode`` names, per encoded unit (kept or offloaded), the stage's
-encoding it uses.  A schedule names its chain by hash.  The file format is ``schedulefile``.
+recomputed *run* of stages ``s..e`` (``e < L``), a ``Recompute``: their units are dropped at
+the end of the next forward op and rebuilt by re-running ``Fs..Fe`` from ``Fs``'s input at
+the start of ``B(max need_from)``; a ``Choice`` names, per encoded unit (kept or
+offloaded), the stage's encoding it uses.  ``check_*`` refuse what lies outside the class,
+naming the unit and the rule.  When each of these happens in a step is
+``offload.step.events``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Iterable, Mapping
 
-from ..errors import ScheduleRejected
+from offload.errors import ScheduleRejected
+
 from .chain import Chain
-
-if TYPE_CHECKING:  # budget -> memory -> schedule: the type only
-    from .budget import Budget
 
 Choice = Mapping[int, str]  # stage -> name of the encoding its unit uses
 
@@ -47,26 +48,6 @@ class Recompute:
     def text(self) -> str:
         """``3`` for a run of one stage, ``3..5`` otherwise."""
         return f"{self.first}..{self.last}" if self.last > self.first else str(self.first)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A schedule bound to one chain (by name and sha256)."""
-
-    chain_name: str
-    chain_sha256: str
-    offloads: tuple[Offload, ...]
-    budget: Budget | None = None
-    method: str = ""
-    solver: Mapping[str, Any] = field(default_factory=dict)
-    predicted: Mapping[str, Any] = field(default_factory=dict)
-    encode: Mapping[int, str] = field(default_factory=dict)  # stage -> encoding name
-    recompute: tuple[Recompute, ...] = ()
-
-
-def make_schedule(chain: Chain, offloads: Iterable[Offload], recompute: Iterable[Recompute] = (), **meta: Any) -> Schedule:
-    """A schedule for ``chain`` (sorted by stage), with optional metadata fields."""
-    return Schedule(chain.name, chain.sha256, tuple(sorted(offloads)), recompute=tuple(sorted(recompute)), **meta)
 
 
 def check_recompute(chain: Chain, runs: Iterable[Recompute], offloads: Iterable[Offload] = (),

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from offload.cli import main
-from offload.core.encoders import ENCODERS, encoded_size
+from offload.core.encoders import ENCODERS
 from offload.executor.train import TrainOptions, train
 from offload.profiler.encodable import SIGN_ONLY, encodings_pass
 from offload.profiler.profile import ProfileOptions, profile
@@ -34,7 +34,7 @@ def test_encoders_round_trip(dtype, n):
         if not enc.applies(dtype):
             continue
         blob = enc.encode(x)
-        assert blob.dtype == torch.uint8 and blob.numel() == encoded_size(name, x)
+        assert blob.dtype == torch.uint8 and blob.numel() == enc.size(x)
         back = enc.decode(blob, dtype, n)
         assert back.dtype == dtype and back.shape == x.shape
         if name == "sparse":  # lossless: the very bits, -0.0 and NaN included

@@ -17,7 +17,7 @@ from matplotlib.patches import Patch  # noqa: E402
 from offload.io.files import write_atomic  # noqa: E402
 
 from .sweep import Row  # noqa: E402
-from .timeline import LANES, Timeline  # noqa: E402
+from .timeline import Timeline  # noqa: E402
 
 # one style per method, stable across figures: the exact and heuristic methods solid, baselines dashed
 _STYLE = {
@@ -128,9 +128,10 @@ def plot_timeline(t: Timeline, path: str | os.PathLike) -> None:
     tscale, tunit = _time_unit(sim.makespan_s)
     mscale, munit = _byte_unit(max(m for _, _, m in t.memory))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 5.5), sharex=True, gridspec_kw={"height_ratios": [1.1, 1]})
-    rows = {lane: len(LANES) - 1 - k for k, lane in enumerate(LANES)}
-    colors = {"F": "tab:blue", "B": "tab:orange", "R": "tab:cyan", "stall": "tab:red", "D2H": "tab:green",
-              "H2D": "tab:purple"}
+    lanes = [lane for lane in ("compute", "codec", "D2H", "H2D") if lane != "codec" or any(s.lane == "codec" for s in t.spans)]
+    rows = {lane: len(lanes) - 1 - k for k, lane in enumerate(lanes)}
+    colors = {"F": "tab:blue", "B": "tab:orange", "R": "tab:cyan", "stall": "tab:red", "codec": "tab:olive",
+              "D2H": "tab:green", "H2D": "tab:purple"}
     span_min = sim.makespan_s / 60  # label bars wide enough to hold text
     for s in t.spans:
         key = s.name if s.name == "stall" else (s.lane if s.lane != "compute" else s.name[0])
@@ -141,10 +142,10 @@ def plot_timeline(t: Timeline, path: str | os.PathLike) -> None:
             top.text((s.start + s.end) / 2 / tscale, rows[s.lane], s.name, ha="center", va="center", fontsize=6,
                      color="white")
     top.set_yticks(list(rows.values()), list(rows))
-    top.set_ylim(-0.6, len(LANES) - 0.4)
+    top.set_ylim(-0.6, len(lanes) - 0.4)
     top.legend(handles=[Patch(color=colors[k], label={"R": "R (re-run F)"}.get(k, k))
-                        for k in ("F", "B", "R", "stall", "D2H", "H2D")],
-               ncol=6, fontsize=7, loc="upper right", bbox_to_anchor=(1, 1.18))
+                        for k in ("F", "B", "R", "stall", *(("codec",) if "codec" in rows else ()), "D2H", "H2D")],
+               ncol=7, fontsize=7, loc="upper right", bbox_to_anchor=(1, 1.18))
     top.set_title(f"{t.chain.name}, {t.schedule.method or 'schedule'}: step {_fmt_time(sim.makespan_s)} "
                   f"(ideal {_fmt_time(t.chain.ideal_makespan_s)}, stalls {_fmt_time(sim.stall_s)}), "
                   f"{sum(1 for s in t.spans if s.lane == 'D2H')} units offloaded", fontsize=10, loc="left")

@@ -51,7 +51,7 @@ class Row:
     solve_s: float | None
     no_offload_peak_bytes: int
     smallest_feasible_bytes: int  # with the encodings the sweep allowed
-    encodings: str = "none"  # which encodings the solver could choose (solver.encoding.MODES)
+    encodings: str = "none"  # which encodings the solver could choose (offload.step.encoding.MODES)
     encoded_units: int | None = None  # how many units the schedule stores encoded
     detail: str = ""
     recompute: bool = False  # whether the method could recompute (--recompute, or a recomputing method)

@@ -18,15 +18,17 @@ import torch
 from torch import nn
 
 from offload.errors import ModelError, OffloadError
+from offload.step import names
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in names.DTYPES}
 
-OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer] | None] = {
-    "adam": lambda p, lr: torch.optim.Adam(p, lr=lr),
-    "adamw": lambda p, lr: torch.optim.AdamW(p, lr=lr),
-    "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9),
-    "none": None,
-}
+OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer] | None] = names.table(
+    names.OPTIMIZERS, {
+        "adam": lambda p, lr: torch.optim.Adam(p, lr=lr),
+        "adamw": lambda p, lr: torch.optim.AdamW(p, lr=lr),
+        "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9),
+        "none": None,
+    }, "optimizers")
 
 
 def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer | None:

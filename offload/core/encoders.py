@@ -28,16 +28,23 @@ from typing import Callable
 
 import torch
 
+from offload.step import names
+
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
 class Encoder:
+    """One byte format: its functions, and what the profiler and the executor must know of it."""
+
     name: str
     lossless: bool  # for the storages the profiler allows it on
     encode: Callable[[torch.Tensor], torch.Tensor]  # flat tensor -> uint8 blob
     decode: Callable[[torch.Tensor, torch.dtype, int], torch.Tensor]  # blob, dtype, numel -> flat tensor
     applies: Callable[[torch.dtype], bool]
+    size: Callable[[torch.Tensor], int]  # flat tensor -> bytes of its blob
+    variable_size: bool = False  # the blob's size follows the data: the host slot gets spare room
+    round_trips: bool = False  # decode(encode(x)) is x bit for bit, whatever x holds
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,11 +96,21 @@ def _bf16_decode(blob: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Te
     return blob.view(torch.bfloat16).to(dtype)
 
 
-ENCODERS: dict[str, Encoder] = {e.name: e for e in [
-    Encoder("sign-mask", True, _mask_encode, _mask_decode, lambda dt: dt.is_floating_point),
-    Encoder("sparse", True, _sparse_encode, _sparse_decode, lambda dt: dt.itemsize in _INT_OF),
-    Encoder("bf16", False, _bf16_encode, _bf16_decode, lambda dt: dt in (torch.float32, torch.float64)),
-]}
+def _mask_size(flat: torch.Tensor) -> int:
+    return -(-flat.numel() // 8)
+
+
+def _sparse_size(flat: torch.Tensor) -> int:
+    return _mask_size(flat) + int((_as_bits(flat) != 0).sum()) * flat.element_size()
+
+
+ENCODERS: dict[str, Encoder] = names.table(names.ENCODERS, {e.name: e for e in [
+    Encoder("sign-mask", True, _mask_encode, _mask_decode, lambda dt: dt.is_floating_point, _mask_size),
+    Encoder("sparse", True, _sparse_encode, _sparse_decode, lambda dt: dt.itemsize in _INT_OF, _sparse_size,
+            variable_size=True, round_trips=True),
+    Encoder("bf16", False, _bf16_encode, _bf16_decode, lambda dt: dt in (torch.float32, torch.float64),
+            lambda flat: 2 * flat.numel()),
+]}, "encoders")
 
 
 def flat_storage(t: torch.Tensor) -> torch.Tensor:
@@ -101,14 +118,3 @@ def flat_storage(t: torch.Tensor) -> torch.Tensor:
     storage = t.untyped_storage()
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (storage.nbytes() // t.element_size(),))
 
-
-def encoded_size(name: str, flat: torch.Tensor) -> int:
-    """Bytes of ``name``'s blob for ``flat``."""
-    n = flat.numel()
-    if name == "sign-mask":
-        return -(-n // 8)
-    if name == "sparse":
-        return -(-n // 8) + int((_as_bits(flat) != 0).sum()) * flat.element_size()
-    if name == "bf16":
-        return 2 * n
-    raise KeyError(name)

@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 
+from offload.step import names
+
 POISON = 0xFF  # every float made of these bytes is a NaN
 
 
@@ -162,7 +164,8 @@ class CudaBackend:
         torch.cuda.synchronize(self.device)
 
 
-BACKENDS = {"cuda": CudaBackend, "cpu-eager": CpuEagerBackend, "cpu-lazy": CpuLazyBackend}
+BACKENDS = names.table(names.BACKENDS, {"cuda": CudaBackend, "cpu-eager": CpuEagerBackend, "cpu-lazy": CpuLazyBackend},
+                       "copy backends")
 
 
 def make_backend(name: str | None, device: torch.device) -> CpuEagerBackend | CudaBackend:

@@ -8,10 +8,10 @@ from offload.errors import OffloadError
 from offload.io.argtypes import integer, number
 from offload.io.files import check_output, write_json
 from offload.io.text import format_bytes, format_seconds, printable, report_error
-from offload.step.chainfile import OPTIMIZERS, load_chain
+from offload.step.chainfile import load_chain
+from offload.step.names import BACKENDS, OPTIMIZERS
 from offload.step.schedulefile import load_schedule
 
-BACKENDS = ("cuda", "cpu-eager", "cpu-lazy")  # offload.executor.backends implements them (a test checks)
 
 
 def _print_report(r: dict) -> None:

@@ -51,6 +51,8 @@ from offload.core.staging import StageListener, Staging
 from offload.core.units import UnitTracker
 from offload.errors import ChainMismatch
 from offload.models.spec import tensors_in
+from offload.step.actions import Recompute
+from offload.step.events import CLOSING, D2H, FREE, H2D, RECOMPUTE, RELEASE, WAIT, Event
 
 from .arena import HostArena
 from .backends import Copy, CpuEagerBackend, CudaBackend
@@ -222,16 +224,15 @@ class _Step(StageListener):
         if x is not None and k in self.plan.run_starts:
             self.checkpoints[k] = x.detach()
 
-    def _rebuild(self, k: int) -> None:
-        """Replay the runs due at the start of ``Bk`` (docs/model.md, "Recomputation")."""
-        for run in self.plan.rebuild_at.get(k, ()):
-            x = self.checkpoints.pop(run.first, None)
-            for j in run.stages:
-                program = self.programs.pop(j)
-                replayed = _Replay(self, j, run.stages)
-                x = program.run(x, self.runtime.device, replayed.saved)
-                replayed.check()
-            del x
+    def _rebuild(self, run: Recompute) -> None:
+        """Replay ``run`` from its checkpoint (docs/model.md, "Recomputation")."""
+        x = self.checkpoints.pop(run.first, None)
+        for j in run.stages:
+            program = self.programs.pop(j)
+            replayed = _Replay(self, j, run.stages)
+            x = program.run(x, self.runtime.device, replayed.saved)
+            replayed.check()
+        del x
 
     # -------------------------------------------------------------- boundaries
     def forward_boundary(self, k: int) -> None:
@@ -240,15 +241,8 @@ class _Step(StageListener):
         if k == self.plan.L:
             return  # the model returned; the loss still belongs to F_L (the turn is at the backward's start)
         self._check_unit(k)
-        arena = self.runtime.arena
-        if k in self.plan.offloaded:
-            for sid in self.units[k]:
-                s = self.stored[sid]
-                varies = s.codec is not None and s.codec[0].name == "sparse"  # its size follows the zeros
-                s.slot_index, s.slot = arena.slot(s.nbytes, spare=s.nbytes // 8 if varies else 0)
-                s.d2h = self.backend.d2h(s.device, s.slot, arena.guard(s.slot_index))
-                self.runtime.d2h_bytes += s.nbytes
-        self._release(k)
+        for e in self.plan.events.after_forward(k):
+            self._run(e)
         self.runtime.read(f"F{k}")
         self.tracker.stage = k + 1
 
@@ -265,15 +259,51 @@ class _Step(StageListener):
                                 "profile it again as it is trained (same compile backend, autocast, device, batch "
                                 "and checkpointing), then solve again")
 
-    def _release(self, k: int) -> None:
-        for i in self.plan.release_at.get(k, ()):
-            for sid in self.units[i]:
-                s = self.stored[sid]
-                self.backend.wait(s.d2h)
-                s.drop_aliases()
-                self.backend.released(s.device)
-                s.device = None
-                s.d2h.keep.clear()
+    def _run(self, e: Event) -> None:
+        """Do what event ``e`` of the step says (``ENCODE`` and ``DECODE`` happen in the pack and
+        unpack hooks, as the saved tensors pass)."""
+        if e.kind == D2H:
+            self._offload(e.stage)
+        elif e.kind == RELEASE:
+            self._release(e.stage)
+        elif e.kind == FREE:
+            self._free(e.stage)
+        elif e.kind == H2D:
+            self._prefetch(e.stage)
+        elif e.kind == RECOMPUTE:
+            self._rebuild(e.run)
+        elif e.kind == WAIT:
+            for sid in self.units[e.stage]:
+                self.backend.wait(self.stored[sid].h2d)
+
+    def _offload(self, unit: int) -> None:
+        """The D2H copies of ``unit``'s storages into host slots."""
+        arena = self.runtime.arena
+        for sid in self.units[unit]:
+            s = self.stored[sid]
+            spare = s.nbytes // 8 if s.codec is not None and s.codec[0].variable_size else 0
+            s.slot_index, s.slot = arena.slot(s.nbytes, spare=spare)
+            s.d2h = self.backend.d2h(s.device, s.slot, arena.guard(s.slot_index))
+            self.runtime.d2h_bytes += s.nbytes
+
+    def _release(self, unit: int) -> None:
+        """Wait for ``unit``'s D2H copies, then drop the step's references to its device storages."""
+        for sid in self.units[unit]:
+            s = self.stored[sid]
+            self.backend.wait(s.d2h)
+            s.drop_aliases()
+            self.backend.released(s.device)
+            s.device = None
+            s.d2h.keep.clear()
+
+    def _prefetch(self, unit: int) -> None:
+        """The H2D copies of ``unit``'s storages into fresh device buffers."""
+        for sid in self.units[unit]:
+            s = self.stored[sid]
+            s.buffer = self.backend.empty(s.nbytes)
+            s.h2d = self.backend.h2d(s.slot, s.buffer, s.d2h)
+            self.runtime.arena.set_guard(s.slot_index, s.h2d)
+            self.runtime.h2d_bytes += s.nbytes
 
     def backward_boundary(self, k: int) -> None:
         L = self.plan.L
@@ -283,24 +313,15 @@ class _Step(StageListener):
                                    "what it moved, encoded or recomputed as the first backward read it; run the "
                                    "forward again for each backward (or call torch.autograd.grad once for all)")
             self.backward_started = True
-            self.runtime.read(f"F{L}")  # the last stage and the loss
-            self._release(L)
-        else:
-            self.runtime.read(f"B{k + 1}")
-            self._free(k + 1)
-        self.runtime.read(None)  # the frees belong to the op that ended, the prefetches to the next
-        arena = self.runtime.arena
-        for i in self.plan.prefetch_at.get(k, ()):
-            for sid in self.units[i]:
-                s = self.stored[sid]
-                s.buffer = self.backend.empty(s.nbytes)
-                s.h2d = self.backend.h2d(s.slot, s.buffer, s.d2h)
-                arena.set_guard(s.slot_index, s.h2d)
-                self.runtime.h2d_bytes += s.nbytes
-        self._rebuild(k)
-        for i in self.plan.wait_at.get(k, ()):
-            for sid in self.units[i]:
-                self.backend.wait(self.stored[sid].h2d)
+        self.runtime.read(f"F{L}" if k == L else f"B{k + 1}")  # F_L: the last stage and the loss
+        opened = False
+        for e in self.plan.events.before_backward(k):
+            if not opened and e.kind not in CLOSING:  # the releases and frees belong to the op that ended
+                self.runtime.read(None)
+                opened = True
+            self._run(e)
+        if not opened:
+            self.runtime.read(None)
         if k == 1:
             self.finished = True
             if self.runtime.meter is not None:  # B1 ends with the backward, before the optimizer step

@@ -8,7 +8,7 @@ import sys
 from offload.errors import FormatError
 from offload.io.argtypes import integer
 from offload.io.text import parse_rate, parse_seconds
-from offload.step.chainfile import AUTOCAST, DTYPES, OPTIMIZERS
+from offload.step.names import AUTOCAST, DTYPES, OPTIMIZERS
 
 
 def _platform(args: argparse.Namespace):

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from offload.core.devices import persistent_tensors
-from offload.core.encoders import ENCODERS, encoded_size, flat_storage
+from offload.core.encoders import ENCODERS, flat_storage
 from offload.core.meters import make_meter
 from offload.core.staging import StageListener
 from offload.core.units import Saved, UnitTracker, plain, storage_key
@@ -133,8 +133,8 @@ def _try(name: str, flat: torch.Tensor, sync: Callable[[], None]) -> Candidate:
     enc = ENCODERS[name]
     blob, enc_s = _timed(lambda: enc.encode(flat), sync)
     back, dec_s = _timed(lambda: enc.decode(blob, flat.dtype, flat.numel()), sync)
-    if name == "sparse" and not torch.equal(back.view(torch.uint8), flat.view(torch.uint8)):
-        raise RuntimeError("the sparse encoder did not round-trip bit for bit")  # a bug, never data
+    if enc.round_trips and not torch.equal(back.view(torch.uint8), flat.view(torch.uint8)):
+        raise RuntimeError(f"the {name} encoder did not round-trip bit for bit")  # a bug, never data
     return Candidate(name, blob.numel(), enc_s, dec_s, _workspace(name, flat))
 
 
@@ -162,7 +162,7 @@ def encodings_pass(runner: StepRunner) -> list[list[SavedStorage]]:
             names = []
             if t.is_floating_point() and stored.readers and stored.readers <= SIGN_ONLY:
                 names.append("sign-mask")
-            if ENCODERS["sparse"].applies(t.dtype) and encoded_size("sparse", flat) <= SPARSE_WORTH * stored.nbytes:
+            if ENCODERS["sparse"].applies(t.dtype) and ENCODERS["sparse"].size(flat) <= SPARSE_WORTH * stored.nbytes:
                 names.append("sparse")
             if ENCODERS["bf16"].applies(t.dtype) and not all(STATISTICS.search(a) for _, a in stored.readers):
                 names.append("bf16")

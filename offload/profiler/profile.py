@@ -25,8 +25,9 @@ from offload.errors import ModelError
 from offload.models import ModelSpec, resolve
 from offload.models.spec import signature
 from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage
-from offload.step.chainfile import AUTOCAST, make_chain
+from offload.step.chainfile import make_chain
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.names import AUTOCAST
 
 from .bandwidth import measure_platform
 from .capture import Capture, capture

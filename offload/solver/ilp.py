@@ -8,12 +8,12 @@ encodings the stage offers and the caller allows):
   ``y_{i,o,j}``  resident again (prefetched) during ``Bj``, monotone as ``j`` falls.
 Memory depends on these alone, so each op's budget row is linear in them.  Encoding
 ``o`` changes the unit's size, the copy durations, ``Fi`` (encode) and ``B(need_i)``
-(decode) linearly in ``e_{i,o}`` (``solver.encoding`` fixes the meaning).
+(decode) linearly in ``e_{i,o}`` (``offload.step.encoding`` fixes the meaning).
 
 Times (continuous) follow the simulator's max-plus recurrences: ``w_j`` (start of the op
 after boundary ``j``), the D2H channel clock ``d_i``, the start ``s_j`` of ``Bj``, and one
 H2D clock per (unit, prefetch point) slot in the FIFO's fixed order (points from ``L``
-down, within a point larger ``need_from`` first).  A wait that applies only under some
+down, within a point the step's own order, ``offload.step.events.prefetch_key``).  A wait that applies only under some
 decision is a big-M row whose M is the tightest valid one, from a bound on the channel
 backlog.  For fixed decisions the least solution of the rows is exactly the simulator's
 timeline, so the optimum equals the simulated makespan.
@@ -54,6 +54,7 @@ import pulp
 from offload.step.actions import Choice, Offload, Recompute
 from offload.step.chain import Chain, Encoding
 from offload.step.encoding import apply, encoded_bytes
+from offload.step.events import prefetch_order
 from offload.step.memory import forward_checkpoint, op_memory
 from offload.step.recompute import run_op, run_seconds
 from offload.step.simulate import simulate
@@ -314,7 +315,7 @@ class Model:
         return self.y[i, o, j] if j <= self.cap[i] else 0.0
 
     def _extra(self, i: int, what: str) -> _Affine:
-        """Bytes an encoding adds in its raw windows (``solver.encoding``), for a free unit."""
+        """Bytes an encoding adds in its raw windows (``offload.step.encoding``), for a free unit."""
         out = _Affine()
         if i not in self.decided:
             for o in self.opts[i][1:]:
@@ -519,9 +520,9 @@ class Model:
 
     def _slots(self) -> dict[int, list[int]]:
         """Per prefetch point ``k``, the units that can be prefetched there in this model (each
-        gets an H2D clock at ``k``), in H2D order: latest need first."""
+        gets an H2D clock at ``k``), in the H2D order of a step (``offload.step.events.prefetch_key``)."""
         slots: dict[int, list[int]] = {}
-        for i in sorted(self.U, key=lambda i: (-self.need[i], -i)):
+        for i in prefetch_order(self.chain, self.U):
             if not self._moves(i):
                 continue
             d = self.decided.get(i)
@@ -669,7 +670,7 @@ def solve_ilp(chain: Chain, budget: int, *, warm: Sequence[Offload] | None = Non
               deadline: Deadline | None = None, presolve: bool = True, max_run: int = 0,
               warm_runs: Sequence[Recompute] = (), offload: bool = True) -> IlpResult:
     """Build and solve the MILP for an activation ``budget``; ``options`` are the encodings
-    it may choose per stage (``solver.encoding.allowed``), ``decided`` the units it may not
+    it may choose per stage (``offload.step.encoding.allowed``), ``decided`` the units it may not
     change, ``max_run`` the longest recomputed run (0: no recomputation), ``offload``
     whether units may move at all (off: the recompute-only optimum).  Raises
     ``OutOfTime`` if the ``deadline`` passes while the model is built."""

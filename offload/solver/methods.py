@@ -42,7 +42,7 @@ class Options:
     solver: str = "highs"
     heuristic_time_s: float = 1.0
     verbose: bool = False
-    encodings: str = "lossless"  # which encodings ilp, relax-*, gist* may choose (solver.encoding.MODES)
+    encodings: str = "lossless"  # which encodings ilp, relax-*, gist* may choose (offload.step.encoding.MODES)
     recompute: bool = False  # whether ilp and relax-* may recompute runs of stages as well
     max_run: int = 8  # the longest recomputed run they consider
 

@@ -26,14 +26,10 @@ import numpy as np
 
 from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain
+from offload.step.events import prefetch_order
 from offload.step.memory import floor_savings, forward_checkpoint, op_memory
 
 Points = dict[int, int]
-
-
-def need_order(chain: Chain, units: Iterable[int]) -> list[int]:
-    """Units in the order the backward needs them (larger ``need_from`` first, ties larger stage)."""
-    return sorted(units, key=lambda i: (-int(chain.need[i]), -i))
 
 
 def floor_memory(chain: Chain, units: Iterable[int], runs: Iterable[Recompute] = ()) -> np.ndarray:
@@ -156,7 +152,7 @@ def prefetch_earliest(chain: Chain, units: Iterable[int], budget: int, runs: Ite
     mem = _backward_memory(chain, units, runs)
     points: Points = {}
     cap = L
-    for u in need_order(chain, units):
+    for u in prefetch_order(chain, units):
         n, au = int(chain.need[u]), int(chain.a[u])
         window = mem[n + 1: cap + 1] + au > budget
         k = n + int(np.argmax(window)) if window.any() else cap
@@ -169,7 +165,7 @@ def prefetch_latest(chain: Chain, units: Iterable[int], budget: int) -> Points:
     """"No-overhead" prefetch: as late as serialized copies on the ideal timeline allow,
     later still where memory forces it ("stick to the limit")."""
     L, p = chain.L, chain.platform
-    order = need_order(chain, units)
+    order = prefetch_order(chain, units)
     # ideal start time of B_j, measured from the start of B_L
     t_b = np.zeros(L + 2)
     for j in range(L - 1, 0, -1):

@@ -20,11 +20,9 @@ from offload.io import validate as v
 from offload.io.files import read_document, write_json
 
 from .chain import CHAIN_FORMAT, Chain, EncodedTensor, Encoding, Platform, Recipe, Stage
+from .names import AUTOCAST, DTYPES, ENCODERS, OPTIMIZERS
 
 OLD_FORMATS = ("offload-chain/1",)
-ENCODERS = ("sign-mask", "sparse", "bf16")  # offload.core.encoders implements them (a test checks)
-DTYPES = ("float32", "bfloat16", "float16")
-OPTIMIZERS = ("adam", "adamw", "sgd", "none")  # offload.core.devices builds them (a test checks)
 MAX_TOTAL_BYTES = 2 ** 62  # sums of per-op memory stay exact in int64
 _SITE = re.compile(r"[^@\[\]]*(@\d+)?(\[\d+\])?")
 _KEYS = {"format", "name", "source", "platform", "base_bytes", "stages", "recipe"}
@@ -36,7 +34,6 @@ _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
 _RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none"}
-AUTOCAST = ("bfloat16", "float16")
 _INPUT = re.compile(r"[^:]+:[a-z0-9]+\[[0-9,]*\]")
 
 

@@ -1,15 +1,14 @@
 """The simulator: replays a schedule exactly as docs/model.md defines it.
 
-It is the single source of truth for every number the tool prints.  Timing: each op is
-ready when the previous one ends; at ready it first waits for the D2H copies of the units
-released before it, then (for ``Bk``) issues the prefetches whose point is ``k`` (larger
-``need_from`` first, ties larger stage), then waits for the H2D copies of the units whose
-``need_from`` is its stage, then runs.  D2H copies are issued at the end of ``Fi`` in
-stage order.  Copies run one at a time per direction in issue order, an H2D copy never
-before its own D2H has ended.  Recomputed runs (``solver.recompute``) re-run their
-forward ops at the start of their ``Bn``, after its prefetches are issued and before it
-waits for its copies.  Encoded units are replayed on the derived chain of
-``solver.encoding.apply``.
+It is the single source of truth for every number the tool prints.  It walks the step's
+events (``events.step_events``: what happens, in order) with times: each op is ready when
+the previous one ends and starts once the events before it are done: a ``RELEASE`` waits
+for that unit's D2H copy, an ``H2D`` is issued then (no earlier than its own D2H ended),
+a ``RECOMPUTE`` re-runs its run's forward ops, a ``WAIT`` waits for that unit's H2D copy.
+A ``D2H`` is issued as its forward op ends.  Copies run one at a time per direction, in
+issue order.  Memory per op is ``memory``'s (it depends on the actions alone).  Encoded
+units are replayed on the derived chain of ``encoding.apply``, whose op times include the
+encoders and decoders (``ENCODE`` and ``DECODE`` take no time of their own).
 """
 from __future__ import annotations
 
@@ -24,8 +23,8 @@ from .actions import Offload, Recompute, check_offloads, check_recompute
 from .budget import Budget
 from .chain import Chain
 from .encoding import apply
+from .events import BACKWARD, D2H, FORWARD, H2D, RECOMPUTE, RELEASE, WAIT, StepEvents, step_events
 from .memory import memory_profile, op_name
-from .recompute import by_op
 
 
 @dataclass(frozen=True)
@@ -75,6 +74,7 @@ class Simulation:
     recompute: tuple[Recompute, ...] = ()
     recomputes: list[RecomputeRecord] = field(default_factory=list)
     recompute_s: np.ndarray | None = None  # per op, the recomputation it starts with
+    events: StepEvents | None = None  # what was replayed, in order
 
     @property
     def makespan_s(self) -> float:
@@ -146,23 +146,11 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     runs = tuple(sorted(recompute))
     check_offloads(chain, offloads)
     check_recompute(chain, runs, offloads, encode)
-    rebuilt = by_op(chain, runs)
+    events = step_events(chain, offloads, runs, encode)
     memory, rebuilt_memory = memory_profile(chain, offloads, runs)
     sub_memory = {j: nbytes for _, j, nbytes in rebuilt_memory}
     L, p = chain.L, chain.platform
     f, b, a = chain.f, chain.b, chain.a
-    released_at: list[list[int]] = [[] for _ in range(L + 1)]
-    issued_at: list[list[int]] = [[] for _ in range(L + 1)]
-    needed_at: list[list[int]] = [[] for _ in range(L + 1)]
-    offloaded = np.zeros(L + 1, dtype=bool)
-    for o in offloads:
-        offloaded[o.stage] = True
-        released_at[o.release].append(o.stage)
-        issued_at[o.prefetch].append(o.stage)
-        needed_at[int(chain.need[o.stage])].append(o.stage)
-    for k in range(1, L + 1):
-        issued_at[k].sort(key=lambda i: (-int(chain.need[i]), -i))
-
     d2h_free = h2d_free = 0.0
     d2h_end = np.zeros(L + 1)
     h2d_end = np.zeros(L + 1)
@@ -172,40 +160,32 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     copies: list[CopyRecord] = []
     recomputes: list[RecomputeRecord] = []
     rt = np.zeros(2 * L)
-    t = 0.0
-    for j in range(1, L + 1):  # forward
-        o = j - 1
-        ready[o] = t
-        s = t
-        for i in released_at[j - 1]:
-            s = max(s, d2h_end[i])
-        start[o] = s
-        t = end[o] = s + f[j]
-        if offloaded[j]:
+    o = 0  # the next op, in execution order
+    t = s = 0.0  # t: when the last op ended; s: when the next one can start
+    for e in events.sequence:
+        i = e.stage
+        if e.kind in (FORWARD, BACKWARD):
+            ready[o], start[o] = t, s
+            t = s = end[o] = s + (f[i] if e.kind == FORWARD else b[i])
+            o += 1
+        elif e.kind == D2H:
             c0 = max(t, d2h_free)
-            d2h_end[j] = d2h_free = c0 + p.d2h_s(float(a[j]))
-            copies.append(CopyRecord(j, "D2H", float(t), float(c0), float(d2h_end[j]), int(a[j])))
-    for j in range(L, 0, -1):  # backward
-        o = 2 * L - j
-        ready[o] = t
-        s = t
-        if j == L:
-            for i in released_at[L]:
-                s = max(s, d2h_end[i])
-        for i in issued_at[j]:
+            d2h_end[i] = d2h_free = c0 + p.d2h_s(float(a[i]))
+            copies.append(CopyRecord(i, "D2H", float(t), float(c0), float(d2h_end[i]), int(a[i])))
+        elif e.kind == RELEASE:
+            s = max(s, d2h_end[i])
+        elif e.kind == H2D:
             c0 = max(s, h2d_free, d2h_end[i])
             h2d_end[i] = h2d_free = c0 + p.h2d_s(float(a[i]))
             copies.append(CopyRecord(i, "H2D", float(s), float(c0), float(h2d_end[i]), int(a[i])))
-        for run in rebuilt.get(j, ()):
-            for i in run.stages:
-                recomputes.append(RecomputeRecord(i, j, float(s), float(s + f[i]), sub_memory[i]))
-                s += f[i]
-                rt[o] += f[i]
-        for i in needed_at[j]:
+        elif e.kind == RECOMPUTE:
+            for j in e.run.stages:
+                recomputes.append(RecomputeRecord(j, 2 * L - o, float(s), float(s + f[j]), sub_memory[j]))
+                s += f[j]
+                rt[o] += f[j]
+        elif e.kind == WAIT:
             s = max(s, h2d_end[i])
-        start[o] = s
-        t = end[o] = s + b[j]
-    sim = Simulation(chain, offloads, ready, start, end, memory, copies, encode, runs, recomputes, rt)
+    sim = Simulation(chain, offloads, ready, start, end, memory, copies, encode, runs, recomputes, rt, events)
     if budget is not None:
         sim.check_budget(budget if isinstance(budget, Budget) else Budget(int(budget)))
     return sim

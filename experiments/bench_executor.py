@@ -57,31 +57,30 @@ def bench_model(model: str, batch: int, options: dict, device: str, out: Path, a
     save_schedule(res.schedule, chain, out / f"{model}-schedule.json")
     report, error = train(None, chain, res.schedule, TrainOptions(
         steps=args.steps, device=device, check_grads=True, compare=True, trace=str(out / f"{model}-trace.json")))
-    write_json(out / f"{model}-run.json", report)
+    write_json(out / f"{model}-run.json", report.json())
     if error is not None:
         print(f"{model}: {error}", file=sys.stderr)
-    m, p, c = report["measured"], report["predicted"], report["compare"] or {}
-    measured_s = m["step_s"]["median"] if m["step_s"] else None
-    overlap = (report["trace"] or {}).get("copy_overlap")
+    m, p, c = report.measured, report.predicted, report.compare or {}
+    overlap = (report.trace or {}).get("copy_overlap")
     return {
-        "model": model, "batch": batch, "device": report["device"], "stages": chain.L, "budget_bytes": budget,
+        "model": model, "batch": batch, "device": report.device, "stages": chain.L, "budget_bytes": budget,
         "budget_share": budget / peak,
-        "solver_status": res.status, "predicted_step_s": p["makespan_s"], "measured_step_s": measured_s,
-        "step_time_error": measured_s / p["makespan_s"] - 1 if measured_s else None,
-        "predicted_peak_bytes": p["peak_bytes"], "measured_peak_bytes": m["peak_bytes"],
-        "peak_within_budget": m["peak_bytes"] is not None and m["peak_bytes"] <= budget,
-        "d2h_bytes": m["d2h_bytes_per_step"], "h2d_bytes": m["h2d_bytes_per_step"],
+        "solver_status": res.status, "predicted_step_s": p.step_s, "measured_step_s": m.step_s,
+        "step_time_error": m.step_s / p.step_s - 1 if m.step_s else None,
+        "predicted_peak_bytes": p.activation_peak_bytes, "measured_peak_bytes": m.activation_peak_bytes,
+        "peak_within_budget": m.activation_peak_bytes is not None and m.activation_peak_bytes <= budget,
+        "d2h_bytes": m.d2h_bytes_per_step, "h2d_bytes": m.h2d_bytes_per_step,
         "copy_overlap": overlap["fraction"] if overlap else None,
         **_baseline(c, "no_offload"), **_baseline(c, "save_on_cpu"),
-        "vs_no_offload": c.get("step_time_vs_no_offload"), "vs_save_on_cpu": c.get("step_time_vs_save_on_cpu"),
-        "grads_match": report["grads_match"],
+        "grads_match": report.grads_match,
     }
 
 
 def _baseline(compare: dict, way: str) -> dict:
-    """The median step time and the peak of one ``--compare`` baseline, as summary columns."""
-    run = compare.get(way) or {}
-    return {f"{way}_step_s": (run.get("step_s") or {}).get("median"), f"{way}_peak_bytes": run.get("peak_bytes")}
+    """The median step time, the peak and our step over its of one ``--compare`` baseline, as summary columns."""
+    run = compare.get(way)
+    return {f"{way}_step_s": run and run.step_s, f"{way}_peak_bytes": run and run.activation_peak_bytes,
+            f"vs_{way}": run and run.our_step_ratio}
 
 
 def _print(rows: list[dict]) -> None:

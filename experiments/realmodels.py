@@ -50,14 +50,14 @@ def run(model: str, options: dict, frozen: int, batch: int, device: str | None, 
     backend = None if device == "cuda" else "cpu-lazy"
     report, error = train(None, chain, res.schedule, TrainOptions(steps=3, device=device, backend=backend,
                                                                    check_grads=True, op_memory=True))
-    m, p = report["measured"], report["predicted"]
-    op_diff = max((abs(b - p["op_bytes"][op]) for op, b in m.get("op_peak_bytes", {}).items()), default=None)
+    m, p = report.measured, report.predicted
+    op_diff = max((abs(b - p.op_bytes[op]) for op, b in (m.op_peak_bytes or {}).items()), default=None)
     return {"model": tag, "blocks": options["layers"], "frozen_blocks": frozen, "stages": chain.L,
             "no_offload_peak_bytes": peak, "floor_bytes": floor, "floor_share": floor / peak, "budget_bytes": budget,
-            "budget_share": budget / peak, "ilp_status": res.status, "predicted_peak_bytes": p["peak_bytes"],
-            "measured_peak_bytes": m["peak_bytes"], "max_op_difference_bytes": op_diff,
-            "predicted_step_s": p["makespan_s"], "measured_step_s": (m["step_s"] or {}).get("median"),
-            "d2h_bytes": m["d2h_bytes_per_step"], "grads_match": report["grads_match"],
+            "budget_share": budget / peak, "ilp_status": res.status, "predicted_peak_bytes": p.activation_peak_bytes,
+            "measured_peak_bytes": m.activation_peak_bytes, "max_op_difference_bytes": op_diff,
+            "predicted_step_s": p.step_s, "measured_step_s": m.step_s,
+            "d2h_bytes": m.d2h_bytes_per_step, "grads_match": report.grads_match,
             "error": str(error) if error else "", "warnings": " | ".join(prof.warnings),
             "seconds": round(time.perf_counter() - t0, 1)}
 

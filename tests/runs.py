@@ -44,12 +44,12 @@ def check_run(chain, sched, backend, name):
     bytes moved and each op's memory as predicted, the arena allocating nothing after step 1."""
     report, error = train(None, chain, sched, TrainOptions(steps=2, backend=backend, check_grads=True, op_memory=True))
     assert error is None, (name, error)
-    assert report["grads_match"] is True, (name, report["grad_mismatches"])
-    m, p = report["measured"], report["predicted"]
-    assert m["leaked_bytes_after_step"] == 0
-    assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes"], p["h2d_bytes"])
-    assert len(set(m["host_allocations"])) == 1
-    measured, predicted = m["op_peak_bytes"], p["op_bytes"]
+    assert report.grads_match is True, (name, report.grad_mismatches)
+    m, p = report.measured, report.predicted
+    assert max(m.leaked_by_step) == 0
+    assert (m.d2h_bytes_per_step, m.h2d_bytes_per_step) == (p.d2h_bytes_per_step, p.h2d_bytes_per_step)
+    assert len(set(m.host_allocations)) == 1
+    measured, predicted = m.op_peak_bytes, p.op_bytes
     assert list(measured) == list(predicted)
     assert all(0 <= predicted[op] - measured[op] <= allowance(chain, sched, op) for op in measured), \
         (name, {op: predicted[op] - measured[op] for op in measured if predicted[op] != measured[op]})

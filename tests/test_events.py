@@ -121,6 +121,6 @@ def test_the_runtime_runs_every_event_of_the_table_in_order(gpt, monkeypatch):
     run = _Step._run
     monkeypatch.setattr(_Step, "_run", lambda self, e: (seen.append(e), run(self, e))[1])
     report, error = train(None, gpt, sched, TrainOptions(steps=1, check_grads=True))
-    assert error is None and report["grads_match"] is True
+    assert error is None and report.grads_match is True
     table = [e for e in StepPlan.from_schedule(gpt, sched).events.sequence if e.kind not in COMPUTE]
     assert runs and offloads and seen == table * 2  # on the CPU: the metered step, then the timed one

@@ -49,7 +49,7 @@ def test_gradients_bit_exact_and_memory_as_predicted(chains, model, backend):
     for name, sched in schedules(chains[model]).items():
         report = check_run(chains[model], sched, backend, name)
         if name == "all":
-            assert report["measured"]["peak_bytes"] < no_offload_peak(chains[model])
+            assert report.measured.activation_peak_bytes < no_offload_peak(chains[model])
 
 
 @pytest.mark.parametrize("model, backend", [("gpt", "cpu-eager"), ("gpt", "cpu-lazy"), ("mlp", "cpu-eager"),
@@ -75,14 +75,14 @@ def test_lazy_backend_catches_a_missing_wait(chains, monkeypatch, skip):
     original = CpuLazyBackend.wait
     monkeypatch.setattr(CpuLazyBackend, "wait", lambda self, copy: None if copy.direction == skip else original(self, copy))
     report, _ = train(None, chain, schedules(chain)["all"], TrainOptions(steps=1, backend="cpu-lazy", check_grads=True))
-    assert report["grads_match"] is False
+    assert report.grads_match is False
 
 
 def test_budget_overrun_is_reported(chains):
     chain = chains["mlp"]
     sched = dataclasses.replace(schedules(chain)["solver"], budget=Budget(1000))
     report, error = train(None, chain, sched, TrainOptions(steps=1))
-    assert isinstance(error, BudgetExceeded) and report["error"] and report["measured"]["peak_bytes"] > 1000
+    assert isinstance(error, BudgetExceeded) and report.error and report.measured.activation_peak_bytes > 1000
 
 
 def test_cli_train_refuses_another_chains_schedule(chains, tmp_path, capsys):
@@ -107,7 +107,7 @@ def test_host_memory_shortfall_is_reported_with_the_report(chains, tmp_path, mon
     monkeypatch.setattr("offload.executor.arena.available_host_bytes", lambda: 4096)
     report, error = train(None, chain, schedules(chain)["all"], TrainOptions(steps=1))
     assert isinstance(error, HostMemoryShortfall) and "only 4.00 KiB is available" in str(error)
-    assert report["steps_done"] == 0 and report["error"] == str(error)
+    assert report.steps_done == 0 and report.error == str(error)
     rc = main(["train", "--chain", str(tmp_path / "c.json"), "--schedule", str(tmp_path / "s.json"),
                "--report", str(tmp_path / "run.json")])
     assert rc == 6 and (tmp_path / "run.json").exists()
@@ -121,7 +121,7 @@ def test_out_of_memory_in_a_step_is_one_clear_error(chains, monkeypatch):
     report, error = train(None, chains["mlp"], schedules(chains["mlp"])["all"], TrainOptions(steps=2))
     assert isinstance(error, OutOfMemory) and error.exit_code == 6
     assert "training step 1: out of GPU memory (CUDA out of memory" in str(error) and "lower budget" in error.hint
-    assert report["steps_done"] == 0 and report["measured"]["step_s"] is None
+    assert report.steps_done == 0 and report.measured.step_s is None
 
 
 def test_compare_and_trace(chains, tmp_path):
@@ -131,17 +131,17 @@ def test_compare_and_trace(chains, tmp_path):
     trace = tmp_path / "trace.json"
     report, error = train(None, chain, schedules(chain)["solver"], TrainOptions(steps=2, compare=True, trace=str(trace)))
     assert error is None
-    m, p = report["measured"], report["predicted"]
-    assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes"], p["h2d_bytes"])  # traced step apart
+    m, p = report.measured, report.predicted
+    assert (m.d2h_bytes_per_step, m.h2d_bytes_per_step) == (p.d2h_bytes_per_step, p.h2d_bytes_per_step)  # traced step apart
     for name in ("no_offload", "save_on_cpu"):
-        other = report["compare"][name]
-        assert other["error"] is None and len(other["step_s"]["all"]) == 2
-        assert report["compare"][f"step_time_vs_{name}"] == pytest.approx(
-            report["measured"]["step_s"]["median"] / other["step_s"]["median"])
-    assert report["compare"]["no_offload"]["peak_activation_bytes"] >= report["measured"]["peak_activation_bytes"]
+        other = report.compare[name]
+        assert other.error is None and len(other.step_times_s) == 2
+        assert report.compare[name].our_step_ratio == pytest.approx(
+            report.measured.step_s / other.step_s)
+    assert report.compare["no_offload"].activation_peak_bytes >= report.measured.activation_peak_bytes
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "aten::mm" for e in events)
-    assert report["trace"] == {"path": str(trace), "copy_overlap": None}
+    assert report.trace == {"path": str(trace), "copy_overlap": None}
     assert not list(tmp_path.glob(".*.tmp"))
 
 

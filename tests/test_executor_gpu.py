@@ -23,14 +23,14 @@ def test_cuda_streams_keep_gradients_bit_exact(model, options):
     budget = (smallest_feasible_budget(chain) + no_offload_peak(chain)) // 2
     sched = solve(chain, budget, "relax-lp", Options()).schedule
     report, error = train(None, chain, sched, TrainOptions(steps=4, device="cuda", check_grads=True))
-    assert report["grads_match"] is True and error is None
-    m, p = report["measured"], report["predicted"]
-    assert m["peak_activation_bytes"] <= p["peak_bytes"] + 16 * 2**20  # allocator rounding and workspaces
-    assert m["leaked_bytes_after_step"] <= 2**20
-    assert len(set(m["host_allocations"])) == 1
-    assert m["warmup_s"] > 0 and len(m["step_s"]["all"]) == 3  # step 1 left out of the step times
-    assert m["peak_reserved_bytes"] >= m["peak_bytes"]
-    assert torch.cuda.max_memory_allocated() >= m["peak_bytes"]  # the meters' resets undone
+    assert report.grads_match is True and error is None
+    m, p = report.measured, report.predicted
+    assert m.activation_peak_bytes <= p.activation_peak_bytes + 16 * 2**20  # allocator rounding and workspaces
+    assert max(m.leaked_by_step) <= 2**20
+    assert len(set(m.host_allocations)) == 1
+    assert m.warmup_s > 0 and len(m.step_times_s) == 3  # step 1 left out of the step times
+    assert m.reserved_peak_bytes >= m.activation_peak_bytes
+    assert torch.cuda.max_memory_allocated() >= m.activation_peak_bytes  # the meters' resets undone
 
 
 def test_cuda_copies_overlap_compute_in_the_trace(tmp_path):
@@ -40,10 +40,10 @@ def test_cuda_copies_overlap_compute_in_the_trace(tmp_path):
     sched = solve(chain, budget, "ilp", Options()).schedule
     options = TrainOptions(steps=3, device="cuda", compare=True, trace=str(tmp_path / "t.json"))
     report, error = train(None, chain, sched, options)
-    assert error is None and report["measured"]["d2h_bytes_per_step"] > 0
-    overlap = report["trace"]["copy_overlap"]
+    assert error is None and report.measured.d2h_bytes_per_step > 0
+    overlap = report.trace["copy_overlap"]
     assert overlap is not None and overlap["copy_s"] > 0 and overlap["fraction"] > 0
-    assert report["compare"]["save_on_cpu"]["step_s"] is not None
+    assert report.compare["save_on_cpu"].step_s is not None
 
 
 def test_cuda_lossless_encodings_keep_gradients_bit_exact():
@@ -56,9 +56,9 @@ def test_cuda_lossless_encodings_keep_gradients_bit_exact():
     offloads = floor_offloads(chain)[::2]
     for sched in (make_schedule(chain, [], encode=choice), make_schedule(chain, offloads, encode=choice)):
         report, error = train(None, chain, sched, TrainOptions(steps=3, device="cuda", check_grads=True))
-        assert error is None and report["grads_match"] is True
-        m, p = report["measured"], report["predicted"]
-        assert m["peak_activation_bytes"] <= p["peak_bytes"] + 16 * 2**20
+        assert error is None and report.grads_match is True
+        m, p = report.measured, report.predicted
+        assert m.activation_peak_bytes <= p.activation_peak_bytes + 16 * 2**20
 
 
 @pytest.mark.parametrize("name", ["everything", "solved", "late-release", "recompute"])
@@ -68,7 +68,7 @@ def test_the_fake_cuda_schedules_on_real_cuda(name):
 
     chain = profile("gpt", ProfileOptions(batch=2, device="cuda", repeats=1, warmup=1, options=GPT)).chain
     report, error = train(None, chain, schedules(chain)[name], TrainOptions(steps=3, device="cuda", check_grads=True))
-    assert error is None and report["grads_match"] is True
+    assert error is None and report.grads_match is True
 
 
 def test_data_parallel_on_nccl(tmp_path):

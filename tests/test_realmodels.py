@@ -58,12 +58,12 @@ def _run(chain, share_of_range, backend):
     assert sched.offloads, "the schedule moves nothing"
     report, error = train(None, chain, sched, TrainOptions(steps=3, backend=backend, check_grads=True, op_memory=True))
     assert error is None
-    assert report["grads_match"] is True, report["grad_mismatches"]
-    m, p = report["measured"], report["predicted"]
+    assert report.grads_match is True, report.grad_mismatches
+    m, p = report.measured, report.predicted
     plan = [(o.stage, o.release, o.prefetch) for o in sched.offloads]  # for the failure message
-    assert m["peak_bytes"] <= budget and abs(m["peak_bytes"] - p["peak_bytes"]) <= TOLERANCE, (plan, m["op_peak_bytes"], p["op_bytes"])
-    assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes"], p["h2d_bytes"])
-    off = {op: p["op_bytes"][op] - b for op, b in m["op_peak_bytes"].items() if p["op_bytes"][op] != b}
+    assert m.activation_peak_bytes <= budget and abs(m.activation_peak_bytes - p.activation_peak_bytes) <= TOLERANCE, (plan, m.op_peak_bytes, p.op_bytes)
+    assert (m.d2h_bytes_per_step, m.h2d_bytes_per_step) == (p.d2h_bytes_per_step, p.h2d_bytes_per_step)
+    off = {op: p.op_bytes[op] - b for op, b in m.op_peak_bytes.items() if p.op_bytes[op] != b}
     assert all(abs(d) <= TOLERANCE for d in off.values()), off
 
 

@@ -49,12 +49,12 @@ def check_train(chain, sched, budget=None):
     for backend in ("cpu-eager", "cpu-lazy"):
         report, error = train(None, chain, sched, TrainOptions(steps=2, backend=backend, check_grads=True, op_memory=True))
         assert error is None
-        assert report["grads_match"] is True, (backend, report["grad_mismatches"])
-        m, p = report["measured"], report["predicted"]
-        assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes"], p["h2d_bytes"]) != (0, 0)
-        off = {op: p["op_bytes"][op] - b for op, b in m["op_peak_bytes"].items() if p["op_bytes"][op] != b}
+        assert report.grads_match is True, (backend, report.grad_mismatches)
+        m, p = report.measured, report.predicted
+        assert (m.d2h_bytes_per_step, m.h2d_bytes_per_step) == (p.d2h_bytes_per_step, p.h2d_bytes_per_step) != (0, 0)
+        off = {op: p.op_bytes[op] - b for op, b in m.op_peak_bytes.items() if p.op_bytes[op] != b}
         assert all(0 <= d <= TOLERANCE for d in off.values()), (backend, off)
-        assert budget is None or m["peak_bytes"] <= budget
+        assert budget is None or m.activation_peak_bytes <= budget
 
 
 # -- data parallel: two ranks on gloo, each a process of torch.distributed.run -------------
@@ -92,8 +92,8 @@ def test_offload_train_on_two_ranks(chains, tmp_path):
     assert printed.count("trained gpt") == 1 and "rank 0 of 2" in printed
     m, p = report["measured"], report["predicted"]
     assert report["ranks"] == 2 and report["grads_match"] is True
-    assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes"], p["h2d_bytes"]) != (0, 0)
-    assert m["peak_bytes"] == p["peak_bytes"]
+    assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes_per_step"], p["h2d_bytes_per_step"]) != (0, 0)
+    assert m["activation_peak_bytes"] == p["activation_peak_bytes"] and m["total_peak_bytes"] == p["total_peak_bytes"]
 
 
 # -- torch.compile -----------------------------------------------------------------------
@@ -244,10 +244,10 @@ def test_the_api_measures_its_steps_against_the_prediction(chains, schedule):
     step()  # the optimizer's state exists from here on, as when profiled
     with run.measured(optimizer) as report:
         step(), step()
-    m, p = report["measured"], report["predicted"]
-    assert report["steps"] == 2
-    assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes_per_step"], p["h2d_bytes_per_step"])
-    assert 0 <= p["peak_bytes"] - m["peak_bytes"] <= TOLERANCE
+    m, p = report.measured, report.predicted
+    assert report.steps_done == 2
+    assert (m.d2h_bytes_per_step, m.h2d_bytes_per_step) == (p.d2h_bytes_per_step, p.h2d_bytes_per_step)
+    assert 0 <= p.activation_peak_bytes - m.activation_peak_bytes <= TOLERANCE
 
 
 def test_gradients_freed_between_steps():
@@ -271,7 +271,7 @@ def test_gradients_freed_between_steps():
     step()
     with run.measured(optimizer) as report:
         step(), step()
-    assert 0 <= report["predicted"]["peak_bytes"] - report["measured"]["peak_bytes"] <= TOLERANCE
+    assert 0 <= report.predicted.activation_peak_bytes - report.measured.activation_peak_bytes <= TOLERANCE
     spec.loss(run(*spec.args)).backward()
     optimizer.zero_grad(set_to_none=False)
     with pytest.raises(ChainMismatch, match="gradients are allocated at this forward"):

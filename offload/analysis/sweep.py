@@ -104,13 +104,12 @@ def parse_methods(text: str) -> list[str]:
 
 def solve_one(chain: Chain, method: str, budget: Budget, options: Options) -> Row:
     """One cell of the sweep; never raises for a solver's failure (it becomes the row's status)."""
-    base = budget.base(chain)
-    peak = no_offload_peak(chain)
-    row = Row(chain=chain.name, method=method, budget_bytes=budget.nbytes, budget_share=budget.nbytes / (peak + base),
+    peak = budget.counted(chain, no_offload_peak(chain))
+    row = Row(chain=chain.name, method=method, budget_bytes=budget.nbytes, budget_share=budget.nbytes / peak,
               scope=budget.scope,
               status="error", makespan_s=None, ideal_makespan_s=chain.ideal_makespan_s, slowdown=None, bound_s=None,
               gap=None, stall_s=None, peak_bytes=None, d2h_bytes=None, h2d_bytes=None, solve_s=None,
-              no_offload_peak_bytes=peak + base, smallest_feasible_bytes=floor(chain, options.encodings)[0] + base,
+              no_offload_peak_bytes=peak, smallest_feasible_bytes=budget.counted(chain, floor(chain, options.encodings)[0]),
               encodings=options.encodings, recompute=options.recompute or method in RECOMPUTING)
     try:
         res = solve(chain, budget, method, options)
@@ -123,7 +122,7 @@ def solve_one(chain: Chain, method: str, budget: Budget, options: Options) -> Ro
     sim = res.simulation
     return replace(row, status="optimal" if res.status == "optimal" else "feasible", makespan_s=sim.makespan_s,
                    slowdown=sim.makespan_s / chain.ideal_makespan_s, bound_s=res.bound_s, gap=res.gap,
-                   stall_s=sim.stall_s, peak_bytes=sim.peak_bytes + base, d2h_bytes=sim.d2h_bytes,
+                   stall_s=sim.stall_s, peak_bytes=budget.counted(chain, sim.peak_bytes), d2h_bytes=sim.d2h_bytes,
                    h2d_bytes=sim.h2d_bytes, solve_s=res.seconds, encoded_units=len(res.schedule.encode),
                    recomputed_units=sum(len(r.stages) for r in res.schedule.recompute), detail=_detail(res.info))
 
@@ -143,7 +142,7 @@ def sweep(chain: Chain, budgets: Iterable[Budget | int], methods: Iterable[str],
     """Every method at every budget, in ``jobs`` processes (default: all cores); rows sorted by
     method (registry order) then budget.  ``progress(row)`` is called as each cell finishes."""
     options = options or Options()
-    cells = [(m, b if isinstance(b, Budget) else Budget(int(b))) for m in methods for b in budgets]
+    cells = [(m, Budget.of(b)) for m in methods for b in budgets]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(cells)))
     rows: list[Row] = []
     if jobs == 1:

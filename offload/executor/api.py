@@ -37,10 +37,10 @@ from offload.step.chain import Chain
 from offload.step.chainfile import load_chain
 from offload.step.schedule import Schedule
 from offload.step.schedulefile import load_schedule
-from offload.step.simulate import simulate
 
 from .backends import make_backend
 from .plan import StepPlan
+from .report import Report
 from .runtime import OffloadRuntime
 
 PathLike = str | os.PathLike
@@ -126,48 +126,48 @@ class Offloaded(nn.Module):
                                 "without --set-to-none")
 
     @contextlib.contextmanager
-    def measured(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[dict[str, Any]]:
+    def measured(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[Report]:
         """Measure the training steps run in this block, next to the chain's prediction::
 
             with run.measured(optimizer) as report:
                 for x, y in batches: ...           # forward, backward, optimizer step
-            print(report["measured"]["peak_bytes"], report["predicted"]["peak_bytes"])
+            print(report.measured.activation_peak_bytes, report.predicted.activation_peak_bytes)
 
-        On exit ``report`` holds ``steps``, ``measured`` (the activation peak: the most bytes
-        live on the device during any forward or backward op, above what was live when the
-        block began, so a batch made inside the block counts; the optimizer step is left
-        out, as in the chain; the bytes moved and the seconds, per step, the optimizer step
-        included) and ``predicted`` (the simulator's activation peak, bytes moved and step
-        time).  On a GPU the allocator's counters measure (each op boundary synchronizes the
-        device; ``peak_reserved_bytes`` is what the allocator held, its slack included; the
-        steps' time includes the first, so warm up before the block; the device's peak
-        counter ``torch.cuda.max_memory_allocated()`` is restored after it); on the CPU exact
-        tensor accounting does, which slows the steps."""
-        device = self.runtime.device
-        meter = make_meter(device)
-        meter.ignore(self.runtime.arena.chunks)  # host memory, even when the device is the CPU
-        meter.track(persistent_tensors(self.module, optimizer, device))
-        steps, moved = self.runtime.steps, self.moved_bytes
-        report: dict[str, Any] = {}
+        On exit the ``Report`` (``offload.executor.report``, the one ``offload train`` writes)
+        holds ``steps_done``, ``measured`` (the activation peak: the most bytes live on the
+        device during any forward or backward op, above what was live when the block began,
+        so a batch made inside the block counts; the optimizer step is left out, as in the
+        chain; with ``base_bytes`` the total peak; the bytes moved and the seconds, per step,
+        the optimizer step included) and ``predicted`` (the simulator's).  On a GPU the
+        allocator's counters measure (each op boundary synchronizes the device;
+        ``reserved_peak_bytes`` is what the allocator held, its slack included; the steps'
+        time includes the first, so warm up before the block; the device's peak counter
+        ``torch.cuda.max_memory_allocated()`` is restored after it); on the CPU exact tensor
+        accounting does, which slows the steps."""
+        runtime = self.runtime
+        meter = make_meter(runtime.device)
+        meter.ignore(runtime.arena.chunks)  # host memory, even when the device is the CPU
+        meter.track(persistent_tensors(self.module, optimizer, runtime.device))
+        steps, moved = runtime.steps, (runtime.d2h_bytes, runtime.h2d_bytes, runtime.encoded_bytes)
+        report = Report.start(self.chain, self.schedule, runtime.backend.name, runtime.device)
         try:  # every op read at its end, the optimizer step left out
-            with meter, self.runtime.reading(meter) as op_peaks:
+            with meter, runtime.reading(meter) as op_peaks:
                 start = meter.live
                 t0 = time.perf_counter()
                 yield report
                 seconds = time.perf_counter() - t0
         finally:
             meter.close()
-        done = self.runtime.steps - steps
+        done = runtime.steps - steps
         per = max(done, 1)
-        sim = simulate(self.chain, self.schedule.offloads, encode=self.schedule.encode,
-                       recompute=self.schedule.recompute)
-        report.update(steps=done, measured={
-            "peak_bytes": max(op_peaks.values(), default=start) - start, "step_s": seconds / per,
-            "d2h_bytes_per_step": (self.moved_bytes[0] - moved[0]) // per,
-            "h2d_bytes_per_step": (self.moved_bytes[1] - moved[1]) // per,
-            **({"peak_reserved_bytes": meter.reserved_peak} if meter.reserved_peak is not None else {})},
-            predicted={"peak_bytes": sim.peak_bytes, "step_s": sim.makespan_s, "d2h_bytes_per_step": sim.d2h_bytes,
-                       "h2d_bytes_per_step": sim.h2d_bytes})
+        report.steps = report.steps_done = done
+        m = report.measured
+        m.step_s = seconds / per
+        m.set_peak(max(op_peaks.values(), default=start) - start, self.chain)
+        m.reserved_peak_bytes, m.host_arena_bytes = meter.reserved_peak, runtime.arena.nbytes
+        m.d2h_bytes_per_step, m.h2d_bytes_per_step, m.encoded_bytes_per_step = (
+            (now - before) // per for now, before in zip((runtime.d2h_bytes, runtime.h2d_bytes, runtime.encoded_bytes),
+                                                         moved))
 
     @property
     def moved_bytes(self) -> tuple[int, int]:

@@ -168,9 +168,14 @@ BACKENDS = names.table(names.BACKENDS, {"cuda": CudaBackend, "cpu-eager": CpuEag
                        "copy backends")
 
 
+def default_backend(device: torch.device) -> str:
+    """CUDA streams on a GPU, eager copies on the CPU."""
+    return "cuda" if device.type == "cuda" else "cpu-eager"
+
+
 def make_backend(name: str | None, device: torch.device) -> CpuEagerBackend | CudaBackend:
-    """The backend ``name`` on ``device``; ``None``: CUDA streams on a GPU, eager copies on the CPU."""
-    name = name or ("cuda" if device.type == "cuda" else "cpu-eager")
+    """The backend ``name`` on ``device`` (``None``: ``default_backend``)."""
+    name = name or default_backend(device)
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
     return BACKENDS[name](device)

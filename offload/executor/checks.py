@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
-from offload.models.spec import ModelSpec
 from offload.io.files import write_atomic
+from offload.models.spec import ModelSpec
+from offload.step.chain import Chain
 
+from .api import Offloaded
 from .overlap import copy_overlap
-from .runtime import OffloadRuntime
+from .report import Baseline
 from .trainer import Run, StepHooks, Trainer, step_errors
 
 
@@ -75,29 +77,31 @@ class GradCheck(StepHooks):
             p.grad.zero_()
 
 
-def compare_baselines(trainer: Trainer, steps: int, ours: Run, base: int) -> dict[str, Any]:
+def compare_baselines(trainer: Trainer, steps: int, ours: Run, chain: Chain) -> dict[str, Baseline]:
     """The same steps without offloading and under ``save_on_cpu``, and our step time against both."""
     pin = trainer.device.type == "cuda"
     ways = {"no_offload": contextlib.nullcontext,
             "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)}
     module = trainer.spec.module
-    out: dict[str, Any] = {}
+    out: dict[str, Baseline] = {}
     for name, wrap in ways.items():
         run, error = trainer.measure(steps, lambda args, kwargs: module(*args, **kwargs), wrap)
-        out[name] = {**run.summary(base), "error": str(error) if error else None}
-        if run.step_s and ours.step_s:
-            out[f"step_time_vs_{name}"] = statistics.median(ours.step_s) / statistics.median(run.step_s)
+        peak = max(run.peaks) if run.peaks else None
+        step_s = statistics.median(run.step_s) if run.step_s else None
+        out[name] = Baseline(step_s, run.step_s, peak, None if peak is None else peak + chain.base_bytes,
+                             str(error) if error else None,
+                             statistics.median(ours.step_s) / step_s if step_s and ours.step_s else None)
     return out
 
 
-def trace_step(path: str, trainer: Trainer, runtime: OffloadRuntime) -> dict[str, Any]:
+def trace_step(path: str, trainer: Trainer, run: Offloaded) -> dict[str, Any]:
     """One more step with offloading under ``torch.profiler``: a Chrome trace, and how much of its
     copy time overlaps GPU compute (``None`` on the CPU, where there are no GPU copies)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if trainer.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with step_errors("the traced step"), torch.profiler.profile(activities=activities) as prof:
-        trainer.one_step(runtime.forward, trainer.spec.batch(), contextlib.nullcontext)
+        trainer.one_step(lambda args, kwargs: run(*args, **kwargs), trainer.spec.batch(), contextlib.nullcontext)
         trainer.synchronize()
     gc.collect()
     trainer.finish_step()

@@ -12,53 +12,54 @@ from offload.step.chainfile import load_chain
 from offload.step.names import BACKENDS, OPTIMIZERS
 from offload.step.schedulefile import load_schedule
 
+from .report import Report
 
 
-def _print_report(r: dict) -> None:
-    m, p = r["measured"], r["predicted"]
-    print(printable(f"trained {r['model']} for {r['steps_done']} of {r['steps']} steps with {r['method'] or 'the'} "
-                    f"schedule on {r['device']} ({r['backend']})"
-                    + (f", rank 0 of {r['ranks']} (each rank checks its own gradients)" if r["ranks"] > 1 else "")))
-    if m["peak_bytes"] is None:
+
+def _print_report(r: Report) -> None:
+    m, p = r.measured, r.predicted
+    print(printable(f"trained {r.model} for {r.steps_done} of {r.steps} steps with {r.method or 'the'} "
+                    f"schedule on {r.device} ({r.backend})"
+                    + (f", rank 0 of {r.ranks} (each rank checks its own gradients)" if r.ranks > 1 else "")))
+    if m.activation_peak_bytes is None:
         return
     print(f"{'':<14}{'measured':>16}{'predicted':>16}")
-    if m["step_s"] is not None:
-        print(f"{'step time':<14}{format_seconds(m['step_s']['median']):>16}{format_seconds(p['makespan_s']):>16}"
-              f"   (min {format_seconds(m['step_s']['min'])}, max {format_seconds(m['step_s']['max'])}"
-              + (f"; step 1, a warm-up, {format_seconds(m['warmup_s'])} left out)" if "warmup_s" in m else ")"))
-    print(f"{'peak memory':<14}{format_bytes(m['peak_bytes']):>16}{format_bytes(p['peak_bytes']):>16}"
-          + (f"   budget {format_bytes(r['budget_bytes'])} ({r['budget_scope']})" if r["budget_bytes"] else ""))
-    if "peak_reserved_bytes" in m:
-        print(f"{'reserved':<14}{format_bytes(m['peak_reserved_bytes']):>16}   by the allocator (its slack included)")
-    print(f"{'D2H per step':<14}{format_bytes(m['d2h_bytes_per_step']):>16}{format_bytes(p['d2h_bytes']):>16}")
-    print(f"{'H2D per step':<14}{format_bytes(m['h2d_bytes_per_step']):>16}{format_bytes(p['h2d_bytes']):>16}")
-    print(f"{'host arena':<14}{format_bytes(m['host_arena_bytes']):>16}")
-    if r["encoded_units"]:
-        print(f"{'encoded':<14}{format_bytes(m['encoded_bytes_per_step']):>16}   per step, units "
-              + ", ".join(f"U{i} {name}" for i, name in r["encoded_units"].items())
-              + (" (lossy)" if r["lossy"] else " (lossless)"))
+    if m.step_s is not None:
+        print(f"{'step time':<14}{format_seconds(m.step_s):>16}{format_seconds(p.step_s):>16}"
+              f"   (min {format_seconds(min(m.step_times_s))}, max {format_seconds(max(m.step_times_s))}"
+              + (f"; step 1, a warm-up, {format_seconds(m.warmup_s)} left out)" if m.warmup_s is not None else ")"))
+    print(f"{'peak memory':<14}{format_bytes(r.in_scope(m)):>16}{format_bytes(r.in_scope(p)):>16}"
+          + (f"   budget {format_bytes(r.budget.nbytes)} ({r.budget.scope})" if r.budget else ""))
+    if m.reserved_peak_bytes is not None:
+        print(f"{'reserved':<14}{format_bytes(m.reserved_peak_bytes):>16}   by the allocator (its slack included)")
+    print(f"{'D2H per step':<14}{format_bytes(m.d2h_bytes_per_step):>16}{format_bytes(p.d2h_bytes_per_step):>16}")
+    print(f"{'H2D per step':<14}{format_bytes(m.h2d_bytes_per_step):>16}{format_bytes(p.h2d_bytes_per_step):>16}")
+    print(f"{'host arena':<14}{format_bytes(m.host_arena_bytes):>16}")
+    if r.encoded_units:
+        print(f"{'encoded':<14}{format_bytes(m.encoded_bytes_per_step):>16}   per step, units "
+              + ", ".join(f"U{i} {name}" for i, name in r.encoded_units.items())
+              + (" (lossy)" if r.lossy else " (lossless)"))
     for name, label in (("no_offload", "no offloading"), ("save_on_cpu", "save_on_cpu")):
-        other = (r["compare"] or {}).get(name)
-        if other and other["step_s"]:
-            print(f"{label:<14}{format_seconds(other['step_s']['median']):>16}   peak "
-                  f"{format_bytes(other['peak_bytes'])}; our step takes "
-                  f"{r['compare'][f'step_time_vs_{name}']:.2f}x its time")
+        other = (r.compare or {}).get(name)
+        if other and other.step_s:
+            print(f"{label:<14}{format_seconds(other.step_s):>16}   peak {format_bytes(r.in_scope(other))}; our "
+                  f"step takes {other.our_step_ratio:.2f}x its time")
         elif other:
-            print(f"{label:<14}{'failed':>16}   {other['error']}")
-    if "op_peak_bytes" in m:
-        over = {op: b - p["op_bytes"][op] for op, b in m["op_peak_bytes"].items() if b > p["op_bytes"][op]}
+            print(f"{label:<14}{'failed':>16}   {other.error}")
+    if m.op_peak_bytes:
+        over = {op: b - p.op_bytes[op] for op, b in m.op_peak_bytes.items() if b > p.op_bytes[op]}
         worst = max(over, key=over.get) if over else None
-        print("op memory     " + (f"all {len(m['op_peak_bytes'])} ops within their prediction (step 1)" if not over else
+        print("op memory     " + (f"all {len(m.op_peak_bytes)} ops within their prediction (step 1)" if not over else
                                    f"{len(over)} op(s) above their prediction in step 1, most {format_bytes(over[worst])} at {worst}"))
-    if r["trace"]:
-        overlap = r["trace"]["copy_overlap"]
-        print(f"trace         {r['trace']['path']}" + (
+    if r.trace:
+        overlap = r.trace["copy_overlap"]
+        print(f"trace         {r.trace['path']}" + (
             f"   copies {format_seconds(overlap['copy_s'])}, {overlap['fraction']:.0%} of it under compute"
             if overlap else "   (no GPU copies in it)"))
-    if r["grads_match"] is not None:
-        print(f"grads_match   {r['grads_match']} (bit for bit against the same model trained without offloading)")
-        if r["lossy"]:
-            d = r["grad_rel_diff"]
+    if r.grads_match is not None:
+        print(f"grads_match   {r.grads_match} (bit for bit against the same model trained without offloading)")
+        if r.lossy:
+            d = r.grad_rel_diff
             print(f"grad diff     ||ours - reference|| / ||reference|| from the same weights: at most {max(d):.3g} "
                   f"in {len(d)} steps (lossy encodings)")
 
@@ -92,14 +93,14 @@ def _train(args: argparse.Namespace) -> int:
                         op_memory=args.op_memory)
     report, error = train(args.model, chain, schedule, opts, batch=args.batch)
     if args.report and speaks:
-        write_json(args.report, report, inputs)
+        write_json(args.report, report.json(), inputs)
     if speaks:
         _print_report(report)
     if args.report and speaks:
         print(f"wrote {args.report}")
     if error is not None:
         raise error
-    if report["grads_match"] is False and not report["lossy"]:
+    if report.grads_match is False and not report.lossy:
         print(f"error: gradients differ from training without offloading (rank {distributed.rank()})")
         return 7
     return 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator
@@ -42,21 +41,6 @@ class Run:
     warmup_s: float | None = None  # GPU: step 1, left out of step_s (kernel selection, allocator growth)
     reserved_peak: int | None = None  # GPU: the most the allocator reserved over the steps so far
 
-    @property
-    def steps_run(self) -> int:
-        return len(self.step_s) + len(self.metered_step_s)
-
-    def summary(self, base: int) -> dict[str, Any]:
-        if not self.peaks:
-            return {"step_s": None, "peak_bytes": None, "peak_activation_bytes": None,
-                    "leaked_bytes_after_step": None, "leaked_by_step": []}
-        times = {"median": statistics.median(self.step_s), "min": min(self.step_s), "max": max(self.step_s),
-                 "all": self.step_s} if self.step_s else None
-        return {"step_s": times, **({"metered_step_s": self.metered_step_s} if self.metered_step_s else {}),
-                **({"warmup_s": self.warmup_s} if self.warmup_s is not None else {}),
-                **({"peak_reserved_bytes": self.reserved_peak} if self.reserved_peak is not None else {}),
-                "peak_bytes": max(self.peaks) + base, "peak_activation_bytes": max(self.peaks),
-                "leaked_bytes_after_step": max(self.leaks), "leaked_by_step": self.leaks}
 
 
 @contextlib.contextmanager

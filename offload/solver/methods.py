@@ -273,15 +273,15 @@ def _refuse_below_floor(chain: Chain, budget: Budget, mode: str, recompute: bool
     derived = encoding.apply(chain, floor_choice)
     if recompute:
         floor = smallest_feasible_budget(derived, recompute=True)
-    base = budget.base(chain)
-    if budget.activations(chain) < floor:
+    if budget.excess(chain, floor) > 0:
         o = int(floor_bound_memory(derived, recompute).argmax())
+        smallest, base = budget.counted(chain, floor), budget.base(chain)
         raise InfeasibleBudget(
-            f"budget {budget} is below the smallest feasible budget {format_bytes(floor + base)}: even with every "
+            f"budget {budget} is below the smallest feasible budget {format_bytes(smallest)}: even with every "
             f"unit offloaded at once and fetched on demand{' or recomputed' if recompute else ''}, {op_name(chain, o)} "
             f"holds {format_bytes(floor)} of activations"
             + (f" on top of {format_bytes(base)} of weights, gradients, optimizer state and the batch" if base else ""),
-            f"use --budget {floor + base} or more, or a smaller batch", smallest_bytes=floor + base)
+            f"use --budget {smallest} or more, or a smaller batch", smallest_bytes=smallest)
     return floor
 
 
@@ -303,7 +303,7 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
     raises ``InfeasibleBudget`` when it cannot."""
     if method not in METHODS:
         raise SolverFailure(f"unknown method {method!r}", f"choose one of: {', '.join(METHODS)} (offload solve --list-methods)")
-    budget = budget if isinstance(budget, Budget) else Budget(int(budget))
+    budget = Budget.of(budget)
     options = options or Options()
     t0 = time.perf_counter()
     deadline = Deadline(options.time_limit_s)
@@ -318,15 +318,15 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
     planned = METHODS[method].run(ctx)
     if planned is None:
         own = baselines.own_smallest_budget(chain, method)
-        base = budget.base(chain)
+        smallest = budget.counted(chain, floor)
         raise InfeasibleBudget(
-            f"method {method} cannot meet the budget {budget}" + (f": it needs at least {format_bytes(own + base)}"
-                                                                  if own is not None else ""),
-            (f"no schedule with recomputation meets less than {format_bytes(floor + base)} (a lower bound; the "
+            f"method {method} cannot meet the budget {budget}"
+            + (f": it needs at least {format_bytes(budget.counted(chain, own))}" if own is not None else ""),
+            (f"no schedule with recomputation meets less than {format_bytes(smallest)} (a lower bound; the "
              f"exact MILP decides above it)" if options.recompute or method in RECOMPUTING else
-             f"the smallest budget any schedule meets is {format_bytes(floor + base)}")
+             f"the smallest budget any schedule meets is {format_bytes(smallest)}")
             + ("" if method == "ilp" else ": try --method ilp or relax-lp"),
-            smallest_bytes=floor + base)
+            smallest_bytes=smallest)
     info = dict(planned.info)
     sim = simulate(chain, planned.offloads, budget, encode=planned.encode, recompute=planned.recompute)
     bounds = _bounds(ctx, unbounded, info)
@@ -345,7 +345,7 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
     seconds = time.perf_counter() - t0
     solver_info = {"status": status, "gap": gap, "seconds": round(seconds, 3), "bound_s": bound, "bounds": bounds,
                    "encodings": options.encodings, "recompute": options.recompute or method in RECOMPUTING, **info}
-    predicted = {"makespan_s": span, "peak_bytes": sim.peak_bytes + budget.base(chain), "stall_s": sim.stall_s,
+    predicted = {"makespan_s": span, "peak_bytes": budget.counted(chain, sim.peak_bytes), "stall_s": sim.stall_s,
                  "ideal_makespan_s": chain.ideal_makespan_s, "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes,
                  "encoded_units": len(planned.encode), "lossy": bool(encoding.lossy_stages(chain, planned.encode)),
                  "recomputed_units": sum(len(r.stages) for r in planned.recompute), "recompute_s": sim.recomputed_s}

@@ -122,11 +122,10 @@ class Simulation:
 
     def check_budget(self, budget: Budget) -> None:
         """Refuse the schedule if any op exceeds the budget; name the first such op."""
-        base = budget.base(self.chain)
-        over = np.nonzero(self.memory + base > budget.nbytes)[0]
+        over = np.nonzero(budget.excess(self.chain, self.memory) > 0)[0]
         if len(over):
             o = int(over[0])
-            need = int(self.memory[o]) + base
+            need = budget.counted(self.chain, int(self.memory[o]))
             raise ScheduleRejected(
                 f"{op_name(self.chain, o)} at t={self.start[o]:.6g} s holds {need} bytes "
                 f"({budget.scope}), budget {budget.nbytes}: over by {need - budget.nbytes} bytes"
@@ -187,5 +186,5 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
             s = max(s, h2d_end[i])
     sim = Simulation(chain, offloads, ready, start, end, memory, copies, encode, runs, recomputes, rt, events)
     if budget is not None:
-        sim.check_budget(budget if isinstance(budget, Budget) else Budget(int(budget)))
+        sim.check_budget(Budget.of(budget))
     return sim

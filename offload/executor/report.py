@@ -1,0 +1,128 @@
+"""A training run's report: what was measured, next to what the simulator predicted.
+
+One record for both front doors: ``Offloaded.measured`` (the user's own loop) fills it from
+the steps run in its block, ``offload train`` (``train.train``) from its metered and timed
+steps, with the gradient check and the baselines.  ``Report.json()`` is its JSON form
+(``offload train --report``): the attribute names are the keys, and ``format`` says which
+version of them (``REPORT_FORMAT``).
+
+Every peak is given in both scopes of a budget: ``activation_peak_bytes`` (what the model of
+a step counts: the most bytes live during any forward or backward op, over what was live
+when the step began) and ``total_peak_bytes`` (plus the chain's ``base_bytes``: weights,
+gradients, optimizer state and the batch, there whether or not anything is offloaded).
+Bytes moved are per step: what the runtime copied over the steps it ran.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from offload.step.budget import Budget
+from offload.step.chain import Chain
+from offload.step.encoding import lossy_stages
+from offload.step.schedule import Schedule
+from offload.step.simulate import simulate
+
+REPORT_FORMAT = "offload-report/1"
+
+
+@dataclass
+class Measured:
+    """The steps as they ran (``None``: not measured, or no step completed)."""
+
+    step_s: float | None = None  # median of the timed steps (Offloaded.measured: the block's time per step)
+    step_times_s: list[float] = field(default_factory=list)  # each timed step (on a GPU the first is a warm-up, left out)
+    warmup_s: float | None = None  # GPU: step 1 (kernel selection, allocator growth)
+    metered_step_s: list[float] = field(default_factory=list)  # CPU: the metered steps, slowed by exact accounting
+    activation_peak_bytes: int | None = None
+    total_peak_bytes: int | None = None
+    reserved_peak_bytes: int | None = None  # GPU: the most the allocator held, its slack included
+    d2h_bytes_per_step: int = 0
+    h2d_bytes_per_step: int = 0
+    encoded_bytes_per_step: int = 0  # blobs the encoders made
+    op_peak_bytes: dict[str, int] | None = None  # step 1, per op, activation bytes (--op-memory)
+    leaked_by_step: list[int] = field(default_factory=list)  # bytes still live after each step, over its start
+    host_arena_bytes: int = 0
+    host_allocations: list[int] = field(default_factory=list)  # arena buffers so far, after each step
+
+    def set_peak(self, activation_bytes: int | None, chain: Chain) -> None:
+        """The activation peak, and the total one with the chain's ``base_bytes``."""
+        self.activation_peak_bytes = activation_bytes
+        self.total_peak_bytes = None if activation_bytes is None else activation_bytes + chain.base_bytes
+
+    def set_times(self, times: list[float]) -> None:
+        self.step_times_s = list(times)
+        self.step_s = statistics.median(times) if times else None
+
+
+@dataclass
+class Predicted:
+    """The simulator's replay of the schedule."""
+
+    step_s: float
+    stall_s: float
+    activation_peak_bytes: int
+    total_peak_bytes: int
+    d2h_bytes_per_step: int
+    h2d_bytes_per_step: int
+    op_bytes: dict[str, int] | None = None  # per op, activation bytes (--op-memory)
+
+
+@dataclass
+class Baseline:
+    """The same steps trained another way (``offload train --compare``)."""
+
+    step_s: float | None  # median
+    step_times_s: list[float]
+    activation_peak_bytes: int | None
+    total_peak_bytes: int | None
+    error: str | None = None
+    our_step_ratio: float | None = None  # our step time over this one's
+
+
+@dataclass
+class Report:
+    chain: str
+    chain_sha256: str
+    method: str
+    backend: str
+    device: str
+    budget: Budget | None
+    base_bytes: int  # the chain's: what total_peak_bytes adds to the activations
+    predicted: Predicted
+    measured: Measured = field(default_factory=Measured)
+    model: str | None = None
+    ranks: int = 1
+    steps: int = 0  # asked for
+    steps_done: int = 0
+    encoded_units: dict[str, str] = field(default_factory=dict)  # stage -> encoding
+    lossy: bool = False
+    grads_match: bool | None = None  # bit for bit against training without offloading (None: not checked)
+    grad_mismatches: list[int] | None = None  # per step, the gradients that differ
+    grad_rel_diff: list[float] | None = None  # per step, ||ours - reference|| / ||reference||
+    compare: dict[str, Baseline] | None = None  # no_offload, save_on_cpu
+    trace: dict[str, Any] | None = None  # path, copy_overlap
+    error: str | None = None  # the step that failed its budget or ran out of memory
+
+    @classmethod
+    def start(cls, chain: Chain, schedule: Schedule, backend: str, device: Any, op_memory: bool = False) -> "Report":
+        """A report of ``schedule`` on ``chain``, its prediction made, nothing measured yet."""
+        sim = simulate(chain, schedule.offloads, encode=schedule.encode, recompute=schedule.recompute)
+        predicted = Predicted(step_s=sim.makespan_s, stall_s=sim.stall_s, activation_peak_bytes=sim.peak_bytes,
+                              total_peak_bytes=sim.peak_bytes + chain.base_bytes, d2h_bytes_per_step=sim.d2h_bytes,
+                              h2d_bytes_per_step=sim.h2d_bytes,
+                              op_bytes={o.name: o.mem_bytes for o in sim.ops} if op_memory else None)
+        return cls(chain=chain.name, chain_sha256=chain.sha256, method=schedule.method, backend=backend,
+                   device=str(device), budget=schedule.budget, base_bytes=chain.base_bytes, predicted=predicted,
+                   model=chain.recipe.model if chain.recipe else None,
+                   encoded_units={str(i): name for i, name in sorted(schedule.encode.items())},
+                   lossy=bool(lossy_stages(chain, schedule.encode)))
+
+    def in_scope(self, peaks: Measured | Predicted | Baseline) -> int | None:
+        """``peaks``'s peak in the budget's scope (activations when there is no budget)."""
+        return peaks.total_peak_bytes if self.budget is not None and self.budget.total else peaks.activation_peak_bytes
+
+    def json(self) -> dict[str, Any]:
+        """The JSON form, keys as the attributes, versioned."""
+        return {"format": REPORT_FORMAT, **asdict(self)}

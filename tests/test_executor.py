@@ -1,6 +1,7 @@
 """The executor on the CPU: bit-exact gradients (dropout on), measured memory equal to the
 prediction op by op, with offloading and with recomputation, the lazy backend's missing-edge
-detection, no leaks, a reused host arena, refusals, and the Python API in a user's own loop."""
+detection, no leaks, a reused host arena, refusals, the Python API in a user's own loop, and
+the runtime running the step's events (offload.step.events) in order."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,12 +14,16 @@ from offload.cli import main
 from offload.errors import BudgetExceeded, ChainMismatch, HostMemoryShortfall, OutOfMemory
 from offload.executor import Offloaded
 from offload.executor.backends import CpuLazyBackend
+from offload.executor.plan import StepPlan
+from offload.executor.runtime import _Step
 from offload.executor.train import TrainOptions, train
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
+from offload.step.actions import Offload, Recompute
 from offload.step.budget import Budget
 from offload.step.chainfile import save_chain
+from offload.step.events import BACKWARD, FORWARD, Event
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import save_schedule
@@ -248,3 +253,20 @@ def test_the_host_arena_counts_what_the_host_really_gives(monkeypatch, tmp_path)
         arena.HostArena(2**20, pin=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert arena.HostArena(2**20, pin=False).nbytes < 3 * 2**20
+
+
+def test_the_runtime_runs_every_event_of_the_table_in_order(chains, monkeypatch):
+    """A real step of a real model: the runtime's boundaries run the plan's events, all of them,
+    in the table's order (and gradients stay bit for bit those without offloading)."""
+    gpt = chains["gpt"]
+    L = gpt.L
+    offloads = [Offload(i, i + 1, int(gpt.need[i])) for i in gpt.offloadable if i % 2 == 1]
+    runs = [Recompute(i, i) for i in sorted(gpt.recomputable) if i % 2 == 0 and i < L - 1][:1]
+    sched = make_schedule(gpt, offloads, runs)
+    seen: list[Event] = []
+    run = _Step._run
+    monkeypatch.setattr(_Step, "_run", lambda self, e: (seen.append(e), run(self, e))[1])
+    report, error = train(None, gpt, sched, TrainOptions(steps=1, check_grads=True))
+    assert error is None and report.grads_match is True
+    table = [e for e in StepPlan.from_schedule(gpt, sched).events.sequence if e.kind not in (FORWARD, BACKWARD)]
+    assert runs and offloads and seen == table * 2  # on the CPU: the metered step, then the timed one

@@ -20,6 +20,11 @@ runs unchanged on the CPU, and checks what a GPU would do with it:
   may still read it (``released``: no ``record_stream``, so the free is on the compute
   stream).  This is ``torch.cuda._sanitizer``'s idea, on fake streams.
 
+* **Host waits.** An op whose result the host must read back before it can go on (``item``,
+  ``nonzero``, ``masked_select``, boolean indexing, ``equal``), or that copies host data up
+  (a tensor made from a Python list), would make a GPU's launch thread wait for the device
+  and drain the pipeline.  Each one run on the compute stream is listed in ``host_waits``.
+
 Races are collected in ``FakeCuda.races`` (one line each); tests assert there are none,
 and that removing any single ordering call from ``CudaBackend`` produces one.
 """
@@ -36,6 +41,31 @@ from torch.utils._pytree import tree_flatten
 POISON = 0xFF
 
 Clock = dict[int, int]
+
+# ops that make the host wait for the device: a value read back, or host data copied up
+HOST_WAITS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "lift_fresh", "unique",
+              "_unique2", "unique_consecutive", "bincount", "repeat_interleave"}
+
+
+def waits_for_device(func: Any, args: tuple, kwargs: dict | None) -> bool:
+    """Whether running ``func`` makes the host wait for the device (``HOST_WAITS``, or indexing by
+    a boolean mask: its result's size is the mask's count)."""
+    name = func.overloadpacket.__name__
+    return name in HOST_WAITS or (name.startswith("index") and any(
+        isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tree_flatten((args, kwargs))[0][1:]))
+
+
+class HostWaits(TorchDispatchMode):
+    """The host-waiting ops run in this block, by name (``seen``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if waits_for_device(func, args, kwargs):
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def _merge(a: Clock, b: Clock) -> Clock:
@@ -131,6 +161,8 @@ class _ComputeAccesses(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self.cuda.unrecorded and waits_for_device(func, args, kwargs):
+            self.cuda.host_waits.append(func.overloadpacket.__name__)
         out = func(*args, **kwargs)
         if self.cuda.unrecorded or func.is_view:  # a view reads no data
             return out
@@ -168,6 +200,7 @@ class FakeCuda:
         self.unrecorded = False
         self.copies_issued = self.copies_run = 0
         self.synchronizations = 0  # whole-device waits: none in a step (they end the CPU's lead)
+        self.host_waits: list[str] = []  # ops of the compute stream that read a device value back
 
     # -- torch.cuda stand-ins
     def _stream(self, device: Any = None, priority: int = 0) -> FakeStream:

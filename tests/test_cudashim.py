@@ -4,6 +4,7 @@ removing it (a mutation test per call site, found in the source, so a new call i
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import textwrap
 
@@ -12,7 +13,9 @@ import torch
 from cudashim import FakeAllocator, FakeCuda
 
 from offload.core.devices import make_optimizer
+from offload.core.encoders import ENCODERS, usable_on
 from offload.core.meters import Clock, CudaMeter
+from offload.errors import ChainMismatch
 from offload.executor import Offloaded
 from offload.executor import backends
 from offload.executor.report import Report
@@ -65,9 +68,10 @@ def checked(backend_class: type, cuda: FakeCuda) -> type:
 
 
 def train_steps(chain, schedule, backend_class, monkeypatch, steps=2):
-    """``steps`` steps of the GPT under the schedule on the fake CUDA, and of the plain GPT:
-    (races, gradients equal every step, bytes moved, copies issued and run)."""
-    mine, plain = resolve("gpt", 2, GPT), resolve("gpt", 2, GPT)
+    """``steps`` steps of the chain's model under the schedule on the fake CUDA, and of the plain
+    model: (the fake CUDA and what it saw, gradients equal every step, bytes moved)."""
+    r = chain.recipe
+    mine, plain = (resolve(r.model, r.batch, dict(r.options)) for _ in range(2))
     equal = True
     with FakeCuda(monkeypatch) as cuda:
         monkeypatch.setitem(backends.BACKENDS, "cuda", checked(backend_class, cuda))
@@ -118,7 +122,7 @@ def test_the_protocol_round_trip_is_race_free(monkeypatch):
 def test_the_cuda_backend_is_race_free_and_bit_exact(chain, name, monkeypatch):
     sched = schedules(chain)[name]
     cuda, equal, moved = train_steps(chain, sched, backends.CudaBackend, monkeypatch)
-    assert cuda.races == []
+    assert cuda.races == [] and cuda.host_waits == []  # nor a device value read back
     assert equal
     sim = simulate(chain, sched.offloads)
     assert moved == (2 * sim.d2h_bytes, 2 * sim.h2d_bytes) != (0, 0)
@@ -261,3 +265,47 @@ def test_bytes_per_step_count_the_warm_up_step_too(chain, monkeypatch):
     assert error is None and steps.warmup_s is not None and len(steps.step_s) == 2  # the CUDA path: step 1 apart
     sim = simulate(chain, sched.offloads)
     assert (report.measured.d2h_bytes_per_step, report.measured.h2d_bytes_per_step) == (sim.d2h_bytes, sim.h2d_bytes)
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    """A ReLU network's chain, with encodings (sign masks where only the sign is read), on the CPU."""
+    return profile("resnet18", ProfileOptions(batch=2, repeats=1, warmup=1, device="cpu", options={"image": 16})).chain
+
+
+def gpu_encodings(chain, lossless: bool) -> dict[int, str]:
+    """Per stage, its first encoding (lossless ones only, or any) that a GPU's steps may run."""
+    usable = usable_on(gpu=True)
+    return {i: next(e.name for e in s.encodings if all(t.encoder in usable for t in e.tensors)
+                    and (e.lossless or not lossless))
+            for i, s in enumerate(chain.stages, 1)
+            if any(all(t.encoder in usable for t in e.tensors) and (e.lossless or not lossless) for e in s.encodings)}
+
+
+def test_encoders_on_a_gpu_never_make_the_host_wait(resnet, monkeypatch):
+    """Every encoder a GPU may run, kept and offloaded, in training steps on the fake CUDA: no
+    race, no op that reads a device value back; lossless ones bit for bit."""
+    lossless, lossy = gpu_encodings(resnet, lossless=True), gpu_encodings(resnet, lossless=False)
+    used = {t.encoder for i, name in lossy.items() for t in resnet.stage(i).encoding(name).tensors}
+    assert lossless and used == set(usable_on(gpu=True)), used  # sign-mask and bf16 both run
+    offloads = floor_offloads(resnet)
+    for choice, exact in ((lossless, True), (lossy, False)):
+        for sched in (make_schedule(resnet, [], encode=choice), make_schedule(resnet, offloads, encode=choice)):
+            cuda, equal, _ = train_steps(resnet, sched, backends.CudaBackend, monkeypatch)
+            assert cuda.races == [] and cuda.host_waits == [], cuda.host_waits
+            assert equal or not exact
+
+
+def test_a_host_wait_in_an_encoder_is_caught(resnet, monkeypatch):
+    """The detector finds a ``nonzero`` put back into an encoder, and the executor refuses an
+    encoder that reads its size back (``sparse``) on the CUDA backend."""
+    mask = ENCODERS["sign-mask"]
+    monkeypatch.setitem(ENCODERS, "sign-mask", dataclasses.replace(
+        mask, encode=lambda flat: (flat.nonzero(), mask.encode(flat))[1]))
+    sched = make_schedule(resnet, floor_offloads(resnet), encode=gpu_encodings(resnet, lossless=True))
+    cuda, _, _ = train_steps(resnet, sched, backends.CudaBackend, monkeypatch)
+    assert "nonzero" in cuda.host_waits
+    sparse = {i: e.name for i, s in enumerate(resnet.stages, 1) for e in s.encodings
+              if any(t.encoder == "sparse" for t in e.tensors)}
+    with pytest.raises(ChainMismatch, match="sparse encoder, which reads its size back"):
+        train_steps(resnet, make_schedule(resnet, [], encode=sparse), backends.CudaBackend, monkeypatch)

@@ -6,11 +6,9 @@ import json
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from offload.cli import main
-from offload.core.encoders import ENCODERS
+from offload.core.encoders import ENCODERS, usable_on
 from offload.executor.train import TrainOptions, train
 from offload.profiler.encodable import SIGN_ONLY, encodings_pass
 from offload.profiler.profile import ProfileOptions, profile
@@ -19,6 +17,7 @@ from offload.step.chainfile import save_chain
 from offload.step.memory import floor_offloads
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import save_schedule
+from tests.cudashim import HostWaits
 
 OPTIONS = {"resnet18": {"image": 16}, "mlp": {"layers": 4, "width": 256, "features": 64, "classes": 10}}
 
@@ -161,22 +160,9 @@ def test_an_encoder_is_never_put_on_another_storage(chains):
         run(*spec.args)
 
 
-# ops that make a GPU wait for the host or the host for the GPU: a value read back (item,
-# nonzero, masked_select, boolean indexing), or host data copied up (a tensor from a list)
-_SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "lift_fresh"}
-
-
-class _Syncs(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in _SYNCING or (name.startswith("index") and any(
-                isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tree_flatten((args, kwargs))[0][1:])):
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
+def test_a_gpu_runs_only_the_encoders_that_never_synchronize():
+    assert usable_on(gpu=False) == tuple(ENCODERS)
+    assert usable_on(gpu=True) == tuple(n for n, e in ENCODERS.items() if not e.variable_size) == ("sign-mask", "bf16")
 
 
 @pytest.mark.parametrize("name", ["sign-mask", "bf16", "sparse"])
@@ -186,6 +172,6 @@ def test_which_encoders_synchronize(name):
     x = torch.relu(torch.randn(4099))
     encoder = ENCODERS[name]
     encoder.encode(x)  # the bit weights are made once per device, before the steps
-    with _Syncs() as syncs:
+    with HostWaits() as syncs:
         encoder.decode(encoder.encode(x), x.dtype, x.numel())
-    assert (syncs.seen == []) == (name != "sparse"), syncs.seen
+    assert (syncs.seen == []) == (name != "sparse") == (not encoder.variable_size), syncs.seen

@@ -18,7 +18,12 @@ hooks.
   Lossy: gradients change, and the executor reports by how much.
 
 ``sign-mask`` and ``bf16`` never synchronize the device; ``sparse`` does once per storage
-(the number of non-zeros sizes its blob).
+(the number of non-zeros sizes its blob, so the host must read it back).  On a GPU such a
+read makes the thread that launches the step's kernels wait for the device: the pipeline
+drains at every one (an H100 ran a Qwen2 step 34-37% slower than its schedule predicted, 40
+waits per step).  So a step on CUDA may use only the encoders that never synchronize
+(``usable_on``): the profiler offers no other there, and the executor refuses a schedule
+that asks for one.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ class Encoder:
     decode: Callable[[torch.Tensor, torch.dtype, int], torch.Tensor]  # blob, dtype, numel -> flat tensor
     applies: Callable[[torch.dtype], bool]
     size: Callable[[torch.Tensor], int]  # flat tensor -> bytes of its blob
-    variable_size: bool = False  # the blob's size follows the data: the host slot gets spare room
+    variable_size: bool = False  # the blob's size follows the data: read back on the host (a GPU synchronizes)
     round_trips: bool = False  # decode(encode(x)) is x bit for bit, whatever x holds
 
 
@@ -111,6 +116,12 @@ ENCODERS: dict[str, Encoder] = names.table(names.ENCODERS, {e.name: e for e in [
     Encoder("bf16", False, _bf16_encode, _bf16_decode, lambda dt: dt in (torch.float32, torch.float64),
             lambda flat: 2 * flat.numel()),
 ]}, "encoders")
+
+
+def usable_on(gpu: bool) -> tuple[str, ...]:
+    """The encoders a step may run: on a GPU only those that never make the host wait for the
+    device (module docstring)."""
+    return tuple(name for name, e in ENCODERS.items() if not (gpu and e.variable_size))
 
 
 def flat_storage(t: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,8 @@ class CpuEagerBackend:
     """The same protocol on the CPU, each copy done when issued."""
 
     name = "cpu-eager"
-    pin = False
+    pin = False  # host slots in pinned memory
+    gpu = False  # the step's kernels are launched ahead of a device: a host read of device data stalls them
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -109,6 +110,7 @@ class CudaBackend:
 
     name = "cuda"
     pin = True
+    gpu = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

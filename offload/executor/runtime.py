@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from offload.core.encoders import ENCODERS, Encoder, flat_storage
+from offload.core.encoders import ENCODERS, Encoder, flat_storage, usable_on
 from offload.core.rerun import NotRerunnable, StageProgram, StageRecorder
 from offload.core.staging import StageListener, Staging
 from offload.core.units import UnitTracker
@@ -365,6 +365,18 @@ class _Replay:
                                "control flow?); solve without recomputing it")
 
 
+def _check_encoders(plan: StepPlan, backend: CpuEagerBackend | CudaBackend) -> None:
+    """Refuse a schedule whose encoders this backend's steps may not run (``encoders.usable_on``)."""
+    usable = usable_on(backend.gpu)
+    for unit, tensors in sorted(plan.encoders.items()):
+        for t in tensors.values():
+            if t.encoder not in usable:
+                raise ChainMismatch(f"U{unit} is stored with the {t.encoder} encoder, which reads its size back from the "
+                                    "device: on a GPU every such read stalls the step's kernel launches",
+                                    "profile the model on the GPU it trains on (the profiler offers no such encoder "
+                                    "there), then solve again; or solve with --encodings none")
+
+
 class OffloadRuntime:
     """A schedule applied to every forward of a staged module (and its backward)."""
 
@@ -373,6 +385,7 @@ class OffloadRuntime:
         if staging.L != plan.L:
             raise ValueError(f"the model has {staging.L} stages, the schedule's chain {plan.L}")
         self.staging, self.plan, self.backend, self.device = staging, plan, backend, device
+        _check_encoders(plan, backend)
         self.arena = HostArena(plan.planned_bytes, pin=backend.pin)
         self.meter: Any = None  # set by ``reading``: read at every op's end into ``op_peaks``
         self.op_peaks: dict[str, int] = {}  # op name -> the most bytes live during it

@@ -7,7 +7,8 @@ One extra step of the staged model (after the warm-up, like the memory pass):
 * after the forward, a walk of the autograd graph lists every node that saved each storage
   (``ReluBackward0._saved_result``, ``ConvolutionBackward0._saved_input``, ...).  A storage
   whose every reader needs only its sign (ReLU's output, max-pool's input) may take
-  ``sign-mask``; any storage may take ``sparse`` (kept where it saves at least 10%); 32- and
+  ``sign-mask``; any storage may take ``sparse`` (kept where it saves at least 10%; not on a
+  GPU, where reading its size back would stall the step: ``encoders.usable_on``); 32- and
   64-bit floats other than normalization statistics may take the lossy ``bf16``;
 * each candidate is encoded and decoded on the real tensor, timed (median of 3, CUDA
   synchronized), sized by the blob it produced, and metered for the temporary memory the
@@ -28,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from offload.core.devices import persistent_tensors
-from offload.core.encoders import ENCODERS, flat_storage
+from offload.core.encoders import ENCODERS, flat_storage, usable_on
 from offload.core.meters import make_meter
 from offload.core.staging import StageListener
 from offload.core.units import Saved, UnitTracker, plain, storage_key
@@ -152,6 +153,7 @@ def encodings_pass(runner: StepRunner) -> list[list[SavedStorage]]:
         return t
 
     stages: list[list[SavedStorage]] = [[] for _ in range(runner.L)]
+    usable = usable_on(gpu=runner.device.type == "cuda")
     with runner.batch() as (args, kwargs):
         tracker.exclude(tensors_in((args, kwargs)))
         loss = runner.forward(args, kwargs, numbering, pack)
@@ -166,7 +168,7 @@ def encodings_pass(runner: StepRunner) -> list[list[SavedStorage]]:
                 names.append("sparse")
             if ENCODERS["bf16"].applies(t.dtype) and not all(STATISTICS.search(a) for _, a in stored.readers):
                 names.append("bf16")
-            stored.candidates = [_try(n, flat, runner.sync) for n in names]
+            stored.candidates = [_try(n, flat, runner.sync) for n in names if n in usable]
             stages[saved.unit - 1].append(stored)
         tensors.clear()  # the saved tensors' references go before the backward frees them
         loss.backward()

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from offload.core.devices import DTYPES, OPTIMIZERS, pick_device, running
+from offload.core.encoders import ENCODERS, usable_on
 from offload.core.staging import Staging
 from offload.errors import ModelError
 from offload.models import ModelSpec, resolve
@@ -124,6 +125,10 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
         encodings: list[tuple[Encoding, ...]] = [() for _ in range(stages.L)]
         if opts.encodings:
             encodings = [stage_encodings(s) for s in encodings_pass(runner)]
+            left_out = [name for name in ENCODERS if name not in usable_on(gpu=device.type == "cuda")]
+            if left_out:
+                stages.notes.append(f"encoders not offered on a GPU: {', '.join(left_out)} (each reads its blob's size "
+                                    "back from the device, which would stall every step)")
             tick("encodings")
         runner.staging.remove()
     plat = opts.platform or measure_platform(device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from offload.cli import main
 from offload.errors import BudgetExceeded, ChainMismatch, HostMemoryShortfall, OutOfMemory
 from offload.executor import Offloaded
 from offload.executor.backends import CpuLazyBackend
+from offload.executor.checks import deterministic_kernels
 from offload.executor.plan import StepPlan
 from offload.executor.runtime import _Step
 from offload.executor.train import TrainOptions, train
@@ -28,7 +30,7 @@ from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasib
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import save_schedule
 from offload.step.simulate import simulate
-from tests.runs import check_run, recomputing
+from tests.runs import ROOT, check_run, recomputing
 
 OPTIONS = {"resnet18": {"image": 16},
            "gpt": {"layers": 3, "width": 32, "heads": 4, "seq": 16, "vocab": 50, "dropout": 0.1},
@@ -270,3 +272,38 @@ def test_the_runtime_runs_every_event_of_the_table_in_order(chains, monkeypatch)
     assert error is None and report.grads_match is True
     table = [e for e in StepPlan.from_schedule(gpt, sched).events.sequence if e.kind not in (FORWARD, BACKWARD)]
     assert runs and offloads and seen == table * 2  # on the CPU: the metered step, then the timed one
+
+
+NOISY = str(ROOT / "tests" / "models" / "noisy.py") + ":build"
+
+
+def test_the_gradient_check_tells_noise_from_a_defect(tmp_path, capsys, monkeypatch):
+    """A kernel that is not deterministic (tests/models/noisy.py) makes the reference differ
+    from itself: the check measures that floor and judges ours against it (exit 0, both
+    numbers printed); a missing copy wait is a defect however noisy the kernels (exit 7)."""
+    chain = profile(NOISY, ProfileOptions(batch=4, repeats=1, warmup=1)).chain
+    sched = make_schedule(chain, floor_offloads(chain))
+    report, error = train(None, chain, sched, TrainOptions(steps=2, check_grads=True))
+    assert error is None and report.grads_match is False and report.grads_within_noise is True
+    assert all(0 < f < 1e-5 for f in report.grad_noise_floor) and max(report.grad_rel_diff) < 1e-5
+    assert report.deterministic is False  # asked for on CUDA only: the CPU's kernels are
+    save_chain(chain, tmp_path / "c.json")
+    save_schedule(sched, chain, tmp_path / "s.json")
+    files = ["--chain", str(tmp_path / "c.json"), "--schedule", str(tmp_path / "s.json"), "--steps", "1", "--check-grads"]
+    assert main(["train", *files]) == 0
+    assert "the reference differs from itself by up to" in capsys.readouterr().out
+    original = CpuLazyBackend.wait  # a missing H2D wait: the backward reads poison
+    monkeypatch.setattr(CpuLazyBackend, "wait", lambda self, copy: None if copy.direction == "h2d" else original(self, copy))
+    assert main(["train", *files, "--backend", "cpu-lazy"]) == 7
+    assert "beyond it" in capsys.readouterr().out
+
+
+def test_deterministic_kernels_are_asked_for_on_cuda_and_put_back():
+    cudnn = torch.backends.cudnn
+    before = (torch.are_deterministic_algorithms_enabled(), cudnn.deterministic, cudnn.benchmark)
+    with deterministic_kernels(torch.device("cpu")) as changed:
+        assert not changed and not torch.are_deterministic_algorithms_enabled()
+    with deterministic_kernels(torch.device("cuda")) as changed:  # flags only: no GPU needed to set them
+        assert changed and torch.are_deterministic_algorithms_enabled() and cudnn.deterministic and not cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert (torch.are_deterministic_algorithms_enabled(), cudnn.deterministic, cudnn.benchmark) == before

@@ -15,10 +15,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -42,39 +43,96 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
         torch.cuda.set_rng_state(state[1], device)
 
 
+NOISE_MARGIN = 2.0  # ours is within the noise when it differs from the reference by at most this times the floor
+NOISE_SAMPLES = 2  # extra reference runs that measure the floor, at a step whose gradients differ
+
+
+def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in params]
+
+
+def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over all the tensors, in float64."""
+    diff = sum(float((x.double() - y.double()).square().sum()) for x, y in zip(a, b))
+    norm = sum(float(y.double().square().sum()) for y in b)
+    return (diff / norm) ** 0.5 if norm > 0 else 0.0
+
+
+@contextlib.contextmanager
+def deterministic_kernels(device: torch.device) -> Iterator[bool]:
+    """On CUDA, deterministic kernels for this block (cuDNN's, cuBLAS's with a fixed workspace,
+    torch's deterministic algorithms, warning where an op has none), so that two runs of one
+    step give the same bits; the settings are put back after.  Yields whether it changed
+    anything (the CPU's kernels are deterministic already).  ``CUBLAS_WORKSPACE_CONFIG`` takes
+    effect where cuBLAS starts after it: at the start of ``offload train``."""
+    if device.type != "cuda":
+        yield False
+        return
+    cudnn = torch.backends.cudnn
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             cudnn.deterministic, cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield True
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        cudnn.deterministic, cudnn.benchmark = saved[2], saved[3]
+        if saved[4] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
 class GradCheck(StepHooks):
     """After each step, the same step of ``reference`` (a copy of the model, without offloading)
-    from our weights and our random numbers: how many gradients differ, and by how much."""
+    from our weights and our random numbers: how many gradients differ, and by how much.
+
+    Where they differ, the reference runs the step again (``NOISE_SAMPLES`` times) from the
+    same weights and random numbers: if it disagrees with itself, some kernel is not
+    deterministic, and the most it disagrees is that step's *noise floor*; ours is then
+    judged against it (within ``NOISE_MARGIN`` times the floor).  With a floor of 0 the
+    reference is exact, and any difference is ours."""
 
     def __init__(self, reference: ModelSpec, params: list[torch.Tensor], device: torch.device) -> None:
         self.reference, self.params, self.device = reference, params, device
         self.ref_params = [p for p in reference.module.parameters() if p.requires_grad]
-        for p in self.ref_params:
-            p.grad = torch.zeros_like(p)
         self.mismatches: list[int] = []
         self.rel_diffs: list[float] = []  # ||ours - reference|| / ||reference||, per step
+        self.noise_floors: list[float | None] = []  # per step: measured where the gradients differ
+
+    @property
+    def within_noise(self) -> bool:
+        """Every step bit for bit, or within its noise floor (a floor of 0: bit for bit)."""
+        return all(not n or d <= NOISE_MARGIN * (floor or 0.0)
+                   for n, d, floor in zip(self.mismatches, self.rel_diffs, self.noise_floors))
 
     def before_step(self) -> None:
         self.state = _rng_state(self.device)
 
-    def after_step(self) -> None:
-        after = _rng_state(self.device)
+    def _reference_step(self) -> list[torch.Tensor]:
+        """The reference's gradients for our weights and our step's random numbers."""
         _set_rng_state(self.state, self.device)
         with torch.no_grad():
             for mine, ref in zip(self.params, self.ref_params):
                 ref.copy_(mine)
+                ref.grad = None
         args, kwargs = self.reference.batch()
         with self.reference.autocasting():
             loss = self.reference.loss(self.reference.module(*args, **kwargs))
         loss.backward()
+        return _grads(self.ref_params)
+
+    def after_step(self) -> None:
+        after = _rng_state(self.device)
+        ours, ref = _grads(self.params), self._reference_step()
+        mismatches = sum(not torch.equal(a, b) for a, b in zip(ours, ref))
+        floor = max(_relative(self._reference_step(), ref) for _ in range(NOISE_SAMPLES)) if mismatches else None
         _set_rng_state(after, self.device)
-        pairs = list(zip(self.params, self.ref_params))
-        self.mismatches.append(sum(not torch.equal(a.grad, b.grad) for a, b in pairs))
-        diff = sum(float((a.grad.double() - b.grad.double()).square().sum()) for a, b in pairs)
-        norm = sum(float(b.grad.double().square().sum()) for _, b in pairs)
-        self.rel_diffs.append((diff / norm) ** 0.5 if norm > 0 else 0.0)
+        self.mismatches.append(mismatches)
+        self.rel_diffs.append(_relative(ours, ref))
+        self.noise_floors.append(floor)
         for p in self.ref_params:
-            p.grad.zero_()
+            p.grad = None
 
 
 def compare_baselines(trainer: Trainer, steps: int, ours: Run, chain: Chain) -> dict[str, Baseline]:

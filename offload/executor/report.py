@@ -101,6 +101,9 @@ class Report:
     grads_match: bool | None = None  # bit for bit against training without offloading (None: not checked)
     grad_mismatches: list[int] | None = None  # per step, the gradients that differ
     grad_rel_diff: list[float] | None = None  # per step, ||ours - reference|| / ||reference||
+    grad_noise_floor: list[float | None] | None = None  # per step they differ: how far the reference is from itself
+    grads_within_noise: bool | None = None  # bit for bit, or within the noise floor at every step
+    deterministic: bool | None = None  # deterministic kernels were asked for (CUDA, with the gradient check)
     compare: dict[str, Baseline] | None = None  # no_offload, save_on_cpu
     trace: dict[str, Any] | None = None  # path, copy_overlap
     error: str | None = None  # the step that failed its budget or ran out of memory

@@ -10,6 +10,7 @@ of ``checks`` when asked for.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from offload.step.schedule import Schedule
 from . import distributed
 from .api import Offloaded
 from .backends import default_backend
-from .checks import GradCheck, compare_baselines, trace_step
+from .checks import GradCheck, compare_baselines, deterministic_kernels, trace_step
 from .report import Report
 from .trainer import Run, Trainer
 
@@ -88,15 +89,26 @@ def train(model: str | None, chain: Chain, schedule: Schedule, opts: TrainOption
     spec = _rank_model(chain, device, model)
     params = _with_grads(spec)
     optimizer = make_optimizer(opts.optimizer or chain.recipe.optimizer, params, opts.lr)
+    backend = opts.backend or default_backend(device)
+    report = Report.start(chain, schedule, backend, device, op_memory=opts.op_memory)
+    report.ranks, report.steps = ranks, opts.steps
+    kernels = deterministic_kernels(device) if opts.check_grads else contextlib.nullcontext(None)
+    with kernels as report.deterministic:  # both runs of a step give the same bits on CUDA too
+        error = _steps(report, chain, schedule, opts, device, spec, params, optimizer, backend)
+    return report, error
+
+
+def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions, device: torch.device,
+           spec: ModelSpec, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
+           backend: str) -> OffloadError | None:
+    """The training steps of ``train``, and what ``opts`` asks for beside them, into ``report``."""
+    ranks = report.ranks
     check = None
     if opts.check_grads:
         reference = _rank_model(chain, device)
         if ranks > 1:  # all-reduced like ours
             reference.module = distributed.wrap(reference.module)
         check = GradCheck(reference, params, device)
-    backend = opts.backend or default_backend(device)
-    report = Report.start(chain, schedule, backend, device, op_memory=opts.op_memory)
-    report.ranks, report.steps = ranks, opts.steps
     trainer = Trainer(spec, params, optimizer, device)
     run = None
     try:  # the front door of every user's loop: the schedule is the chain's, the batch the profiled one
@@ -115,9 +127,11 @@ def train(model: str | None, chain: Chain, schedule: Schedule, opts: TrainOption
         report.trace = trace_step(opts.trace, trainer, run)
     if check is not None:
         report.grads_match = not any(check.mismatches) if steps.peaks else None
+        report.grads_within_noise = check.within_noise if steps.peaks else None
         report.grad_mismatches, report.grad_rel_diff = check.mismatches, check.rel_diffs
+        report.grad_noise_floor = check.noise_floors
     report.error = str(error) if error else None
-    return report, error
+    return error
 
 
 def _over_budget(run: Run, schedule: Schedule, chain: Chain) -> OffloadError | None:

@@ -14,7 +14,7 @@ from offload.errors import ChainMismatch
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
-from offload.step.actions import Recompute
+from offload.step.actions import Offload, Recompute
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
 from tests.runs import check_run, recomputing
@@ -104,3 +104,23 @@ def test_a_key_value_cache_keeps_blocks_from_being_recomputed(profiled):
     forced = dataclasses.replace(chain, stages=[dataclasses.replace(s, recomputable=True) for s in chain.stages])
     _, error = train(None, forced, make_schedule(forced, [], recompute=[Recompute(block, block)]), TrainOptions(steps=1))
     assert isinstance(error, ChainMismatch) and "use_cache=False" in str(error), error
+
+
+def test_llama_in_bf16_autocast_recomputed_and_offloaded_bit_exact():
+    """The setup that reported differing gradients on an H100 (shared/gpu: a 16-layer Llama,
+    SDPA, bf16 autocast, joint schedule): attention dropout on, every block re-run under the
+    autocast and random state recorded at its forward, the rest offloaded.  On the CPU the
+    replay is exact: gradients bit for bit, and no op above its prediction.  (Not as close as
+    in fp32, where every op is within 36 KiB: under autocast the rebuilt blocks' backward ops
+    are predicted 0.25-0.5 MB above the measure, 4-7.5% of the peak: the memory model of a
+    re-run under autocast over-counts, a gap recorded for issue #36.)"""
+    chain = profile("llama", ProfileOptions(batch=2, repeats=1, warmup=1, autocast="bfloat16",
+                                            options={**MODELS["llama"], "dropout": 0.1})).chain
+    assert chain.recipe.autocast == "bfloat16" and len(chain.recomputable) >= MODELS["llama"]["layers"]
+    runs = [Recompute(i, i) for i in sorted(chain.recomputable) if i % 2 == 0]
+    offloads = [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable if i % 2 == 1]
+    sched = make_schedule(chain, offloads, recompute=runs)
+    report, error = train(None, chain, sched, TrainOptions(steps=2, check_grads=True, op_memory=True))
+    assert error is None and report.grads_match is True, report.grad_mismatches
+    m, p = report.measured, report.predicted
+    assert all(b <= p.op_bytes[op] for op, b in m.op_peak_bytes.items())

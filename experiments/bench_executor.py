@@ -1,126 +1,227 @@
-"""Executor benchmark: our step against the prediction, against no offloading and against ``save_on_cpu``.
+"""Executor benchmark (``make gpu-bench``): every promise measured, on the models people train.
 
-For ResNet-50 and the GPT decoder (the zoo's reference sizes on a GPU: ResNet-50 at batch
-64, 224x224; GPT-2 small at batch 8, sequence 1024), in one command::
+A conv net, an fp32 transformer and a bf16-autocast transformer, each profiled on the
+device, then solved and trained at 30%, 50% and 70% of its no-offload activation peak in
+three ways: offloading only (``ilp``), recomputation and offloading jointly (``ilp
+--recompute``) and per-block activation checkpointing (``checkpoint-blocks``); and once per
+model the same steps without offloading and under ``torch.autograd.graph.save_on_cpu``
+(the user's alternatives: no budget, their peak is what it is).  Every run checks its
+gradients against training without offloading (deterministic kernels on CUDA) and writes
+a ``torch.profiler`` trace, from which the share of copy time hidden under kernels is read::
 
-    python -m experiments.bench_executor                  # on a GPU
-    python -m experiments.bench_executor --set small      # reduced sizes (a CPU finishes them)
+    python -m experiments.bench_executor                  # on a GPU (make gpu-bench)
+    python -m experiments.bench_executor --set smoke      # tiny sizes, seconds a cell on a CPU
 
-each model is profiled, the ILP solves it at 50% of its no-offload activation peak, and
-``offload train`` runs the schedule with ``--check-grads --compare --trace``: measured vs
-predicted step time and peak, bytes moved, the share of copy time hidden under kernels (from
-the ``torch.profiler`` trace, GPU only), and our median step time as a multiple of the same
-steps without offloading and under ``torch.autograd.graph.save_on_cpu``.
-
-Everything lands in ``--out`` (default ``experiments/results/executor-<device>/``): each
-model's chain, schedule, run report and trace, and ``summary.csv`` with one row per model.
-On a CPU the times include the exact memory accounting and the copies are memcpy, so only
-the memory and byte columns mean anything there.
+Each row: predicted and measured step time and activation peak, whether the peak stayed
+within the budget, the copy overlap measured and the one the simulator implies (copy time
+not spent stalling the compute stream), whether gradients matched (bit for bit, or within
+the reference's own noise), and the exit code ``offload train`` would have given (0, 6 over
+budget or out of memory, 7 gradients beyond the noise).  Everything lands in ``--out``
+(default ``experiments/results/executor-<device>/``): ``summary.csv``, ``summary.md`` (the
+table, with the machine named) and each run's report.  On a CPU the copies are memcpy and
+the times include exact memory accounting: only the memory, byte and gradient columns mean
+anything there.
 """
 from __future__ import annotations
 
 import argparse
+import platform as pyplatform
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from offload.core.devices import pick_device
+from offload.errors import InfeasibleBudget, OffloadError
+from offload.executor.report import Report
 from offload.executor.train import TrainOptions, train
-from offload.io.files import write_csv, write_json
+from offload.io.files import write_atomic, write_csv, write_json
 from offload.io.text import format_bytes, format_seconds
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
+from offload.step.chain import Chain
 from offload.step.chainfile import save_chain
-from offload.step.memory import no_offload_peak, smallest_feasible_budget
-from offload.step.schedulefile import save_schedule
-
-from .profile_zoo import SETS
+from offload.step.memory import no_offload_peak
+from offload.step.schedule import make_schedule
+from offload.step.simulate import Simulation
 
 RESULTS = Path(__file__).parent / "results"
-MODELS = ("resnet50", "gpt")
-FIELDS = ["model", "batch", "device", "stages", "budget_bytes", "budget_share", "solver_status", "predicted_step_s", "measured_step_s",
-          "step_time_error", "predicted_peak_bytes", "measured_peak_bytes", "peak_within_budget", "d2h_bytes",
-          "h2d_bytes", "copy_overlap", "no_offload_step_s", "save_on_cpu_step_s", "vs_no_offload", "vs_save_on_cpu",
-          "no_offload_peak_bytes", "save_on_cpu_peak_bytes", "grads_match"]
 
 
-def bench_model(model: str, batch: int, options: dict, device: str, out: Path, args: argparse.Namespace) -> dict:
-    """Profile, solve at ``args.share`` of the no-offload peak, train; one summary row."""
-    chain = profile(model, ProfileOptions(batch=batch, device=device, repeats=args.repeats, options=options)).chain
-    save_chain(chain, out / f"{model}-chain.json")
-    peak = no_offload_peak(chain)
-    budget = int(args.share * peak)
-    if budget < smallest_feasible_budget(chain):
-        budget = smallest_feasible_budget(chain)
-        print(f"{model}: {args.share:.0%} of the peak is infeasible; using the smallest feasible budget, "
-              f"{budget / peak:.0%}", file=sys.stderr)
-    res = solve(chain, budget, "ilp", Options(time_limit_s=args.time_limit))
-    save_schedule(res.schedule, chain, out / f"{model}-schedule.json")
-    report, error = train(None, chain, res.schedule, TrainOptions(
-        steps=args.steps, device=device, check_grads=True, compare=True, trace=str(out / f"{model}-trace.json")))
-    write_json(out / f"{model}-run.json", report.json())
+@dataclass(frozen=True)
+class Model:
+    name: str  # the zoo's
+    batch: int
+    options: dict = field(default_factory=dict)
+    autocast: str | None = None
+
+    @property
+    def tag(self) -> str:
+        return self.name + ("-" + self.autocast if self.autocast else "")
+
+
+SETS = {
+    "gpu": [  # the sizes of shared/gpu's first measurements: tens of GiB of activations on an 80 GB card
+        Model("resnet50", 64, {"image": 224}),
+        Model("llama", 8, {"layers": 12, "width": 1024, "heads": 16, "kv_heads": 16, "seq": 1024, "vocab": 32000,
+                           "dropout": 0.1}),
+        Model("llama", 4, {"layers": 16, "width": 2048, "heads": 32, "kv_heads": 8, "seq": 2048, "vocab": 32000},
+              "bfloat16"),
+    ],
+    "smoke": [  # seconds a cell on a CPU: the tests, and make gpu-bench where there is no GPU
+        Model("resnet18", 2, {"image": 32}),
+        Model("llama", 2, {"layers": 3, "width": 32, "heads": 4, "kv_heads": 2, "seq": 16, "vocab": 64, "dropout": 0.1}),
+        Model("llama", 2, {"layers": 3, "width": 32, "heads": 4, "kv_heads": 2, "seq": 16, "vocab": 64}, "bfloat16"),
+    ],
+}
+SHARES = (0.3, 0.5, 0.7)
+WAYS = {"offload": ("ilp", False), "joint": ("ilp", True), "checkpoint": ("checkpoint-blocks", False)}
+FIELDS = ["model", "share", "way", "solver_status", "budget_bytes", "predicted_step_s", "measured_step_s", "step_error",
+          "predicted_peak_bytes", "measured_peak_bytes", "within_budget", "copy_overlap", "predicted_overlap",
+          "grads_match", "grads_within_noise", "exit", "d2h_bytes_per_step", "detail"]
+
+
+def predicted_overlap(sim: Simulation) -> float | None:
+    """The share of copy time the simulator hides under compute: what of it the compute stream
+    did not spend stalling (``None`` without copies)."""
+    copy_s = sum(c.end - c.start for c in sim.copies)
+    return max(0.0, 1 - sim.stall_s / copy_s) if copy_s > 0 else None
+
+
+def exit_code(report: Report, error: OffloadError | None) -> int:
+    """What ``offload train`` would have exited with."""
     if error is not None:
-        print(f"{model}: {error}", file=sys.stderr)
-    m, p, c = report.measured, report.predicted, report.compare or {}
+        return error.exit_code
+    return 7 if report.grads_within_noise is False and not report.lossy else 0
+
+
+def row(model: Model, share: float | str, way: str, report: Report | None, error: OffloadError | None,
+        **extra) -> dict:
+    if report is None:
+        return {"model": model.tag, "share": share, "way": way, **extra}
+    m, p = report.measured, report.predicted
     overlap = (report.trace or {}).get("copy_overlap")
-    return {
-        "model": model, "batch": batch, "device": report.device, "stages": chain.L, "budget_bytes": budget,
-        "budget_share": budget / peak,
-        "solver_status": res.status, "predicted_step_s": p.step_s, "measured_step_s": m.step_s,
-        "step_time_error": m.step_s / p.step_s - 1 if m.step_s else None,
-        "predicted_peak_bytes": p.activation_peak_bytes, "measured_peak_bytes": m.activation_peak_bytes,
-        "peak_within_budget": m.activation_peak_bytes is not None and m.activation_peak_bytes <= budget,
-        "d2h_bytes": m.d2h_bytes_per_step, "h2d_bytes": m.h2d_bytes_per_step,
-        "copy_overlap": overlap["fraction"] if overlap else None,
-        **_baseline(c, "no_offload"), **_baseline(c, "save_on_cpu"),
-        "grads_match": report.grads_match,
-    }
+    return {"model": model.tag, "share": share, "way": way, **extra,
+            "predicted_step_s": p.step_s, "measured_step_s": m.step_s,
+            "step_error": m.step_s / p.step_s - 1 if m.step_s and p.step_s else None,
+            "predicted_peak_bytes": p.activation_peak_bytes, "measured_peak_bytes": m.activation_peak_bytes,
+            "within_budget": None if report.budget is None or m.activation_peak_bytes is None
+            else report.in_scope(m) <= report.budget.nbytes,
+            "copy_overlap": overlap["fraction"] if overlap else None, "grads_match": report.grads_match,
+            "grads_within_noise": report.grads_within_noise, "exit": exit_code(report, error),
+            "d2h_bytes_per_step": m.d2h_bytes_per_step, "detail": str(error or "")}
 
 
-def _baseline(compare: dict, way: str) -> dict:
-    """The median step time, the peak and our step over its of one ``--compare`` baseline, as summary columns."""
-    run = compare.get(way)
-    return {f"{way}_step_s": run and run.step_s, f"{way}_peak_bytes": run and run.activation_peak_bytes,
-            f"vs_{way}": run and run.our_step_ratio}
+def bench_model(model: Model, device: str, out: Path, args: argparse.Namespace) -> list[dict]:
+    """Profile once; every share and way; the baselines once.  Rows of the summary."""
+    chain = profile(model.name, ProfileOptions(batch=model.batch, device=device, repeats=args.repeats,
+                                               options=model.options, autocast=model.autocast)).chain
+    save_chain(chain, out / f"{model.tag}-chain.json")
+    peak = no_offload_peak(chain)
+    rows = []
+    for share in args.shares:
+        for way in args.ways:
+            rows.append(_cell(model, chain, share, way, int(share * peak), device, out, args))
+    rows += _baselines(model, chain, device, out, args)
+    return rows
 
 
-def _print(rows: list[dict]) -> None:
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{100 * x:+.1f}%"
+def _cell(model: Model, chain: Chain, share: float, way: str, budget: int, device: str, out: Path,
+          args: argparse.Namespace) -> dict:
+    method, recompute = WAYS[way]
+    try:
+        res = solve(chain, budget, method, Options(time_limit_s=args.time_limit, recompute=recompute))
+    except InfeasibleBudget as exc:
+        return row(model, share, way, None, None, solver_status="infeasible", budget_bytes=budget, detail=str(exc))
+    name = f"{model.tag}-{int(share * 100)}-{way}"
+    report, error = train(None, chain, res.schedule, TrainOptions(steps=args.steps, device=device, check_grads=True,
+                                                                  trace=str(out / f"{name}-trace.json")))
+    write_json(out / f"{name}-run.json", report.json())
+    return row(model, share, way, report, error, solver_status=res.status, budget_bytes=budget,
+               predicted_overlap=predicted_overlap(res.simulation))
 
-    def times(x: float | None) -> str:
-        return "-" if x is None else f"{x:.2f}x"
-    print(f"{'model':<10}{'step meas/pred':>24}{'error':>9}{'peak meas/budget':>26}{'overlap':>9}"
-          f"{'vs no-offload':>15}{'vs save_on_cpu':>16}{'grads':>7}")
+
+def _baselines(model: Model, chain: Chain, device: str, out: Path, args: argparse.Namespace) -> list[dict]:
+    """No offloading and ``save_on_cpu``: the same steps, measured beside an empty schedule."""
+    report, error = train(None, chain, make_schedule(chain, []),
+                          TrainOptions(steps=args.steps, device=device, compare=True))
+    write_json(out / f"{model.tag}-baselines-run.json", report.json())
+    rows = []
+    for way, other in (report.compare or {}).items():
+        rows.append({"model": model.tag, "share": "-", "way": way, "measured_step_s": other.step_s,
+                     "measured_peak_bytes": other.activation_peak_bytes, "exit": 6 if other.error else 0,
+                     "detail": other.error or ""})
+    return rows
+
+
+def markdown(rows: list[dict], machine: str) -> str:
+    """The summary as a markdown table, the machine named."""
+    def cell(v, kind="") -> str:
+        if v is None or v == "":
+            return "-"
+        if kind == "s":
+            return format_seconds(float(v))
+        if kind == "B":
+            return format_bytes(int(v))
+        if kind == "%":
+            return f"{100 * float(v):+.1f}%"
+        if kind == "share":
+            return f"{float(v):.0%}"
+        return str(v)
+    lines = [f"Measured on {machine}.", "",
+             "| model | budget | way | solver | predicted | measured | error | peak pred / meas | in budget "
+             "| overlap meas / sim | grads | exit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        step = f"{format_seconds(r['measured_step_s']) if r['measured_step_s'] else '-'}/{format_seconds(r['predicted_step_s'])}"
-        peak = f"{format_bytes(r['measured_peak_bytes']) if r['measured_peak_bytes'] else '-'}/{format_bytes(r['budget_bytes'])}"
-        overlap = "-" if r["copy_overlap"] is None else f"{r['copy_overlap']:.0%}"
-        print(f"{r['model']:<10}{step:>24}{pct(r['step_time_error']):>9}{peak:>26}{overlap:>9}"
-              f"{times(r['vs_no_offload']):>15}{times(r['vs_save_on_cpu']):>16}{str(r['grads_match']):>7}")
+        share = cell(r.get("share"), "share") if r.get("share") not in ("-", None) else "-"
+        overlap = "/".join(f"{float(x):.0%}" if x is not None else "-" for x in (r.get("copy_overlap"), r.get("predicted_overlap")))
+        grads = "-" if r.get("grads_match") is None else ("bit-exact" if r["grads_match"] else
+                                                         "within noise" if r.get("grads_within_noise") else "DIFFER")
+        lines.append(f"| {r['model']} | {share} | {r['way']} | {cell(r.get('solver_status'))} | "
+                     f"{cell(r.get('predicted_step_s'), 's')} | "
+                     f"{cell(r.get('measured_step_s'), 's')} | {cell(r.get('step_error'), '%')} | "
+                     f"{cell(r.get('predicted_peak_bytes'), 'B')} / {cell(r.get('measured_peak_bytes'), 'B')} | "
+                     f"{cell(r.get('within_budget'))} | {overlap} | {grads} | {cell(r.get('exit'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def machine_name(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return f"a CPU ({pyplatform.processor() or pyplatform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__})"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--set", choices=list(SETS), default="reference", help="model sizes (profile_zoo's sets)")
-    ap.add_argument("--models", nargs="*", default=list(MODELS), help="models of the set (default: resnet50 gpt)")
+    ap.add_argument("--set", choices=list(SETS), default=None, help="model sizes (default: gpu on a GPU, else smoke)")
+    ap.add_argument("--models", nargs="*", help="only these models of the set (tags: resnet50, llama, llama-bfloat16)")
+    ap.add_argument("--shares", nargs="*", type=float, default=list(SHARES), help="budgets as shares of the peak")
+    ap.add_argument("--ways", nargs="*", choices=list(WAYS), default=list(WAYS), help="schedules to train")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--share", type=float, default=0.5, help="budget as a share of the no-offload peak (0.5)")
-    ap.add_argument("--steps", type=int, default=20, help="measured training steps per way (20)")
-    ap.add_argument("--repeats", type=int, default=10, help="profiling repeats (10)")
-    ap.add_argument("--time-limit", type=float, default=120, help="ILP time limit in seconds (120)")
+    ap.add_argument("--steps", type=int, default=6, help="training steps per run (6; on a GPU the first is a warm-up)")
+    ap.add_argument("--repeats", type=int, default=5, help="profiling repeats (5)")
+    ap.add_argument("--time-limit", type=float, default=30, help="solve time limit in seconds (30)")
     ap.add_argument("--out", type=Path, help="results folder (default experiments/results/executor-<device>)")
     args = ap.parse_args(argv)
     device = pick_device(args.device).type
+    todo = [m for m in SETS[args.set or ("gpu" if device == "cuda" else "smoke")]
+            if not args.models or m.tag in args.models]
+    if not todo:
+        ap.error(f"no model of the set is in {args.models}")
     out = args.out or RESULTS / f"executor-{device}"
     out.mkdir(parents=True, exist_ok=True)
-    todo = [(m, b, o) for m, b, o in SETS[args.set] if m in args.models]
-    if not todo:
-        ap.error(f"none of {args.models} is in the {args.set!r} set")
-    rows = [bench_model(m, b, o, device, out, args) for m, b, o in todo]
+    rows = []
+    for model in todo:
+        print(f"{model.tag}: profiling, then {len(args.shares) * len(args.ways)} runs and the baselines",
+              file=sys.stderr, flush=True)
+        rows += bench_model(model, device, out, args)
     write_csv(out / "summary.csv", rows, FIELDS)
-    _print(rows)
-    print(f"wrote {out / 'summary.csv'}")
+    table = markdown(rows, machine_name(device))
+    write_atomic(out / "summary.md", lambda fh: fh.write(table))
+    print(table)
+    print(f"wrote {out / 'summary.csv'} and {out / 'summary.md'}")
     return 0
 
 

@@ -44,7 +44,6 @@ from offload.step.chain import Chain
 from offload.step.chainfile import save_chain
 from offload.step.memory import no_offload_peak
 from offload.step.schedule import make_schedule
-from offload.step.simulate import Simulation
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -82,13 +81,6 @@ FIELDS = ["model", "share", "way", "solver_status", "budget_bytes", "predicted_s
           "grads_match", "grads_within_noise", "exit", "d2h_bytes_per_step", "detail"]
 
 
-def predicted_overlap(sim: Simulation) -> float | None:
-    """The share of copy time the simulator hides under compute: what of it the compute stream
-    did not spend stalling (``None`` without copies)."""
-    copy_s = sum(c.end - c.start for c in sim.copies)
-    return max(0.0, 1 - sim.stall_s / copy_s) if copy_s > 0 else None
-
-
 def exit_code(report: Report, error: OffloadError | None) -> int:
     """What ``offload train`` would have exited with."""
     if error is not None:
@@ -108,7 +100,8 @@ def row(model: Model, share: float | str, way: str, report: Report | None, error
             "predicted_peak_bytes": p.activation_peak_bytes, "measured_peak_bytes": m.activation_peak_bytes,
             "within_budget": None if report.budget is None or m.activation_peak_bytes is None
             else report.in_scope(m) <= report.budget.nbytes,
-            "copy_overlap": overlap["fraction"] if overlap else None, "grads_match": report.grads_match,
+            "copy_overlap": overlap["fraction"] if overlap else None, "predicted_overlap": p.copy_overlap,
+            "grads_match": report.grads_match,
             "grads_within_noise": report.grads_within_noise, "exit": exit_code(report, error),
             "d2h_bytes_per_step": m.d2h_bytes_per_step, "detail": str(error or "")}
 
@@ -138,8 +131,7 @@ def _cell(model: Model, chain: Chain, share: float, way: str, budget: int, devic
     report, error = train(None, chain, res.schedule, TrainOptions(steps=args.steps, device=device, check_grads=True,
                                                                   trace=str(out / f"{name}-trace.json")))
     write_json(out / f"{name}-run.json", report.json())
-    return row(model, share, way, report, error, solver_status=res.status, budget_bytes=budget,
-               predicted_overlap=predicted_overlap(res.simulation))
+    return row(model, share, way, report, error, solver_status=res.status, budget_bytes=budget)
 
 
 def _baselines(model: Model, chain: Chain, device: str, out: Path, args: argparse.Namespace) -> list[dict]:

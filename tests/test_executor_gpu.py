@@ -33,16 +33,20 @@ def test_cuda_streams_keep_gradients_bit_exact(model, options):
     assert torch.cuda.max_memory_allocated() >= m.activation_peak_bytes  # the meters' resets undone
 
 
-def test_cuda_copies_overlap_compute_in_the_trace(tmp_path):
-    """The D2H/H2D copies show up in a torch.profiler trace, partly under kernels."""
-    chain = profile("resnet18", ProfileOptions(batch=16, device="cuda", repeats=3, options={"image": 64})).chain
+def test_cuda_copies_overlap_compute_as_the_simulator_says(tmp_path):
+    """The D2H/H2D copies show up in a torch.profiler trace, hidden under kernels about as much
+    as the simulator hides them.  (A model whose copies take long enough to need hiding: on an
+    H100 a ResNet-18 at batch 16, 64x64, copied everything before there was compute to hide
+    it behind, 0% overlap.)"""
+    chain = profile("resnet50", ProfileOptions(batch=32, device="cuda", repeats=3, options={"image": 224})).chain
     budget = (smallest_feasible_budget(chain) + no_offload_peak(chain)) // 2
-    sched = solve(chain, budget, "ilp", Options()).schedule
-    options = TrainOptions(steps=3, device="cuda", compare=True, trace=str(tmp_path / "t.json"))
+    sched = solve(chain, budget, "ilp", Options(time_limit_s=30)).schedule
+    options = TrainOptions(steps=4, device="cuda", compare=True, trace=str(tmp_path / "t.json"))
     report, error = train(None, chain, sched, options)
     assert error is None and report.measured.d2h_bytes_per_step > 0
-    overlap = report.trace["copy_overlap"]
-    assert overlap is not None and overlap["copy_s"] > 0 and overlap["fraction"] > 0
+    measured, predicted = report.trace["copy_overlap"], report.predicted.copy_overlap
+    assert measured is not None and measured["copy_s"] > 0 and predicted is not None and predicted > 0.5
+    assert measured["fraction"] >= predicted - 0.2, (measured, predicted)
     assert report.compare["save_on_cpu"].step_s is not None
 
 

@@ -66,6 +66,7 @@ class Predicted:
     total_peak_bytes: int
     d2h_bytes_per_step: int
     h2d_bytes_per_step: int
+    copy_overlap: float | None  # the share of copy time hidden under compute (None: no copies)
     op_bytes: dict[str, int] | None = None  # per op, activation bytes (--op-memory)
 
 
@@ -114,7 +115,7 @@ class Report:
         sim = simulate(chain, schedule.offloads, encode=schedule.encode, recompute=schedule.recompute)
         predicted = Predicted(step_s=sim.makespan_s, stall_s=sim.stall_s, activation_peak_bytes=sim.peak_bytes,
                               total_peak_bytes=sim.peak_bytes + chain.base_bytes, d2h_bytes_per_step=sim.d2h_bytes,
-                              h2d_bytes_per_step=sim.h2d_bytes,
+                              h2d_bytes_per_step=sim.h2d_bytes, copy_overlap=sim.copy_overlap,
                               op_bytes={o.name: o.mem_bytes for o in sim.ops} if op_memory else None)
         return cls(chain=chain.name, chain_sha256=chain.sha256, method=schedule.method, backend=backend,
                    device=str(device), budget=schedule.budget, base_bytes=chain.base_bytes, predicted=predicted,

@@ -96,6 +96,13 @@ class Simulation:
         return float(sum(r.end - r.start for r in self.recomputes))
 
     @property
+    def copy_overlap(self) -> float | None:
+        """The share of copy time hidden under compute: what of it the compute stream did not
+        spend stalling (``None`` without copies)."""
+        copy_s = sum(c.end - c.start for c in self.copies)
+        return max(0.0, 1 - self.stall_s / copy_s) if copy_s > 0 else None
+
+    @property
     def peak_bytes(self) -> int:
         """Activation peak (add ``chain.base_bytes`` for the total)."""
         return int(self.memory.max())

@@ -14,6 +14,7 @@ import sys
 from offload.analysis import cli as analysis_cli
 from offload.errors import OffloadError
 from offload.executor import cli as executor_cli
+from offload.io import files
 from offload.io.text import report_error
 from offload.profiler import cli as profiler_cli
 from offload.solver import cli as solver_cli
@@ -35,19 +36,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # to start the command again (train --nproc)
-    try:
-        return args.func(args)
-    except OffloadError as exc:
-        return report_error(args.command, exc)
-    except BrokenPipeError:  # output piped into `head` and closed: not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except KeyboardInterrupt:
-        print(f"offload {args.command}: interrupted; no output written", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(130)  # now: a cancelled MILP solver thread may still be finishing its presolve
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with files.command() as command:  # the files this command reads and writes (offload.io.files)
+        try:
+            args = build_parser().parse_args(argv)
+        except OffloadError as exc:  # from an argument's type: an output that cannot be written
+            return report_error(next((a for a in argv if not a.startswith("-")), "?"), exc)
+        args.argv = argv  # to start the command again (train --nproc)
+        try:
+            command.check()  # every output against every input named, before any work
+            return args.func(args)
+        except OffloadError as exc:
+            return report_error(args.command, exc)
+        except BrokenPipeError:  # output piped into `head` and closed: not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        except KeyboardInterrupt:
+            print(f"offload {args.command}: interrupted; no output written", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(130)  # now: a cancelled MILP solver thread may still be finishing its presolve
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from typing import Callable
 import pytest
 
 from offload.cli import main
+from offload.errors import FormatError
+from offload.io import files
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.chainfile import save_chain
@@ -139,6 +141,58 @@ CASES = {
 }
 
 
+def special(name: str, make: Callable[[Path], None]) -> Callable[[Path], None]:
+    """Replace ``name`` with what ``make`` puts at its path (a link to a device, a pipe)."""
+    def setup(root: Path) -> None:
+        (root / name).unlink()
+        make(root / name)
+    return setup
+
+
+def huge(root: Path) -> None:
+    """A chain of 2 GiB (sparse on disk: nothing is written but its size)."""
+    os.truncate(root / "chain.json", 2 ** 31)
+
+
+def digits(root: Path) -> None:
+    text = (root / "chain.json").read_text()
+    (root / "chain.json").write_text(text.replace('"base_bytes": ', '"base_bytes": ' + "9" * 5000 + ", \"x\": ", 1))
+
+
+def twice(root: Path) -> None:
+    text = (root / "schedule.json").read_text()
+    (root / "schedule.json").write_text(text.replace('"method": ', '"method": "ilp", "method": ', 1))
+
+
+CASES |= {
+    # no command destroys an input, or one of its own outputs with another
+    "trace onto its schedule": (None, ["trace", "chain.json", "schedule.json", "-o", "schedule.json"], "also an input"),
+    "show --graphml onto the chain": (None, ["show", "chain.json", "--graphml", "chain.json"], "also an input"),
+    "sweep onto its chain": (None, ["sweep", "chain.json", "--methods", "none", "-o", "chain.json"], "also an input"),
+    "plot onto its CSV": (None, ["plot", "results.csv", "-o", "results.csv"], "also an input"),
+    "plot --timeline onto its chain": (None, ["plot", "--timeline", "chain.json", "schedule.json", "-o", "chain.json"],
+                                       "also an input"),
+    "trace onto its chain, spelt otherwise": (None, ["trace", "chain.json", "schedule.json", "-o", "./sub/../chain.json"],
+                                              "also an input"),
+    "profile: chain and graph one file": (None, ["profile", "mlp", "--batch", "2", "-o", "g.json", "--graphml", "g.json"],
+                                          "another output"),
+    "train: trace and report one file": (None, TRAIN + ["--trace", "x.json", "--report", "x.json"], "another output"),
+    "train: report onto the schedule": (None, TRAIN + ["--report", "schedule.json"], "also an input"),
+    "output named ''": (None, SOLVE + ["-o", ""], "output path is empty"),
+    # inputs that are not files, or not of a sane size
+    "chain is a link to /dev/zero": (special("chain.json", lambda p: p.symlink_to("/dev/zero")), ["show", "chain.json"],
+                                     "not a regular file"),
+    "schedule is a link to /dev/urandom": (special("schedule.json", lambda p: p.symlink_to("/dev/urandom")),
+                                           ["simulate", "chain.json", "schedule.json"], "not a regular file"),
+    "chain is a named pipe": (special("chain.json", os.mkfifo), SOLVE, "not a regular file"),
+    "sweep CSV is a named pipe": (special("results.csv", os.mkfifo), ["plot", "results.csv", "-o", "p.png"],
+                                  "not a regular file"),
+    "chain of 2 GiB": (huge, ["show", "chain.json"], "more than any chain"),
+    "a number of 5000 digits": (digits, ["show", "chain.json"], "more than 4,300 digits"),
+    "a key given twice": (twice, ["simulate", "chain.json", "schedule.json"], "given twice"),
+}
+
+
 def user_model(root: Path) -> None:
     (root / "models.py").write_text(
         "import sys, torch\n"
@@ -155,6 +209,11 @@ CASES |= {
                                       "SystemExit"),
     "model output without a loss": (user_model, ["profile", "models.py:no_float", "--batch", "2", "-q", "-o", "c.json"],
                                     "no floating-point tensor"),
+    "profile onto its model file": (user_model, ["profile", "models.py:no_params", "--batch", "2", "-o", "models.py"],
+                                    "also an input"),
+    "model file is a folder": (None, ["profile", "sub/x.py:build", "--batch", "2", "-o", "c.json"], "not found"),
+    "model file is a pipe": (lambda root: os.mkfifo(root / "pipe.py"),
+                             ["profile", "pipe.py:build", "--batch", "2", "-o", "c.json"], "not a regular file"),
 }
 
 
@@ -217,3 +276,16 @@ def test_names_with_escape_sequences_are_printed_escaped(folder, capsys):
     assert main(["show", "chain.json"]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "bad\\x1b[31mred\\x0aline" in out
+
+
+def test_the_writer_itself_refuses_what_the_command_read_or_wrote(folder):
+    """A command that forgets to declare an output still cannot replace an input: the shared
+    writer checks every write against what the command read and wrote so far."""
+    with files.command():
+        files.read_json("chain.json", "chain")
+        with pytest.raises(FormatError, match="also an input"):
+            files.write_json("chain.json", {})
+        files.write_json("out.json", {})
+        with pytest.raises(FormatError, match="written already"):
+            files.write_json("./out.json", {})
+    files.write_json("out.json", {"outside": "a command nothing is tracked"})

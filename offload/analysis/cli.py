@@ -9,7 +9,7 @@ from pathlib import Path
 
 from offload.errors import FormatError
 from offload.io.argtypes import integer, seconds
-from offload.io.files import write_atomic
+from offload.io.files import input_path, output_path, write_atomic
 from offload.io.text import format_bytes, format_seconds
 from offload.solver.cli import add_recompute_arguments
 from offload.solver.methods import METHODS, Options
@@ -99,7 +99,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        epilog="examples:\n  offload sweep chain.json --budgets 30%:100%:15 -o results.csv\n"
                               "  offload sweep chain.json --budgets 2GiB,3GiB,4GiB --methods ilp,relax-lp,vdnn-all "
                               "--total -o r.csv\n  offload plot results.csv -o makespan.png")
-    p.add_argument("chain", help="chain.json")
+    p.add_argument("chain", type=input_path, help="chain.json")
     p.add_argument("--budgets", default="20%:100%:17",
                    help="LO:HI:N evenly spaced budgets, or a comma list; each in bytes, a size (6GiB) or a share of "
                         "the no-offload peak (40%%) (default 20%%:100%%:17)")
@@ -112,7 +112,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--encodings", choices=MODES, default="lossless", help=MODE_HELP.replace("%", "%%"))
     add_recompute_arguments(p)
     p.add_argument("--jobs", "-j", type=integer(1, 256), default=None, help="worker processes (default: one per core)")
-    p.add_argument("--output", "-o", required=True, help="results CSV (written atomically)")
+    p.add_argument("--output", "-o", required=True, type=output_path, help="results CSV (written atomically)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_sweep)
 
@@ -124,18 +124,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                    "follows the output's extension (png, svg, pdf).",
                        epilog="examples:\n  offload plot results.csv -o makespan.png\n"
                               "  offload plot --timeline chain.json schedule.json -o timeline.png")
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="results CSV(s) of `offload sweep`; with --timeline: "
+    p.add_argument("inputs", nargs="+", metavar="INPUT", type=input_path, help="results CSV(s) of `offload sweep`; with --timeline: "
                                                               "CHAIN SCHEDULE")
     p.add_argument("--timeline", action="store_true", help="plot the timeline of SCHEDULE on CHAIN")
     p.add_argument("--title", help="figure title (sweep plots)")
-    p.add_argument("--output", "-o", required=True, help="image file (png, svg or pdf)")
+    p.add_argument("--output", "-o", required=True, type=output_path, help="image file (png, svg or pdf)")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("trace", help="export a schedule's simulated timeline as a Chrome/Perfetto trace",
                        description="Write the simulated timeline of SCHEDULE on CHAIN in the trace-event format: "
                                    "threads for compute, D2H and H2D, stalls as events, activation memory as a "
                                    "counter. Open it in https://ui.perfetto.dev or chrome://tracing.")
-    p.add_argument("chain", help="chain.json")
-    p.add_argument("schedule", help="schedule.json (made for this chain)")
-    p.add_argument("--output", "-o", required=True, help="trace JSON")
+    p.add_argument("chain", type=input_path, help="chain.json")
+    p.add_argument("schedule", type=input_path, help="schedule.json (made for this chain)")
+    p.add_argument("--output", "-o", required=True, type=output_path, help="trace JSON")
     p.set_defaults(func=cmd_trace)

@@ -9,6 +9,7 @@ the sweep itself never stops for either.
 from __future__ import annotations
 
 import csv
+import io
 import math
 import multiprocessing
 import os
@@ -21,7 +22,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from offload.errors import FormatError, InfeasibleBudget, OffloadError
-from offload.io.files import write_csv
+from offload.io.files import read_text, write_csv
 from offload.solver.encoded_floor import floor
 from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
 from offload.step.budget import Budget
@@ -177,17 +178,15 @@ def write_rows(path: str | os.PathLike, rows: list[Row]) -> None:
 def read_rows(path: str | os.PathLike) -> list[Row]:
     """The rows of a sweep CSV, typed; a clear error for anything else."""
     p = Path(path)
+    text = read_text(p, "sweep CSV")
     try:
-        with p.open(newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            missing = [c for c in COLUMNS if c not in (reader.fieldnames or []) and c not in ADDED_LATER]
-            if missing:
-                raise FormatError(f"{p} is not a sweep CSV: missing column(s) {', '.join(missing[:5])}",
-                                  "make it with `offload sweep CHAIN -o results.csv`")
-            records = list(reader)
-    except FileNotFoundError:
-        raise FormatError(f"sweep CSV not found: {p}", "check the path") from None
-    except (UnicodeDecodeError, csv.Error) as exc:
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or []) and c not in ADDED_LATER]
+        if missing:
+            raise FormatError(f"{p} is not a sweep CSV: missing column(s) {', '.join(missing[:5])}",
+                              "make it with `offload sweep CHAIN -o results.csv`")
+        records = list(reader)
+    except csv.Error as exc:
         raise FormatError(f"{p} is not a readable CSV: {exc}", "make it with `offload sweep CHAIN -o results.csv`") from None
     types = {f.name: f.type for f in fields(Row)}
     rows = []

@@ -6,7 +6,7 @@ import argparse
 
 from offload.errors import OffloadError
 from offload.io.argtypes import integer, number
-from offload.io.files import check_output, write_json
+from offload.io.files import input_path, model_input, output_path, write_json
 from offload.io.text import format_bytes, format_seconds, printable, report_error
 from offload.step.chainfile import load_chain
 from offload.step.names import BACKENDS, OPTIMIZERS
@@ -88,10 +88,6 @@ def _train(args: argparse.Namespace) -> int:
     from . import distributed
     from .train import TrainOptions, train
     speaks = distributed.rank() == 0  # one report for the job
-    inputs = [args.chain, args.schedule]
-    for path in (args.report, args.trace):
-        if path:
-            check_output(path, inputs)  # before the steps run, not after
     chain = load_chain(args.chain)
     schedule = load_schedule(args.schedule, chain)
     opts = TrainOptions(steps=args.steps, device=args.device, backend=args.backend, optimizer=args.optimizer,
@@ -99,7 +95,7 @@ def _train(args: argparse.Namespace) -> int:
                         op_memory=args.op_memory)
     report, error = train(args.model, chain, schedule, opts, batch=args.batch)
     if args.report and speaks:
-        write_json(args.report, report.json(), inputs)
+        write_json(args.report, report.json())
     if speaks:
         _print_report(report)
     if args.report and speaks:
@@ -123,10 +119,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                               "  offload solve c.json --budget 50% -o s.json\n"
                               "  offload train --chain c.json --schedule s.json --steps 20 "
                               "--check-grads --compare --report run.json")
-    p.add_argument("model", nargs="?", metavar="MODEL",
+    p.add_argument("model", nargs="?", metavar="MODEL", type=model_input,
                    help="the model the chain was profiled from (default: the one its recipe names)")
-    p.add_argument("--chain", required=True, help="chain.json the schedule was solved on")
-    p.add_argument("--schedule", required=True, help="schedule.json (refused if made for another chain)")
+    p.add_argument("--chain", required=True, type=input_path, help="chain.json the schedule was solved on")
+    p.add_argument("--schedule", required=True, type=input_path, help="schedule.json (refused if made for another chain)")
     p.add_argument("--batch", type=integer(1), help="batch size (must be the chain's; default: the chain's)")
     p.add_argument("--steps", type=integer(1, 100000), default=5, help="training steps (default 5)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
@@ -140,13 +136,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also time the same steps without offloading and under torch's save_on_cpu, and print "
                         "our step time as a multiple of each")
-    p.add_argument("--trace", metavar="JSON",
+    p.add_argument("--trace", metavar="JSON", type=output_path,
                    help="write a torch.profiler Chrome trace of one more step (open in ui.perfetto.dev); on a GPU "
                         "it also reports how much of the copy time ran under compute")
     p.add_argument("--op-memory", action="store_true",
                    help="read memory at every op's end in step 1 and compare each op with the simulator's (report: "
                         "measured.op_peak_bytes, predicted.op_bytes); on a GPU this synchronizes step 1 at every boundary")
-    p.add_argument("--report", metavar="JSON", help="write the run report here (also when a step fails its budget)")
+    p.add_argument("--report", metavar="JSON", type=output_path, help="write the run report here (also when a step fails its budget)")
     p.add_argument("--nproc", type=integer(1, 1024), default=1, metavar="N",
                    help="data-parallel ranks on this machine (through torch.distributed.run: gloo on the CPU, one GPU "
                         "each with NCCL); every rank trains DDP(model) staged with the schedule on its own batch, "

@@ -21,13 +21,13 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
-from offload.errors import ModelError
+from offload.errors import FormatError, ModelError
+from offload.io.files import regular_file
 
 from .hf import HF_ZOO
 from .spec import ModelSpec, default_loss
@@ -101,9 +101,10 @@ def _from_user(result: Any, what: str) -> ModelSpec:
 def _load_function(ref: str) -> Callable[..., Any]:
     target, _, fname = ref.rpartition(":")
     if target.endswith(".py") or "/" in target or "\\" in target:
-        path = Path(target)
-        if not path.is_file():
-            raise ModelError(f"model file not found: {path}", "give path/to/file.py:function")
+        try:
+            path = regular_file(target, "model")
+        except FormatError as exc:
+            raise ModelError(str(exc), "give path/to/file.py:function") from None
         name = f"offload_user_model_{abs(hash(str(path.resolve())))}"
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:

@@ -7,6 +7,7 @@ import sys
 
 from offload.errors import FormatError
 from offload.io.argtypes import integer
+from offload.io.files import model_input, output_path
 from offload.io.text import parse_rate, parse_seconds
 from offload.step.names import AUTOCAST, DTYPES, OPTIMIZERS
 
@@ -29,7 +30,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from offload.models import parse_options, zoo_help
     from offload.step.chainfile import save_chain
     from offload.solver.cli import print_chain
-    from offload.io.files import check_output
     from offload.io.text import printable
 
     from .linearize import write_op_graphml
@@ -42,9 +42,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return 0
     if args.model is None or args.batch is None or args.output is None:
         raise FormatError("MODEL, --batch and -o are required", "e.g. offload profile resnet50 --batch 32 -o chain.json")
-    check_output(args.output)  # before minutes of profiling, not after
-    if args.graphml:
-        check_output(args.graphml)
     opts = ProfileOptions(batch=args.batch, device=args.device, dtype=args.dtype, optimizer=args.optimizer,
                           repeats=args.repeats, warmup=args.warmup, stages=args.stages,
                           options=parse_options(args.option), seed=args.seed, platform=_platform(args), name=args.name,
@@ -86,9 +83,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                "  offload profile gpt2 --batch 8 -O layers=12 -O width=768 -O seq=1024 -o gpt2.json\n"
                "  offload profile my_model.py:build --batch 16 --stages 24 -o mine.json --graphml mine.graphml\n"
                "  offload profile resnet101 --batch 64 --bandwidth 25GB/s -o plan.json   # plan for another link")
-    p.add_argument("model", nargs="?", metavar="MODEL", help="what to profile (see below)")
+    p.add_argument("model", nargs="?", metavar="MODEL", type=model_input, help="what to profile (see below)")
     p.add_argument("--batch", type=integer(1), help="batch size")
-    p.add_argument("-o", "--output", metavar="CHAIN", help="where to write chain.json")
+    p.add_argument("-o", "--output", metavar="CHAIN", type=output_path, help="where to write chain.json")
     p.add_argument("-O", "--option", action="append", metavar="KEY=VALUE",
                    help="model option, repeatable (image=224, layers=12, seq=1024, …; see --list-models)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
@@ -115,7 +112,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "sized and timed by default, one extra step")
     p.add_argument("--seed", type=integer(0), default=0, help="seed of the random weights and inputs (default 0)")
     p.add_argument("--name", help="chain name (default MODEL-bBATCH)")
-    p.add_argument("--graphml", metavar="FILE", help="also write the activation graph with each op's stage (GraphML)")
+    p.add_argument("--graphml", metavar="FILE", type=output_path, help="also write the activation graph with each op's stage (GraphML)")
     p.add_argument("--list-models", action="store_true", help="list the zoo models and their options")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
     p.set_defaults(func=cmd_profile)

@@ -11,7 +11,7 @@ import sys
 
 from offload.errors import FormatError
 from offload.io.argtypes import fraction, integer, seconds
-from offload.io.files import check_output
+from offload.io.files import input_path, output_path
 from offload.io.text import format_bytes, format_seconds, printable
 from offload.step.budget import Budget
 from offload.step.chain import Chain
@@ -160,8 +160,6 @@ def cmd_solve(args: argparse.Namespace) -> int:
         return 0
     if args.chain is None or args.budget is None:
         raise FormatError("solve needs CHAIN and --budget", "example: offload solve chain.json --budget 60% -o schedule.json")
-    if args.output:
-        check_output(args.output, [args.chain])  # before the solve, not after
     chain = load_chain(args.chain)
     budget = Budget.parse(args.budget, chain, args.total)
     opts = Options(time_limit_s=args.time_limit, gap=args.gap, threads=args.threads, solver=args.solver,
@@ -178,7 +176,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
         _line("note", res.info["note"])
     _print_simulation(chain, res.simulation, budget.base(chain))
     if args.output:
-        save_schedule(res.schedule, chain, args.output, [args.chain])
+        save_schedule(res.schedule, chain, args.output)
         print(f"wrote {args.output}")
     return 0
 
@@ -193,8 +191,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("show", help="print a chain's stages, no-offload peak, ideal makespan, smallest budget",
                        description="Print a chain at a glance: its stage table, the no-offload activation peak, the "
                                    "ideal makespan and the smallest budget any schedule can meet.")
-    p.add_argument("chain", help="chain.json")
-    p.add_argument("--graphml", metavar="PATH", help="also export the chain graph (ops, units, edges) to GraphML")
+    p.add_argument("chain", type=input_path, help="chain.json")
+    p.add_argument("--graphml", metavar="PATH", type=output_path, help="also export the chain graph (ops, units, edges) to GraphML")
     p.add_argument("--exact-floor", nargs="?", type=seconds(), const=10.0, metavar="SECONDS",
                    help="also bisect the smallest budget with recomputation with the joint MILP (a few solves of "
                         "SECONDS each, default 10; without it only a lower bound is printed)")
@@ -203,8 +201,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="replay a schedule and print its makespan, stalls and peak",
                        description="Replay SCHEDULE on CHAIN with the simulator (the source of truth) and print the "
                                    "figures; refuses a schedule made for another chain or one that breaks its budget.")
-    p.add_argument("chain", help="chain.json")
-    p.add_argument("schedule", help="schedule.json (made for this chain)")
+    p.add_argument("chain", type=input_path, help="chain.json")
+    p.add_argument("schedule", type=input_path, help="schedule.json (made for this chain)")
     p.add_argument("--budget", help="check against this budget instead of the schedule's own; " + BUDGET_HELP)
     p.add_argument("--total", action="store_true", help="--budget counts base_bytes (weights, grads, optimizer state)")
     p.add_argument("--timeline", action="store_true", help="print every op and copy with its times")
@@ -221,11 +219,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                    "  offload solve --list-methods\n\n"
                                    "Every schedule is replayed by the simulator before it is written. An impossible "
                                    "budget exits with status 4 and names the smallest feasible one; no file is written.")
-    p.add_argument("chain", nargs="?", help="chain.json")
+    p.add_argument("chain", nargs="?", type=input_path, help="chain.json")
     p.add_argument("--budget", "-b", help=BUDGET_HELP)
     p.add_argument("--method", "-m", default="ilp", choices=list(METHODS), metavar="METHOD",
                    help="one of: " + ", ".join(METHODS) + " (default: ilp)")
-    p.add_argument("--output", "-o", help="write the schedule here (atomically)")
+    p.add_argument("--output", "-o", type=output_path, help="write the schedule here (atomically)")
     p.add_argument("--total", action="store_true", help="the budget counts base_bytes too (weights, grads, optimizer state)")
     p.add_argument("--encodings", choices=MODES, default="lossless", help=MODE_HELP + " (used by ilp, relax-*, gist*)")
     add_recompute_arguments(p)

@@ -166,5 +166,5 @@ def load_chain(path: str | os.PathLike) -> Chain:
 
 
 def save_chain(chain: Chain, path: str | os.PathLike) -> None:
-    """Write the chain (the output rule of ``fileio``)."""
+    """Write the chain (the output rule of ``offload.io.files``)."""
     write_json(path, chain.document())

@@ -10,7 +10,7 @@ refused (``ChainMismatch``); every action is checked against the schedule class.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from offload.errors import ChainMismatch, FormatError
 from offload.io import validate as v
@@ -115,6 +115,6 @@ def load_schedule(path: str | os.PathLike, chain: Chain) -> Schedule:
     return read_document(path, "schedule", lambda d: schedule_from_dict(d, chain))
 
 
-def save_schedule(s: Schedule, chain: Chain, path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> None:
-    """Write the schedule (the output rule of ``fileio``; ``inputs``: files it must not replace)."""
-    write_json(path, schedule_to_dict(s, chain), inputs)
+def save_schedule(s: Schedule, chain: Chain, path: str | os.PathLike) -> None:
+    """Write the schedule (the output rule of ``offload.io.files``)."""
+    write_json(path, schedule_to_dict(s, chain))

@@ -19,7 +19,8 @@ from offload.errors import FormatError
 from offload.io import files
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
-from offload.step.chainfile import save_chain
+from offload.step.chainfile import load_chain, save_chain
+from offload.step.schedule import make_schedule
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
 from offload.step.schedulefile import save_schedule
 
@@ -199,10 +200,30 @@ def user_model(root: Path) -> None:
         "def no_params(batch):\n    return torch.nn.ReLU(), torch.randn(batch, 8)\n"
         "def exits(batch):\n    sys.exit(3)\n"
         "class Argmax(torch.nn.Linear):\n    def forward(self, x):\n        return super().forward(x).argmax(-1)\n"
-        "def no_float(batch):\n    return Argmax(8, 4), torch.randn(batch, 8)\n")
+        "def no_float(batch):\n    return Argmax(8, 4), torch.randn(batch, 8)\n"
+        "def frozen(batch):\n    return torch.nn.Linear(8, 4).requires_grad_(False), torch.randn(batch, 8)\n")
+
+
+def frozen_model(root: Path) -> None:
+    """The chain's recipe pointed at a model with no weight to train, and a schedule solved for it."""
+    user_model(root)
+    doc = json.loads((root / "chain.json").read_text())
+    doc["recipe"].update(model="models.py:frozen", options={})
+    (root / "chain.json").write_text(json.dumps(doc))
+    chain = load_chain(root / "chain.json")
+    save_schedule(make_schedule(chain, []), chain, root / "schedule.json")
 
 
 CASES |= {
+    # offload train --nproc: refused before any rank starts
+    "--nproc past the machine's cores": (None, TRAIN + ["--nproc", "1000"], "this machine has"),
+    "--nproc with another chain's schedule": (edit_json("chain.json", lambda d: d["recipe"].update(batch=8)),
+                                              TRAIN + ["--nproc", "2"], "another version"),
+    "--nproc with a missing schedule": (None, ["train", "--chain", "chain.json", "--schedule", "none.json", "--nproc", "2"],
+                                        "not found"),
+    "--nproc with a model without weights to train": (frozen_model, TRAIN + ["--nproc", "2"],
+                                                      "no weight that requires a gradient"),
+    "--nproc with another batch": (None, TRAIN + ["--nproc", "2", "--batch", "3"], "profiled at batch 4"),
     "model without parameters": (user_model, ["profile", "models.py:no_params", "--batch", "2", "-q", "-o", "c.json"],
                                  "no parameters that require grad"),
     "model function calls sys.exit": (user_model, ["profile", "models.py:exits", "--batch", "2", "-q", "-o", "c.json"],

@@ -5,19 +5,27 @@ weights) equal bit for bit to the same stack without offloading, moving the pred
 and the guard rails that stop a run the schedule does not describe."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from offload.errors import ChainMismatch
-from offload.executor import Offloaded
+from offload.executor import Offloaded, distributed
 from offload.executor.train import TrainOptions, train
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
+from offload.step.chainfile import save_chain
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
+from offload.step.schedulefile import save_schedule
 from offload.step.simulate import simulate
 from tests import runs
 
@@ -94,6 +102,43 @@ def test_offload_train_on_two_ranks(chains, tmp_path):
     assert report["ranks"] == 2 and report["grads_match"] is True
     assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes_per_step"], p["h2d_bytes_per_step"]) != (0, 0)
     assert m["activation_peak_bytes"] == p["activation_peak_bytes"] and m["total_peak_bytes"] == p["total_peak_bytes"]
+
+
+def _job(marker: str) -> list[int]:
+    """The processes whose command line holds ``marker``: a job's launcher and its ranks."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+@pytest.mark.slow  # 10-20 s: two ranks start, train, and are stopped
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_offload_train_nproc_stops_the_whole_job(chains, tmp_path, signum):
+    """SIGTERM or Ctrl-C (SIGINT) to the launcher of ``offload train --nproc 2`` ends it, the
+    torch.distributed.run it started and both ranks, within the grace period: no process of
+    the job outlives it (before: the launcher died, the ranks trained on for minutes)."""
+    chain = chains["gpt"]
+    save_chain(chain, tmp_path / "c.json")
+    save_schedule(everything(chain), chain, tmp_path / "s.json")
+    cmd = [sys.executable, "-m", "offload", "train", "--chain", str(tmp_path / "c.json"), "--schedule",
+           str(tmp_path / "s.json"), "--steps", "100000", "--nproc", "2"]
+    launcher = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(runs.ROOT), "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(_job(str(tmp_path))) < 4 and time.monotonic() < deadline:  # launcher, torch.distributed.run, 2 ranks
+        time.sleep(0.2)
+    assert len(_job(str(tmp_path))) >= 4, "the job did not start"
+    time.sleep(2)  # the ranks are training
+    launcher.send_signal(signum)
+    assert launcher.wait(timeout=distributed.STOP_GRACE_S + 20) == 128 + signum
+    assert "the job and its ranks were stopped" in launcher.stderr.read()
+    time.sleep(0.5)
+    assert _job(str(tmp_path)) == []
 
 
 # -- torch.compile -----------------------------------------------------------------------

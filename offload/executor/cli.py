@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from offload.errors import OffloadError
+from offload.errors import FormatError, OffloadError
 from offload.io.argtypes import integer, number
 from offload.io.files import input_path, model_input, output_path, write_json
 from offload.io.text import format_bytes, format_seconds, printable, report_error
@@ -74,6 +74,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from . import distributed
     if distributed.world_size() == 1:
         if args.nproc > 1:
+            _check_job(args)
             return distributed.launch(args.argv, args.nproc)
         return _train(args)
     try:  # one rank of `--nproc N`
@@ -82,6 +83,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         code = report_error(f"train (rank {distributed.rank()})", exc)
     distributed.finish(code)
     return code
+
+
+def _check_job(args: argparse.Namespace) -> None:
+    """Everything a rank would refuse, refused here before any rank starts: the ranks this
+    machine has, the files, the schedule's chain, the batch, the model and its weights."""
+    from . import distributed
+    from .train import check_data_parallel
+    most, what = distributed.most_ranks(args.device)
+    if args.nproc > most:
+        raise FormatError(f"--nproc {args.nproc}: this machine has {most} {what}",
+                          f"use --nproc {most} or fewer" if most > 1 else "train on one rank (no --nproc)")
+    chain = load_chain(args.chain)
+    load_schedule(args.schedule, chain)
+    check_data_parallel(chain, args.model, args.batch)
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -11,23 +11,79 @@ writes the report.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import torch
 
+from offload.errors import ModelError
+
+
+def most_ranks(device: str | None) -> tuple[int, str]:
+    """How many ranks this machine can run of a job on ``device`` (``None``: CUDA when available),
+    and what bounds it: a GPU per rank, or a CPU core per rank."""
+    if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
+        return torch.cuda.device_count(), "GPUs (a rank per GPU)"
+    return os.cpu_count() or 1, "CPU cores (a rank per core)"
+
+
+STOP_GRACE_S = 10.0  # after a SIGTERM passed on, how long the ranks get before a SIGKILL
+PR_SET_PDEATHSIG = 1
+
 
 def launch(argv: list[str], nproc: int) -> int:
     """Run ``offload ARGV`` (less its ``--nproc``: the ranks know from their environment) on
-    ``nproc`` ranks; the exit code of the job (non-zero if any rank failed)."""
+    ``nproc`` ranks; the exit code of the job (non-zero if any rank failed).
+
+    The job runs in a session of its own: a SIGTERM or SIGINT to this process (Ctrl-C) is
+    passed to all of it (``torch.distributed.run`` then stops its ranks), escalated to SIGKILL
+    after ``STOP_GRACE_S``; and the job gets a SIGTERM if this process dies."""
     rest = [a for a in argv if not a.startswith("--nproc=")]
     if "--nproc" in rest:  # torch.distributed.run would take it for its own --nproc-per-node
         del rest[rest.index("--nproc"):rest.index("--nproc") + 2]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "--module", "offload", *rest]
-    return subprocess.run(cmd, check=False).returncode
+    job = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_end_with_parent)
+    stopped: list[tuple[int, float]] = []  # the signal received, and when
+
+    def stop(signum: int, _frame: Any) -> None:
+        if not stopped:
+            stopped.append((signum, time.monotonic()))
+            _signal_job(job, signal.SIGTERM)
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while job.poll() is None:
+            if stopped and time.monotonic() - stopped[0][1] > STOP_GRACE_S:
+                _signal_job(job, signal.SIGKILL)
+            time.sleep(0.1)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stopped:
+        print(f"offload train: {signal.Signals(stopped[0][0]).name}: the job and its ranks were stopped", file=sys.stderr)
+        return 128 + stopped[0][0]
+    return job.returncode
+
+
+def _signal_job(job: subprocess.Popen, signum: int) -> None:
+    """``signum`` to every process of the job's session (the launcher and its ranks)."""
+    try:
+        os.killpg(job.pid, signum)
+    except ProcessLookupError:  # all gone already
+        pass
+
+
+def _end_with_parent() -> None:
+    """In the job's first process: a SIGTERM when the process that started it dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: Ctrl-C and SIGTERM are still passed on
+        pass
 
 
 def rank() -> int:
@@ -58,10 +114,18 @@ def start(device: torch.device) -> torch.device:
     return device
 
 
+def check_trainable(module: torch.nn.Module) -> None:
+    """Refuse a model DDP cannot wrap: one without a weight that requires a gradient."""
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ModelError("the model has no weight that requires a gradient: data-parallel ranks would have nothing "
+                         "to all-reduce", "train it on one rank (no --nproc)")
+
+
 def wrap(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` under ``DistributedDataParallel`` (the gradients all-reduced in its hooks),
     its gradients views into DDP's buckets, as the chain counts them: once."""
     from torch.nn.parallel import DistributedDataParallel
+    check_trainable(module)
     return DistributedDataParallel(module, gradient_as_bucket_view=True)  # no second copy of the gradients
 
 

@@ -42,9 +42,9 @@ class TrainOptions:
     op_memory: bool = False  # read memory at every stage boundary of the first step (per-op peaks)
 
 
-def build_like_chain(chain: Chain, device: torch.device, model: str | None = None) -> ModelSpec:
-    """The chain's model as its recipe builds it, on ``device``; ``model``, when given, must be the
-    recipe's."""
+def _recipe_model(chain: Chain, model: str | None) -> ModelSpec:
+    """The chain's model as its recipe builds it (not placed yet); ``model``, when given, must be
+    the recipe's."""
     r = chain.recipe
     if r is None:
         raise ChainMismatch(f"chain {chain.name!r} has no recipe (profiled by an older version, or not from a "
@@ -54,9 +54,31 @@ def build_like_chain(chain: Chain, device: torch.device, model: str | None = Non
                             "train the model the chain was made from, or profile this one")
     spec = resolve(r.model, r.batch, dict(r.options), r.seed)
     spec.autocast, spec.set_to_none = r.autocast, r.set_to_none
-    with running(f"running {r.model}"):
-        spec.place(device, DTYPES[r.dtype])
     return spec
+
+
+def build_like_chain(chain: Chain, device: torch.device, model: str | None = None) -> ModelSpec:
+    """The chain's model as its recipe builds it, on ``device``."""
+    spec = _recipe_model(chain, model)
+    with running(f"running {chain.recipe.model}"):
+        spec.place(device, DTYPES[chain.recipe.dtype])
+    return spec
+
+
+def check_batch(chain: Chain, batch: int | None) -> None:
+    """A batch size asked for must be the chain's."""
+    if batch is not None and chain.recipe is not None and batch != chain.recipe.batch:
+        raise ChainMismatch(f"the chain was profiled at batch {chain.recipe.batch}, not {batch}",
+                            f"use --batch {chain.recipe.batch}, or profile and solve again at batch {batch}")
+
+
+def check_data_parallel(chain: Chain, model: str | None = None, batch: int | None = None) -> None:
+    """Before any rank of ``offload train --nproc`` starts: the batch, and the chain's model builds
+    (on the ``meta`` device: no memory) and has weights to all-reduce."""
+    check_batch(chain, batch)
+    with torch.device("meta"):
+        spec = _recipe_model(chain, model)
+    distributed.check_trainable(spec.module)
 
 
 def _rank_model(chain: Chain, device: torch.device, model: str | None = None) -> ModelSpec:
@@ -79,9 +101,7 @@ def train(model: str | None, chain: Chain, schedule: Schedule, opts: TrainOption
           batch: int | None = None) -> tuple[Report, OffloadError | None]:
     """Train ``opts.steps`` steps with ``schedule``: the run's report and the error to raise once
     the report is written (a step over the budget, out of GPU or host memory), if any."""
-    if batch is not None and chain.recipe is not None and batch != chain.recipe.batch:
-        raise ChainMismatch(f"the chain was profiled at batch {chain.recipe.batch}, not {batch}",
-                            f"use --batch {chain.recipe.batch}, or profile and solve again at batch {batch}")
+    check_batch(chain, batch)
     device = pick_device(opts.device)
     ranks = distributed.world_size()
     if ranks > 1:

@@ -20,8 +20,8 @@ from offload.io import files
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.chainfile import load_chain, save_chain
-from offload.step.schedule import make_schedule
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.schedule import make_schedule
 from offload.step.schedulefile import save_schedule
 
 MLP = {"layers": 3, "width": 64, "features": 32, "classes": 10}
@@ -139,6 +139,12 @@ CASES = {
                      "line 2"),
     # models that do not behave
     "unknown model": (None, ["profile", "resnet9000", "--batch", "2", "-o", "c.json"], "resnet9000"),
+    "a model option against its meaning": (None, ["profile", "mlp", "--batch", "2", "-O", "layers=-1", "-o", "c.json"],
+                                           "layers=-1: give a whole number from 1 to 1024"),
+    "a sequence of a billion": (None, ["profile", "gpt", "--batch", "1", "-O", "seq=1000000000", "-o", "c.json"],
+                                "seq=1000000000"),
+    "a model too big for the host": (None, ["profile", "mlp", "--batch", "2", "-O", "width=65536", "-O", "layers=64",
+                                            "-o", "c.json"], "GiB of weights and batch before any activation"),
 }
 
 

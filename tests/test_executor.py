@@ -240,15 +240,16 @@ def test_offloaded_refuses_another_model_or_chain(chains):
 def test_the_host_arena_counts_what_the_host_really_gives(monkeypatch, tmp_path):
     """Pinned chunks at the power of two CUDA's host allocator takes; the container's cgroup
     limit; one arena per rank on the machine."""
+    from offload.core import devices
     from offload.executor import arena
     assert arena.footprint(600 * 2**20, pin=True) == 2**30 and arena.footprint(600 * 2**20, pin=False) == 600 * 2**20
     assert arena.footprint(2**20, pin=True) == 2**20
     (tmp_path / "max").write_text("1073741824\n")
     (tmp_path / "current").write_text("1000000000\n")
-    monkeypatch.setattr(arena, "CGROUP", (str(tmp_path / "max"), str(tmp_path / "current")))
-    assert arena.available_host_bytes() == 73741824
+    monkeypatch.setattr(devices, "CGROUP", (str(tmp_path / "max"), str(tmp_path / "current")))
+    assert devices.available_host_bytes() == 73741824
     (tmp_path / "max").write_text("max\n")
-    assert arena.available_host_bytes() > 73741824  # no limit: the machine's
+    assert devices.available_host_bytes() > 73741824  # no limit: the machine's
     monkeypatch.setattr(arena, "available_host_bytes", lambda: 3 * 2**20)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(HostMemoryShortfall, match="for each of the 4 ranks on this machine"):

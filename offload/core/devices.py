@@ -8,6 +8,7 @@ the executor must share so that a chain describes the training step that runs.
 * ``persistent_tensors``: weights, buffers, gradients, optimizer state and plain tensor
   attributes of the modules: the constant ``base_bytes``, never part of a unit.
 * ``running``: the user's model failing becomes one ``ModelError`` with a hint.
+* ``available_host_bytes``: host memory this process may still take (its container's too).
 """
 from __future__ import annotations
 
@@ -87,3 +88,32 @@ def running(what: str, hint: str = "check that the model runs forward and backwa
     except Exception as exc:
         first = str(exc).splitlines()[0][:300] if str(exc) else ""
         raise ModelError(f"{what} failed: {type(exc).__name__}: {first}", hint) from exc
+
+
+CGROUP = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")  # cgroup v2: limit, usage
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as fh:
+            text = fh.read().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def available_host_bytes() -> int | None:
+    """Host memory available without swapping: the kernel's ``MemAvailable``, or less when this
+    process's cgroup (a container's limit) leaves less."""
+    available = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    limit, usage = (_read_int(p) for p in CGROUP)
+    if limit is not None and usage is not None:
+        available = min(available, limit - usage) if available is not None else limit - usage
+    return available

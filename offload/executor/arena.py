@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from offload.core.devices import available_host_bytes
 from offload.core.meters import host_allocation
+from offload.errors import HostMemoryShortfall
 from offload.io.text import format_bytes
 
 from .backends import Copy
 from .distributed import ranks_on_this_machine
-from offload.errors import HostMemoryShortfall
 
 ALIGN = 512
 
@@ -33,35 +34,6 @@ def footprint(nbytes: int, pin: bool) -> int:
     """The host memory a chunk really takes: CUDA's caching host allocator rounds a pinned
     allocation up to a power of two, so the arena uses (and counts) all of it."""
     return 1 << (nbytes - 1).bit_length() if pin and nbytes > 0 else nbytes
-
-
-CGROUP = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")  # cgroup v2: limit, usage
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path, encoding="ascii") as fh:
-            text = fh.read().strip()
-        return None if text == "max" else int(text)
-    except (OSError, ValueError):
-        return None
-
-
-def available_host_bytes() -> int | None:
-    """Host memory available without swapping: the kernel's ``MemAvailable``, or less when this
-    process's cgroup (a container's limit) leaves less."""
-    available = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    limit, usage = (_read_int(p) for p in CGROUP)
-    if limit is not None and usage is not None:
-        available = min(available, limit - usage) if available is not None else limit - usage
-    return available
 
 
 _SHORTFALL_HINT = ("the arena holds every offloaded unit at once: free host memory, or solve with a larger budget "

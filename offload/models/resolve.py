@@ -26,11 +26,12 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from offload.core.devices import available_host_bytes
 from offload.errors import FormatError, ModelError
 from offload.io.files import regular_file
 
 from .hf import HF_ZOO
-from .spec import ModelSpec, default_loss
+from .spec import ModelSpec, default_loss, tensors_in
 from .zoo import ZOO, image_batch
 
 ALL_ZOO: dict[str, Callable[..., ModelSpec]] = {**ZOO, **HF_ZOO}
@@ -58,14 +59,70 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
     return options
 
 
-def _call_builder(fn: Callable[..., Any], what: str, batch: int, options: dict[str, Any]) -> Any:
+# What the zoo's options mean, as ranges: a value outside is refused before anything is built
+# (``layers=-1`` built a chain "with -1 layers"; ``seq=1000000000`` allocated 11.5 GB first).
+OPTION_RANGES: dict[str, tuple[float, float]] = {
+    "layers": (1, 1024), "width": (1, 1 << 16), "heads": (1, 1024), "kv_heads": (1, 1024), "seq": (1, 1 << 20),
+    "vocab": (2, 1 << 22), "image": (8, 1 << 13), "classes": (1, 1 << 20), "features": (1, 1 << 20),
+    "patch": (1, 1024), "frozen": (0, 1024), "dropout": (0.0, 1.0),
+}
+
+
+def _check_options(fn: Callable[..., Any], what: str, options: dict[str, Any]) -> None:
+    """Each zoo option of the type of its default and within its meaning's range."""
+    defaults = {p.name: p.default for p in inspect.signature(fn).parameters.values()}
+    for key, value in options.items():
+        default = defaults.get(key, inspect.Parameter.empty)
+        if default is inspect.Parameter.empty:
+            continue  # the signature check names it
+        kind = type(default)
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind)
+        low, high = OPTION_RANGES.get(key, (None, None))
+        if not ok or (low is not None and not low <= value <= high):
+            wanted = {bool: "true or false", int: "a whole number", float: "a number"}.get(kind, kind.__name__)
+            span = f" from {low} to {high}" if low is not None else ""
+            raise ModelError(f"{what}: option {key}={value!r}: give {wanted}{span}",
+                             "see `offload profile --list-models` for each zoo model's options")
+
+
+def _check_memory(fn: Callable[..., Any], what: str, batch: int, options: dict[str, Any]) -> None:
+    """Build a zoo model on the ``meta`` device (no memory) and refuse it when its weights and
+    example batch alone do not fit in this host's available memory."""
+    try:
+        with torch.device("meta"):
+            spec = fn(batch, **options)
+    except Exception:  # not every model builds on meta: then nothing is known before building it
+        return
+    tensors = [*spec.module.parameters(), *spec.module.buffers(), *tensors_in((spec.args, spec.kwargs))]
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    available = available_host_bytes()
+    if available is not None and need > available:
+        raise ModelError(f"{what} with these options holds {need / 2**30:.1f} GiB of weights and batch before any "
+                         f"activation; this host has {available / 2**30:.1f} GiB available",
+                         "use smaller options (layers, width, seq, image, vocab) or a smaller batch")
+
+
+def _bind(fn: Callable[..., Any], what: str, batch: int, options: dict[str, Any]) -> None:
+    """Refuse options ``fn`` does not take."""
     try:
         inspect.signature(fn).bind(batch, **options)
     except TypeError as exc:
         raise ModelError(f"{what} does not accept these arguments: {exc}",
-                         "see `offload profile --list-models` for each zoo model's options") from None
+                         "see `offload profile --list-models` for each zoo model's options" if what.startswith("zoo")
+                         else "its function's signature is fn(batch_size, **options): check the -O options") from None
     except ValueError:
         pass  # builtins without a signature: just call them
+
+
+def _call_builder(fn: Callable[..., Any], what: str, batch: int, options: dict[str, Any]) -> Any:
+    _bind(fn, what, batch, options)
     try:
         return fn(batch, **options)
     except ModelError:
@@ -153,7 +210,12 @@ def resolve(model: str, batch: int, options: dict[str, Any] | None = None, seed:
     options = dict(options or {})
     torch.manual_seed(seed)
     if model in ALL_ZOO:
-        spec = _call_builder(ALL_ZOO[model], f"zoo model {model!r}", batch, options)
+        fn, what = ALL_ZOO[model], f"zoo model {model!r}"
+        _bind(fn, what, batch, options)
+        _check_options(fn, what, options)
+        _check_memory(fn, what, batch, options)
+        torch.manual_seed(seed)
+        spec = _call_builder(fn, what, batch, options)
     elif model.startswith("torchvision:"):
         spec = _torchvision(model.split(":", 1)[1], batch, options)
     elif ":" in model:

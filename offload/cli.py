@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from offload.analysis import cli as analysis_cli
-from offload.errors import OffloadError
+from offload.errors import OffloadError, Stopped
 from offload.executor import cli as executor_cli
 from offload.io import files
 from offload.io.text import report_error
@@ -35,8 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stop(signum: int, _frame: object) -> None:
+    """SIGTERM stops a command as Ctrl-C does: its workers, ranks and solver threads too."""
+    raise Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        return _command(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _command(argv: list[str]) -> int:
     with files.command() as command:  # the files this command reads and writes (offload.io.files)
         try:
             args = build_parser().parse_args(argv)
@@ -51,10 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # output piped into `head` and closed: not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        except KeyboardInterrupt:
-            print(f"offload {args.command}: interrupted; no output written", file=sys.stderr, flush=True)
+        except KeyboardInterrupt as exc:
+            signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+            note = exc.note if isinstance(exc, Stopped) else "no output written"
+            print(f"offload {args.command}: {'interrupted' if signum == signal.SIGINT else 'stopped'} "
+                  f"({signal.Signals(signum).name}); {note}", file=sys.stderr, flush=True)
             sys.stdout.flush()
-            os._exit(130)  # now: a cancelled MILP solver thread may still be finishing its presolve
+            os._exit(128 + signum)  # now: a cancelled MILP solver thread may still be finishing its presolve
 
 
 if __name__ == "__main__":

@@ -6,9 +6,20 @@ both and exits with the class's code; nothing else is ever shown to the user as 
 traceback.  Codes: 2 bad input (a file, a model, a chain that does not match), 3 a
 schedule the simulator refuses, 4 a budget that cannot be met, 5 a solver failure, 6 a
 training step out of its budget or of GPU or host memory (the run report is still
-written), 7 gradients that differ from training without offloading.
+written), 7 gradients that differ from training without offloading; 128 + the signal's
+number when stopped by Ctrl-C (130) or SIGTERM (143).
 """
 from __future__ import annotations
+
+
+class Stopped(KeyboardInterrupt):
+    """A command stopped by a signal: Ctrl-C (SIGINT) or SIGTERM.  Every ``except
+    KeyboardInterrupt`` that stops work on Ctrl-C stops it on SIGTERM too; the command line
+    says ``note`` and exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int, note: str = "no output written") -> None:
+        super().__init__(note)
+        self.signum, self.note = signum, note
 
 
 class OffloadError(Exception):

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from offload.solver.ilp import solve_ilp
 from offload.solver.methods import Options, solve
 from offload.step import encoding
 from offload.step.budget import Budget
+from offload.analysis.sweep import read_rows
 from offload.step.chainfile import load_chain, save_chain
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.step.simulate import simulate
@@ -102,9 +104,10 @@ def long_solve(tmp_path):
     return path
 
 
-def _interrupt_after(cmd, wait_for, cwd, delay=1.0):
+def _interrupt_after(cmd, wait_for, cwd, delay=1.0, signum=signal.SIGINT, group=True):
     """Start ``cmd`` in its own process group, wait until stderr shows ``wait_for``, then send
-    SIGINT to the group (what Ctrl-C does); returns (seconds to exit, return code)."""
+    ``signum`` to the group (SIGINT: what Ctrl-C does) or, not ``group``, to the command alone
+    (what ``kill`` does); returns (seconds to exit, return code, stderr)."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     seen = ""
@@ -115,7 +118,7 @@ def _interrupt_after(cmd, wait_for, cwd, delay=1.0):
     time.sleep(delay)
     assert proc.poll() is None
     t0 = time.perf_counter()
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signum) if group else proc.send_signal(signum)
     proc.wait(timeout=60)
     return time.perf_counter() - t0, proc.returncode, seen + proc.stderr.read()
 
@@ -137,6 +140,45 @@ def test_ctrl_c_stops_a_sweep_and_its_workers(long_solve, tmp_path):
     assert rc == 130
     assert seconds < 5
     assert not out.exists()
+
+
+def _processes_of(marker: str) -> list[int]:
+    """The processes whose command line holds ``marker``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_sigterm_stops_a_sweep_and_its_workers(long_solve, tmp_path):
+    """``kill`` (SIGTERM to the sweep alone, not its group) stops its workers as Ctrl-C does
+    (before: they solved on for ~90 s after the sweep died)."""
+    out = tmp_path / "r.csv"
+    seconds, rc, err = _interrupt_after(OFFLOAD + ["sweep", str(long_solve), "--methods", "ilp", "--budgets",
+                                                   "30%:60%:6", "-j", "2", "--time-limit", "300", "-o", str(out)],
+                                        "sweeping", tmp_path, delay=4.0, signum=signal.SIGTERM, group=False)
+    assert rc == 143 and "stopped (SIGTERM)" in err
+    assert seconds < 5
+    time.sleep(0.5)
+    assert _processes_of(str(long_solve)) == []
+
+
+def test_a_stopped_sweep_keeps_the_rows_it_finished(long_solve, tmp_path):
+    """Ctrl-C once some cells are done: their rows are written, the others say interrupted, and
+    the CSV still plots."""
+    out = tmp_path / "r.csv"
+    seconds, rc, err = _interrupt_after(OFFLOAD + ["sweep", str(long_solve), "--methods", "vdnn-all,ilp", "--budgets",
+                                                   "30%:60%:3", "-j", "1", "--time-limit", "300", "-o", str(out)],
+                                        "sweeping", tmp_path, delay=4.0)
+    assert rc == 130 and "with the 3 of 6 rows done" in err
+    rows = read_rows(out)
+    assert [r.status for r in rows if r.method == "ilp"] == ["interrupted"] * 3
+    assert all(r.status != "interrupted" for r in rows if r.method == "vdnn-all")
+    subprocess.run(OFFLOAD + ["plot", str(out), "-o", str(tmp_path / "p.png")], check=True, capture_output=True)
 
 
 @pytest.mark.parametrize("flag,value", [("--time-limit", "-5"), ("--time-limit", "nan"), ("--time-limit", "inf"),

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-from offload.errors import FormatError
+from offload.errors import FormatError, Stopped
 from offload.io.argtypes import integer, seconds
 from offload.io.files import input_path, output_path, write_atomic
 from offload.io.text import format_bytes, format_seconds
@@ -17,7 +18,7 @@ from offload.step.chainfile import load_chain
 from offload.step.encoding import MODE_HELP, MODES
 from offload.step.schedulefile import load_schedule
 
-from .sweep import Row, parse_budgets, parse_methods, read_rows, sweep, write_rows
+from .sweep import Row, ordered, parse_budgets, parse_methods, read_rows, sweep, unsolved, write_rows
 from .timeline import chrome_trace, timeline
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib draws well and every viewer opens
@@ -52,9 +53,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     cells = len(budgets) * len(methods)
     print(f"sweeping {chain.name} ({chain.L} stages): {len(methods)} methods x {len(budgets)} budgets from "
           f"{budgets[0]} to {budgets[-1]}", file=sys.stderr)
-    with tqdm(total=cells, desc="sweep", unit="solve", file=sys.stderr, disable=args.quiet) as bar:
-        rows = sweep(chain, budgets, methods, options, args.jobs,
-                     progress=lambda r: (bar.set_postfix_str(f"{r.method} {r.status}", refresh=False), bar.update()))
+    done: list[Row] = []
+    try:
+        with tqdm(total=cells, desc="sweep", unit="solve", file=sys.stderr, disable=args.quiet) as bar:
+            rows = sweep(chain, budgets, methods, options, args.jobs, progress=lambda r: (
+                done.append(r), bar.set_postfix_str(f"{r.method} {r.status}", refresh=False), bar.update()))
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the rows done are kept, the others marked
+        if not done:
+            raise
+        finished = {(r.method, r.budget_bytes) for r in done}
+        write_rows(args.output, ordered(done + [unsolved(chain, m, b, options, "interrupted") for m in methods
+                                                for b in budgets if (m, b.nbytes) not in finished]))
+        raise Stopped(getattr(exc, "signum", signal.SIGINT),
+                      f"wrote {args.output} with the {len(done)} of {cells} rows done; the others say interrupted") from None
     write_rows(args.output, rows)
     _print_summary(rows)
     print(f"wrote {args.output} ({len(rows)} rows)")

@@ -62,7 +62,7 @@ class Row:
 COLUMNS = [f.name for f in fields(Row)]
 ADDED_LATER = {"encodings": "none", "encoded_units": "",  # CSVs from before encodings lack these
                "recompute": "False", "recomputed_units": ""}  # ... and from before recomputation
-STATUSES = ("optimal", "feasible", "infeasible", "error")
+STATUSES = ("optimal", "feasible", "infeasible", "error", "interrupted")
 
 
 MAX_BUDGETS = 1000
@@ -103,15 +103,20 @@ def parse_methods(text: str) -> list[str]:
     return names
 
 
+def unsolved(chain: Chain, method: str, budget: Budget, options: Options, status: str) -> Row:
+    """The row of a cell without a schedule: ``error`` until solved, ``interrupted`` if never."""
+    peak = budget.counted(chain, no_offload_peak(chain))
+    return Row(chain=chain.name, method=method, budget_bytes=budget.nbytes, budget_share=budget.nbytes / peak,
+               scope=budget.scope,
+               status=status, makespan_s=None, ideal_makespan_s=chain.ideal_makespan_s, slowdown=None, bound_s=None,
+               gap=None, stall_s=None, peak_bytes=None, d2h_bytes=None, h2d_bytes=None, solve_s=None,
+               no_offload_peak_bytes=peak, smallest_feasible_bytes=budget.counted(chain, floor(chain, options.encodings)[0]),
+               encodings=options.encodings, recompute=options.recompute or method in RECOMPUTING)
+
+
 def solve_one(chain: Chain, method: str, budget: Budget, options: Options) -> Row:
     """One cell of the sweep; never raises for a solver's failure (it becomes the row's status)."""
-    peak = budget.counted(chain, no_offload_peak(chain))
-    row = Row(chain=chain.name, method=method, budget_bytes=budget.nbytes, budget_share=budget.nbytes / peak,
-              scope=budget.scope,
-              status="error", makespan_s=None, ideal_makespan_s=chain.ideal_makespan_s, slowdown=None, bound_s=None,
-              gap=None, stall_s=None, peak_bytes=None, d2h_bytes=None, h2d_bytes=None, solve_s=None,
-              no_offload_peak_bytes=peak, smallest_feasible_bytes=budget.counted(chain, floor(chain, options.encodings)[0]),
-              encodings=options.encodings, recompute=options.recompute or method in RECOMPUTING)
+    row = unsolved(chain, method, budget, options, "error")
     try:
         res = solve(chain, budget, method, options)
     except InfeasibleBudget as exc:
@@ -163,6 +168,11 @@ def sweep(chain: Chain, budgets: Iterable[Budget | int], methods: Iterable[str],
             raise
         finally:
             pool.join()
+    return ordered(rows)
+
+
+def ordered(rows: Iterable[Row]) -> list[Row]:
+    """Rows by method (registry order), then budget."""
     order = {m: k for k, m in enumerate(METHODS)}
     return sorted(rows, key=lambda r: (order.get(r.method, len(order)), r.budget_bytes))
 

@@ -19,17 +19,20 @@ import pulp
 
 from offload.step.chain import Chain, Stage
 
+from .deadline import Deadline
 from .pulp_backend import run
 
 
 @dataclass(frozen=True)
 class FluidLP:
-    makespan_s: float  # the bound
+    makespan_s: float  # the bound, when proven
     fraction: dict[int, float]  # offloaded share of each offloadable unit
+    proven: bool = True  # solved to optimality: makespan_s is a lower bound (else only a guide)
 
 
-def fluid_lp(chain: Chain, budget: int) -> FluidLP | None:
-    """Solve the fluid relaxation for an activation ``budget``; ``None`` if even it is infeasible."""
+def fluid_lp(chain: Chain, budget: int, deadline: Deadline | None = None) -> FluidLP | None:
+    """Solve the fluid relaxation for an activation ``budget`` by ``deadline``; ``None`` if even it
+    is infeasible, or no solution was found in time."""
     L, U = chain.L, chain.offloadable
     tau, mu = chain.time_unit_s, chain.memory_unit_bytes
     f, b = chain.f / tau, chain.b / tau
@@ -82,11 +85,13 @@ def fluid_lp(chain: Chain, budget: int) -> FluidLP | None:
         prob += prefix - cum[L] + back[j] + chain.bp[j] / mu <= B
         prefix -= a[j]
     prob += s[1] + b[1]
-    out = run(prob, "highs")
+    if deadline is not None and deadline.expired():
+        return None
+    out = run(prob, "highs", deadline=deadline)
     if not out.has_solution:
         return None
     frac = {i: min(1.0, max(0.0, float(x[i].varValue or 0.0))) for i in U}
-    return FluidLP(makespan_s=max(out.objective * tau, chain.ideal_makespan_s), fraction=frac)
+    return FluidLP(makespan_s=max(out.objective * tau, chain.ideal_makespan_s), fraction=frac, proven=out.proven)
 
 
 def coarsened(chain: Chain, groups: int) -> tuple[Chain, np.ndarray]:
@@ -111,17 +116,17 @@ def coarsened(chain: Chain, groups: int) -> tuple[Chain, np.ndarray]:
     return replace(chain, stages=tuple(stages)), group
 
 
-def rounding_lp(chain: Chain, budget: int, max_stages: int) -> FluidLP | None:
+def rounding_lp(chain: Chain, budget: int, max_stages: int, deadline: Deadline | None = None) -> FluidLP | None:
     """The fluid LP whose fractions ``relax-lp`` rounds: the chain's own up to ``max_stages``
     stages, beyond that the coarsened chain's (each stage takes its group's fraction; the
-    value is then no bound)."""
+    value is then no bound); ``None`` when none is solved by ``deadline``."""
     if chain.L <= max_stages:
-        return fluid_lp(chain, budget)
+        return fluid_lp(chain, budget, deadline)
     coarse, group = coarsened(chain, max_stages)
-    lp = fluid_lp(coarse, budget)
+    lp = fluid_lp(coarse, budget, deadline)
     if lp is None:  # the cruder model did not fit: guide by the largest budget it can take
-        lp = fluid_lp(coarse, int(np.iinfo(np.int64).max // 4))
+        lp = fluid_lp(coarse, int(np.iinfo(np.int64).max // 4), deadline)
         if lp is None:
             return None
     fraction = {i: lp.fraction.get(int(group[i]), 1.0) for i in chain.offloadable}
-    return FluidLP(makespan_s=chain.ideal_makespan_s, fraction=fraction)
+    return FluidLP(makespan_s=chain.ideal_makespan_s, fraction=fraction, proven=False)

@@ -123,13 +123,15 @@ def _found(ctx: _Context, found: relax.Found) -> Planned | None:
     return planned if sim.peak_bytes <= ctx.budget else None
 
 
-def _relax_lp(ctx: _Context) -> Planned | None:
+def _relax_lp(ctx: _Context, until: Deadline | None = None) -> Planned | None:
+    """``until``: the end of this heuristic's every phase (default: the solve's)."""
     return _found(ctx, relax.relax_lp(ctx.chain, ctx.budget, ctx.lp, ctx.heuristic_s, ctx.mode, LP_BOUND_MAX_STAGES,
-                                      ctx.max_run))
+                                      ctx.max_run, until or ctx.deadline))
 
 
-def _relax_bw(ctx: _Context) -> Planned | None:
-    return _found(ctx, relax.relax_bw(ctx.chain, ctx.budget, ctx.heuristic_s, ctx.mode, ctx.max_run))
+def _relax_bw(ctx: _Context, until: Deadline | None = None) -> Planned | None:
+    return _found(ctx, relax.relax_bw(ctx.chain, ctx.budget, ctx.heuristic_s, ctx.mode, ctx.max_run,
+                                      until or ctx.deadline))
 
 
 def _gist(with_swap: bool) -> Callable[[_Context], Planned | None]:
@@ -151,7 +153,8 @@ def _span(chain: Chain, p: Planned) -> float:
 
 def _ilp(ctx: _Context) -> Planned:
     chain, budget, opt = ctx.chain, ctx.budget, ctx.options
-    fitting = [p for p in (_relax_lp(ctx), _relax_bw(ctx)) if p is not None]
+    warm_start = Deadline(ctx.deadline.share(0.5))  # both heuristics, every phase: the MILP gets the rest
+    fitting = [p for p in (_relax_lp(ctx, warm_start), _relax_bw(ctx, warm_start)) if p is not None]
     if not fitting:  # below the offloading floor with no recomputation found that fits: the MILP decides
         return _milp(ctx, None, offload=True)
     warm = min(fitting, key=lambda p: _span(chain, p))
@@ -288,11 +291,16 @@ def _refuse_below_floor(chain: Chain, budget: Budget, mode: str, recompute: bool
 def _bounds(ctx: _Context, encoded: bool, info: dict[str, Any]) -> dict[str, float]:
     """Every lower bound that holds for this solve, by name."""
     bounds = {"ideal_s": ctx.chain.ideal_makespan_s}
-    if ctx.lp is not None and not encoded:
+    if encoded:  # the fluid LP knows neither encodings nor recomputation: no bound then
+        pass
+    elif ctx.lp is not None and ctx.lp.proven:
         bounds["lp_s"] = ctx.lp_bound_s
-    elif ctx.lp is None:
+    elif ctx.chain.L > LP_BOUND_MAX_STAGES:
         info.setdefault("bound_note", f"fluid LP bound skipped above {LP_BOUND_MAX_STAGES} stages (its solve grows "
                                       "past seconds); the gap is to the ideal makespan")
+    else:
+        info.setdefault("bound_note", "the fluid LP bound was not solved within its share of the time limit; the gap "
+                                      "is to the ideal makespan")
     if info.get("solver_bound_s") is not None:
         bounds["solver_s"] = info["solver_bound_s"]
     return bounds
@@ -310,10 +318,10 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
     floor = _refuse_below_floor(chain, budget, options.encodings, options.recompute or method in RECOMPUTING)
     act = budget.activations(chain)
     encoded = bool(encoding.allowed(chain, options.encodings))
-    lp = fluid_lp(chain, act) if chain.L <= LP_BOUND_MAX_STAGES else None
+    lp = fluid_lp(chain, act, Deadline(deadline.share(0.3))) if chain.L <= LP_BOUND_MAX_STAGES else None
     # the fluid LP knows neither encodings nor recomputation: with them it is no lower bound, the ideal still is
     unbounded = encoded or options.recompute or method in RECOMPUTING
-    lp_bound = lp.makespan_s if lp is not None and not unbounded else chain.ideal_makespan_s
+    lp_bound = lp.makespan_s if lp is not None and lp.proven and not unbounded else chain.ideal_makespan_s
     ctx = _Context(chain, act, options, lp_bound, lp, deadline)
     planned = METHODS[method].run(ctx)
     if planned is None:

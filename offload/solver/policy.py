@@ -20,6 +20,8 @@ share them:
 """
 from __future__ import annotations
 
+import math
+import time
 from typing import Callable, Iterable
 
 import numpy as np
@@ -39,11 +41,12 @@ def floor_memory(chain: Chain, units: Iterable[int], runs: Iterable[Recompute] =
 
 
 def cover_peaks(chain: Chain, budget: int, pick: Callable[[np.ndarray, int], int],
-                start: Iterable[int] = (), runs: Iterable[Recompute] = ()) -> set[int] | None:
+                start: Iterable[int] = (), runs: Iterable[Recompute] = (),
+                until: float = math.inf) -> set[int] | None:
     """Grow a set (from ``start``) until it fits: at each step the op with the most excess
     memory is covered by ``pick(candidates, excess)``, a unit absent from it (``candidates``:
-    an array of stage indices).  ``None`` if none can be.  Incremental: O(L) array work per
-    unit added."""
+    an array of stage indices).  ``None`` if none can be, or not by ``until``
+    (``time.perf_counter()``).  Incremental: O(L) array work per unit added."""
     L = chain.L
     runs = tuple(runs)
     rebuilt = {i for r in runs for i in r.stages}
@@ -59,6 +62,8 @@ def cover_peaks(chain: Chain, budget: int, pick: Callable[[np.ndarray, int], int
         excess = int(mem[o]) - budget
         if excess <= 0:
             return chosen
+        if time.perf_counter() > until:
+            return None
         cands = units[left & (first <= o) & (o < stop)]
         if not len(cands):
             return None
@@ -101,9 +106,10 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
     d2h_end: dict[int, float] = {}
     d2h_free = 0.0
     resident = 0  # bytes of units of earlier stages still on the GPU
+    checkpoints = _checkpoint_changes(chain, starts)
     t = 0.0
     for j in range(1, L + 1):
-        resident += sum(forward_checkpoint(chain, s, j) - forward_checkpoint(chain, s, j - 1) for s in starts if s < j)
+        resident += int(checkpoints[j])
         if j >= 2:  # boundary j-1, before F_j: units i <= j-2 may be released
             resident -= held.pop(j - 1, 0)
             if j - 2 in recomputed:
@@ -131,6 +137,22 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
     for i in pending[head:]:
         release[i] = L
     return release
+
+
+def _checkpoint_changes(chain: Chain, starts: Iterable[int]) -> np.ndarray:
+    """Per forward op ``Fj``, how much the checkpoints of runs starting at ``starts`` hold more
+    than during ``F(j-1)``: ``memory.forward_checkpoint`` changes only where ``F(s+1)``,
+    ``F(s+2)`` and ``F(held_until + 1)`` start, so this is O(L + runs), not O(L x runs)."""
+    L = chain.L
+    change = np.zeros(L + 2, dtype=np.int64)
+    for s in starts:
+        counted = 0
+        for j in sorted({s + 1, s + 2, int(chain.held_until[s]) + 1}):
+            if j <= L:
+                now = forward_checkpoint(chain, s, j)
+                change[j] += now - counted
+                counted = now
+    return change
 
 
 def release_next(chain: Chain, units: Iterable[int]) -> Points:

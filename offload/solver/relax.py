@@ -38,6 +38,7 @@ chains of three choices (none, Gist's smallest everywhere, the floor's).
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from typing import Callable
 
@@ -52,6 +53,7 @@ from offload.step.simulate import simulate
 from . import encoded_floor
 from .bounds import FluidLP, rounding_lp
 from .checkpointing import recomputable_parts, sqrt_runs
+from .deadline import Deadline
 from .policy import cover_peaks, floor_memory, plan_greedy
 
 MAX_RUN_START_STAGES = 200  # longer chains start from the relaxation and from every stage its own run
@@ -272,10 +274,11 @@ Found = tuple[list[Offload], dict[int, str], list[Recompute]]
 
 
 def _search(chain: Chain, budget: int, mode: str, time_budget_s: float,
-            start_sets: Callable[[Chain], list[set[int]]], max_run: int = 0) -> Found:
+            start_sets: Callable[[Chain], list[set[int]]], max_run: int = 0, until: Deadline | None = None) -> Found:
     """Starts from ``start_sets(derived)`` for a few encoding choices, then ``iterated_search``
-    (recomputing runs of up to ``max_run`` stages where that helps)."""
-    deadline = time.perf_counter() + time_budget_s
+    (recomputing runs of up to ``max_run`` stages where that helps), for ``time_budget_s`` and
+    never past ``until``."""
+    deadline = min(time.perf_counter() + time_budget_s, until.end if until is not None else math.inf)
     score = _Scorer(chain, budget)
     opts = encoding.allowed(chain, mode)
     choices = [{}] + ([encoding.smallest(chain, mode), encoded_floor.floor(chain, mode)[1]] if opts else [])
@@ -316,13 +319,14 @@ def _lp_sets(derived: Chain, budget: int, lp: FluidLP | None) -> list[set[int]]:
 
 
 def relax_lp(chain: Chain, budget: int, lp: FluidLP | None = None, time_budget_s: float = 1.0,
-             mode: str = "none", max_lp_stages: int = 2000, max_run: int = 0) -> Found:
+             mode: str = "none", max_lp_stages: int = 2000, max_run: int = 0, until: Deadline | None = None) -> Found:
     """Round the fluid LP's fractional offload and search from there (module docstring);
-    ``lp`` is the plain chain's LP when the caller has it."""
+    ``lp`` is the plain chain's LP when the caller has it.  Nothing runs past ``until``: an LP
+    not solved by then leaves every unit offloaded as the start."""
     def sets(derived: Chain) -> list[set[int]]:
-        own = lp if derived is chain and lp is not None else rounding_lp(derived, budget, max_lp_stages)
+        own = lp if derived is chain and lp is not None else rounding_lp(derived, budget, max_lp_stages, until)
         return _lp_sets(derived, budget, own)
-    return _search(chain, budget, mode, time_budget_s, sets, max_run)
+    return _search(chain, budget, mode, time_budget_s, sets, max_run, until)
 
 
 def _run_starts(chain: Chain, max_run: int) -> list[list[Recompute]]:
@@ -371,15 +375,19 @@ def _smallest_enough(chain: Chain) -> Callable[[np.ndarray, int], int]:
     return pick
 
 
-def cover_without_bandwidth(chain: Chain, budget: int) -> set[int]:
-    """Least-volume set that fits memory when copies are instant (greedy interval cover)."""
-    chosen = cover_peaks(chain, budget, _smallest_enough(chain))
+def cover_without_bandwidth(chain: Chain, budget: int, until: float = math.inf) -> set[int]:
+    """Least-volume set that fits memory when copies are instant (greedy interval cover); every
+    unit when it is not done by ``until``."""
+    chosen = cover_peaks(chain, budget, _smallest_enough(chain), until=until)
     return chosen if chosen is not None else set(chain.offloadable)
 
 
-def relax_bw(chain: Chain, budget: int, time_budget_s: float = 1.0, mode: str = "none", max_run: int = 0) -> Found:
-    """Solve the infinite-bandwidth relaxation, then search from there (module docstring)."""
+def relax_bw(chain: Chain, budget: int, time_budget_s: float = 1.0, mode: str = "none", max_run: int = 0,
+             until: Deadline | None = None) -> Found:
+    """Solve the infinite-bandwidth relaxation, then search from there (module docstring);
+    nothing runs past ``until``."""
     def sets(derived: Chain) -> list[set[int]]:
         # second start: the same volume taken from the earliest stages (most time to hide copies)
-        return [cover_without_bandwidth(derived, budget), _fill(derived, budget, set(), sorted(derived.offloadable))]
-    return _search(chain, budget, mode, time_budget_s, sets, max_run)
+        end = until.end if until is not None else math.inf
+        return [cover_without_bandwidth(derived, budget, end), _fill(derived, budget, set(), sorted(derived.offloadable))]
+    return _search(chain, budget, mode, time_budget_s, sets, max_run, until)

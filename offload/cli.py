@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 
@@ -50,7 +51,24 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+SIGNED = ("--budget", "-b", "--budgets")  # flags whose value a user may write with a minus
+
+
+def _with_signed_values(argv: list[str]) -> list[str]:
+    """``--budget -1GiB`` as ``--budget=-1GiB``: argparse takes a value starting with a minus for
+    another flag (and says "expected one argument"); joined, the value's own check speaks."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in SIGNED and re.match(r"-[0-9.]", arg):
+            flag = out.pop()
+            out.append(f"{flag}={arg}" if flag.startswith("--") else flag + arg)
+        else:
+            out.append(arg)
+    return out
+
+
 def _command(argv: list[str]) -> int:
+    argv = _with_signed_values(argv)
     with files.command() as command:  # the files this command reads and writes (offload.io.files)
         try:
             args = build_parser().parse_args(argv)

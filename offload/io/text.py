@@ -21,6 +21,8 @@ def parse_budget(text: str, reference_bytes: int) -> int:
     A plain number is a whole number of bytes (``0.3`` is refused: a share is written
     ``30%``), and every budget is at most 2**53 bytes."""
     t = text.strip().replace("_", "")
+    if t.startswith("-"):
+        raise FormatError(f"budget {text!r} is negative", "a budget is bytes (4000000000), a size (6GiB) or a share (60%)")
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(%|[a-zA-Z]*)", t)
     hint = "write bytes (4000000000), a size (6GiB, 800MB) or a share of the no-offload peak (60%)"
     if not m:
@@ -90,6 +92,13 @@ def printable(text: object) -> str:
     """``text`` with control characters (terminal escape sequences among them) written as
     ``\\xNN``: what a file says is shown, never interpreted by the terminal."""
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+
+
+def clipped(text: object, limit: int) -> str:
+    """``printable(text)`` cut to ``limit`` characters, saying how many more there were (a file's
+    free-text fields are shown, not dumped)."""
+    shown = printable(text)
+    return shown if len(shown) <= limit else f"{shown[:limit]}… ({len(shown) - limit} more characters)"
 
 
 def report_error(command: str, exc: OffloadError) -> int:

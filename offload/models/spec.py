@@ -30,7 +30,11 @@ def output_loss(output: Any) -> torch.Tensor:
     """The loss a model computed itself: ``output.loss`` (Hugging Face ``ModelOutput``) or
     ``output["loss"]``; ``ModelError`` naming what the output holds otherwise."""
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if not isinstance(loss, torch.Tensor):
+    if loss is not None and not (isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel() == 1):
+        raise ModelError(f"the model's output has a loss that is not a floating-point scalar tensor: "
+                         f"{type(loss).__name__} {str(loss)[:60]!r}", "return a scalar loss tensor, or a loss_fn "
+                         "from your model function")
+    if loss is None:
         raise ModelError(f"the model's output has no loss: {_describe(output)}",
                          "pass labels to the model (Hugging Face), or return a loss_fn from your model function")
     return loss
@@ -39,9 +43,8 @@ def output_loss(output: Any) -> torch.Tensor:
 def default_loss(output: Any) -> torch.Tensor:
     """``output_loss`` when the output carries a loss, else the mean of the squares of its
     floating-point tensors (a stand-in objective: the memory and time of a real one)."""
-    has_loss = isinstance(output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None),
-                          torch.Tensor)
-    if has_loss:
+    given = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if given is not None:  # the model computed a loss: that one, or an error (never something else in silence)
         return output_loss(output)
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not tensors:

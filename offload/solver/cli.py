@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from offload.errors import FormatError
 from offload.io.argtypes import fraction, integer, seconds
 from offload.io.files import input_path, output_path
-from offload.io.text import format_bytes, format_seconds, printable
+from offload.io.text import clipped, format_bytes, format_seconds, printable
 from offload.step.budget import Budget
 from offload.step.chain import Chain
 from offload.step.chainfile import load_chain
@@ -24,9 +25,10 @@ from offload.step.simulate import Simulation, simulate
 
 from .encoded_floor import floor
 from .floors import joint_floor
-from .methods import METHODS, Options, solve
+from .methods import METHODS, RECOMPUTING, Options, solve
 from .pulp_backend import SOLVERS
 
+MAX_NOTES = 12  # a chain's source notes shown by show and profile (a hand-made chain may hold any number)
 BUDGET_HELP = ("memory budget: bytes (4000000000), a size (6GiB, 800MB) or a share of the no-offload peak "
                "(60%%); activation memory unless --total")
 
@@ -44,9 +46,13 @@ def print_chain(chain: Chain) -> None:
         print(printable(f"model       {r.model}, batch {r.batch}, {r.dtype}, optimizer {r.optimizer}, seed {r.seed}"
                         + "".join(f", {k}={v}" for k, v in r.options.items())))
     if src:
-        print("source      " + printable(", ".join(f"{k}={v}" for k, v in src.items() if not isinstance(v, (dict, list)))))
-        for note in src.get("notes", ()):  # what the profiler found worth saying (stages it cannot re-run...)
-            print(f"note        {printable(str(note))}")
+        print("source      " + clipped(", ".join(f"{k}={clipped(v, 200)}" for k, v in src.items()
+                                                  if not isinstance(v, (dict, list))), 1000))
+        notes = list(src.get("notes", ())) if isinstance(src.get("notes"), list) else []
+        for note in notes[:MAX_NOTES]:  # what the profiler found worth saying (stages it cannot re-run...)
+            print(f"note        {clipped(note, 400)}")
+        if len(notes) > MAX_NOTES:
+            print(f"note        … and {len(notes) - MAX_NOTES} more notes in the chain's source.notes")
     p = chain.platform
     print(f"platform    D2H {p.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {p.h2d_bytes_per_s / 1e9:.2f} GB/s, "
           f"latency {format_seconds(p.latency_s)}" + (f" ({printable(p.note)})" if p.note else ""))
@@ -165,6 +171,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
     opts = Options(time_limit_s=args.time_limit, gap=args.gap, threads=args.threads, solver=args.solver,
                    heuristic_time_s=args.heuristic_time, verbose=args.verbose, encodings=args.encodings,
                    recompute=args.recompute, max_run=args.max_run)
+    for note in _unused_flags(args):
+        print(f"note: {note}", file=sys.stderr)
     if args.method == "ilp":
         print(f"solving with {args.solver} (time limit {args.time_limit:g} s, proven at a gap of {_percent(args.gap)})…",
               file=sys.stderr, flush=True)
@@ -179,6 +187,23 @@ def cmd_solve(args: argparse.Namespace) -> int:
         save_schedule(res.schedule, chain, args.output)
         print(f"wrote {args.output}")
     return 0
+
+
+def _unused_flags(args: argparse.Namespace) -> list[str]:
+    """What the command line asks that this solve will not do, said rather than ignored."""
+    notes = []
+    searching = args.method in ("ilp", "relax-lp", "relax-bw")
+    if args.recompute and not searching and args.method not in RECOMPUTING:
+        notes.append(f"--recompute: {args.method} never recomputes (ilp and relax-* may; recompute-only and "
+                     "checkpoint-* always do)")
+    if args.max_run != 8 and not (searching and args.recompute) and args.method != "recompute-only":
+        notes.append("--max-run: only ilp and relax-* with --recompute, and recompute-only, choose runs")
+    cores = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cores:
+        notes.append(f"--threads {args.threads}: this machine has {cores} cores; the solver gains nothing past them")
+    if args.threads is not None and args.method != "ilp":
+        notes.append("--threads: only the ilp method's MILP solver runs threads")
+    return notes
 
 
 def _percent(share: float) -> str:

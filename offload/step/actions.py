@@ -58,6 +58,9 @@ def check_recompute(chain: Chain, runs: Iterable[Recompute], offloads: Iterable[
     taken = {o.stage: "offloaded" for o in offloads}
     taken.update({i: "encoded" for i in (encode or {})})
     for run in runs:
+        if run.first > run.last:
+            raise ScheduleRejected(f"recomputed run {run.first}..{run.last}: its first stage comes after its last",
+                                   f"write it {run.last}..{run.first}")
         if not 1 <= run.first <= run.last < L:
             raise ScheduleRejected(f"recomputed run {run.first}..{run.last}: runs lie within stages 1..{L - 1} "
                                    f"(stage {L}'s backward runs right after its forward)")

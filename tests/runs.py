@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from offload.core.encoders import ENCODERS
 from offload.executor.train import TrainOptions, train
 from offload.solver.checkpointing import block_runs, sqrt_runs
 from offload.step.actions import Offload
@@ -39,6 +40,17 @@ def allowance(chain, sched, op):
     return TOLERANCE + shared
 
 
+def moved_as_predicted(chain, sched, measured, predicted) -> bool:
+    """Bytes moved per step equal to the prediction, to the byte, except where a unit is offloaded
+    with an encoder whose blob's size follows the data (``sparse``: dropout masks draw other
+    zeros every step, so its blob differs from the profiled one by a few bytes): there by at
+    most the eighth of those blobs that the host arena keeps spare for them."""
+    sizes = [(t.encoder, t.encoded_bytes) for o in sched.offloads if o.stage in sched.encode
+             for t in chain.stage(o.stage).encoding(sched.encode[o.stage]).tensors]
+    slack = sum(n // 8 for encoder, n in sizes if ENCODERS[encoder].variable_size)
+    return all(abs(m - p) <= slack for m, p in zip(measured, predicted))
+
+
 def check_run(chain, sched, backend, name):
     """Two steps checked against training without offloading: gradients bit for bit, no leak,
     bytes moved and each op's memory as predicted, the arena allocating nothing after step 1."""
@@ -47,7 +59,8 @@ def check_run(chain, sched, backend, name):
     assert report.grads_match is True, (name, report.grad_mismatches)
     m, p = report.measured, report.predicted
     assert max(m.leaked_by_step) == 0
-    assert (m.d2h_bytes_per_step, m.h2d_bytes_per_step) == (p.d2h_bytes_per_step, p.h2d_bytes_per_step)
+    assert moved_as_predicted(chain, sched, (m.d2h_bytes_per_step, m.h2d_bytes_per_step),
+                              (p.d2h_bytes_per_step, p.h2d_bytes_per_step))
     assert len(set(m.host_allocations)) == 1
     measured, predicted = m.op_peak_bytes, p.op_bytes
     assert list(measured) == list(predicted)

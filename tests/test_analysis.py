@@ -119,3 +119,10 @@ def test_cli_refuses_bad_input_without_output(tmp_path, capsys):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+
+
+def test_every_method_has_a_style_of_its_own():
+    """Each method is told apart in a sweep plot (five once shared one dark-grey line)."""
+    from offload.analysis.plots import _STYLE
+    assert set(_STYLE) == set(METHODS)
+    assert len({(color, str(ls), marker) for color, ls, marker in _STYLE.values()}) == len(_STYLE)

@@ -14,6 +14,7 @@ from offload.io.files import input_path, output_path, write_atomic
 from offload.io.text import format_bytes, format_seconds
 from offload.solver.cli import add_recompute_arguments
 from offload.solver.methods import METHODS, Options
+from offload.step.chain import Chain
 from offload.step.chainfile import load_chain
 from offload.step.encoding import MODE_HELP, MODES
 from offload.step.schedulefile import load_schedule
@@ -43,6 +44,22 @@ def _print_summary(rows: list[Row]) -> None:
               f"{proven:>9}{errors:>8}{format_seconds(max(r.solve_s for r in ok)):>13}")
 
 
+FLAT = 0.01  # every schedule that moves bytes within this of the ideal step: the link hides everything
+
+
+def _flat_link(chain: Chain, rows: list[Row]) -> str | None:
+    """Why every method came out equal, when every schedule that copies anything is within
+    ``FLAT`` of the ideal step: the chain's link hides every copy (a CPU's memcpy stands in for
+    the bus), so the sweep cannot tell the methods apart."""
+    moving = [r for r in rows if r.status in ("optimal", "feasible") and (r.d2h_bytes or 0) > 0]
+    if not moving or max(r.slowdown for r in moving) > 1 + FLAT:
+        return None
+    p = chain.platform
+    return (f"every schedule that offloads is within {FLAT:.0%} of the ideal step: this chain's link (D2H "
+            f"{p.d2h_bytes_per_s / 1e9:.3g} GB/s, latency {format_seconds(p.latency_s)}) hides every copy, so the "
+            "methods cannot be told apart; to plan for a GPU's link, profile with --bandwidth (e.g. 25GB/s)")
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from tqdm import tqdm
     chain = load_chain(args.chain)
@@ -68,6 +85,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                       f"wrote {args.output} with the {len(done)} of {cells} rows done; the others say interrupted") from None
     write_rows(args.output, rows)
     _print_summary(rows)
+    flat = _flat_link(chain, rows)
+    if flat:
+        print(f"warning: {flat}", file=sys.stderr)
     print(f"wrote {args.output} ({len(rows)} rows)")
     return 0
 

@@ -19,12 +19,16 @@ from offload.io.files import write_atomic  # noqa: E402
 from .sweep import Row  # noqa: E402
 from .timeline import Timeline  # noqa: E402
 
-# one style per method, stable across figures: the exact and heuristic methods solid, baselines dashed
+# one style per method, stable across figures: the exact and heuristic methods solid, offloading
+# baselines dashed, encodings dash-dotted, recomputation dotted (a test checks every method has one)
 _STYLE = {
     "ilp": ("black", "-", "o"), "relax-lp": ("tab:blue", "-", "s"), "relax-bw": ("tab:cyan", "-", "^"),
     "none": ("tab:gray", ":", "h"), "vdnn-all": ("tab:red", "--", "v"), "vdnn-conv": ("tab:orange", "--", "<"),
     "vdnn-dyn": ("tab:brown", "--", ">"), "layrub": ("tab:purple", "--", "D"), "swap-idle": ("tab:green", "-.", "P"),
     "swap-size-idle": ("olive", "-.", "X"), "save-on-cpu": ("tab:pink", ":", "*"),
+    "gist": ("teal", (0, (5, 1, 1, 1)), "d"), "gist-swap": ("darkslateblue", (0, (5, 1, 1, 1)), "p"),
+    "recompute-only": ("darkgoldenrod", (0, (1, 1)), "8"), "checkpoint-sqrt": ("firebrick", (0, (1, 2)), "1"),
+    "checkpoint-blocks": ("darkgreen", (0, (1, 2)), "2"),
 }
 
 
@@ -86,8 +90,10 @@ def _sweep_panel(ax: plt.Axes, chain: str, rows: list[Row], legend: bool) -> Non
     lo, hi = min(r.budget_bytes for r in rows), max(r.budget_bytes for r in rows)
     if lo < floor:
         ax.axvspan(lo / scale, floor / scale, color="0.88", zorder=0)
-        ax.text((lo + min(floor, hi)) / 2 / scale, 0.98, "no schedule fits", transform=ax.get_xaxis_transform(),
-                ha="center", va="top", fontsize=8, color="0.35")
+        recomputing = any(r.recompute for r in rows)
+        ax.text((lo + min(floor, hi)) / 2 / scale, 0.98, "no offloading schedule fits" if recomputing else
+                "no offloading schedule fits\n(recomputation may: sweep --recompute)",
+                transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=8, color="0.35")
     ax.axvline(peak / scale, color="0.6", lw=0.8, ls=":")
     by_method: dict[str, list[Row]] = defaultdict(list)
     for r in rows:

@@ -143,7 +143,8 @@ def compare_baselines(trainer: Trainer, steps: int, ours: Run, chain: Chain) -> 
     module = trainer.spec.module
     out: dict[str, Baseline] = {}
     for name, wrap in ways.items():
-        run, error = trainer.measure(steps, lambda args, kwargs: module(*args, **kwargs), wrap)
+        run, error = trainer.measure(steps, lambda args, kwargs: module(*args, **kwargs), wrap,
+                                     label="no offloading" if name == "no_offload" else name)
         peak = max(run.peaks) if run.peaks else None
         step_s = statistics.median(run.step_s) if run.step_s else None
         out[name] = Baseline(step_s, run.step_s, peak, None if peak is None else peak + chain.base_bytes,
@@ -163,6 +164,7 @@ def trace_step(path: str, trainer: Trainer, run: Offloaded) -> dict[str, Any]:
         trainer.synchronize()
     gc.collect()
     trainer.finish_step()
+    trainer.tick("traced step")
     with tempfile.TemporaryDirectory() as scratch:  # the profiler exports to a path, not a file object
         exported = Path(scratch) / "trace.json"
         prof.export_chrome_trace(str(exported))

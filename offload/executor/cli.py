@@ -3,6 +3,7 @@ parser only); torch is imported when the command runs."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from offload.errors import FormatError, OffloadError
 from offload.io.argtypes import integer, number
@@ -100,15 +101,22 @@ def _check_job(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from . import distributed
     from .train import TrainOptions, train
     speaks = distributed.rank() == 0  # one report for the job
     chain = load_chain(args.chain)
     schedule = load_schedule(args.schedule, chain)
-    opts = TrainOptions(steps=args.steps, device=args.device, backend=args.backend, optimizer=args.optimizer,
-                        lr=args.lr, check_grads=args.check_grads, compare=args.compare, trace=args.trace,
-                        op_memory=args.op_memory)
-    report, error = train(args.model, chain, schedule, opts, batch=args.batch)
+    with tqdm(desc="training", unit="step", file=sys.stderr, disable=args.quiet or not speaks, leave=False) as bar:
+        def progress(what: str, total: int) -> None:
+            bar.total = total
+            bar.set_postfix_str(what, refresh=False)
+            bar.update()
+        opts = TrainOptions(steps=args.steps, device=args.device, backend=args.backend, optimizer=args.optimizer,
+                            lr=args.lr, check_grads=args.check_grads, compare=args.compare, trace=args.trace,
+                            op_memory=args.op_memory, progress=progress)
+        report, error = train(args.model, chain, schedule, opts, batch=args.batch)
     if args.report and speaks:
         write_json(args.report, report.json())
     if speaks:
@@ -158,6 +166,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="read memory at every op's end in step 1 and compare each op with the simulator's (report: "
                         "measured.op_peak_bytes, predicted.op_bytes); on a GPU this synchronizes step 1 at every boundary")
     p.add_argument("--report", metavar="JSON", type=output_path, help="write the run report here (also when a step fails its budget)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.add_argument("--nproc", type=integer(1, 1024), default=1, metavar="N",
                    help="data-parallel ranks on this machine (through torch.distributed.run: gloo on the CPU, one GPU "
                         "each with NCCL); every rank trains DDP(model) staged with the schedule on its own batch, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -40,6 +41,7 @@ class TrainOptions:
     compare: bool = False  # also time the same steps without offloading and under save_on_cpu
     trace: str | None = None  # write a torch.profiler Chrome trace of one more step here
     op_memory: bool = False  # read memory at every stage boundary of the first step (per-op peaks)
+    progress: Callable[[str, int], None] | None = None  # (what is done, steps in all) after each step
 
 
 def _recipe_model(chain: Chain, model: str | None) -> ModelSpec:
@@ -130,11 +132,15 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
             reference.module = distributed.wrap(reference.module)
         check = GradCheck(reference, params, device)
     trainer = Trainer(spec, params, optimizer, device)
+    if opts.progress is not None:
+        total = trainer.steps_per_measure(opts.steps) * (3 if opts.compare else 1) + bool(opts.trace)
+        trainer.tick = lambda what: opts.progress(what, total)
     run = None
     try:  # the front door of every user's loop: the schedule is the chain's, the batch the profiled one
         run = Offloaded(spec.module if ranks == 1 else distributed.wrap(spec.module), chain, schedule, backend)
         steps, error = trainer.measure(opts.steps, lambda args, kwargs: run(*args, **kwargs), hooks=check,
-                                       runtime=run.runtime, probe=opts.op_memory)
+                                       runtime=run.runtime, probe=opts.op_memory,
+                                       label="offloaded" + (" (and the reference)" if check else ""))
     except HostMemoryShortfall as exc:  # the host arena: nothing ran
         steps, error = Run(), exc
     completed = error is None  # every step ran (it may still have gone over the budget)

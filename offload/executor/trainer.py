@@ -70,8 +70,13 @@ class Trainer:
     """Runs measured training steps of one model."""
 
     def __init__(self, spec: ModelSpec, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
-                 device: torch.device) -> None:
+                 device: torch.device, tick: Callable[[str], None] = lambda _: None) -> None:
         self.spec, self.params, self.optimizer, self.device = spec, params, optimizer, device
+        self.tick = tick  # told each step done: "<what> step <n>/<steps>"
+
+    def steps_per_measure(self, steps: int) -> int:
+        """The steps one ``measure`` of ``steps`` runs (on the CPU the timed ones come on top)."""
+        return steps if self.device.type == "cuda" else 2 * steps
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -92,22 +97,23 @@ class Trainer:
 
     def measure(self, steps: int, forward: Forward, wrap: Callable[[], ContextManager] = contextlib.nullcontext,
                 hooks: StepHooks | None = None, runtime: OffloadRuntime | None = None,
-                probe: bool = False) -> tuple[Run, OffloadError | None]:
+                probe: bool = False, label: str = "") -> tuple[Run, OffloadError | None]:
         """``steps`` steps with memory metered, then (on the CPU) ``steps`` more timed without the
         meter, after the metered ones warmed up; on a GPU the metered steps are timed, the first
         left out as a warm-up (``warmup_s``).  On running out of memory: the steps before it,
-        and the error.  With ``probe``, the
-        first step's memory is read at every op's end too (``run.op_peaks``, from ``runtime``)."""
-        run, error = self._metered(steps, forward, wrap, hooks or StepHooks(), runtime, probe)
+        and the error.  With ``probe``, the first step's memory is read at every op's end too
+        (``run.op_peaks``, from ``runtime``).  ``label`` names the way of training in ``tick``."""
+        run, error = self._metered(steps, forward, wrap, hooks or StepHooks(), runtime, probe, label)
         if self.device.type == "cuda":
             if len(run.step_s) > 1:  # the first step is a warm-up (kernel choice, allocator growth)
                 run.warmup_s, run.step_s = run.step_s[0], run.step_s[1:]
         elif error is None:
             run.metered_step_s = run.step_s
-            run.step_s, error = self._timed(steps, forward, wrap)
+            run.step_s, error = self._timed(steps, forward, wrap, label)
         return run, error
 
-    def _timed(self, steps: int, forward: Forward, wrap: Callable[[], ContextManager]) -> tuple[list[float], OffloadError | None]:
+    def _timed(self, steps: int, forward: Forward, wrap: Callable[[], ContextManager],
+               label: str) -> tuple[list[float], OffloadError | None]:
         times: list[float] = []
         for step in range(1, steps + 1):
             try:
@@ -123,10 +129,11 @@ class Trainer:
             except OffloadError as exc:
                 return times, exc
             self.finish_step()
+            self.tick(f"{label} timed step {step}/{steps}".strip())
         return times, None
 
     def _metered(self, steps: int, forward: Forward, wrap: Callable[[], ContextManager], hooks: StepHooks,
-                 runtime: OffloadRuntime | None, probe: bool) -> tuple[Run, OffloadError | None]:
+                 runtime: OffloadRuntime | None, probe: bool, label: str) -> tuple[Run, OffloadError | None]:
         run = _Metering(self, runtime, probe)
         for step in range(1, steps + 1):
             try:
@@ -137,6 +144,7 @@ class Trainer:
                 return run.run, exc
             hooks.after_step()
             self.finish_step()
+            self.tick(f"{label} {'metered ' if self.device.type != 'cuda' else ''}step {step}/{steps}".strip())
         return run.run, None
 
 

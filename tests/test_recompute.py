@@ -96,7 +96,7 @@ def test_rebuild_overlaps_the_prefetch_it_issued(small):
 
 @pytest.mark.parametrize("runs, offloads, words", [
     ([Recompute(4, 4)], [], "within stages 1..3"),
-    ([Recompute(2, 1)], [], "within stages"),
+    ([Recompute(2, 1)], [], "its first stage comes after its last"),  # was "runs lie within 1..3": true, unhelpful
     ([Recompute(1, 2), Recompute(2, 3)], [], "stage 2 is in two recomputed runs"),
     ([Recompute(1, 2)], [Offload(2, 3, 2)], "stage 2 is recomputed and offloaded"),
 ])

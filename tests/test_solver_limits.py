@@ -182,13 +182,14 @@ def test_sigterm_stops_a_sweep_and_its_workers(long_solve, tmp_path):
     out = tmp_path / "r.csv"
     seconds, rc, err = _interrupt_after(OFFLOAD + ["sweep", str(long_solve), "--methods", "ilp", "--budgets",
                                                    "30%:60%:6", "-j", "2", "--time-limit", "300", "-o", str(out)],
-                                        "sweeping", tmp_path, delay=4.0, signum=signal.SIGTERM, group=False)
+                                        "sweeping", tmp_path, delay=2.0, signum=signal.SIGTERM, group=False)
     assert rc == 143 and "stopped (SIGTERM)" in err
     assert seconds < 5
     time.sleep(0.5)
     assert _processes_of(str(long_solve)) == []
 
 
+@pytest.mark.slow  # 5 s; the stops themselves are the tests above
 def test_a_stopped_sweep_keeps_the_rows_it_finished(long_solve, tmp_path):
     """Ctrl-C once some cells are done: their rows are written, the others say interrupted, and
     the CSV still plots."""

@@ -21,6 +21,19 @@ ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 64 * 1024  # bytes a measured op may differ from its prediction (held storages dying mid-stage)
 
 
+class Profiled(dict):
+    """Chains by model name, each profiled (``make(name)``) the first time a test asks for it: a
+    module's fixture need not profile the models only its slow tests use."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, model: str):
+        self[model] = self.make(model)
+        return self[model]
+
+
 def recomputing(chain):
     """Every stage the executor can re-run recomputed on its own, the others offloaded at once;
     and runs of about sqrt(L) stages, nothing offloaded."""
@@ -67,6 +80,18 @@ def check_run(chain, sched, backend, name):
     assert all(0 <= predicted[op] - measured[op] <= allowance(chain, sched, op) for op in measured), \
         (name, {op: predicted[op] - measured[op] for op in measured if predicted[op] != measured[op]})
     return report
+
+
+def processes_of(marker: str) -> list[int]:
+    """The processes whose command line holds ``marker`` (a job's launcher, its workers, its ranks)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
 
 
 def _ranks(chain, sched, where: Path, cmd: list[str], out: str) -> tuple[str, dict]:

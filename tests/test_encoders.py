@@ -18,6 +18,7 @@ from offload.step.memory import floor_offloads
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import save_schedule
 from tests.cudashim import HostWaits
+from tests.runs import Profiled
 
 OPTIONS = {"resnet18": {"image": 16}, "mlp": {"layers": 4, "width": 256, "features": 64, "classes": 10}}
 
@@ -46,7 +47,7 @@ def test_encoders_round_trip(dtype, n):
 
 @pytest.fixture(scope="module")
 def chains():
-    return {m: profile(m, ProfileOptions(batch=2, repeats=1, warmup=1, options=OPTIONS[m])).chain for m in OPTIONS}
+    return Profiled(lambda m: profile(m, ProfileOptions(batch=2, repeats=1, warmup=1, options=OPTIONS[m])).chain)
 
 
 def test_profiler_masks_only_storages_read_for_their_sign(chains):

@@ -30,7 +30,7 @@ from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasib
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import save_schedule
 from offload.step.simulate import simulate
-from tests.runs import ROOT, check_run, recomputing
+from tests.runs import ROOT, Profiled, check_run, recomputing
 
 OPTIONS = {"resnet18": {"image": 16},
            "gpt": {"layers": 3, "width": 32, "heads": 4, "seq": 16, "vocab": 50, "dropout": 0.1},
@@ -40,7 +40,7 @@ FAST = ["gpt", "mlp"]
 
 @pytest.fixture(scope="module")
 def chains():
-    return {m: profile(m, ProfileOptions(batch=2, repeats=1, warmup=1, options=OPTIONS[m])).chain for m in OPTIONS}
+    return Profiled(lambda m: profile(m, ProfileOptions(batch=2, repeats=1, warmup=1, options=OPTIONS[m])).chain)
 
 
 def schedules(chain):
@@ -50,8 +50,8 @@ def schedules(chain):
     return {"none": make_schedule(chain, []), "all": everything, "solver": solved}
 
 
-@pytest.mark.parametrize("model, backend", [("gpt", "cpu-eager"), ("gpt", "cpu-lazy"), ("mlp", "cpu-eager"),
-                                            pytest.param("mlp", "cpu-lazy", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model, backend", [("gpt", "cpu-eager"), ("gpt", "cpu-lazy"),  # the MLP's in make test-all
+                                            *(pytest.param("mlp", b, marks=pytest.mark.slow) for b in ("cpu-eager", "cpu-lazy"))])
 def test_gradients_bit_exact_and_memory_as_predicted(chains, model, backend):
     for name, sched in schedules(chains[model]).items():
         report = check_run(chains[model], sched, backend, name)
@@ -59,8 +59,8 @@ def test_gradients_bit_exact_and_memory_as_predicted(chains, model, backend):
             assert report.measured.activation_peak_bytes < no_offload_peak(chains[model])
 
 
-@pytest.mark.parametrize("model, backend", [("gpt", "cpu-eager"), ("gpt", "cpu-lazy"), ("mlp", "cpu-eager"),
-                                            pytest.param("mlp", "cpu-lazy", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model, backend", [("gpt", "cpu-eager"), ("gpt", "cpu-lazy"),
+                                            *(pytest.param("mlp", b, marks=pytest.mark.slow) for b in ("cpu-eager", "cpu-lazy"))])
 def test_recomputation_bit_exact_and_memory_as_predicted(chains, model, backend):
     """Re-run forwards replay the same dropout masks; measured memory never above the model."""
     for name, sched in recomputing(chains[model]).items():

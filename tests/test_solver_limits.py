@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +22,7 @@ from offload.step.budget import Budget
 from offload.step.chainfile import load_chain, save_chain
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.step.simulate import simulate
-from tests.runs import ROOT
+from tests.runs import ROOT, processes_of
 
 OFFLOAD = [sys.executable, "-m", "offload"]
 
@@ -149,7 +148,7 @@ def _interrupt_after(cmd, wait_for, cwd, delay=1.0, signum=signal.SIGINT, group=
 def test_ctrl_c_stops_a_solve_at_once_and_writes_nothing(long_solve, tmp_path):
     out = tmp_path / "s.json"
     seconds, rc, err = _interrupt_after(OFFLOAD + ["solve", str(long_solve), "--budget", "30%", "--time-limit", "300",
-                                                   "-o", str(out)], "solving with", tmp_path, delay=4.0)
+                                                   "-o", str(out)], "solving with", tmp_path, delay=3.0)
     assert rc == 130 and "interrupted" in err
     assert seconds < 2
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".s.json")]
@@ -165,18 +164,6 @@ def test_ctrl_c_stops_a_sweep_and_its_workers(long_solve, tmp_path):
     assert not out.exists()
 
 
-def _processes_of(marker: str) -> list[int]:
-    """The processes whose command line holds ``marker``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                found.append(int(proc.name))
-        except OSError:
-            pass
-    return found
-
-
 def test_sigterm_stops_a_sweep_and_its_workers(long_solve, tmp_path):
     """``kill`` (SIGTERM to the sweep alone, not its group) stops its workers as Ctrl-C does
     (before: they solved on for ~90 s after the sweep died)."""
@@ -187,7 +174,7 @@ def test_sigterm_stops_a_sweep_and_its_workers(long_solve, tmp_path):
     assert rc == 143 and "stopped (SIGTERM)" in err
     assert seconds < 5
     time.sleep(0.5)
-    assert _processes_of(str(long_solve)) == []
+    assert processes_of(str(long_solve)) == []
 
 
 @pytest.mark.slow  # 5 s; the stops themselves are the tests above

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -104,18 +103,6 @@ def test_offload_train_on_two_ranks(chains, tmp_path):
     assert m["activation_peak_bytes"] == p["activation_peak_bytes"] and m["total_peak_bytes"] == p["total_peak_bytes"]
 
 
-def _job(marker: str) -> list[int]:
-    """The processes whose command line holds ``marker``: a job's launcher and its ranks."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                found.append(int(proc.name))
-        except OSError:  # gone meanwhile
-            pass
-    return found
-
-
 @pytest.mark.slow  # 10-20 s: two ranks start, train, and are stopped
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_offload_train_nproc_stops_the_whole_job(chains, tmp_path, signum):
@@ -130,15 +117,15 @@ def test_a_signal_to_offload_train_nproc_stops_the_whole_job(chains, tmp_path, s
     launcher = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(runs.ROOT), "OMP_NUM_THREADS": "1"},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while len(_job(str(tmp_path))) < 4 and time.monotonic() < deadline:  # launcher, torch.distributed.run, 2 ranks
+    while len(runs.processes_of(str(tmp_path))) < 4 and time.monotonic() < deadline:  # launcher, torchrun, 2 ranks
         time.sleep(0.2)
-    assert len(_job(str(tmp_path))) >= 4, "the job did not start"
+    assert len(runs.processes_of(str(tmp_path))) >= 4, "the job did not start"
     time.sleep(2)  # the ranks are training
     launcher.send_signal(signum)
     assert launcher.wait(timeout=distributed.STOP_GRACE_S + 20) == 128 + signum
     assert "the job and its ranks were stopped" in launcher.stderr.read()
     time.sleep(0.5)
-    assert _job(str(tmp_path)) == []
+    assert runs.processes_of(str(tmp_path)) == []
 
 
 # -- torch.compile -----------------------------------------------------------------------

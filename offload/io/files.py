@@ -58,21 +58,18 @@ class Command:
 
     def declare(self, path: str | os.PathLike) -> None:
         """An output named on the command line: refused if it is an input or another output."""
-        real = os.path.realpath(path)
-        self._not_an_input(real, path)
-        if real in self.declared:
-            raise FormatError(f"output {path} is also another output of this command ({self.declared[real]})",
-                              "give each output its own file")
-        self.declared[real] = str(path)
+        self._add(self.declared, path, "is also another output of this command")
 
     def write(self, path: str | os.PathLike) -> None:
         """About to write ``path``: refused if it was read, or written already, by this command."""
+        self._add(self.written, path, "was written already by this command")
+
+    def _add(self, outputs: dict[str, str], path: str | os.PathLike, twice: str) -> None:
         real = os.path.realpath(path)
         self._not_an_input(real, path)
-        if real in self.written:
-            raise FormatError(f"output {path} was written already by this command ({self.written[real]})",
-                              "give each output its own file")
-        self.written[real] = str(path)
+        if real in outputs:
+            raise FormatError(f"output {path} {twice} ({outputs[real]})", "give each output its own file")
+        outputs[real] = str(path)
 
     def check(self) -> None:
         """Every declared output against every input known now (all of them, once parsed)."""

@@ -11,7 +11,9 @@ import dataclasses
 import pytest
 
 from offload.errors import ChainMismatch
+from offload.executor import Offloaded
 from offload.executor.train import TrainOptions, train
+from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.actions import Offload, Recompute
@@ -35,11 +37,12 @@ def profiled():
     """``profiled(model, **options)``: the chain, profiled once per module."""
     cache = {}
 
-    def chain(model, **options):
-        key = (model, *sorted(options.items()))
+    def chain(model, keep_cache=False, **options):
+        key = (model, keep_cache, *sorted(options.items()))
         if key not in cache:
             options = {**MODELS[model], **options}
-            cache[key] = profile(model, ProfileOptions(batch=2, repeats=1, warmup=1, options=options)).chain
+            cache[key] = profile(model, ProfileOptions(batch=2, repeats=1, warmup=1, options=options,
+                                                       keep_cache=keep_cache)).chain
         return cache[key]
     return chain
 
@@ -95,10 +98,28 @@ def test_llama_blocks_recomputed_bit_exact(profiled, dropout, backend):
         check_run(chain, sched, backend, name)
 
 
-def test_a_key_value_cache_keeps_blocks_from_being_recomputed(profiled):
-    """transformers configs default to ``use_cache=True``: every attention call appends to the
-    cache, so a re-run would see another cache; the profiler says so and the executor refuses."""
+def test_a_key_value_cache_is_turned_off_for_training(profiled):
+    """transformers configs default to ``use_cache=True``: the profiler turns the cache off (one
+    note, ``cache_off`` in the recipe), so every block is recomputable; offload train does the
+    same and trains a recomputing schedule bit for bit; Offloaded refuses the model as built,
+    its cache still on, with the line to add."""
     chain = profiled("llama", cache=True)
+    assert chain.recipe.cache_off and chain.recipe != profiled("llama").recipe
+    assert len(chain.recomputable) >= MODELS["llama"]["layers"]
+    assert any("profiled with use_cache=False" in note for note in chain.source["notes"])
+    check_run(chain, recomputing(chain)["blocks+offload"], "cpu-eager", "cache turned off")
+    spec = resolve("llama", 2, {**MODELS["llama"], "cache": True})
+    with pytest.raises(ChainMismatch, match="model.config.use_cache = False"):
+        Offloaded(spec.module, chain, make_schedule(chain, []))
+    spec.module.config.use_cache = False
+    Offloaded(spec.module, chain, make_schedule(chain, []))
+
+
+def test_a_key_value_cache_kept_keeps_blocks_from_being_recomputed(profiled):
+    """``--keep-cache``: every attention call appends to the cache, so a re-run would see another
+    cache; the profiler says so and the executor refuses."""
+    chain = profiled("llama", keep_cache=True, cache=True)
+    assert not chain.recipe.cache_off
     assert len(chain.recomputable) < MODELS["llama"]["layers"]
     assert any("use_cache=False" in note for note in chain.source["notes"])
     block = min(set(range(1, chain.L)) - chain.recomputable)

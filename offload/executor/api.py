@@ -32,7 +32,7 @@ from offload.core.devices import persistent_tensors
 from offload.core.meters import make_meter
 from offload.core.staging import Site, Staging, unwrap
 from offload.errors import ChainMismatch
-from offload.models.spec import signature
+from offload.models.spec import signature, uses_cache
 from offload.step.chain import Chain
 from offload.step.chainfile import load_chain
 from offload.step.schedule import Schedule
@@ -83,6 +83,11 @@ class Offloaded(nn.Module):
         if self.schedule.chain_sha256 != self.chain.sha256:
             raise ChainMismatch(f"the schedule was made for chain {self.schedule.chain_name!r}, not for "
                                 f"{self.chain.name!r} (sha256 differs)", "solve again on this chain")
+        if self.chain.recipe is not None and self.chain.recipe.cache_off and uses_cache(unwrap(module)):
+            raise ChainMismatch("the model's config asks for a key/value cache (use_cache=True); the chain was "
+                                "profiled with it off: set model.config.use_cache = False before training",
+                                "a training step has no use for the cache, and it keeps every block from being "
+                                "recomputed (transformers turns it off under gradient checkpointing too)")
         self.module = module
         device = _device_of(module)
         self.runtime = OffloadRuntime(stage_like_chain(module, self.chain),

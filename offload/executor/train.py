@@ -19,6 +19,7 @@ import torch
 from offload.core.devices import DTYPES, make_optimizer, pick_device, running
 from offload.errors import BudgetExceeded, ChainMismatch, HostMemoryShortfall, OffloadError
 from offload.models import ModelSpec, resolve
+from offload.models.spec import cache_off
 from offload.step.chain import Chain
 from offload.step.schedule import Schedule
 
@@ -56,6 +57,8 @@ def _recipe_model(chain: Chain, model: str | None) -> ModelSpec:
                             "train the model the chain was made from, or profile this one")
     spec = resolve(r.model, r.batch, dict(r.options), r.seed)
     spec.autocast, spec.set_to_none = r.autocast, r.set_to_none
+    if r.cache_off:
+        cache_off(spec.module)
     return spec
 
 

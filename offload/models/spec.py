@@ -8,7 +8,6 @@ their own (Hugging Face ``labels=``) give it as ``output.loss`` or ``output["los
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -51,6 +50,18 @@ def default_loss(output: Any) -> torch.Tensor:
         raise ModelError(f"the model's output holds no floating-point tensor to differentiate: {_describe(output)}",
                          "return a loss_fn as the third element of your model function")
     return sum(t.float().square().mean() for t in tensors)
+
+
+def uses_cache(module: nn.Module) -> bool:
+    """Whether a transformers model's config asks for a key/value cache (``use_cache=True``, their
+    default): in a training step the model then builds one and hands it to every block."""
+    return getattr(getattr(module, "config", None), "use_cache", None) is True
+
+
+def cache_off(module: nn.Module) -> None:
+    """Turn a transformers model's key/value cache off, as transformers does under gradient
+    checkpointing."""
+    module.config.use_cache = False
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

@@ -46,7 +46,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                           repeats=args.repeats, warmup=args.warmup, stages=args.stages,
                           options=parse_options(args.option), seed=args.seed, platform=_platform(args), name=args.name,
                           encodings=not args.no_encodings, autocast=args.autocast,
-                          set_to_none=args.set_to_none)
+                          set_to_none=args.set_to_none, keep_cache=args.keep_cache)
     per_measure = 2 + opts.repeats  # warm-up, memory pass, the timed steps (twice with --stages)
     with tqdm(total=2 + per_measure * (2 if opts.stages else 1) + opts.encodings, desc=f"profiling {args.model}",
               unit="step", file=sys.stderr, disable=args.quiet, leave=False) as bar:
@@ -97,6 +97,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="free the gradients between steps (optimizer.zero_grad(set_to_none=True), PyTorch's default) "
                         "as the training will: they are then allocated during the backward and counted there, not "
                         "in base_bytes (default: zeroed in place, allocated all along)")
+    p.add_argument("--keep-cache", action="store_true",
+                   help="keep a transformers model's key/value cache on when its config asks for one (use_cache=True, "
+                        "their default); by default it is turned off for training, as transformers does under "
+                        "gradient checkpointing: a training step has no use for it, and it keeps every block from "
+                        "being recomputed")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
                    help="its state counts in base_bytes (default adam: two moments per weight)")
     p.add_argument("--repeats", type=integer(1, 1000), default=5,

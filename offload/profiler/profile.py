@@ -24,7 +24,7 @@ from offload.core.encoders import ENCODERS, usable_on
 from offload.core.staging import Staging
 from offload.errors import ModelError
 from offload.models import ModelSpec, resolve
-from offload.models.spec import signature
+from offload.models.spec import cache_off, signature, uses_cache
 from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage
 from offload.step.chainfile import make_chain
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
@@ -56,6 +56,7 @@ class ProfileOptions:
     encodings: bool = True  # find and measure encodable storages (profiler.encodable)
     autocast: str | None = None  # "bfloat16" | "float16": forward and loss under torch.autocast
     set_to_none: bool = False  # zero_grad(set_to_none=True) between steps, as the training will
+    keep_cache: bool = False  # keep a transformers model's key/value cache on (its config's use_cache=True)
 
 
 @dataclass
@@ -107,6 +108,9 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     device = pick_device(opts.device)
     spec = resolve(model, opts.batch, opts.options, opts.seed)
     spec.autocast, spec.set_to_none = opts.autocast, opts.set_to_none
+    turned_off = not opts.keep_cache and uses_cache(spec.module)
+    if turned_off:
+        cache_off(spec.module)
 
     with running(f"running {model}"):
         spec.place(device, DTYPES[opts.dtype])
@@ -122,6 +126,10 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
             stages, runner, result = _measured(cap, [cuts[e] for e in ends], spec, device, opts, tick)
         elif opts.stages and opts.stages > stages.L:
             stages.notes.append(f"asked for {opts.stages} stages; the model has {stages.L} cut points' worth")
+        if turned_off:
+            stages.notes.append("the model's config asks for a key/value cache (use_cache=True), which a training step "
+                                "has no use for and which keeps every block from being recomputed: profiled with "
+                                "use_cache=False; train with model.config.use_cache = False (--keep-cache keeps it on)")
         encodings: list[tuple[Encoding, ...]] = [() for _ in range(stages.L)]
         if opts.encodings:
             encodings = [stage_encodings(s) for s in encodings_pass(runner)]
@@ -133,12 +141,12 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
         runner.staging.remove()
     plat = opts.platform or measure_platform(device)
     tick("platform")
-    chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings)
+    chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, turned_off)
     return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, spec.module) + timing_warnings(result))
 
 
 def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: Stages, m: Measurement,
-              plat: Platform, spec: ModelSpec, encodings: list[tuple[Encoding, ...]]) -> Chain:
+              plat: Platform, spec: ModelSpec, encodings: list[tuple[Encoding, ...]], turned_off: bool) -> Chain:
     steps = sorted(m.step_s)
     source: dict[str, Any] = {
         "description": spec.description,
@@ -159,7 +167,7 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
     recipe = Recipe(model=model, batch=opts.batch, options=dict(spec.options), dtype=opts.dtype, seed=opts.seed,
                     optimizer=opts.optimizer, cuts=tuple(c.text for c in stages.cuts),
                     inputs=signature(spec.args, spec.kwargs), autocast=opts.autocast,
-                    set_to_none=opts.set_to_none)
+                    set_to_none=opts.set_to_none, cache_off=turned_off)
     rows = [Stage(name=info.name, kind=info.kind, fwd_s=s.fwd_s, bwd_s=s.bwd_s, saved_bytes=s.saved_bytes,
                   fwd_peak_bytes=s.fwd_peak_bytes, bwd_peak_bytes=s.bwd_peak_bytes, need_from=s.need_from, encodings=enc,
                   held_bytes=s.held_bytes, held_until=s.held_until, input_bytes=s.input_bytes,

@@ -147,7 +147,10 @@ class Recipe:
     (``name:dtype[shape]`` per input tensor: ``0:float32[8,3,224,224]``, ``input_ids:int64[8,128]``)
     and the autocast dtype the forward and loss ran under, if any, and whether gradients were
     freed between steps (``zero_grad(set_to_none=True)``: then they are allocated during the
-    backward and counted in its ops' memory, not in ``base_bytes``).
+    backward and counted in its ops' memory, not in ``base_bytes``), and whether the profiler
+    turned the model's key/value cache off (``cache_off``: its transformers config asked for
+    one, ``use_cache=True``, which a training step has no use for and which keeps every block
+    from being recomputed; training must turn it off too).
     Part of the chain's identity: a schedule made for one recipe is refused for another."""
 
     model: str
@@ -160,6 +163,7 @@ class Recipe:
     inputs: tuple[str, ...] = ()
     autocast: str | None = None  # "bfloat16" | "float16": profiled under torch.autocast to this dtype
     set_to_none: bool = False  # gradients freed between steps, allocated by the backward
+    cache_off: bool = False  # the model's key/value cache (config.use_cache) turned off for training
 
 
 def _column(field: str, dtype: type = np.int64) -> cached_property:
@@ -296,6 +300,8 @@ class Chain:
                 doc["recipe"]["autocast"] = r.autocast
             if r.set_to_none:  # the same
                 doc["recipe"]["set_to_none"] = True
+            if r.cache_off:  # the same
+                doc["recipe"]["cache_off"] = True
         return doc
 
     @cached_property

@@ -33,7 +33,8 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
-_RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none"}
+_RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none",
+                "cache_off"}
 _INPUT = re.compile(r"[^:]+:[a-z0-9]+\[[0-9,]*\]")
 
 
@@ -97,7 +98,8 @@ def recipe_from_dict(d: Any) -> Recipe:
                   cuts=v.matching(d, "cuts", "recipe", _SITE, "call sites (module path, optional @call and [value])"),
                   inputs=v.matching(d, "inputs", "recipe", _INPUT, "input signatures (name:dtype[shape])"),
                   autocast=v.choice(d, "autocast", "recipe", AUTOCAST),
-                  set_to_none=v.flag(d, "set_to_none", "recipe", False))
+                  set_to_none=v.flag(d, "set_to_none", "recipe", False),
+                  cache_off=v.flag(d, "cache_off", "recipe", False))
 
 
 def _stage(s: Any, i: int, L: int) -> Stage:

@@ -47,10 +47,6 @@ NOISE_MARGIN = 2.0  # ours is within the noise when it differs from the referenc
 NOISE_SAMPLES = 2  # extra reference runs that measure the floor, at a step whose gradients differ
 
 
-def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [p.grad.detach().clone() for p in params]
-
-
 def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     """||a - b|| / ||b|| over all the tensors, in float64."""
     diff = sum(float((x.double() - y.double()).square().sum()) for x, y in zip(a, b))
@@ -110,7 +106,8 @@ class GradCheck(StepHooks):
         self.state = _rng_state(self.device)
 
     def _reference_step(self) -> list[torch.Tensor]:
-        """The reference's gradients for our weights and our step's random numbers."""
+        """The reference's gradients for our weights and our step's random numbers (its own
+        ``.grad`` tensors: the next reference step replaces them)."""
         _set_rng_state(self.state, self.device)
         with torch.no_grad():
             for mine, ref in zip(self.params, self.ref_params):
@@ -120,13 +117,16 @@ class GradCheck(StepHooks):
         with self.reference.autocasting():
             loss = self.reference.loss(self.reference.module(*args, **kwargs))
         loss.backward()
-        return _grads(self.ref_params)
+        return [p.grad for p in self.ref_params]
 
     def after_step(self) -> None:
         after = _rng_state(self.device)
-        ours, ref = _grads(self.params), self._reference_step()
+        ours, ref = [p.grad for p in self.params], self._reference_step()
         mismatches = sum(not torch.equal(a, b) for a, b in zip(ours, ref))
-        floor = max(_relative(self._reference_step(), ref) for _ in range(NOISE_SAMPLES)) if mismatches else None
+        floor = None
+        if mismatches:  # the reference again, its first gradients kept aside: copies only where they differ
+            ref = [g.clone() for g in ref]
+            floor = max(_relative(self._reference_step(), ref) for _ in range(NOISE_SAMPLES))
         _set_rng_state(after, self.device)
         self.mismatches.append(mismatches)
         self.rel_diffs.append(_relative(ours, ref))

@@ -39,7 +39,6 @@ from .recompute import by_op
 FORWARD, BACKWARD = "forward", "backward"  # an op's compute
 ENCODE, D2H, RELEASE = "encode", "d2h", "release"
 FREE, H2D, RECOMPUTE, WAIT, DECODE = "free", "h2d", "recompute", "wait", "decode"
-KINDS = (FORWARD, ENCODE, D2H, RELEASE, FREE, H2D, RECOMPUTE, WAIT, DECODE, BACKWARD)
 CLOSING = frozenset({RELEASE, FREE})  # the backward boundary's events that end the op before it
 
 

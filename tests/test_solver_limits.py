@@ -17,6 +17,7 @@ from offload.solver.deadline import Deadline
 from offload.solver.ilp import solve_ilp
 from offload.solver.methods import Options, solve
 from offload.step import encoding
+from offload.step import memory
 from offload.step.actions import Recompute
 from offload.step.budget import Budget
 from offload.step.chainfile import load_chain, save_chain
@@ -98,8 +99,8 @@ def test_every_phase_of_a_solve_stops_at_its_deadline(monkeypatch):
     assert relax.cover_without_bandwidth(chain, budget, until=time.perf_counter() - 1) == set(chain.offloadable)
     runs = [Recompute(i, i) for i in sorted(chain.recomputable)[::3]]
     reads = []
-    real = policy.forward_checkpoint
-    monkeypatch.setattr(policy, "forward_checkpoint", lambda *a: (reads.append(1), real(*a))[1])
+    real = memory.forward_checkpoint
+    monkeypatch.setattr(memory, "forward_checkpoint", lambda *a: (reads.append(1), real(*a))[1])
     policy.release_asap(chain, [], 10 ** 15, runs)
     assert 0 < len(reads) <= 3 * len(runs)
 

@@ -29,7 +29,7 @@ import numpy as np
 from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain
 from offload.step.events import prefetch_order
-from offload.step.memory import floor_savings, forward_checkpoint, op_memory
+from offload.step.memory import floor_savings, forward_checkpoint_changes, op_memory
 
 Points = dict[int, int]
 
@@ -141,17 +141,11 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
 
 def _checkpoint_changes(chain: Chain, starts: Iterable[int]) -> np.ndarray:
     """Per forward op ``Fj``, how much the checkpoints of runs starting at ``starts`` hold more
-    than during ``F(j-1)``: ``memory.forward_checkpoint`` changes only where ``F(s+1)``,
-    ``F(s+2)`` and ``F(held_until + 1)`` start, so this is O(L + runs), not O(L x runs)."""
-    L = chain.L
-    change = np.zeros(L + 2, dtype=np.int64)
+    than during ``F(j-1)``: O(L + runs), not O(L x runs)."""
+    change = np.zeros(chain.L + 2, dtype=np.int64)
     for s in starts:
-        counted = 0
-        for j in sorted({s + 1, s + 2, int(chain.held_until[s]) + 1}):
-            if j <= L:
-                now = forward_checkpoint(chain, s, j)
-                change[j] += now - counted
-                counted = now
+        for j, delta in forward_checkpoint_changes(chain, s):
+            change[j] += delta
     return change
 
 

@@ -44,6 +44,19 @@ def forward_checkpoint(chain: Chain, s: int, j: int) -> int:
     return int(chain.x[s] - (chain.xh[s] if j <= chain.held_until[s] else 0))
 
 
+def forward_checkpoint_changes(chain: Chain, s: int) -> list[tuple[int, int]]:
+    """``(j, bytes)``: where the checkpoint of a run starting at ``s`` changes in the forward (by
+    how much as ``Fj`` starts).  ``forward_checkpoint`` changes only where ``F(s+1)``, ``F(s+2)``
+    and ``F(held_until+1)`` start, so a walk over these is O(1) per run, not O(L)."""
+    out, counted = [], 0
+    for j in sorted({s + 1, s + 2, int(chain.held_until[s]) + 1}):
+        if j <= chain.L:
+            now = forward_checkpoint(chain, s, j)
+            out.append((j, now - counted))
+            counted = now
+    return out
+
+
 def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute]) -> np.ndarray:
     """Per op, the bytes of units and checkpoints resident, without the recomputations' own."""
     L = chain.L
@@ -66,14 +79,11 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
 
     def checkpoint(s: int, n: int) -> None:
         """Run ``s..``'s checkpoint until its rebuild at ``Bn``: ``forward_checkpoint`` in the
-        forward (it changes only where ``F(s+1)``, ``F(s+2)`` and ``F(held_until+1)`` start), then
-        ``input_bytes``."""
+        forward, then ``input_bytes``."""
         counted = 0
-        for j in sorted({s + 1, s + 2, int(chain.held_until[s]) + 1}):
-            if j <= L:
-                now = forward_checkpoint(chain, s, j)
-                diff[j - 1] += now - counted
-                counted = now
+        for j, change in forward_checkpoint_changes(chain, s):
+            diff[j - 1] += change
+            counted += change
         diff[L] += int(chain.x[s]) - counted
         diff[2 * L - n] -= int(chain.x[s])
 

@@ -29,7 +29,7 @@ from offload.step.chain import Chain
 
 from .api import Offloaded
 from .overlap import copy_overlap
-from .report import Baseline
+from .report import Baseline, total
 from .trainer import Run, StepHooks, Trainer, step_errors
 
 
@@ -147,7 +147,7 @@ def compare_baselines(trainer: Trainer, steps: int, ours: Run, chain: Chain) -> 
                                      label="no offloading" if name == "no_offload" else name)
         peak = max(run.peaks) if run.peaks else None
         step_s = statistics.median(run.step_s) if run.step_s else None
-        out[name] = Baseline(step_s, run.step_s, peak, None if peak is None else peak + chain.base_bytes,
+        out[name] = Baseline(step_s, run.step_s, peak, total(peak, chain),
                              str(error) if error else None,
                              statistics.median(ours.step_s) / step_s if step_s and ours.step_s else None)
     return out

@@ -27,6 +27,11 @@ from offload.step.simulate import simulate
 REPORT_FORMAT = "offload-report/1"
 
 
+def total(activation_bytes: int | None, chain: Chain) -> int | None:
+    """A peak of the activations as a total one: plus the chain's ``base_bytes``."""
+    return None if activation_bytes is None else activation_bytes + chain.base_bytes
+
+
 @dataclass
 class Measured:
     """The steps as they ran (``None``: not measured, or no step completed)."""
@@ -49,7 +54,7 @@ class Measured:
     def set_peak(self, activation_bytes: int | None, chain: Chain) -> None:
         """The activation peak, and the total one with the chain's ``base_bytes``."""
         self.activation_peak_bytes = activation_bytes
-        self.total_peak_bytes = None if activation_bytes is None else activation_bytes + chain.base_bytes
+        self.total_peak_bytes = total(activation_bytes, chain)
 
     def set_times(self, times: list[float]) -> None:
         self.step_times_s = list(times)
@@ -114,7 +119,7 @@ class Report:
         """A report of ``schedule`` on ``chain``, its prediction made, nothing measured yet."""
         sim = simulate(chain, schedule.offloads, encode=schedule.encode, recompute=schedule.recompute)
         predicted = Predicted(step_s=sim.makespan_s, stall_s=sim.stall_s, activation_peak_bytes=sim.peak_bytes,
-                              total_peak_bytes=sim.peak_bytes + chain.base_bytes, d2h_bytes_per_step=sim.d2h_bytes,
+                              total_peak_bytes=total(sim.peak_bytes, chain), d2h_bytes_per_step=sim.d2h_bytes,
                               h2d_bytes_per_step=sim.h2d_bytes, copy_overlap=sim.copy_overlap,
                               op_bytes={o.name: o.mem_bytes for o in sim.ops} if op_memory else None)
         return cls(chain=chain.name, chain_sha256=chain.sha256, method=schedule.method, backend=backend,

@@ -84,12 +84,11 @@ def _command(argv: list[str]) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
         except KeyboardInterrupt as exc:
-            signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
-            note = exc.note if isinstance(exc, Stopped) else "no output written"
-            print(f"offload {args.command}: {'interrupted' if signum == signal.SIGINT else 'stopped'} "
-                  f"({signal.Signals(signum).name}); {note}", file=sys.stderr, flush=True)
+            stop = Stopped.of(exc)
+            print(f"offload {args.command}: {'interrupted' if stop.signum == signal.SIGINT else 'stopped'} "
+                  f"({signal.Signals(stop.signum).name}); {stop.note}", file=sys.stderr, flush=True)
             sys.stdout.flush()
-            os._exit(128 + signum)  # now: a cancelled MILP solver thread may still be finishing its presolve
+            os._exit(128 + stop.signum)  # now: a cancelled MILP solver thread may still be finishing its presolve
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ number when stopped by Ctrl-C (130) or SIGTERM (143).
 """
 from __future__ import annotations
 
+import signal
+
 
 class Stopped(KeyboardInterrupt):
     """A command stopped by a signal: Ctrl-C (SIGINT) or SIGTERM.  Every ``except
@@ -20,6 +22,12 @@ class Stopped(KeyboardInterrupt):
     def __init__(self, signum: int, note: str = "no output written") -> None:
         super().__init__(note)
         self.signum, self.note = signum, note
+
+    @classmethod
+    def of(cls, exc: KeyboardInterrupt, note: str | None = None) -> "Stopped":
+        """``exc`` as a ``Stopped`` (a bare ``KeyboardInterrupt`` is Ctrl-C's), with ``note`` if given."""
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        return cls(signum, note or (exc.note if isinstance(exc, Stopped) else "no output written"))
 
 
 class OffloadError(Exception):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -81,8 +80,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         finished = {(r.method, r.budget_bytes) for r in done}
         write_rows(args.output, ordered(done + [unsolved(chain, m, b, options, "interrupted") for m in methods
                                                 for b in budgets if (m, b.nbytes) not in finished]))
-        raise Stopped(getattr(exc, "signum", signal.SIGINT),
-                      f"wrote {args.output} with the {len(done)} of {cells} rows done; the others say interrupted") from None
+        raise Stopped.of(exc, f"wrote {args.output} with the {len(done)} of {cells} rows done; the others say "
+                              "interrupted") from None
     write_rows(args.output, rows)
     _print_summary(rows)
     flat = _flat_link(chain, rows)

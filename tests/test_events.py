@@ -40,7 +40,7 @@ def schedules(draw):
     return chain, make_schedule(chain, offloads, runs, encode=encode)
 
 
-@settings(max_examples=100, **SETTINGS)
+@settings(max_examples=60, **SETTINGS)
 @given(schedules())
 def test_simulator_and_executor_plan_read_the_same_table(cs):
     chain, sched = cs

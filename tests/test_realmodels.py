@@ -128,6 +128,7 @@ def test_a_key_value_cache_kept_keeps_blocks_from_being_recomputed(profiled):
     assert isinstance(error, ChainMismatch) and "use_cache=False" in str(error), error
 
 
+@pytest.mark.slow  # the cache test below recomputes and offloads a llama in make test; this one adds bf16 autocast
 def test_llama_in_bf16_autocast_recomputed_and_offloaded_bit_exact():
     """The setup that reported differing gradients on an H100 (shared/gpu: a 16-layer Llama,
     SDPA, bf16 autocast, joint schedule): attention dropout on, every block re-run under the

@@ -100,7 +100,8 @@ def _ranks(chain, sched, where: Path, cmd: list[str], out: str) -> tuple[str, di
     save_chain(chain, where / "c.json")
     save_schedule(sched, chain, where / "s.json")
     files = {"chain": str(where / "c.json"), "schedule": str(where / "s.json")}
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # the caller's packages too
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, *(a.format(**files) for a in cmd)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

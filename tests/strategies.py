@@ -35,6 +35,7 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
     checkpoint in it (and in the held part), a smaller forward transient when recomputed, the
     gradient live as the backward starts, and sometimes ``recomputable: false``."""
     L = draw(st.integers(min_stages, max_stages))
+    host = draw(st.integers(0, 2)) == 0  # a GPU whose host issues kernels slower than some stages run
     stages = []
     for i in range(1, L + 1):
         saved = draw(st.integers(0, 100))
@@ -49,6 +50,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             "encodings": _encodings(draw, saved) if encodings else [],
             "input_bytes": draw(st.integers(0, 60)) if inputs and i > 1 else 0,
         })
+        if host:
+            stages[-1].update(fwd_host_s=draw(st.integers(0, 15)) / 1000, bwd_host_s=draw(st.integers(0, 25)) / 1000)
         if saved and i + 2 <= L and draw(st.integers(0, 3)) == 0:  # part held by the model's own code
             stages[-1].update(held_bytes=draw(st.integers(1, saved)), held_until=draw(st.integers(i + 2, L)))
         if inputs:

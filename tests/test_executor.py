@@ -15,7 +15,7 @@ from offload.cli import main
 from offload.errors import BudgetExceeded, ChainMismatch, HostMemoryShortfall, OutOfMemory
 from offload.executor import Offloaded
 from offload.executor.backends import CpuLazyBackend
-from offload.executor.checks import deterministic_kernels
+from offload.core.devices import deterministic_kernels
 from offload.executor.plan import StepPlan
 from offload.executor.runtime import _Step
 from offload.executor.train import TrainOptions, train

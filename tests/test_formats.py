@@ -28,6 +28,15 @@ def test_hash_ignores_source_but_not_content():
     assert a.sha256 != chain_from_dict(doc).sha256
 
 
+def test_workspace_bytes_round_trip_and_count_in_the_identity_only_when_there():
+    plain = chain_from_dict(chain_doc(base_bytes=1000))
+    doc = chain_doc(base_bytes=1000, workspace_bytes=300)
+    cuda = chain_from_dict(doc)
+    assert cuda.workspace_bytes == 300 and chain_from_dict(cuda.document()) == cuda
+    assert plain.sha256 == chain_from_dict(chain_doc(base_bytes=1000, workspace_bytes=0)).sha256 != cuda.sha256
+    assert "workspace_bytes" not in plain.document()  # chains from before it keep their sha256
+
+
 @pytest.mark.parametrize("mutate, words", [
     (lambda d: d.update(format="nope"), "format"),
     (lambda d: d["stages"][1].pop("fwd_s"), "stages[2].fwd_s"),
@@ -51,6 +60,7 @@ def test_hash_ignores_source_but_not_content():
     (lambda d: d["stages"][0].update(encodings=[{"name": "x", "encode_s": 0, "decode_s": 0, "tensors": [
         {"index": 0, "encoder": "sparse", "bytes": 10, "encoded_bytes": 10 ** 6}]}]), "far above"),
     (lambda d: d.update(stages=[]), "stages"),
+    (lambda d: d.update(base_bytes=100, workspace_bytes=101), "workspace_bytes"),  # a part of the base
 ])
 def test_malformed_chain_names_the_field(mutate, words):
     doc = chain_doc()

@@ -79,3 +79,19 @@ def test_copy_directions_never_overlap(cb):
     copies = simulate(chain, floor_offloads(chain)).copies
     d2h_end = max((c.end for c in copies if c.direction == "D2H"), default=0.0)
     assert all(c.start >= d2h_end for c in copies if c.direction == "H2D")
+
+
+def test_an_op_ends_no_earlier_than_the_host_has_issued_it():
+    """Four stages of 1 s forward, 2 s backward on the device; the host takes 1.5 s to issue
+    each forward and 1 s each backward: the forward is host-bound (it ends at 1.5, 3, 4.5,
+    6), the backward device-bound again once the host is ahead (B4 ends at 8, then +2 each).
+    A D2H is issued as its forward really ends, and the waits are not copy stalls."""
+    doc = chain_doc()
+    for s in doc["stages"]:
+        s.update(fwd_host_s=1.5, bwd_host_s=1.0)
+    chain = chain_from_dict(doc)
+    sim = simulate(chain, [])
+    assert list(sim.end) == [1.5, 3.0, 4.5, 6.0, 8.0, 10.0, 12.0, 14.0]
+    assert sim.host_wait_s == pytest.approx(4 * 0.5) and sim.stall_s == 0
+    moved = simulate(chain, [Offload(1, 2, 2)])
+    assert moved.copies[0].issue == 1.5  # as F1 ends, not when its kernels would have on an idle host

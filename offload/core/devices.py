@@ -8,11 +8,14 @@ the executor must share so that a chain describes the training step that runs.
 * ``persistent_tensors``: weights, buffers, gradients, optimizer state and plain tensor
   attributes of the modules: the constant ``base_bytes``, never part of a unit.
 * ``running``: the user's model failing becomes one ``ModelError`` with a hint.
+* ``deterministic_kernels``: CUDA's deterministic algorithms, for the gradient check (the
+  profiler reads the memory of a step under them too: their workspaces differ).
 * ``available_host_bytes``: host memory this process may still take (its container's too).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -117,3 +120,28 @@ def available_host_bytes() -> int | None:
     if limit is not None and usage is not None:
         available = min(available, limit - usage) if available is not None else limit - usage
     return available
+
+
+@contextlib.contextmanager
+def deterministic_kernels(device: torch.device) -> Iterator[bool]:
+    """On CUDA, deterministic kernels for this block (cuDNN's, cuBLAS's with a fixed workspace,
+    torch's deterministic algorithms, warning where an op has none), so that two runs of one
+    step give the same bits; the settings are put back after.  Yields whether it changed
+    anything (the CPU's kernels are deterministic already).  ``CUBLAS_WORKSPACE_CONFIG`` takes
+    effect where cuBLAS starts after it: at the start of ``offload train``."""
+    if device.type != "cuda":
+        yield False
+        return
+    cudnn = torch.backends.cudnn
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             cudnn.deterministic, cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield True
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        cudnn.deterministic, cudnn.benchmark = saved[2], saved[3]
+        if saved[4] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)

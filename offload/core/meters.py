@@ -108,6 +108,11 @@ class CpuMeter(TorchDispatchMode):
                 self._register(t)
         return out
 
+    @property
+    def untracked(self) -> int:
+        """Live bytes that no tracked or counted tensor holds: none, by construction."""
+        return 0
+
     def boundary(self) -> tuple[int, int]:
         """(peak since the last boundary, live now); starts the next interval."""
         peak, self.peak = self.peak, self.live
@@ -160,12 +165,27 @@ class CudaMeter:
         self.reserved_peak: int | None = 0
         self._prior: int | None = None  # the allocated-bytes peak before the meter's first reset
         self._highest = 0  # the meter's highest reading
+        self._tracked: dict[int, int] = {}  # storage address -> bytes, of the tensors named by ``track``
 
-    def track(self, tensors: Iterable[Any]) -> None:  # the allocator already sees everything
-        pass
+    def track(self, tensors: Iterable[Any]) -> None:
+        """The allocator already counts these; their bytes are noted so that ``untracked`` can
+        tell what it holds beyond them."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.layout == torch.strided:
+                storage = t.untyped_storage()
+                self._tracked.setdefault(storage.data_ptr(), storage.nbytes())
 
-    def ignore(self, tensors: Iterable[Any]) -> None:  # pinned host memory is not in its counters
-        pass
+    @property
+    def untracked(self) -> int:
+        """Bytes the allocator holds now beyond the tracked tensors: cuBLAS/cuDNN workspaces
+        (made on their first use, then kept), its rounding of every block, and whatever else
+        holds device memory without a tensor the caller named."""
+        return self.live - sum(self._tracked.values())
+
+    def ignore(self, tensors: Iterable[Any]) -> None:
+        """Pinned host memory is not in the allocator's counters; device tensors are, and cannot
+        be left out of them: they are noted as known, like tracked ones."""
+        self.track(tensors)
 
     @property
     def live(self) -> int:
@@ -204,9 +224,10 @@ class CudaMeter:
         if need <= 0 or torch.cuda.max_memory_allocated(self.device) >= target:
             return
         if not _cached_block_fits(self.device, need):
-            warnings.warn(f"the allocator's peak counters were reset to meter each op; the device's allocated-bytes "
-                          f"peak before and during the metered steps was {target} B "
-                          "(torch.cuda.max_memory_allocated() now reports less)", stacklevel=3)
+            # one message whatever the bytes: Python then shows it once, not after every metered step
+            warnings.warn("the allocator's peak counters were reset to meter each op, and no free cached block could "
+                          "raise them back: torch.cuda.max_memory_allocated() now reports less than the device's "
+                          "peak before and during the metered steps", stacklevel=3)
             return
         _touch(self.device, need)
 
@@ -233,11 +254,14 @@ def _touch(device: torch.device, nbytes: int) -> None:
 
 
 class Clock:
-    """Timestamps at boundaries; ``intervals()`` gives the seconds between consecutive marks."""
+    """Timestamps at boundaries; ``intervals()`` gives the seconds between consecutive marks.
+    On CUDA the host's own times are noted too (``host_intervals``): when it had issued each
+    interval's work, which the device may be waiting for."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.cuda = device, device.type == "cuda"
         self.marks: list[Any] = []
+        self.host_marks: list[float] = []
 
     def mark(self) -> None:
         if self.cuda:
@@ -246,6 +270,14 @@ class Clock:
             self.marks.append(ev)
         else:
             self.marks.append(time.perf_counter())
+        self.host_marks.append(time.perf_counter())
+
+    def host_intervals(self) -> list[float]:
+        """Seconds the host took to issue each interval's work: on the CPU none (0), its ops run
+        as they are issued, ``intervals`` already are the host's."""
+        if not self.cuda:
+            return [0.0] * (len(self.marks) - 1)
+        return [b - a for a, b in zip(self.host_marks, self.host_marks[1:])]
 
     def intervals(self) -> list[float]:
         if self.cuda:

@@ -15,14 +15,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from offload.core.devices import persistent_tensors
 from offload.io.files import write_atomic
 from offload.models.spec import ModelSpec
 from offload.step.chain import Chain
@@ -54,31 +54,6 @@ def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return (diff / norm) ** 0.5 if norm > 0 else 0.0
 
 
-@contextlib.contextmanager
-def deterministic_kernels(device: torch.device) -> Iterator[bool]:
-    """On CUDA, deterministic kernels for this block (cuDNN's, cuBLAS's with a fixed workspace,
-    torch's deterministic algorithms, warning where an op has none), so that two runs of one
-    step give the same bits; the settings are put back after.  Yields whether it changed
-    anything (the CPU's kernels are deterministic already).  ``CUBLAS_WORKSPACE_CONFIG`` takes
-    effect where cuBLAS starts after it: at the start of ``offload train``."""
-    if device.type != "cuda":
-        yield False
-        return
-    cudnn = torch.backends.cudnn
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             cudnn.deterministic, cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    cudnn.deterministic, cudnn.benchmark = True, False
-    try:
-        yield True
-    finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-        cudnn.deterministic, cudnn.benchmark = saved[2], saved[3]
-        if saved[4] is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-
-
 class GradCheck(StepHooks):
     """After each step, the same step of ``reference`` (a copy of the model, without offloading)
     from our weights and our random numbers: how many gradients differ, and by how much.
@@ -101,6 +76,10 @@ class GradCheck(StepHooks):
         """Every step bit for bit, or within its noise floor (a floor of 0: bit for bit)."""
         return all(not n or d <= NOISE_MARGIN * (floor or 0.0)
                    for n, d, floor in zip(self.mismatches, self.rel_diffs, self.noise_floors))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device memory the check keeps between steps: the reference's weights and batch."""
+        return persistent_tensors(self.reference.module, None, self.device) + self.reference.tensors()
 
     def before_step(self) -> None:
         self.state = _rng_state(self.device)

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from offload.core.devices import DTYPES, make_optimizer, pick_device, running
+from offload.core.devices import DTYPES, deterministic_kernels, make_optimizer, pick_device, running
 from offload.errors import BudgetExceeded, ChainMismatch, HostMemoryShortfall, OffloadError
 from offload.models import ModelSpec, resolve
 from offload.models.spec import cache_off
@@ -26,7 +26,7 @@ from offload.step.schedule import Schedule
 from . import distributed
 from .api import Offloaded
 from .backends import default_backend
-from .checks import GradCheck, compare_baselines, deterministic_kernels, trace_step
+from .checks import GradCheck, compare_baselines, trace_step
 from .report import Report
 from .trainer import Run, Trainer
 
@@ -134,7 +134,9 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         if ranks > 1:  # all-reduced like ours
             reference.module = distributed.wrap(reference.module)
         check = GradCheck(reference, params, device)
-    trainer = Trainer(spec, params, optimizer, device)
+    trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes)
+    if check is not None:
+        trainer.elsewhere = check.tensors()
     if opts.progress is not None:
         total = trainer.steps_per_measure(opts.steps) * (3 if opts.compare else 1) + bool(opts.trace)
         trainer.tick = lambda what: opts.progress(what, total)

@@ -4,7 +4,13 @@ Each step: a fresh batch (held through the step, as a training loop holds it), f
 loss, backward, the optimizer, gradients zeroed in place (kept allocated: ``base_bytes``).
 Memory is read by the shared meters (the CUDA allocator, or exact accounting on the CPU);
 a step's activation memory is the reading over the bytes live when it starts, the batch
-included there, as the profiler counts it.  On the CPU exact accounting slows every op
+included there, as the profiler counts it.  On CUDA the allocator also holds memory no
+tensor does (cuBLAS/cuDNN workspaces, made on their first use and kept): the chain's
+``workspace_bytes`` of its base.  A step is judged over that base, not over its own start:
+step 1, in which the workspaces appear, counts them only beyond the profiled ones, and
+every step counts whatever more the run holds without a tensor (an executor's buffers, a
+workspace the profile did not see), unless it was there before the run's first step (an
+earlier run's workspaces in the same process).  On the CPU exact accounting slows every op
 down several times, so step times come from as many steps again without the meter (on a
 GPU the allocator's counters cost nothing and every step gives both).
 """
@@ -70,9 +76,12 @@ class Trainer:
     """Runs measured training steps of one model."""
 
     def __init__(self, spec: ModelSpec, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
-                 device: torch.device, tick: Callable[[str], None] = lambda _: None) -> None:
+                 device: torch.device, tick: Callable[[str], None] = lambda _: None, workspace_bytes: int = 0) -> None:
         self.spec, self.params, self.optimizer, self.device = spec, params, optimizer, device
         self.tick = tick  # told each step done: "<what> step <n>/<steps>"
+        self.workspace_bytes = workspace_bytes  # the chain's: device memory of its base that no tensor holds
+        self.untracked_before: int | None = None  # such memory already there as the first step starts
+        self.elsewhere: list[torch.Tensor] = []  # device tensors the run keeps beside the model (a reference copy)
 
     def steps_per_measure(self, steps: int) -> int:
         """The steps one ``measure`` of ``steps`` runs (on the CPU the timed ones come on top)."""
@@ -165,9 +174,12 @@ class _Metering:
             with meter, (self.runtime.reading(meter) if probing else contextlib.nullcontext({})) as op_peaks:
                 batch = t.spec.batch()  # the loop's batch: live before the step, like the weights
                 meter.track(persistent_tensors(t.spec.module, t.optimizer, t.device) + tensors_in(batch))
+                meter.ignore(t.spec.tensors() + t.elsewhere)  # the example batches are copied from; a reference
                 t.synchronize()
                 meter.boundary()
-                m0 = meter.live
+                if t.untracked_before is None:  # an earlier run's workspaces, the user's: not this run's
+                    t.untracked_before = meter.untracked
+                m0 = meter.live - meter.untracked + max(t.workspace_bytes, t.untracked_before)  # the chain's base
                 t0 = time.perf_counter()
                 body(batch)
                 t.synchronize()

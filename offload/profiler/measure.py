@@ -33,13 +33,13 @@ import contextlib
 import statistics
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from offload.core.devices import make_optimizer, persistent_tensors
+from offload.core.devices import deterministic_kernels, make_optimizer, persistent_tensors
 from offload.core.meters import Clock, CpuMeter, make_meter
 from offload.core.rerun import NotRerunnable, StageRecorder
 from offload.core.staging import StageListener, Staging
@@ -64,6 +64,8 @@ class StageMeasurement:
     recomputed_fwd_peak_bytes: int = 0
     input_carried_bytes: int = 0  # of input_bytes, storages of the unit that carry_bytes counts too ...
     input_held_bytes: int = 0  # ... and held_bytes
+    fwd_host_s: float = 0.0  # the host's time to issue the forward (CUDA)
+    bwd_host_s: float = 0.0
 
 
 @dataclass
@@ -81,6 +83,15 @@ class MemoryPass:
     inputs: list[int]  # input_bytes of each stage
     own: list[dict[int, int]]  # per stage, index -> bytes of its checkpoint's storages in its own unit
     rerun: list[str | None]  # per stage, why the executor cannot re-run it (None: it can)
+    workspace: int = 0  # of m0, the bytes no tensor holds (CUDA: workspaces, the allocator's rounding)
+
+    def widened(self, other: "MemoryPass") -> "MemoryPass":
+        """This pass with each stage's peak (over its own ``m0``) the larger of the two passes'
+        (the same step under other kernels: their workspaces differ), and the larger workspace."""
+        lift = self.m0 - other.m0
+        return replace(self, fwd_peaks=[max(a, b + lift) for a, b in zip(self.fwd_peaks, other.fwd_peaks)],
+                       bwd_peaks=[max(a, b + lift) for a, b in zip(self.bwd_peaks, other.bwd_peaks)],
+                       workspace=max(self.workspace, other.workspace))
 
 
 @dataclass
@@ -91,6 +102,7 @@ class Measurement:
     step_s: list[float]  # forward + backward of each timed repeat
     optimizer_step_s: float
     notes: list[str] = field(default_factory=list)
+    workspace_bytes: int = 0  # of base_bytes, held by no tensor (``Chain.workspace_bytes``)
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -242,11 +254,12 @@ class StepRunner:
 
         with meter:
             meter.track(persistent)
+            meter.ignore(self.spec.tensors())  # the example the steps' batches are copied from
             with self.batch() as (args, kwargs):
                 tracker.exclude(tensors_in((args, kwargs)))
                 meter.track(tensors_in((args, kwargs)))
                 meter.boundary()
-                m0 = meter.live
+                m0, workspace = meter.live, meter.untracked
                 start = getattr(meter, "ops", 0)  # ops before the forward's first
                 try:
                     loss = self.forward(args, kwargs, listener, pack)
@@ -265,10 +278,11 @@ class StepRunner:
         bwd_starts = [readings[2 * L - i - 1][1] for i in range(1, L + 1)]  # B_L starts at the turn
         return MemoryPass(m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
                           peak_ops[:L] if exact else None, starts, bwd_starts, listener.inputs, listener.own,
-                          listener.why)
+                          listener.why, workspace)
 
-    def timing_pass(self) -> tuple[list[float], list[float]]:
-        """(forward seconds of each stage, backward seconds of each stage) of one step."""
+    def timing_pass(self) -> tuple[list[float], list[float], list[float], list[float]]:
+        """(forward seconds of each stage, backward seconds of each stage, and the host's seconds
+        to issue each: forward, backward) of one step."""
         clock = Clock(self.device)
         listener = _Boundaries(self.L, clock.mark)
         with self.batch() as (args, kwargs):
@@ -277,10 +291,10 @@ class StepRunner:
             loss = self.forward(args, kwargs, listener)
             loss.backward()
             clock.mark()
-        times = clock.intervals()  # F_1..F_L, then B_L..B_1
+        times, host = clock.intervals(), clock.host_intervals()  # F_1..F_L, then B_L..B_1
         del loss
         self.zero_grads()
-        return times[:self.L], times[self.L:][::-1]
+        return times[:self.L], times[self.L:][::-1], host[:self.L], host[self.L:][::-1]
 
 
 class _Holding(StageListener, TorchDispatchMode):
@@ -430,6 +444,10 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     update_s = runner.warmup(warmup)
     tick("warm-up")
     mem = runner.memory_pass()
+    if runner.device.type == "cuda":  # the gradient check trains under deterministic kernels: budget for both
+        with deterministic_kernels(runner.device):
+            runner.warmup(1)  # the workspaces they make on first use exist before the pass reads
+            mem = mem.widened(runner.memory_pass())
     m0, peak_f, peak_b, saved, need = mem.m0, mem.fwd_peaks, mem.bwd_peaks, mem.saved, mem.need
     held = holding_pass(runner, mem.peak_ops, peak_f, mem.starts)
     tick("memory pass")
@@ -449,9 +467,11 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        held[i].held_until, held[i].carry_bytes, mem.inputs[i], mem.rerun[i] is None,
                                        bwd_start, min(fwd_peak, held[i].recomputed_fwd_peak_bytes),
                                        sum(b for n, b in mem.own[i].items() if n in held[i].carried),
-                                       sum(b for n, b in mem.own[i].items() if n in held[i].held)))
-    step = [sum(f) + sum(b) for f, b in times]
+                                       sum(b for n, b in mem.own[i].items() if n in held[i].held),
+                                       statistics.median(t[2][i] for t in times),
+                                       statistics.median(t[3][i] for t in times)))
+    step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "
              f"first: {fixed[0]}"] if fixed else []
-    return Measurement(stages, m0, runner.base_parts(), step, update_s, notes)
+    return Measurement(stages, m0, runner.base_parts(), step, update_s, notes, mem.workspace)

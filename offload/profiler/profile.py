@@ -173,9 +173,11 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                   held_bytes=s.held_bytes, held_until=s.held_until, input_bytes=s.input_bytes,
                   recomputable=s.recomputable, carry_bytes=s.carry_bytes, bwd_start_bytes=s.bwd_start_bytes,
                   recomputed_fwd_peak_bytes=s.recomputed_fwd_peak_bytes if s.recomputable else None,
-                  input_carried_bytes=s.input_carried_bytes, input_held_bytes=s.input_held_bytes)
+                  input_carried_bytes=s.input_carried_bytes, input_held_bytes=s.input_held_bytes,
+                  fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s)
             for info, s, enc in zip(stages.stages, m.stages, encodings)]
-    return make_chain(opts.name or f"{_model_label(model)}-b{opts.batch}", rows, plat, m.base_bytes, source, recipe)
+    return make_chain(opts.name or f"{_model_label(model)}-b{opts.batch}", rows, plat, m.base_bytes, source, recipe,
+                      m.workspace_bytes)
 
 
 def _block_lists(module: nn.Module) -> list[tuple[str, int]]:

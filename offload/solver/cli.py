@@ -77,6 +77,9 @@ def print_chain(chain: Chain) -> None:
     o = int(op_memory(chain, ()).argmax())
     _line("no-offload", f"activation peak {format_bytes(peak)} at {op_name(chain, o)}"
           + (f"; total {format_bytes(peak + chain.base_bytes)} with base {format_bytes(chain.base_bytes)}" if chain.base_bytes else ""))
+    if chain.workspace_bytes:
+        _line("workspaces", f"{format_bytes(chain.workspace_bytes)} of the base held by no tensor (cuBLAS/cuDNN "
+              "workspaces, allocator rounding): made in step 1, kept; a run counts any more as activations")
     _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times)")
     _line("smallest", f"feasible activation budget {format_bytes(plain_floor)} ({plain_floor} B, "
           f"{100 * plain_floor / peak:.1f}% of the peak)" if peak else "feasible budget 0 B")

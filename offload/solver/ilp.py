@@ -455,13 +455,18 @@ class Model:
         self.w: list[_Form] = [0.0] + [self._var(f"w{j}") for j in range(1, L + 1)]
         self.d: dict[int, pulp.LpVariable] = {}
         prev = None
+        issued = np.cumsum(self.chain.fh) / self.tau  # when the host has issued F_j: F_j ends no earlier
         for j in range(1, L + 1):
             end_f = _affine((self.w[j - 1], 1.0), (self.fdur[j], 1.0))
             self._row(f"forward_{j}", _affine((self.w[j], 1.0)).add(end_f, -1.0), ">=")
+            if issued[j] > 0:
+                self._row(f"forward_host_{j}", _affine((self.w[j], 1.0)), ">=", issued[j])
             if not self._moves(j):
                 continue
             v = self.d[j] = self._var(f"d{j}")
             self._row(f"d2h_after_F{j}", _affine((v, 1.0)).add(end_f, -1.0).add(self.moved_d2h(j), -1.0), ">=")
+            if issued[j] > 0:
+                self._row(f"d2h_host_{j}", _affine((v, 1.0)).add(self.moved_d2h(j), -1.0), ">=", issued[j])
             if prev is not None:
                 self._row(f"d2h_fifo_{j}", _affine((v, 1.0), (self.d[prev], -1.0)).add(self.moved_d2h(j), -1.0), ">=")
             prev = j
@@ -486,11 +491,17 @@ class Model:
         h2d_total = sum(self._max_h2d(i) for i in range(1, L + 1))
         slots = self._slots()
         span, clock = 0.0, None  # span: bound on (H2D clock - issue time) within the current group
+        fh, bh = self.chain.fh, self.chain.bh
+        host = _Affine(float(fh.sum()) / self.tau)  # when the host has issued B_k: B_k ends no earlier
         for k in range(L, 0, -1):
             start = _affine((self.s[k], 1.0)).add(self.issue[k], -1.0)
+            host.add(float(bh[k]) / self.tau)
             for (s0, e0) in self.run_at.get(k, ()):  # rebuilt after the prefetches are issued
                 start.add(self.g[s0, e0], -run_seconds(self.chain, Recompute(s0, e0)) / self.tau)
+                host.add(self.g[s0, e0], float(fh[s0:e0 + 1].sum()) / self.tau)
             self._row(f"backward_{k}", start, ">=")
+            if host.const > 0 or host.terms:
+                self._row(f"backward_host_{k}", _affine((self.s[k], 1.0), (self.bdur[k], 1.0)).add(host, -1.0), ">=")
             if k < L:
                 span = max(0.0, span - self.b[k + 1])
             members = slots.get(k)
@@ -626,8 +637,8 @@ class Model:
         for i, v in self.d.items():
             clock = max(clock, sim.end[i - 1] / tau) + (derived.d2h_s(i) / tau if i in by else 0.0)
             v.setInitialValue(clock)
-        for j in range(1, L + 1):
-            self.s[j].setInitialValue(sim.start[2 * L - j] / tau)
+        for j in range(1, L + 1):  # s_j ends B_j at its end, a wait for the host included
+            self.s[j].setInitialValue((sim.start[2 * L - j] + sim.host_wait[2 * L - j]) / tau)
         h2d_end = {c.stage: c.end / tau for c in sim.copies if c.direction == "H2D"}
         clock = None
         for k, members in self.groups:

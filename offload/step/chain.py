@@ -102,6 +102,8 @@ class Stage:
     recomputed_fwd_peak_bytes: int | None = None  # Fi's transient when autograd keeps none of Ui (None: fwd_peak_bytes)
     input_carried_bytes: int = 0  # of input_bytes, storages of Ui that carry_bytes counts too ...
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
+    fwd_host_s: float = 0.0  # host time to issue Fi's kernels (CUDA; 0: the device is never waiting for the host)
+    bwd_host_s: float = 0.0  # the same for Bi
 
     @property
     def recomputed_fwd_peak(self) -> int:
@@ -197,6 +199,8 @@ def _stage_document(s: Stage) -> dict:
         d["bwd_start_bytes"] = s.bwd_start_bytes
     if s.recomputed_fwd_peak_bytes is not None:
         d["recomputed_fwd_peak_bytes"] = s.recomputed_fwd_peak_bytes
+    if s.fwd_host_s or s.bwd_host_s:  # absent otherwise: chains from before the host lane keep their sha256
+        d.update(fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s)
     if s.input_carried_bytes:
         d["input_carried_bytes"] = s.input_carried_bytes
     if s.input_held_bytes:
@@ -214,6 +218,10 @@ class Chain:
     base_bytes: int = 0
     source: Mapping[str, Any] = field(default_factory=dict)  # provenance: not part of the identity
     recipe: Recipe | None = None  # None: a chain not profiled from a model (synthetic, hand-made)
+    # Of base_bytes, the device memory that no tensor holds and that stays from step to step
+    # (cuBLAS/cuDNN workspaces made on first use, the allocator's rounding of the base's
+    # tensors): measured on CUDA, 0 on the CPU.  A run judges its activations over it.
+    workspace_bytes: int = 0
 
     @property
     def L(self) -> int:
@@ -238,6 +246,8 @@ class Chain:
     rfp = _column("recomputed_fwd_peak")
     xc = _column("input_carried_bytes")
     xh = _column("input_held_bytes")
+    fh = _column("fwd_host_s", np.float64)
+    bh = _column("bwd_host_s", np.float64)
 
     @cached_property
     def offloadable(self) -> tuple[int, ...]:
@@ -292,6 +302,8 @@ class Chain:
         doc: dict[str, Any] = {"format": CHAIN_FORMAT, "name": self.name, "source": dict(self.source),
                                "platform": platform, "base_bytes": self.base_bytes,
                                "stages": [_stage_document(s) for s in self.stages]}
+        if self.workspace_bytes:  # absent otherwise: chains from before it keep their sha256
+            doc["workspace_bytes"] = self.workspace_bytes
         if self.recipe is not None:
             r = self.recipe
             doc["recipe"] = {"model": r.model, "batch": r.batch, "options": dict(r.options), "dtype": r.dtype,

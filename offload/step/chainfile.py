@@ -25,11 +25,11 @@ from .names import AUTOCAST, DTYPES, ENCODERS, OPTIMIZERS
 OLD_FORMATS = ("offload-chain/1",)
 MAX_TOTAL_BYTES = 2 ** 62  # sums of per-op memory stay exact in int64
 _SITE = re.compile(r"[^@\[\]]*(@\d+)?(\[\d+\])?")
-_KEYS = {"format", "name", "source", "platform", "base_bytes", "stages", "recipe"}
+_KEYS = {"format", "name", "source", "platform", "base_bytes", "workspace_bytes", "stages", "recipe"}
 _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from", "encodings",
                "held_bytes", "held_until", "input_bytes", "recomputable",
                "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes",
-               "input_carried_bytes", "input_held_bytes"}
+               "input_carried_bytes", "input_held_bytes", "fwd_host_s", "bwd_host_s"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
@@ -130,7 +130,9 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                  input_held_bytes=v.whole(s, "input_held_bytes", ctx, 0, min(carried, held)) if "input_held_bytes" in s else 0,
                  bwd_start_bytes=v.whole(s, "bwd_start_bytes", ctx, 0, bwd_peak) if "bwd_start_bytes" in s else 0,
                  recomputed_fwd_peak_bytes=(v.whole(s, "recomputed_fwd_peak_bytes", ctx, 0, fwd_peak)
-                                            if "recomputed_fwd_peak_bytes" in s else None))
+                                            if "recomputed_fwd_peak_bytes" in s else None),
+                 fwd_host_s=v.seconds(s, "fwd_host_s", ctx) if "fwd_host_s" in s else 0.0,
+                 bwd_host_s=v.seconds(s, "bwd_host_s", ctx) if "bwd_host_s" in s else 0.0)
 
 
 def chain_from_dict(d: Any) -> Chain:
@@ -144,6 +146,7 @@ def chain_from_dict(d: Any) -> Chain:
         raise FormatError("'stages' must be a non-empty list")
     stages = tuple(_stage(s, i, len(raw)) for i, s in enumerate(raw, start=1))
     base = v.nbytes(d, "base_bytes", "") if "base_bytes" in d else 0
+    workspace = v.whole(d, "workspace_bytes", "", 0, base) if "workspace_bytes" in d else 0
     total = base + sum(s.saved_bytes + s.fwd_peak_bytes + s.bwd_peak_bytes + s.input_bytes
                        + sum(e.covered_bytes + e.encoded_bytes + e.workspace_bytes for e in s.encodings)
                        for s in stages)
@@ -152,13 +155,15 @@ def chain_from_dict(d: Any) -> Chain:
                           "byte counts are bytes, not bits or elements: check the units")
     return Chain(name=v.string(d, "name", ""), stages=stages,
                  platform=platform_from_dict(d.get("platform"), legacy=fmt in OLD_FORMATS), base_bytes=base,
-                 source=dict(source), recipe=recipe_from_dict(d["recipe"]) if d.get("recipe") is not None else None)
+                 source=dict(source), recipe=recipe_from_dict(d["recipe"]) if d.get("recipe") is not None else None,
+                 workspace_bytes=workspace)
 
 
 def make_chain(name: str, stages: list[Stage], platform: Platform, base_bytes: int = 0,
-               source: Mapping[str, Any] | None = None, recipe: Recipe | None = None) -> Chain:
+               source: Mapping[str, Any] | None = None, recipe: Recipe | None = None,
+               workspace_bytes: int = 0) -> Chain:
     """A chain built in code (profiler, generators), validated as if it were read from a file."""
-    chain = Chain(name, tuple(stages), platform, base_bytes, dict(source or {}), recipe)
+    chain = Chain(name, tuple(stages), platform, base_bytes, dict(source or {}), recipe, workspace_bytes)
     return chain_from_dict(json.loads(json.dumps(chain.document())))
 
 

@@ -6,7 +6,10 @@ the previous one ends and starts once the events before it are done: a ``RELEASE
 for that unit's D2H copy, an ``H2D`` is issued then (no earlier than its own D2H ended),
 a ``RECOMPUTE`` re-runs its run's forward ops, a ``WAIT`` waits for that unit's H2D copy.
 A ``D2H`` is issued as its forward op ends.  Copies run one at a time per direction, in
-issue order.  Memory per op is ``memory``'s (it depends on the actions alone).  Encoded
+issue order.  On a GPU the host issues the kernels: a second clock adds up each op's host
+time (``fwd_host_s``/``bwd_host_s``, and a recomputed stage's forward host time again), and
+an op cannot end before the host has issued it (its end is the later of the device's and
+the host's; the host never waits for the device within a step).  Memory per op is ``memory``'s (it depends on the actions alone).  Encoded
 units are replayed on the derived chain of ``encoding.apply``, whose op times include the
 encoders and decoders (``ENCODE`` and ``DECODE`` take no time of their own).
 """
@@ -75,6 +78,12 @@ class Simulation:
     recomputes: list[RecomputeRecord] = field(default_factory=list)
     recompute_s: np.ndarray | None = None  # per op, the recomputation it starts with
     events: StepEvents | None = None  # what was replayed, in order
+    host_wait: np.ndarray | None = None  # per op, how long its end waited for the host to issue it
+
+    @property
+    def host_wait_s(self) -> float:
+        """Time the device spent waiting for the host to issue its work."""
+        return float(self.host_wait.sum()) if self.host_wait is not None else 0.0
 
     @property
     def makespan_s(self) -> float:
@@ -156,7 +165,7 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     memory, rebuilt_memory = memory_profile(chain, offloads, runs)
     sub_memory = {j: nbytes for _, j, nbytes in rebuilt_memory}
     L, p = chain.L, chain.platform
-    f, b, a = chain.f, chain.b, chain.a
+    f, b, a, fh, bh = chain.f, chain.b, chain.a, chain.fh, chain.bh
     d2h_free = h2d_free = 0.0
     d2h_end = np.zeros(L + 1)
     h2d_end = np.zeros(L + 1)
@@ -166,13 +175,19 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     copies: list[CopyRecord] = []
     recomputes: list[RecomputeRecord] = []
     rt = np.zeros(2 * L)
+    host_wait = np.zeros(2 * L)
     o = 0  # the next op, in execution order
     t = s = 0.0  # t: when the last op ended; s: when the next one can start
+    h = 0.0  # when the host has issued everything so far
     for e in events.sequence:
         i = e.stage
         if e.kind in (FORWARD, BACKWARD):
             ready[o], start[o] = t, s
-            t = s = end[o] = s + (f[i] if e.kind == FORWARD else b[i])
+            forward = e.kind == FORWARD
+            h += fh[i] if forward else bh[i]
+            done = s + (f[i] if forward else b[i])
+            host_wait[o] = max(0.0, h - done)
+            t = s = end[o] = max(done, h)
             o += 1
         elif e.kind == D2H:
             c0 = max(t, d2h_free)
@@ -189,9 +204,11 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
                 recomputes.append(RecomputeRecord(j, 2 * L - o, float(s), float(s + f[j]), sub_memory[j]))
                 s += f[j]
                 rt[o] += f[j]
+                h += fh[j]
         elif e.kind == WAIT:
             s = max(s, h2d_end[i])
-    sim = Simulation(chain, offloads, ready, start, end, memory, copies, encode, runs, recomputes, rt, events)
+    sim = Simulation(chain, offloads, ready, start, end, memory, copies, encode, runs, recomputes, rt, events,
+                     host_wait)
     if budget is not None:
         sim.check_budget(Budget.of(budget))
     return sim

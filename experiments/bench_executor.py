@@ -151,9 +151,10 @@ def _cell(model: Model, chain: Chain, share: float, way: str, budget: int, devic
     except InfeasibleBudget as exc:
         return row(model, share, way, None, None, solver_status="infeasible", budget_bytes=budget, detail=str(exc))
     name = f"{model.tag}-{int(share * 100)}-{way}"
-    # timed as users train (their kernels, as profiled); the gradients checked in a run of their own
+    # timed as users train (their kernels, as profiled; each op's memory read in step 1, the warm-up);
+    # the gradients checked in a run of their own
     # (deterministic kernels on CUDA: other algorithms, other workspaces), held to the same budget
-    report, error = train(None, chain, res.schedule, TrainOptions(steps=args.steps, device=device,
+    report, error = train(None, chain, res.schedule, TrainOptions(steps=args.steps, device=device, op_memory=True,
                                                                   trace=str(out / f"{name}-trace.json")))
     write_json(out / f"{name}-run.json", report.json())
     checked, check_error = train(None, chain, res.schedule, TrainOptions(steps=args.check_steps, device=device,

@@ -46,15 +46,16 @@ def is_weight(t: torch.Tensor) -> bool:
     FSDP2's gathered weights are parameters registered during the forward, after any
     snapshot of them, and its reshard frees their storage behind every holder; autocast
     caches a weight's cast for the whole forward, so moving it would free nothing."""
-    return any(isinstance(x, torch.nn.Parameter) or _cast_of_parameter(x) for x in (t, t._base) if x is not None)
+    return any(isinstance(x, torch.nn.Parameter) or cast_parameter(x) is not None for x in (t, t._base) if x is not None)
 
 
-def _cast_of_parameter(t: torch.Tensor) -> bool:
-    """``t`` is a dtype cast of a parameter (``ToCopyBackward0`` -> its ``AccumulateGrad``)."""
+def cast_parameter(t: torch.Tensor) -> torch.nn.Parameter | None:
+    """The parameter ``t`` is a dtype cast of (``ToCopyBackward0`` -> its ``AccumulateGrad``), if any."""
     fn = t.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
-        return False
-    return isinstance(getattr(fn.next_functions[0][0], "variable", None), torch.nn.Parameter)
+        return None
+    variable = getattr(fn.next_functions[0][0], "variable", None)
+    return variable if isinstance(variable, torch.nn.Parameter) else None
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from offload.core import casts
 from offload.core.encoders import ENCODERS, Encoder, flat_storage, usable_on
 from offload.core.rerun import NotRerunnable, StageProgram, StageRecorder
 from offload.core.staging import StageListener, Staging
@@ -143,7 +144,7 @@ class _Step(StageListener):
             self.recorder.saved()
             self.ordinals[self.recorder.stage].append(sid)
         if sid is None:
-            return t
+            return casts.pack(t)  # a weight's cast: made again when read
         self.stored[sid].readers += 1
         self.stored[sid].saw(t)
         return _Handle(self, sid, t.dtype, t.size(), t.stride(), t.storage_offset())
@@ -181,8 +182,8 @@ class _Step(StageListener):
     @staticmethod
     @torch.compiler.disable
     def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
+        if not isinstance(packed, _Handle):
+            return casts.unpack(packed)
         s = packed.step.stored[packed.sid]
         s.check_versions()
         if s.buffer is None:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from offload.core import casts
 from offload.core.devices import deterministic_kernels, make_optimizer, persistent_tensors
 from offload.core.meters import Clock, CpuMeter, make_meter
 from offload.core.rerun import NotRerunnable, StageRecorder
@@ -84,6 +85,7 @@ class MemoryPass:
     own: list[dict[int, int]]  # per stage, index -> bytes of its checkpoint's storages in its own unit
     rerun: list[str | None]  # per stage, why the executor cannot re-run it (None: it can)
     workspace: int = 0  # of m0, the bytes no tensor holds (CUDA: workspaces, the allocator's rounding)
+    casts: list[int] = field(default_factory=list)  # per stage, bytes of weight casts not saved (``core.casts``)
 
     def widened(self, other: "MemoryPass") -> "MemoryPass":
         """This pass with each stage's peak (over its own ``m0``) the larger of the two passes'
@@ -103,6 +105,7 @@ class Measurement:
     optimizer_step_s: float
     notes: list[str] = field(default_factory=list)
     workspace_bytes: int = 0  # of base_bytes, held by no tensor (``Chain.workspace_bytes``)
+    cast_bytes: list[int] = field(default_factory=list)  # per stage, weight casts not saved
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -194,7 +197,8 @@ class StepRunner:
     def forward(self, args: tuple, kwargs: dict, listener: StageListener | None,
                 pack: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
         """Forward and loss of one step; ``pack`` sees every tensor saved for backward."""
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if pack else contextlib.nullcontext()
+        # the executor's treatment of weight casts (dropped, made again when read) in every pass
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, casts.unpack) if pack else casts.hooks()
         listening = self.staging.listening(listener) if listener else contextlib.nullcontext()
         with listening, hooks, self.spec.autocasting():
             return self.spec.loss(self.spec.module(*args, **kwargs))
@@ -247,10 +251,16 @@ class StepRunner:
             peak_ops.append(getattr(meter, "interval_peak_op", -1) - start)
         listener = _Recording(L, read, tracker, self.device)
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        cast_bytes, cast_storages = [0] * L, set()
+
+        def pack(t: torch.Tensor) -> Any:
             tracker.saw(t)
             listener.saved()
-            return t
+            packed = casts.pack(t)
+            if packed is not t and storage_key(t) not in cast_storages:
+                cast_storages.add(storage_key(t))
+                cast_bytes[tracker.stage - 1] += t.untyped_storage().nbytes()
+            return packed
 
         with meter:
             meter.track(persistent)
@@ -278,7 +288,7 @@ class StepRunner:
         bwd_starts = [readings[2 * L - i - 1][1] for i in range(1, L + 1)]  # B_L starts at the turn
         return MemoryPass(m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
                           peak_ops[:L] if exact else None, starts, bwd_starts, listener.inputs, listener.own,
-                          listener.why, workspace)
+                          listener.why, workspace, cast_bytes)
 
     def timing_pass(self) -> tuple[list[float], list[float], list[float], list[float]]:
         """(forward seconds of each stage, backward seconds of each stage, and the host's seconds
@@ -474,4 +484,4 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "
              f"first: {fixed[0]}"] if fixed else []
-    return Measurement(stages, m0, runner.base_parts(), step, update_s, notes, mem.workspace)
+    return Measurement(stages, m0, runner.base_parts(), step, update_s, notes, mem.workspace, mem.casts)

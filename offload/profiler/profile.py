@@ -159,6 +159,7 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                    "spread": spread(steps)},
         "optimizer_step_s": m.optimizer_step_s,
         "base": m.base_parts,
+        **({"weight_cast_bytes": m.cast_bytes} if any(m.cast_bytes) else {}),
         "profiled_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "measured_by": "offload profile",
     }

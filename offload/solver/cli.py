@@ -77,6 +77,10 @@ def print_chain(chain: Chain) -> None:
     o = int(op_memory(chain, ()).argmax())
     _line("no-offload", f"activation peak {format_bytes(peak)} at {op_name(chain, o)}"
           + (f"; total {format_bytes(peak + chain.base_bytes)} with base {format_bytes(chain.base_bytes)}" if chain.base_bytes else ""))
+    casts = chain.source.get("weight_cast_bytes")
+    if isinstance(casts, list) and casts and all(isinstance(c, int) for c in casts):
+        _line("casts", f"{format_bytes(sum(casts))} of weight casts (autocast), {format_bytes(max(casts))} in the "
+              "largest stage: not saved for the backward, made again by the op that reads them")
     if chain.workspace_bytes:
         _line("workspaces", f"{format_bytes(chain.workspace_bytes)} of the base held by no tensor (cuBLAS/cuDNN "
               "workspaces, allocator rounding): made in step 1, kept; a run counts any more as activations")

@@ -1,0 +1,65 @@
+"""Weight casts are never saved: the profiler and the executor drop them at pack, recast at unpack.
+
+Under ``torch.autocast`` a layer's matmul saves the low-precision cast of its fp32 weight for
+the backward (a ``ToCopyBackward0`` of the parameter, or a view of it: ``addmm`` saves the
+transpose).  Autograd would hold every layer's cast from its forward to its backward,
+about the parameters' bytes in the low dtype on top of the activations, in no unit (a
+schedule can neither move nor drop them: ``units.is_weight``).  But a cast is a pure
+function of a parameter that lives through the step: this module saves the parameter and
+the cast's dtype and layout instead, and casts again when the backward reads it.  The same
+cast of the same weight gives the same bits, so gradients are unchanged; what it costs is a
+cast (a read of the weight, a write of the cast) in the backward op that reads it, measured
+there by the profiler, which runs the same hooks.
+
+Autocast's own cache still holds each cast until the autocast region exits (the end of the
+forward, in a training loop), so the saving is in the backward: the turn and every backward
+op no longer hold the casts of the layers still to come.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .units import cast_parameter
+
+
+@dataclass(frozen=True)
+class Recast:
+    """What a saved weight cast becomes: enough to make it again."""
+
+    parameter: torch.nn.Parameter
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+    def tensor(self) -> torch.Tensor:
+        """The saved tensor again: the same cast, viewed as it was saved."""
+        with torch.no_grad():
+            return self.parameter.to(self.dtype).as_strided(self.size, self.stride, self.offset)
+
+
+def recast(t: torch.Tensor) -> Recast | None:
+    """``t`` as a ``Recast`` when it is a weight's cast (or a view of one), else ``None``."""
+    base = t if t._base is None else t._base
+    parameter = cast_parameter(base)
+    if parameter is None or not parameter.is_contiguous() or base.stride() != parameter.stride():
+        return None  # a cast made with another layout than the parameter's: keep it as saved
+    return Recast(parameter, base.dtype, t.size(), t.stride(), t.storage_offset())
+
+
+def pack(t: torch.Tensor) -> Any:
+    """A saved tensor as it is kept: a ``Recast`` for a weight's cast, else itself."""
+    return recast(t) or t
+
+
+def unpack(packed: Any) -> torch.Tensor:
+    """The inverse of ``pack``."""
+    return packed.tensor() if isinstance(packed, Recast) else packed
+
+
+def hooks() -> torch.autograd.graph.saved_tensors_hooks:
+    """``pack``/``unpack`` as saved-tensor hooks: a step that saves nothing else specially."""
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -222,6 +222,8 @@ def _reassign(chain: Chain, state: State, rng: np.random.Generator) -> tuple[set
     units, choice, runs = set(state[0]), dict(state[1]), set(state[2])
     offloadable, recomputable = set(chain.offloadable), set(chain.recomputable)
     stages = sorted(offloadable | recomputable)
+    if not stages:  # nothing to reassign
+        return units, choice, frozenset(runs)
     at = int(rng.integers(len(stages)))
     window = stages[at:at + 4]
     for s in rng.choice(window, size=int(rng.integers(1, min(3, len(window)) + 1)), replace=False).tolist():

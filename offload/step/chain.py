@@ -276,8 +276,17 @@ class Chain:
 
     @cached_property
     def ideal_makespan_s(self) -> float:
-        """Sum of all op durations: the makespan with no stall at all."""
-        return float(self.f.sum() + self.b.sum())
+        """The makespan with no stall at all: the sum of all op durations, or where the host
+        issues some op later than the device could run it, each op ending no earlier than
+        that (docs/model.md, "The host").  Every schedule's makespan is at least this."""
+        if not (self.fh.any() or self.bh.any()):
+            return float(self.f.sum() + self.b.sum())
+        end = host = 0.0
+        L = self.L
+        for d, h in zip([*self.f[1:], *self.b[L:0:-1]], [*self.fh[1:], *self.bh[L:0:-1]]):
+            host += h
+            end = max(end + d, host)
+        return float(end)
 
     @cached_property
     def time_unit_s(self) -> float:

@@ -9,6 +9,9 @@ PIP    := $(PY) -m pip
 # torch would pull several GB of CUDA packages.  Override with `make TORCH_SPEC=...`.
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo torch; else echo torch==2.13.0; fi)
 STAMP  := $(VENV)/.installed
+# What the targets below need installed first; `make gpu PY=python3 INSTALL=` runs them with a
+# Python that already has everything (a machine without a package registry: docs/executor.md).
+INSTALL ?= $(STAMP)
 
 .PHONY: install test test-all bench demo reproduce encodings recompute realmodels gpu gpu-bench clean
 
@@ -21,14 +24,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+test: $(INSTALL)
 	$(PY) -m pytest -q
 
 # the slow variants too (ResNet-18 gradient tests)
-test-all: $(STAMP)
+test-all: $(INSTALL)
 	$(PY) -m pytest -q -m ""
 
-bench: $(STAMP)
+bench: $(INSTALL)
 	$(PY) -m experiments.bench_solver
 	$(PY) -m experiments.bench_profiler
 	@# the executor's benchmark needs a GPU to mean anything (on a CPU its copies are memcpy)
@@ -36,36 +39,36 @@ bench: $(STAMP)
 	else echo "no CUDA GPU: skipping experiments.bench_executor (make gpu-bench runs its smoke set on a CPU)"; fi
 
 # The whole pipeline on the CPU in a few minutes: profile, sweep, plot, solve, train (outputs in demo/).
-demo: $(STAMP)
+demo: $(INSTALL)
 	$(PY) -m experiments.demo --out demo
 
 # The makespan-vs-budget reproduction on the committed zoo chains (experiments/results/reproduction/).
-reproduce: $(STAMP)
+reproduce: $(INSTALL)
 	$(PY) -m experiments.reproduce
 
 # Hugging Face models end to end: profile, solve at half the peak, train bit-exact (experiments/results/realmodels/).
-realmodels: $(STAMP)
+realmodels: $(INSTALL)
 	$(PY) -m experiments.realmodels
 
 # Encoding + offloading vs offloading alone on the zoo CNNs (experiments/results/encodings/).
-encodings: $(STAMP)
+encodings: $(INSTALL)
 	$(PY) -m experiments.encodings
 
 # Recomputation + offloading vs either alone on the zoo chains (experiments/results/recompute/).
-recompute: $(STAMP)
+recompute: $(INSTALL)
 	$(PY) -m experiments.recompute
 
 # The executor benchmark: a conv net, an fp32 and a bf16 transformer at 30/50/70% of their peak,
 # offload-only, joint and per-block checkpointing, with no offloading and save_on_cpu beside:
 # predicted vs measured step and peak, overlap, gradients, exit codes (experiments/results/
 # executor-<device>/summary.md).  On a machine without a GPU it runs its smoke sizes.
-gpu-bench: $(STAMP)
+gpu-bench: $(INSTALL)
 	$(PY) -m experiments.bench_executor
 
 # Everything only a GPU can show, in one command on a machine with one: the executor benchmark,
 # GPU-measured zoo chains, the reproduction and the encodings experiment re-run on them, then the
 # GPU tests.  Results land under experiments/.
-gpu: $(STAMP)
+gpu: $(INSTALL)
 	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu: torch sees no CUDA GPU here')"
 	$(PY) -m experiments.bench_executor
 	$(PY) -m experiments.profile_zoo --device cuda

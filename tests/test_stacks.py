@@ -199,7 +199,8 @@ def test_hooks_added_after_a_compiled_call_say_so(chains):
 def test_autocast_bfloat16():
     """Profiled and trained under ``torch.autocast`` to bfloat16: the casts of the weights
     are held as profiled, every op's memory as predicted, gradients bit for bit."""
-    chain = profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=GPT, autocast="bfloat16")).chain
+    chain = profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options={**GPT, "layers": 4},
+                                          autocast="bfloat16")).chain  # 2 layers: nothing to offload under its peak
     assert chain.recipe.autocast == "bfloat16"
     assert sum(s.held_bytes for s in chain.stages) < 1024  # the weights' casts are in no unit
     check_train(chain, *reversed(halfway(chain)))
@@ -250,14 +251,30 @@ def test_a_weights_cast_is_made_again_not_saved_and_gradients_are_the_same():
 
 
 def test_under_autocast_the_backwards_transients_no_longer_grow_with_depth():
-    """A bf16 Llama: each decoder layer's backward holds what it holds, not also the casts of
-    the layers still to come (before: +0.34 MiB per layer at this size); the casts are said."""
+    """A bf16 Llama: each decoder layer's forward and backward hold what they hold, not also
+    the casts of the layers before or still to come (before: +0.34 MiB per layer at this size,
+    both ways); the casts are said."""
     layers = 5
     chain = profile("llama", ProfileOptions(batch=2, repeats=1, warmup=1, autocast="bfloat16", options={
         "layers": layers, "width": 128, "heads": 4, "kv_heads": 2, "seq": 64, "vocab": 100})).chain
-    blocks = [s.bwd_peak_bytes for s in chain.stages if s.name.startswith("model.layers.")]
-    assert len(blocks) == layers and max(blocks) - min(blocks) <= 4096, blocks
+    blocks = [s for s in chain.stages if s.name.startswith("model.layers.")]
+    for peaks in ([s.fwd_peak_bytes for s in blocks], [s.bwd_peak_bytes for s in blocks]):
+        assert len(peaks) == layers and all(b <= a + 4096 for a, b in zip(peaks, peaks[1:])), peaks
     assert sum(chain.source["weight_cast_bytes"]) > layers * 4 * 128 * 128 * 2 // 2
+    assert chain.recipe.casts_cleared  # autocast's cache forgot each layer's casts at its end
+
+
+@pytest.mark.parametrize("shared", [1, 0])
+def test_a_weight_read_by_two_stages_keeps_autocasts_cache(shared):
+    """A layer called in the first and the last stage: clearing autocast's cache between them
+    would cast its weight twice, and its gradient would be summed in another precision; the
+    profiler finds it and keeps the cache (``casts_cleared`` false), and training matches
+    training without offloading bit for bit either way."""
+    model = str(runs.ROOT / "tests" / "models" / "shared_weight.py") + ":build"
+    chain = profile(model, ProfileOptions(batch=4, repeats=1, warmup=1, autocast="bfloat16",
+                                          options={"shared": shared})).chain
+    assert chain.recipe.casts_cleared is not bool(shared)
+    check_train(chain, *reversed(halfway(chain)))
 
 
 @pytest.mark.parametrize("reentrant", [0, 1])

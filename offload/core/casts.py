@@ -11,9 +11,13 @@ cast of the same weight gives the same bits, so gradients are unchanged; what it
 cast (a read of the weight, a write of the cast) in the backward op that reads it, measured
 there by the profiler, which runs the same hooks.
 
-Autocast's own cache still holds each cast until the autocast region exits (the end of the
-forward, in a training loop), so the saving is in the backward: the turn and every backward
-op no longer hold the casts of the layers still to come.
+Autocast's own cache would still hold each cast until the autocast region exits (the end of
+the forward, in a training loop): the stage boundaries clear it (``Staging.clear_casts``,
+the chain's ``Recipe.casts_cleared``), so a layer's casts die with its stage, in the forward
+as in the backward.  Not where a weight's cast is read by two stages (a layer called again
+later, tied projections): the second stage would cast it again, and its gradient would be
+summed in fp32 from two casts instead of in the low dtype before one cast, other bits; the
+profiler finds such a weight (``measure._CastsMade``) and keeps the cache there.
 """
 from __future__ import annotations
 

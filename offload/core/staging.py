@@ -133,6 +133,10 @@ class Staging:
         for k, s in enumerate(self.sites, start=1):
             self.cuts.setdefault(s.module, {})[s.occurrence] = (k, s.leaf)
         self.listener: StageListener | None = None
+        # Under autocast: forget the cached weight casts at each inner forward boundary, so that
+        # a layer's casts die with its stage (offload.core.casts); only where no weight's cast is
+        # read by two stages (a second cast would change its gradient's rounding)
+        self.clear_casts = False
         self.calls: Counter[str] = Counter()
         self.seen = 0  # boundaries passed in the current forward
         self.forwarding = False
@@ -200,5 +204,7 @@ class Staging:
             self.seen = k
             leaves, spec = tree_flatten(out)
             leaves[leaf] = stage_boundary(leaves[leaf], k, self.listener)
+            if self.clear_casts:
+                torch.clear_autocast_cache()
             return tree_unflatten(leaves, spec)
         return hook

@@ -55,10 +55,12 @@ def stage_like_chain(module: nn.Module, chain: Chain) -> Staging:
     if len(sites) != chain.L - 1:
         raise ChainMismatch(f"chain {chain.name!r} has {chain.L} stages but {len(sites)} cut sites", "profile again")
     try:
-        return Staging(module, sites)
+        staging = Staging(module, sites)
     except KeyError as exc:
         raise ChainMismatch(f"the model cannot be staged like chain {chain.name!r}: {exc.args[0]}",
                             "the chain was profiled from another model or version: profile it again") from None
+    staging.clear_casts = chain.recipe.casts_cleared  # as profiled: the chain's memory counts on it
+    return staging
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -86,6 +86,7 @@ class MemoryPass:
     rerun: list[str | None]  # per stage, why the executor cannot re-run it (None: it can)
     workspace: int = 0  # of m0, the bytes no tensor holds (CUDA: workspaces, the allocator's rounding)
     casts: list[int] = field(default_factory=list)  # per stage, bytes of weight casts not saved (``core.casts``)
+    shared_casts: bool = False  # a weight's cast saved by ops of two stages
 
     def widened(self, other: "MemoryPass") -> "MemoryPass":
         """This pass with each stage's peak (over its own ``m0``) the larger of the two passes'
@@ -106,6 +107,7 @@ class Measurement:
     notes: list[str] = field(default_factory=list)
     workspace_bytes: int = 0  # of base_bytes, held by no tensor (``Chain.workspace_bytes``)
     cast_bytes: list[int] = field(default_factory=list)  # per stage, weight casts not saved
+    casts_cleared: bool = False  # autocast's cache cleared at every stage boundary (``Recipe.casts_cleared``)
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -172,6 +174,25 @@ class _Recording(_Boundaries):
     def close(self) -> None:
         if self.recorder is not None:
             self.recorder.close()
+
+
+class _CastsMade(TorchDispatchMode):
+    """The stages in which each weight was cast (autocast's ``_to_copy`` of a parameter): with
+    the cache cleared at the boundaries, a weight cast in two of them (read by both)."""
+
+    def __init__(self, tracker: UnitTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.stages: dict[int, set[int]] = {}
+
+    @property
+    def shared(self) -> bool:
+        return any(len(s) > 1 for s in self.stages.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.nn.Parameter):
+            self.stages.setdefault(id(args[0]), set()).add(self.tracker.stage)
+        return func(*args, **(kwargs or {}))
 
 
 class StepRunner:
@@ -252,6 +273,7 @@ class StepRunner:
         listener = _Recording(L, read, tracker, self.device)
 
         cast_bytes, cast_storages = [0] * L, set()
+        made = _CastsMade(tracker)
 
         def pack(t: torch.Tensor) -> Any:
             tracker.saw(t)
@@ -272,7 +294,8 @@ class StepRunner:
                 m0, workspace = meter.live, meter.untracked
                 start = getattr(meter, "ops", 0)  # ops before the forward's first
                 try:
-                    loss = self.forward(args, kwargs, listener, pack)
+                    with made:
+                        loss = self.forward(args, kwargs, listener, pack)
                 finally:
                     listener.close()
                 loss.backward()  # the boundaries' autograd contexts and the turn's hook hold the listener
@@ -288,7 +311,7 @@ class StepRunner:
         bwd_starts = [readings[2 * L - i - 1][1] for i in range(1, L + 1)]  # B_L starts at the turn
         return MemoryPass(m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
                           peak_ops[:L] if exact else None, starts, bwd_starts, listener.inputs, listener.own,
-                          listener.why, workspace, cast_bytes)
+                          listener.why, workspace, cast_bytes, made.shared)
 
     def timing_pass(self) -> tuple[list[float], list[float], list[float], list[float]]:
         """(forward seconds of each stage, backward seconds of each stage, and the host's seconds
@@ -454,6 +477,9 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     update_s = runner.warmup(warmup)
     tick("warm-up")
     mem = runner.memory_pass()
+    if mem.shared_casts and runner.staging.clear_casts:  # a second cast would round its gradient otherwise
+        runner.staging.clear_casts = False
+        mem = runner.memory_pass()
     if runner.device.type == "cuda":  # the gradient check trains under deterministic kernels: budget for both
         with deterministic_kernels(runner.device):
             runner.warmup(1)  # the workspaces they make on first use exist before the pass reads
@@ -484,4 +510,5 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "
              f"first: {fixed[0]}"] if fixed else []
-    return Measurement(stages, m0, runner.base_parts(), step, update_s, notes, mem.workspace, mem.casts)
+    return Measurement(stages, m0, runner.base_parts(), step, update_s, notes, mem.workspace, mem.casts,
+                       runner.staging.clear_casts)

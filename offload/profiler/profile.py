@@ -89,6 +89,7 @@ def _measured(cap: Capture, cuts: list, spec: ModelSpec, device: torch.device, o
               tick: Callable[[str], None]) -> tuple[Stages, StepRunner, Measurement]:
     stages = stages_at(cap, cuts)
     staging = Staging(spec.module, stages.cuts)
+    staging.clear_casts = opts.autocast is not None  # unless measure finds a weight's cast read by two stages
     runner = StepRunner(staging, spec, device, opts.optimizer)
     try:
         return stages, runner, measure(runner, opts.repeats, opts.warmup, tick)
@@ -168,7 +169,7 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
     recipe = Recipe(model=model, batch=opts.batch, options=dict(spec.options), dtype=opts.dtype, seed=opts.seed,
                     optimizer=opts.optimizer, cuts=tuple(c.text for c in stages.cuts),
                     inputs=signature(spec.args, spec.kwargs), autocast=opts.autocast,
-                    set_to_none=opts.set_to_none, cache_off=turned_off)
+                    set_to_none=opts.set_to_none, cache_off=turned_off, casts_cleared=m.casts_cleared)
     rows = [Stage(name=info.name, kind=info.kind, fwd_s=s.fwd_s, bwd_s=s.bwd_s, saved_bytes=s.saved_bytes,
                   fwd_peak_bytes=s.fwd_peak_bytes, bwd_peak_bytes=s.bwd_peak_bytes, need_from=s.need_from, encodings=enc,
                   held_bytes=s.held_bytes, held_until=s.held_until, input_bytes=s.input_bytes,

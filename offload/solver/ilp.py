@@ -215,6 +215,7 @@ class Model:
         ends = np.cumsum(np.asarray(f, dtype=float)[1:])  # ends[j - 1]: forward compute through F_j
         self.R: dict[int, int] = {}
         self.M_rel: dict[tuple[int, int], float] = {}
+        self.wait_at_L: set[int] = set()  # decided units released at L whose copy may still run then
         backlog = 0.0
         for i in range(1, L + 1):
             backlog = max(0.0, backlog - f[i]) + self._max_d2h(i)
@@ -223,9 +224,14 @@ class Model:
             # first j > i with ends[j-1] - ends[i-1] >= backlog
             j = int(np.searchsorted(ends, ends[i - 1] + backlog, side="left")) + 1
             self.R[i] = min(L, max(i + 1, j))
+            # at L, where every release happens at the latest, the copy may still run: B_L waits
+            # for it (the cuts bound that wait only from F_i's device end, which the host may delay)
+            last = self.R[i] + 1 if j > L else self.R[i]
             if i not in self.decided:
-                for j in range(i + 1, self.R[i]):
+                for j in range(i + 1, last):
                     self.M_rel[i, j] = backlog - (ends[j - 1] - ends[i - 1])
+            elif last > self.R[i]:
+                self.wait_at_L.add(i)
 
     # ------------------------------------------------------------------ decisions
     def _decisions(self) -> None:
@@ -470,9 +476,9 @@ class Model:
             if prev is not None:
                 self._row(f"d2h_fifo_{j}", _affine((v, 1.0), (self.d[prev], -1.0)).add(self.moved_d2h(j), -1.0), ">=")
             prev = j
-        for i, d in self.decided.items():  # a decided release before R_i waits for its copy
-            if d.offload is not None and d.offload.release < self.R[i]:
-                j = d.offload.release
+        for i, d in self.decided.items():  # a decided release before R_i (or at L, see above) waits for its copy
+            if d.offload is not None and (d.offload.release < self.R[i] or i in self.wait_at_L):
+                j = min(d.offload.release, self.R[i])
                 self._row(f"release_wait_{i}_{j}", _affine((self.w[j], 1.0), (self.d[i], -1.0)), ">=")
         for (i, j), M in self.M_rel.items():  # release waits that can bind
             # w_j >= d_i - M (1 - released_by_j)

@@ -346,7 +346,7 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
                       "that bound's model (please report the chain); it is left out and nothing is called optimal")
         info["broken_bounds"] = {name: bounds.pop(name) for name in broken}
         status = "feasible" if status == "optimal" else status
-    bound = max(bounds.values())
+    bound = min(max(bounds.values()), span)  # above it by the solver's tolerance at most (else broken)
     if span <= bound * (1 + 1e-9) and not broken:
         status = "optimal"  # meets a lower bound: proven whatever the method
     gap = max(0.0, (span - bound) / span) if span > 0 else 0.0

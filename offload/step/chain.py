@@ -152,7 +152,8 @@ class Recipe:
     backward and counted in its ops' memory, not in ``base_bytes``), and whether the profiler
     turned the model's key/value cache off (``cache_off``: its transformers config asked for
     one, ``use_cache=True``, which a training step has no use for and which keeps every block
-    from being recomputed; training must turn it off too).
+    from being recomputed; training must turn it off too), and whether autocast's cache of
+    weight casts was cleared at every stage boundary (``casts_cleared``: training must too).
     Part of the chain's identity: a schedule made for one recipe is refused for another."""
 
     model: str
@@ -166,6 +167,7 @@ class Recipe:
     autocast: str | None = None  # "bfloat16" | "float16": profiled under torch.autocast to this dtype
     set_to_none: bool = False  # gradients freed between steps, allocated by the backward
     cache_off: bool = False  # the model's key/value cache (config.use_cache) turned off for training
+    casts_cleared: bool = False  # autocast's cached weight casts forgotten at every stage boundary
 
 
 def _column(field: str, dtype: type = np.int64) -> cached_property:
@@ -323,6 +325,8 @@ class Chain:
                 doc["recipe"]["set_to_none"] = True
             if r.cache_off:  # the same
                 doc["recipe"]["cache_off"] = True
+            if r.casts_cleared:  # the same
+                doc["recipe"]["casts_cleared"] = True
         return doc
 
     @cached_property

@@ -34,7 +34,7 @@ _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
 _RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none",
-                "cache_off"}
+                "cache_off", "casts_cleared"}
 _INPUT = re.compile(r"[^:]+:[a-z0-9]+\[[0-9,]*\]")
 
 
@@ -99,7 +99,8 @@ def recipe_from_dict(d: Any) -> Recipe:
                   inputs=v.matching(d, "inputs", "recipe", _INPUT, "input signatures (name:dtype[shape])"),
                   autocast=v.choice(d, "autocast", "recipe", AUTOCAST),
                   set_to_none=v.flag(d, "set_to_none", "recipe", False),
-                  cache_off=v.flag(d, "cache_off", "recipe", False))
+                  cache_off=v.flag(d, "cache_off", "recipe", False),
+                  casts_cleared=v.flag(d, "casts_cleared", "recipe", False))
 
 
 def _stage(s: Any, i: int, L: int) -> Stage:

@@ -34,6 +34,7 @@ test-all: $(INSTALL)
 bench: $(INSTALL)
 	$(PY) -m experiments.bench_solver
 	$(PY) -m experiments.bench_profiler
+	$(PY) -m experiments.bench_overhead
 	@# the executor's benchmark needs a GPU to mean anything (on a CPU its copies are memcpy)
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then $(PY) -m experiments.bench_executor; \
 	else echo "no CUDA GPU: skipping experiments.bench_executor (make gpu-bench runs its smoke set on a CPU)"; fi

@@ -9,12 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_executor, demo
+from experiments import bench_executor, bench_overhead, demo
 from tests.runs import ROOT
 
 
 def _is_png(path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_overhead_prints_each_way_against_plain(capsys):
+    assert bench_overhead.main(["--layers", "1", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "saved tensors per step" in out and all(w in out for w in ("plain", "hooks", "offloaded, empty", "offloaded, floor"))
 
 
 @pytest.mark.slow  # the benchmark's own run; make test-all (and make gpu-bench, without a GPU) run it

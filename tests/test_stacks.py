@@ -196,6 +196,7 @@ def test_hooks_added_after_a_compiled_call_say_so(chains):
 
 # -- autocast, checkpointing, accumulation --------------------------------------------------
 
+@pytest.mark.slow  # make test trains under autocast in test_a_weight_read_by_two_stages_keeps_autocasts_cache
 def test_autocast_bfloat16():
     """Profiled and trained under ``torch.autocast`` to bfloat16: the casts of the weights
     are held as profiled, every op's memory as predicted, gradients bit for bit."""

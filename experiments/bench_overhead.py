@@ -1,0 +1,84 @@
+"""Executor overhead benchmark: the host time ``Offloaded`` adds per step and per saved tensor.
+
+Every saved tensor passes through Python pack/unpack hooks and the runtime's bookkeeping,
+and every stage boundary through an autograd function and the plan's events.  The
+simulator counts none of it (issue #33); on a GPU it is host time that a device waiting for
+kernels pays.  This measures it where it is plain to see, on a model of tiny ops (a GPT of
+width 32: the ops take microseconds, so the hooks are a large share), training steps of
+the same module, interleaved so that a loaded machine slows all alike:
+
+* ``plain``: the module;
+* ``hooks``: the module under identity ``saved_tensors_hooks`` (autograd's own cost of a hook);
+* ``offloaded, empty``: ``Offloaded`` with a schedule that moves nothing (tracking and staging);
+* ``offloaded, floor``: ``Offloaded`` moving the units of the floor schedule (copies, slots).
+
+Prints each one's median step, its ratio to ``plain`` and the overhead per saved tensor::
+
+    python -m experiments.bench_overhead                  # the default tiny GPT
+    python -m experiments.bench_overhead --layers 12 --width 64
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from offload.executor import Offloaded
+from offload.models import resolve
+from offload.profiler.profile import ProfileOptions, profile
+from offload.step.memory import floor_offloads
+from offload.step.schedule import make_schedule
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40, help="timed steps of each way, interleaved (40)")
+    args = ap.parse_args(argv)
+    options = {"layers": args.layers, "width": args.width, "heads": 4, "seq": args.seq, "vocab": 64}
+    chain = profile("gpt", ProfileOptions(batch=args.batch, repeats=1, warmup=1, device="cpu", options=options)).chain
+    spec = resolve("gpt", args.batch, options)
+    saved = [0]
+
+    def counting(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += 1
+        return t
+
+    def step(forward) -> None:
+        loss = spec.loss(forward(*spec.args, **spec.kwargs))
+        loss.backward()
+
+    def hooked(*a, **k):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return spec.module(*a, **k)
+    with torch.autograd.graph.saved_tensors_hooks(counting, lambda t: t):
+        step(spec.module)
+    ways = {"plain": spec.module, "hooks": hooked,
+            "offloaded, empty": Offloaded(spec.module, chain, make_schedule(chain, []), backend="cpu-eager"),
+            "offloaded, floor": Offloaded(spec.module, chain, make_schedule(chain, floor_offloads(chain)),
+                                          backend="cpu-eager")}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for name, forward in ways.items():  # warm-up
+        step(forward)
+    for _ in range(args.steps):
+        for name, forward in ways.items():
+            t0 = time.perf_counter()
+            step(forward)
+            times[name].append(time.perf_counter() - t0)
+    plain = statistics.median(times["plain"])
+    print(f"gpt, {args.layers} layers, width {args.width}, batch {args.batch}, seq {args.seq}: {chain.L} stages, "
+          f"{saved[0]} saved tensors per step; {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"{'way':<18} {'median step':>12} {'x plain':>8} {'per saved tensor':>17}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{name:<18} {med * 1e3:>9.2f} ms {med / plain:>8.2f} {(med - plain) / saved[0] * 1e6:>14.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

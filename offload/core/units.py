@@ -94,18 +94,20 @@ class UnitTracker:
 
     def saw(self, t: torch.Tensor) -> Saved | None:
         """The storage of a tensor being saved now, or ``None`` if it is never part of a unit."""
-        if not movable(t, self.device) or is_weight(t):
+        if not movable(t, self.device):
             return None
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self.excluded:
             return None
         ref = self._refs.get(key)
-        if ref is not None and ref() is storage:
+        if ref is not None and ref() is storage:  # known this step: not a weight (checked when new)
             n = self._known[key]
             self.last[n] = self.stage
             known = self.records[n]
             return Saved(key, known.unit, known.index, known.nbytes, False)
+        if is_weight(t):  # the per-tensor checks cost host time: only for storages not seen yet
+            return None
         self._refs[key] = weakref.ref(storage)  # new, or an address reused by a new storage
         index = self.count.get(self.stage, 0)
         self.count[self.stage] = index + 1

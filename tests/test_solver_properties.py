@@ -92,3 +92,41 @@ def test_cbc_agrees_with_highs(cb):
     highs = solve(chain, budget, "ilp", EXACT).simulation.makespan_s
     cbc = solve(chain, budget, "ilp", dataclasses.replace(EXACT, solver="cbc")).simulation.makespan_s
     assert cbc == pytest.approx(highs, rel=1e-6)
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(chain_and_budget(min_stages=3, max_stages=6))
+def test_a_window_with_the_other_units_decided_is_exact(cb):
+    """The large-neighbourhood search's sub-MILP (``solver.lns``): every unit but one decided as
+    in the optimum, that one free; its objective is the simulated makespan of what it returns,
+    the host lane's waits for copies still running at ``L`` included."""
+    from offload.solver.ilp import Decided
+    chain, budget = cb
+    best = solve_ilp(chain, budget, gap=0.0)
+    assume(best.offloads is not None and chain.offloadable)
+    by = {o.stage: o for o in best.offloads}
+    free = chain.offloadable[len(chain.offloadable) // 2]
+    decided = {i: Decided(offload=by.get(i)) for i in range(1, chain.L + 1) if i != free}
+    res = solve_ilp(chain, budget, gap=0.0, decided=decided, warm=best.offloads)
+    assert res.outcome.proven
+    assert res.objective_s == pytest.approx(simulate(chain, res.offloads).makespan_s, rel=1e-6)
+
+
+def test_a_decided_release_at_L_waits_for_a_copy_the_host_delayed():
+    """F1's kernels take the host 3 ms to issue, so U1's 3 ms copy starts at 3 ms, not at 1 ms
+    when F1's device time ends, and is still running when F3 ends at 5 ms: B3 waits for it to
+    6 ms.  No boundary before L is sure to find the copy done, so the release at L is modelled
+    as a wait, for a decided unit as for a free one: the window's objective is the replay's."""
+    from offload.solver.ilp import Decided
+    from offload.step.actions import Offload
+    from offload.step.chainfile import chain_from_dict
+    stage = {"fwd_s": 0.001, "bwd_s": 0.001, "bwd_peak_bytes": 0}
+    chain = chain_from_dict({"format": "offload-chain/2", "name": "host-bound", "platform": {
+        "d2h_bytes_per_s": 4000.0, "h2d_bytes_per_s": 4000.0, "latency_s": 0.0}, "stages": [
+        {**stage, "saved_bytes": 12, "fwd_peak_bytes": 12, "fwd_host_s": 0.003},
+        {**stage, "saved_bytes": 2, "fwd_peak_bytes": 2}, {**stage, "saved_bytes": 0, "fwd_peak_bytes": 0}]})
+    for decided in ({1: Decided(offload=Offload(1, 3, 1)), 3: Decided()}, {}):
+        res = solve_ilp(chain, 10, gap=0.0, decided=decided)
+        replay = simulate(chain, res.offloads)
+        assert res.objective_s == pytest.approx(replay.makespan_s, rel=1e-9)
+        assert replay.copies[0].end == pytest.approx(0.006)

@@ -317,11 +317,18 @@ class StepRunner:
         """(forward seconds of each stage, backward seconds of each stage, and the host's seconds
         to issue each: forward, backward) of one step."""
         clock = Clock(self.device)
-        listener = _Boundaries(self.L, clock.mark)
+        persistent = persistent_tensors(self.spec.module, self.optimizer, self.device)
         with self.batch() as (args, kwargs):
+            # the executor's own work on every saved tensor, whatever it moves: which unit it is in
+            tracker = UnitTracker(self.device, persistent + tensors_in((args, kwargs)))
+            listener = _Boundaries(self.L, clock.mark, tracker)
+
+            def pack(t: torch.Tensor) -> Any:
+                tracker.saw(t)
+                return casts.pack(t)
             self.sync()
             clock.mark()
-            loss = self.forward(args, kwargs, listener)
+            loss = self.forward(args, kwargs, listener, pack)
             loss.backward()
             clock.mark()
         times, host = clock.intervals(), clock.host_intervals()  # F_1..F_L, then B_L..B_1

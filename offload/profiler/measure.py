@@ -86,7 +86,7 @@ class MemoryPass:
     rerun: list[str | None]  # per stage, why the executor cannot re-run it (None: it can)
     workspace: int = 0  # of m0, the bytes no tensor holds (CUDA: workspaces, the allocator's rounding)
     casts: list[int] = field(default_factory=list)  # per stage, bytes of weight casts not saved (``core.casts``)
-    shared_casts: bool = False  # a weight's cast saved by ops of two stages
+    shared_casts: bool = False  # a weight cast in two stages (``_CastsMade``)
 
     def widened(self, other: "MemoryPass") -> "MemoryPass":
         """This pass with each stage's peak (over its own ``m0``) the larger of the two passes'

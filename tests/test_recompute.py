@@ -235,6 +235,7 @@ def test_recomputation_beats_offloading_on_a_slow_link():
 ZOO = Path(__file__).resolve().parent.parent / "experiments" / "chains"
 
 
+@pytest.mark.slow  # 4 s: a search's quality, not a rule; make test-all
 def test_relax_trades_a_recomputation_for_an_offload_nearby():
     """ViT on the link-bound platform at 35% of its peak: the optimum recomputes stages 4, 5, 7
     and 8 and offloads 3 and 6; from recomputing 3, 5..9 no single move goes downhill (offload

@@ -51,6 +51,7 @@ def test_ilp_runs_with_any_thread_count_after_another_solve():
     assert len(spans) == 1
 
 
+@pytest.mark.slow  # 4 s; make test sweeps in two workers in tests/test_analysis.py
 def test_parallel_sweep_runs_the_ilp_in_every_worker():
     chain = synthetic_chain(10, seed=3)
     solve(chain, _budget(chain, 0.5), "ilp", Options(threads=2))  # a HiGHS solve in the parent first
@@ -205,6 +206,7 @@ def test_solver_flags_are_range_checked(flag, value, tmp_path):
     assert exc.value.code == 2
 
 
+@pytest.mark.slow  # 3 s; the window model's exactness is in make test (tests/test_solver_properties.py)
 def test_window_model_keeps_the_incumbent_or_improves_it():
     """A window of the MILP with every other unit decided: warm-started from the incumbent,
     its schedule replays within budget and is never worse."""

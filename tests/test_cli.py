@@ -134,3 +134,19 @@ def test_console_script_entry_point(chain_file):
 def test_a_gap_is_never_rounded_onto_the_proof_tolerance(gap, shown):
     """A solve stopped at 0.0105% printed "gap 0.01%", the default tolerance, next to "feasible"."""
     assert _percent(gap) == shown
+
+
+def test_show_says_where_the_host_is_slower_than_the_device(tmp_path, capsys):
+    """A chain profiled on a GPU whose host issues some ops slower than they run: ``show``
+    gives both sums and the no-stall makespan with the host's waits."""
+    from offload.step.chainfile import chain_from_dict
+    from tests.conftest import chain_doc
+    doc = chain_doc()
+    for s in doc["stages"]:
+        s.update(fwd_host_s=1.5, bwd_host_s=1.0)
+    path = tmp_path / "host.json"
+    save_chain(chain_from_dict(doc), path)
+    assert main(["show", str(path)]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("ideal"))
+    assert "makespan 14.000 s" in line and "add up to 12.000 s" in line and "to 10.000 s" in line
+    assert "slower than the device in 4 of 8 ops" in line

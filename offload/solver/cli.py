@@ -84,7 +84,15 @@ def print_chain(chain: Chain) -> None:
     if chain.workspace_bytes:
         _line("workspaces", f"{format_bytes(chain.workspace_bytes)} of the base held by no tensor (cuBLAS/cuDNN "
               "workspaces, allocator rounding): made in step 1, kept; a run counts any more as activations")
-    _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times)")
+    host = float(chain.fh.sum() + chain.bh.sum())
+    if host:
+        device = float(chain.f.sum() + chain.b.sum())
+        slower = sum(int(chain.fh[i] > chain.f[i]) + int(chain.bh[i] > chain.b[i]) for i in range(1, chain.L + 1))
+        _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (no stall; the device's op times add up "
+              f"to {format_seconds(device)}, the host's time to issue them to {format_seconds(host)}, slower than "
+              f"the device in {slower} of {2 * chain.L} ops: recomputing there costs host time)")
+    else:
+        _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times)")
     _line("smallest", f"feasible activation budget {format_bytes(plain_floor)} ({plain_floor} B, "
           f"{100 * plain_floor / peak:.1f}% of the peak)" if peak else "feasible budget 0 B")
     for mode in ("lossless", "lossy"):

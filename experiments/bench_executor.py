@@ -98,14 +98,13 @@ def within_budget(report: Report) -> bool | None:
 
 
 def row(model: Model, share: float | str, way: str, report: Report | None, error: OffloadError | None,
-        checked: Report | None = None, check_error: OffloadError | None = None, **extra) -> dict:
+        checked: Report | None, check_error: OffloadError | None, **extra) -> dict:
     """One line of the summary: ``report`` timed, ``checked`` (the same schedule under
     ``--check-grads``) for the gradients; the peak and the exit code are the worse of the two."""
     if report is None:
         return {"model": model.tag, "share": share, "way": way, **extra}
     m, p = report.measured, report.predicted
     overlap = (report.trace or {}).get("copy_overlap")
-    checked = checked or report
     peaks = [r.measured.activation_peak_bytes for r in (report, checked) if r.measured.activation_peak_bytes is not None]
     fits = [within_budget(r) for r in (report, checked)]
     return {"model": model.tag, "share": share, "way": way, **extra,
@@ -116,7 +115,7 @@ def row(model: Model, share: float | str, way: str, report: Report | None, error
             "copy_overlap": overlap["fraction"] if overlap else None, "predicted_overlap": p.copy_overlap,
             "grads_match": checked.grads_match,
             "grads_within_noise": checked.grads_within_noise,
-            "exit": exit_code(report, error) or exit_code(checked, check_error or (error if checked is report else None)),
+            "exit": exit_code(report, error) or exit_code(checked, check_error),
             "d2h_bytes_per_step": m.d2h_bytes_per_step, "detail": str(error or check_error or "")}
 
 
@@ -149,7 +148,8 @@ def _cell(model: Model, chain: Chain, share: float, way: str, budget: int, devic
     try:
         res = solve(chain, budget, method, Options(time_limit_s=args.time_limit, recompute=recompute))
     except InfeasibleBudget as exc:
-        return row(model, share, way, None, None, solver_status="infeasible", budget_bytes=budget, detail=str(exc))
+        return row(model, share, way, None, None, None, None, solver_status="infeasible", budget_bytes=budget,
+                   detail=str(exc))
     name = f"{model.tag}-{int(share * 100)}-{way}"
     # timed as users train (their kernels, as profiled; each op's memory read in step 1, the warm-up);
     # the gradients checked in a run of their own

@@ -134,9 +134,8 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         if ranks > 1:  # all-reduced like ours
             reference.module = distributed.wrap(reference.module)
         check = GradCheck(reference, params, device)
-    trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes)
-    if check is not None:
-        trainer.elsewhere = check.tensors()
+    trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes,
+                      elsewhere=check.tensors() if check is not None else None)
     if opts.progress is not None:
         total = trainer.steps_per_measure(opts.steps) * (3 if opts.compare else 1) + bool(opts.trace)
         trainer.tick = lambda what: opts.progress(what, total)

@@ -76,12 +76,13 @@ class Trainer:
     """Runs measured training steps of one model."""
 
     def __init__(self, spec: ModelSpec, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
-                 device: torch.device, tick: Callable[[str], None] = lambda _: None, workspace_bytes: int = 0) -> None:
+                 device: torch.device, tick: Callable[[str], None] = lambda _: None, workspace_bytes: int = 0,
+                 elsewhere: list[torch.Tensor] | None = None) -> None:
         self.spec, self.params, self.optimizer, self.device = spec, params, optimizer, device
         self.tick = tick  # told each step done: "<what> step <n>/<steps>"
         self.workspace_bytes = workspace_bytes  # the chain's: device memory of its base that no tensor holds
         self.untracked_before: int | None = None  # such memory already there as the first step starts
-        self.elsewhere: list[torch.Tensor] = []  # device tensors the run keeps beside the model (a reference copy)
+        self.elsewhere = list(elsewhere or [])  # device tensors the run keeps beside the model (a reference copy)
 
     def steps_per_measure(self, steps: int) -> int:
         """The steps one ``measure`` of ``steps`` runs (on the CPU the timed ones come on top)."""

@@ -23,8 +23,15 @@ def all_runs(L: int) -> Iterator[list[Recompute]]:
         yield [Recompute(a, b) for a, b in runs]
 
 
+def kept_casts(chain: Chain, rebuilt: set[int]) -> Iterator[tuple[int, ...]]:
+    """Every set of stages that may keep their weight casts (none recomputed)."""
+    free = [i for i in chain.castable if i not in rebuilt]
+    return itertools.chain.from_iterable(itertools.combinations(free, n) for n in range(len(free) + 1))
+
+
 def brute_force(chain: Chain, budget: int, recompute: bool = False) -> float | None:
-    """Best makespan over every schedule (offloads, and with ``recompute`` every set of runs)."""
+    """Best makespan over every schedule (offloads, kept weight casts, and with ``recompute``
+    every set of runs)."""
     def options(i: int, rebuilt: set[int]) -> Iterator[Offload | None]:
         yield None
         if i in rebuilt:
@@ -38,7 +45,8 @@ def brute_force(chain: Chain, budget: int, recompute: bool = False) -> float | N
             continue
         rebuilt = {i for r in runs for i in r.stages}
         for combo in itertools.product(*[list(options(i, rebuilt)) for i in chain.offloadable]):
-            sim = simulate(chain, [o for o in combo if o], recompute=runs)
-            if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best):
-                best = sim.makespan_s
+            for kept in kept_casts(chain, rebuilt):
+                sim = simulate(chain, [o for o in combo if o], recompute=runs, casts_kept=kept)
+                if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best):
+                    best = sim.makespan_s
     return best

@@ -38,9 +38,9 @@ def write(tmp_path):
     return _write
 
 
-def assert_loads_exactly(model, offloads, encode=None, runs=()) -> None:
+def assert_loads_exactly(model, offloads, encode=None, runs=(), casts_kept=()) -> None:
     """Loading a schedule into the MILP sets every variable so that all rows hold and the
     objective is the simulated makespan: the MILP's rows say exactly what the simulator does."""
-    span = model.load(offloads, encode, runs)
+    span = model.load(offloads, encode, runs, casts_kept)
     assert not [name for name, row in model.lp.constraints.items() if not row.valid(1e-7)]
     assert model.makespan.value() * model.tau == pytest.approx(span, rel=1e-9)

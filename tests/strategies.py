@@ -29,13 +29,17 @@ def _encodings(draw, saved: int) -> list[dict]:
 
 
 @st.composite
-def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = False, inputs: bool = False) -> Chain:
+def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = False, inputs: bool = False,
+           casts: bool | None = None) -> Chain:
     """``inputs``: stages carry what recomputation needs: ``input_bytes`` (a checkpoint),
     sometimes ``carry_bytes`` (less than the unit alive in the next forward) with part of the
     checkpoint in it (and in the held part), a smaller forward transient when recomputed, the
-    gradient live as the backward starts, and sometimes ``recomputable: false``."""
+    gradient live as the backward starts, and sometimes ``recomputable: false``.  ``casts``:
+    stages make weight casts (``None``: a third of the chains, some of their stages)."""
     L = draw(st.integers(min_stages, max_stages))
     host = draw(st.integers(0, 2)) == 0  # a GPU whose host issues kernels slower than some stages run
+    if casts is None:  # autocast: weight casts made again by the backward unless kept
+        casts = draw(st.integers(0, 2)) == 0
     stages = []
     for i in range(1, L + 1):
         saved = draw(st.integers(0, 100))
@@ -50,6 +54,9 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             "encodings": _encodings(draw, saved) if encodings else [],
             "input_bytes": draw(st.integers(0, 60)) if inputs and i > 1 else 0,
         })
+        if casts and draw(st.booleans()):
+            stages[-1].update(cast_bytes=draw(st.integers(1, 40)),
+                              recast_s=draw(st.integers(0, stages[-1]["bwd_s"] * 1000)) / 1000)
         if host:
             stages[-1].update(fwd_host_s=draw(st.integers(0, 15)) / 1000, bwd_host_s=draw(st.integers(0, 25)) / 1000)
         if saved and i + 2 <= L and draw(st.integers(0, 3)) == 0:  # part held by the model's own code
@@ -82,12 +89,13 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
 
 @st.composite
 def chain_and_budget(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = False,
-                     mode: str = "lossless", inputs: bool = False, below: bool = False) -> tuple[Chain, int]:
+                     mode: str = "lossless", inputs: bool = False, below: bool = False,
+                     casts: bool | None = None) -> tuple[Chain, int]:
     """A chain and a budget from the smallest feasible one (with ``mode``'s encodings) to
-    the no-offload peak; ``below``: under the offloading floor, from the lower bound with
-    recomputation."""
-    chain = draw(chains(min_stages, max_stages, encodings, inputs))
-    lo, hi = encoded_floor.floor(chain, mode)[0], no_offload_peak(chain)
+    the no-offload peak with every weight cast kept; ``below``: under the offloading floor,
+    from the lower bound with recomputation."""
+    chain = draw(chains(min_stages, max_stages, encodings, inputs, casts))
+    lo, hi = encoded_floor.floor(chain, mode)[0], no_offload_peak(chain) + int(chain.cb.sum())
     if below:  # where only recomputation may fit (if anything does)
         lo, hi = smallest_feasible_budget(chain, recompute=True), lo - 1
         assume(lo <= hi)

@@ -14,7 +14,6 @@ from offload.step.budget import Budget
 from offload.step.chainfile import load_chain, save_chain
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
 from offload.step.schedulefile import save_schedule
-from offload.step.simulate import simulate
 
 CHAINS = Path(__file__).parent.parent / "experiments" / "chains"
 
@@ -97,7 +96,7 @@ def test_cli_sweep_plot_timeline_trace(tmp_path, capsys):
     assert all(e["ph"] in ("X", "C", "M") and isinstance(e["pid"], int) for e in events)
     spans = [e for e in events if e["ph"] == "X"]
     assert all(isinstance(e["ts"], float) and e["dur"] >= 0 and isinstance(e["tid"], int) for e in spans)
-    sim = simulate(chain, solve(chain, budget, "ilp", Options(heuristic_time_s=0.1)).schedule.offloads)
+    sim = solve(chain, budget, "ilp", Options(heuristic_time_s=0.1)).schedule.simulate(chain)
     compute = sum(e["dur"] for e in spans if e["tid"] == 1)  # ops and stalls tile the step
     assert compute == pytest.approx(sim.makespan_s * 1e6)
     assert sum(e["args"].get("bytes", 0) for e in spans if e["tid"] == 2) == sim.d2h_bytes

@@ -16,6 +16,7 @@ from offload.step.chainfile import chain_from_dict
 from offload.step.memory import floor_offloads, no_offload_peak, op_memory, smallest_feasible_budget
 from offload.step.schedulefile import load_schedule, save_schedule
 from offload.step.simulate import simulate
+from tests.brute import kept_casts
 from tests.conftest import assert_loads_exactly, chain_doc
 from tests.strategies import chain_and_budget
 from tests.test_solver_properties import FIXED_POLICIES, REL, SETTINGS
@@ -108,7 +109,7 @@ def test_schedule_file_keeps_encodings_and_refuses_unknown_ones(encoded_four, tm
 
 
 def brute_force(chain, budget, mode):
-    """Best makespan over encodings x offloads, by enumeration."""
+    """Best makespan over encodings x offloads x kept casts, by enumeration."""
     opts = encoding.allowed(chain, mode)
 
     def offloads(i):
@@ -122,9 +123,10 @@ def brute_force(chain, budget, mode):
     for choice in itertools.product(*choices):
         enc = {i: n for i, n in enumerate(choice, start=1) if n}
         for combo in itertools.product(*[list(offloads(i)) for i in chain.offloadable]):
-            sim = simulate(chain, [o for o in combo if o], encode=enc)
-            if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best):
-                best = sim.makespan_s
+            for kept in kept_casts(chain, set()):
+                sim = simulate(chain, [o for o in combo if o], encode=enc, casts_kept=kept)
+                if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best):
+                    best = sim.makespan_s
     return best
 
 
@@ -142,7 +144,7 @@ def test_ilp_objective_is_the_simulated_makespan_with_encodings(cb):
     chain, budget = cb
     res = solve_ilp(chain, budget, gap=0.0, options=encoding.allowed(chain))
     assert res.outcome.proven
-    sim = simulate(chain, res.offloads, encode=res.encode)
+    sim = simulate(chain, res.offloads, encode=res.encode, casts_kept=res.casts_kept)
     assert sim.peak_bytes <= budget + 1  # solver tolerance; methods.solve tightens it away
     assert res.objective_s == pytest.approx(sim.makespan_s, rel=1e-6)
 
@@ -171,7 +173,7 @@ def test_every_method_with_encodings_replays_within_budget_and_ilp_is_best(cb):
             continue
         s = res.schedule
         assert not encoding.lossy_stages(chain, s.encode)
-        replay = simulate(chain, s.offloads, budget, encode=s.encode)
+        replay = s.simulate(chain, budget)
         assert s.predicted["makespan_s"] == replay.makespan_s
         assert s.predicted["peak_bytes"] == replay.peak_bytes <= budget
         assert ilp.simulation.makespan_s <= replay.makespan_s * (1 + REL), name

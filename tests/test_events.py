@@ -11,7 +11,6 @@ from offload.step.chainfile import chain_from_dict
 from offload.step.events import (BACKWARD, D2H, DECODE, ENCODE, FORWARD, FREE, H2D, RECOMPUTE, RELEASE, WAIT, Event,
                                  step_events)
 from offload.step.schedule import make_schedule
-from offload.step.simulate import simulate
 from tests.strategies import chains
 from tests.test_solver_properties import SETTINGS
 
@@ -44,7 +43,7 @@ def schedules(draw):
 @given(schedules())
 def test_simulator_and_executor_plan_read_the_same_table(cs):
     chain, sched = cs
-    sim = simulate(chain, sched.offloads, encode=sched.encode, recompute=sched.recompute)
+    sim = sched.simulate(chain)
     plan = StepPlan.from_schedule(chain, sched)
     assert sim.events == plan.events == step_events(chain, sched.offloads, sched.recompute, sched.encode)
     seq, L = plan.events.sequence, chain.L

@@ -115,10 +115,11 @@ def test_joint_ilp_equals_brute_force(cb):
 
 
 @settings(max_examples=6, **SETTINGS)
-@given(chain_and_budget(min_stages=5, max_stages=5, inputs=True))
+@given(chain_and_budget(min_stages=5, max_stages=5, inputs=True, casts=False))
 def test_joint_ilp_equals_brute_force_on_five_stages(cb):
     """Five stages: 3^4 sets of runs, each with every offload of the stages it leaves (a
-    fraction of a second per chain, so a few chains)."""
+    fraction of a second per chain, so a few chains; without weight casts, which would
+    multiply that by up to 2^5: test_casts.py has them with runs on four stages)."""
     chain, budget = cb
     res = solve(chain, budget, "ilp", JOINT)
     assert res.status == "optimal"
@@ -126,7 +127,7 @@ def test_joint_ilp_equals_brute_force_on_five_stages(cb):
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(chain_and_budget(min_stages=2, max_stages=5, inputs=True, below=True))
+@given(chain_and_budget(min_stages=2, max_stages=5, inputs=True, below=True, casts=False))  # casts: test_casts.py
 def test_joint_ilp_equals_brute_force_below_the_offload_floor(cb):
     """Under the offloading floor: the MILP's optimum is the brute force's, and where nothing
     fits both say so."""
@@ -148,7 +149,7 @@ def test_joint_objective_is_the_simulated_makespan_and_loads_exactly(cb):
     chain, budget = cb
     res = solve_ilp(chain, budget, gap=0.0, max_run=8)
     assert res.outcome.proven
-    assert res.objective_s == pytest.approx(simulate(chain, res.offloads, recompute=res.recompute).makespan_s, rel=1e-6)
+    assert res.objective_s == pytest.approx(simulate(chain, res.offloads, recompute=res.recompute, casts_kept=res.casts_kept).makespan_s, rel=1e-6)
     plan = solve(chain, budget, "relax-bw", JOINT).schedule
     model = Model(chain, budget, max_run=8)
     assert_loads_exactly(model, plan.offloads, runs=plan.recompute)
@@ -187,7 +188,7 @@ def test_joint_is_never_worse_than_either_family_and_every_method_replays(cb):
             assert method in ("recompute-only", "checkpoint-sqrt", "checkpoint-blocks"), exc
             continue
         s = res.schedule
-        replay = simulate(chain, s.offloads, budget, recompute=s.recompute)
+        replay = s.simulate(chain, budget)
         assert s.predicted["makespan_s"] == replay.makespan_s
         assert joint.simulation.makespan_s <= replay.makespan_s * (1 + REL), method
         assert res.bound_s <= replay.makespan_s * (1 + REL)

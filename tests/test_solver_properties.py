@@ -42,7 +42,7 @@ def test_every_method_replays_within_budget_and_ilp_is_best(cb):
         except InfeasibleBudget:
             assert name in FIXED_POLICIES
             continue
-        replay = simulate(chain, res.schedule.offloads, budget)  # raises if over budget
+        replay = res.schedule.simulate(chain, budget)  # raises if over budget
         assert res.schedule.predicted["makespan_s"] == replay.makespan_s
         assert res.schedule.predicted["peak_bytes"] == replay.peak_bytes <= budget
         assert ilp.simulation.makespan_s <= replay.makespan_s * (1 + REL), name
@@ -55,7 +55,7 @@ def test_ilp_objective_equals_simulated_makespan(cb):
     chain, budget = cb
     res = solve_ilp(chain, budget, gap=0.0)
     assert res.outcome.proven
-    assert res.objective_s == pytest.approx(simulate(chain, res.offloads).makespan_s, rel=1e-6)
+    assert res.objective_s == pytest.approx(simulate(chain, res.offloads, casts_kept=res.casts_kept).makespan_s, rel=1e-6)
     assert res.dual_bound_s <= res.objective_s * (1 + 1e-6)
 
 
@@ -109,7 +109,7 @@ def test_a_window_with_the_other_units_decided_is_exact(cb):
     decided = {i: Decided(offload=by.get(i)) for i in range(1, chain.L + 1) if i != free}
     res = solve_ilp(chain, budget, gap=0.0, decided=decided, warm=best.offloads)
     assert res.outcome.proven
-    assert res.objective_s == pytest.approx(simulate(chain, res.offloads).makespan_s, rel=1e-6)
+    assert res.objective_s == pytest.approx(simulate(chain, res.offloads, casts_kept=res.casts_kept).makespan_s, rel=1e-6)
 
 
 def test_a_decided_release_at_L_waits_for_a_copy_the_host_delayed():
@@ -127,6 +127,6 @@ def test_a_decided_release_at_L_waits_for_a_copy_the_host_delayed():
         {**stage, "saved_bytes": 2, "fwd_peak_bytes": 2}, {**stage, "saved_bytes": 0, "fwd_peak_bytes": 0}]})
     for decided in ({1: Decided(offload=Offload(1, 3, 1)), 3: Decided()}, {}):
         res = solve_ilp(chain, 10, gap=0.0, decided=decided)
-        replay = simulate(chain, res.offloads)
+        replay = simulate(chain, res.offloads, casts_kept=res.casts_kept)
         assert res.objective_s == pytest.approx(replay.makespan_s, rel=1e-9)
         assert replay.copies[0].end == pytest.approx(0.006)

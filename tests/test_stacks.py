@@ -261,7 +261,9 @@ def test_under_autocast_the_backwards_transients_no_longer_grow_with_depth():
     blocks = [s for s in chain.stages if s.name.startswith("model.layers.")]
     for peaks in ([s.fwd_peak_bytes for s in blocks], [s.bwd_peak_bytes for s in blocks]):
         assert len(peaks) == layers and all(b <= a + 4096 for a, b in zip(peaks, peaks[1:])), peaks
-    assert sum(chain.source["weight_cast_bytes"]) > layers * 4 * 128 * 128 * 2 // 2
+    casts = [s.cast_bytes for s in blocks]  # each layer's weights in bf16: made again by its backward
+    assert len(set(casts)) == 1 and casts[0] > 4 * 128 * 128 * 2 // 2, casts
+    assert all(0 < s.recast_s <= s.bwd_s for s in blocks)
     assert chain.recipe.casts_cleared  # autocast's cache forgot each layer's casts at its end
 
 
@@ -278,7 +280,7 @@ def test_a_weight_read_by_two_stages_keeps_autocasts_cache(shared):
     check_train(chain, *reversed(halfway(chain)))
 
 
-@pytest.mark.parametrize("reentrant", [0, 1])
+@pytest.mark.parametrize("reentrant", [0, pytest.param(1, marks=pytest.mark.slow)])  # 1: make test-all (time)
 def test_checkpointing_is_kept(reentrant):
     """The user's ``torch.utils.checkpoint`` runs as written: its blocks save only their
     input (the profile sees less saved than without it), and offloading around it is exact.
@@ -312,7 +314,7 @@ def test_accumulation_over_micro_batches(chains):
             opt.step(), opt.zero_grad()
         for a, b in zip(mine.module.parameters(), plain.module.parameters()):
             assert torch.equal(a, b)
-    sim = simulate(chain, run.schedule.offloads)
+    sim = run.schedule.simulate(chain)
     assert run.moved_bytes == (4 * sim.d2h_bytes, 4 * sim.h2d_bytes)
 
 

@@ -15,7 +15,7 @@ from offload.step.chain import Chain
 from offload.step.events import BACKWARD, D2H, DECODE, ENCODE, FORWARD, H2D, RECOMPUTE
 from offload.step.memory import op_name
 from offload.step.schedule import Schedule
-from offload.step.simulate import Simulation, simulate
+from offload.step.simulate import Simulation
 
 LANES = ("compute", "D2H", "H2D", "codec")  # the trace's threads, in this order
 
@@ -44,7 +44,7 @@ class Timeline:
 
 
 def timeline(chain: Chain, schedule: Schedule) -> Timeline:
-    sim = simulate(chain, schedule.offloads, encode=schedule.encode, recompute=schedule.recompute)
+    sim = schedule.simulate(chain)
     base = schedule.budget.base(chain) if schedule.budget else 0
     spans: list[Span] = []
     memory = []

@@ -9,7 +9,9 @@ function of a parameter that lives through the step: this module saves the param
 the cast's dtype and layout instead, and casts again when the backward reads it.  The same
 cast of the same weight gives the same bits, so gradients are unchanged; what it costs is a
 cast (a read of the weight, a write of the cast) in the backward op that reads it, measured
-there by the profiler, which runs the same hooks.
+there by the profiler, which runs the same hooks, and timed on its own (``recast_s``): a
+schedule may keep a stage's casts instead, where it has the memory (docs/model.md,
+"Weight casts"; the executor then saves them as autograd would).
 
 Autocast's own cache would still hold each cast until the autocast region exits (the end of
 the forward, in a training loop): the stage boundaries clear it (``Staging.clear_casts``,
@@ -38,6 +40,11 @@ class Recast:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+
+    @property
+    def nbytes(self) -> int:
+        """The cast's storage: the parameter's elements in the cast's dtype."""
+        return self.parameter.numel() * self.dtype.itemsize
 
     def tensor(self) -> torch.Tensor:
         """The saved tensor again: the same cast, viewed as it was saved."""

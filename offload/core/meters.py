@@ -17,11 +17,12 @@ synchronisation inside the step), ``perf_counter`` on the CPU, where ops are syn
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
 import time
 import warnings
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,6 +30,19 @@ from torch.utils._pytree import tree_flatten
 
 
 _host = threading.local()
+
+
+def timed(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = 3) -> tuple[Any, float]:
+    """``fn()``'s last result and its median wall time over ``repeats`` calls, each between
+    two ``sync()`` (a device synchronisation: outside a step only)."""
+    times, out = [], None
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return out, statistics.median(times)
 
 
 @contextlib.contextmanager

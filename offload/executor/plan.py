@@ -5,7 +5,8 @@ The runtime runs ``events.after_forward(k)`` at the end of ``Fk`` (``k < L``) an
 ``events.before_backward(k)`` at the start of ``Bk``: the same list, in the same order,
 that the simulator replays.  ``encoders`` says, for each encoded unit, which of its
 storages (by their index in first-save order) are stored with which encoder;
-``unit_bytes`` what each stage saved when profiled.
+``unit_bytes`` what each stage saved when profiled; ``casts_kept`` the stages whose weight
+casts are saved as autograd saves them (the others' are made again: ``offload.core.casts``).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class StepPlan:
     planned_bytes: int  # all offloaded units' bytes, encoded ones as encoded (the host arena's size)
     encoders: dict[int, dict[int, EncodedTensor]]  # encoded unit -> storage index -> its encoding, as profiled
     unit_bytes: tuple[int, ...]  # per stage 0..L, the bytes its unit saves, as profiled
+    casts_kept: frozenset[int] = frozenset()
 
     @property
     def L(self) -> int:
@@ -55,4 +57,5 @@ class StepPlan:
                               for i in moved),
             encoders={i: {t.index: t for t in e.tensors} for i, e in chosen.items()},
             unit_bytes=tuple(int(a) for a in chain.a),
+            casts_kept=frozenset(schedule.casts_kept),
         )

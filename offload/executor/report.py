@@ -22,7 +22,7 @@ from offload.step.budget import Budget
 from offload.step.chain import Chain
 from offload.step.encoding import lossy_stages
 from offload.step.schedule import Schedule
-from offload.step.simulate import simulate
+
 
 REPORT_FORMAT = "offload-report/1"
 
@@ -117,7 +117,7 @@ class Report:
     @classmethod
     def start(cls, chain: Chain, schedule: Schedule, backend: str, device: Any, op_memory: bool = False) -> "Report":
         """A report of ``schedule`` on ``chain``, its prediction made, nothing measured yet."""
-        sim = simulate(chain, schedule.offloads, encode=schedule.encode, recompute=schedule.recompute)
+        sim = schedule.simulate(chain)
         predicted = Predicted(step_s=sim.makespan_s, stall_s=sim.stall_s, activation_peak_bytes=sim.peak_bytes,
                               total_peak_bytes=total(sim.peak_bytes, chain), d2h_bytes_per_step=sim.d2h_bytes,
                               h2d_bytes_per_step=sim.h2d_bytes, copy_overlap=sim.copy_overlap,

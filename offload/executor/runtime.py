@@ -143,8 +143,8 @@ class _Step(StageListener):
         if self.recorder is not None:
             self.recorder.saved()
             self.ordinals[self.recorder.stage].append(sid)
-        if sid is None:
-            return casts.pack(t)  # a weight's cast: made again when read
+        if sid is None:  # not a unit's: a weight's cast, kept or made again when read
+            return t if self.tracker.stage in self.plan.casts_kept else casts.pack(t)
         self.stored[sid].readers += 1
         self.stored[sid].saw(t)
         return _Handle(self, sid, t.dtype, t.size(), t.stride(), t.storage_offset())

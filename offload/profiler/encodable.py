@@ -21,8 +21,6 @@ Each stage then offers ``lossless`` (per storage the smallest lossless encoding)
 from __future__ import annotations
 
 import re
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,7 +28,7 @@ import torch
 
 from offload.core.devices import persistent_tensors
 from offload.core.encoders import ENCODERS, flat_storage, usable_on
-from offload.core.meters import make_meter
+from offload.core.meters import make_meter, timed
 from offload.core.staging import StageListener
 from offload.core.units import Saved, UnitTracker, plain, storage_key
 from offload.models.spec import tensors_in
@@ -102,17 +100,6 @@ def _readers(root: Any) -> dict[int, set[tuple[str, str]]]:
     return found
 
 
-def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = 3) -> tuple[Any, float]:
-    times, out = [], None
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        out = fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return out, statistics.median(times)
-
-
 def _workspace(name: str, flat: torch.Tensor) -> int:
     """The most temporary memory encoding or decoding ``flat`` takes beyond input and output."""
     enc = ENCODERS[name]
@@ -132,8 +119,8 @@ def _workspace(name: str, flat: torch.Tensor) -> int:
 
 def _try(name: str, flat: torch.Tensor, sync: Callable[[], None]) -> Candidate:
     enc = ENCODERS[name]
-    blob, enc_s = _timed(lambda: enc.encode(flat), sync)
-    back, dec_s = _timed(lambda: enc.decode(blob, flat.dtype, flat.numel()), sync)
+    blob, enc_s = timed(lambda: enc.encode(flat), sync)
+    back, dec_s = timed(lambda: enc.decode(blob, flat.dtype, flat.numel()), sync)
     if enc.round_trips and not torch.equal(back.view(torch.uint8), flat.view(torch.uint8)):
         raise RuntimeError(f"the {name} encoder did not round-trip bit for bit")  # a bug, never data
     return Candidate(name, blob.numel(), enc_s, dec_s, _workspace(name, flat))

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload.core import casts
 from offload.core.devices import deterministic_kernels, make_optimizer, persistent_tensors
-from offload.core.meters import Clock, CpuMeter, make_meter
+from offload.core.meters import Clock, CpuMeter, make_meter, timed
 from offload.core.rerun import NotRerunnable, StageRecorder
 from offload.core.staging import StageListener, Staging
 from offload.core.units import Saved, UnitTracker, storage_key
@@ -67,6 +67,8 @@ class StageMeasurement:
     input_held_bytes: int = 0  # ... and held_bytes
     fwd_host_s: float = 0.0  # the host's time to issue the forward (CUDA)
     bwd_host_s: float = 0.0
+    cast_bytes: int = 0  # the weight casts the forward makes and the backward makes again
+    recast_s: float = 0.0  # what making them again takes (timed on their own)
 
 
 @dataclass
@@ -85,7 +87,7 @@ class MemoryPass:
     own: list[dict[int, int]]  # per stage, index -> bytes of its checkpoint's storages in its own unit
     rerun: list[str | None]  # per stage, why the executor cannot re-run it (None: it can)
     workspace: int = 0  # of m0, the bytes no tensor holds (CUDA: workspaces, the allocator's rounding)
-    casts: list[int] = field(default_factory=list)  # per stage, bytes of weight casts not saved (``core.casts``)
+    casts: list[list[casts.Recast]] = field(default_factory=list)  # per stage, the weight casts not saved
     shared_casts: bool = False  # a weight cast in two stages (``_CastsMade``)
 
     def widened(self, other: "MemoryPass") -> "MemoryPass":
@@ -106,7 +108,6 @@ class Measurement:
     optimizer_step_s: float
     notes: list[str] = field(default_factory=list)
     workspace_bytes: int = 0  # of base_bytes, held by no tensor (``Chain.workspace_bytes``)
-    cast_bytes: list[int] = field(default_factory=list)  # per stage, weight casts not saved
     casts_cleared: bool = False  # autocast's cache cleared at every stage boundary (``Recipe.casts_cleared``)
 
 
@@ -272,16 +273,15 @@ class StepRunner:
             peak_ops.append(getattr(meter, "interval_peak_op", -1) - start)
         listener = _Recording(L, read, tracker, self.device)
 
-        cast_bytes, cast_storages = [0] * L, set()
+        recasts: list[dict[tuple[int, torch.dtype], casts.Recast]] = [{} for _ in range(L)]
         made = _CastsMade(tracker)
 
         def pack(t: torch.Tensor) -> Any:
             tracker.saw(t)
             listener.saved()
             packed = casts.pack(t)
-            if packed is not t and storage_key(t) not in cast_storages:
-                cast_storages.add(storage_key(t))
-                cast_bytes[tracker.stage - 1] += t.untyped_storage().nbytes()
+            if packed is not t:  # one cast per weight and dtype in a stage, however many views of it are saved
+                recasts[tracker.stage - 1].setdefault((id(packed.parameter), packed.dtype), packed)
             return packed
 
         with meter:
@@ -311,7 +311,11 @@ class StepRunner:
         bwd_starts = [readings[2 * L - i - 1][1] for i in range(1, L + 1)]  # B_L starts at the turn
         return MemoryPass(m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
                           peak_ops[:L] if exact else None, starts, bwd_starts, listener.inputs, listener.own,
-                          listener.why, workspace, cast_bytes, made.shared)
+                          listener.why, workspace, [list(r.values()) for r in recasts], made.shared)
+
+    def recast_seconds(self, recasts: list[casts.Recast]) -> float:
+        """What making a stage's weight casts again costs its backward: the casts, timed."""
+        return timed(lambda: [r.tensor() for r in recasts], self.sync)[1] if recasts else 0.0
 
     def timing_pass(self) -> tuple[list[float], list[float], list[float], list[float]]:
         """(forward seconds of each stage, backward seconds of each stage, and the host's seconds
@@ -498,6 +502,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     for _ in range(repeats):
         times.append(runner.timing_pass())
         tick("timed steps")
+    recast_s = [runner.recast_seconds(r) for r in mem.casts]
     stages = []
     resident = 0
     for i in range(runner.L):
@@ -512,10 +517,11 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        sum(b for n, b in mem.own[i].items() if n in held[i].carried),
                                        sum(b for n, b in mem.own[i].items() if n in held[i].held),
                                        statistics.median(t[2][i] for t in times),
-                                       statistics.median(t[3][i] for t in times)))
+                                       statistics.median(t[3][i] for t in times),
+                                       sum(r.nbytes for r in mem.casts[i]), recast_s[i]))
     step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "
              f"first: {fixed[0]}"] if fixed else []
-    return Measurement(stages, m0, runner.base_parts(), step, update_s, notes, mem.workspace, mem.casts,
+    return Measurement(stages, m0, runner.base_parts(), step, update_s, notes, mem.workspace,
                        runner.staging.clear_casts)

@@ -160,7 +160,6 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                    "spread": spread(steps)},
         "optimizer_step_s": m.optimizer_step_s,
         "base": m.base_parts,
-        **({"weight_cast_bytes": m.cast_bytes} if any(m.cast_bytes) else {}),
         "profiled_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "measured_by": "offload profile",
     }
@@ -176,7 +175,8 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                   recomputable=s.recomputable, carry_bytes=s.carry_bytes, bwd_start_bytes=s.bwd_start_bytes,
                   recomputed_fwd_peak_bytes=s.recomputed_fwd_peak_bytes if s.recomputable else None,
                   input_carried_bytes=s.input_carried_bytes, input_held_bytes=s.input_held_bytes,
-                  fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s)
+                  fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s,
+                  cast_bytes=s.cast_bytes, recast_s=min(s.recast_s, s.bwd_s) if s.cast_bytes else 0.0)
             for info, s, enc in zip(stages.stages, m.stages, encodings)]
     return make_chain(opts.name or f"{_model_label(model)}-b{opts.batch}", rows, plat, m.base_bytes, source, recipe,
                       m.workspace_bytes)

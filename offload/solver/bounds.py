@@ -35,7 +35,7 @@ def fluid_lp(chain: Chain, budget: int, deadline: Deadline | None = None) -> Flu
     is infeasible, or no solution was found in time."""
     L, U = chain.L, chain.offloadable
     tau, mu = chain.time_unit_s, chain.memory_unit_bytes
-    f, b = chain.f / tau, chain.b / tau
+    f, b = chain.f / tau, (chain.b - chain.rc) / tau  # every weight cast kept: the fastest backward
     a = {i: chain.a[i] / mu for i in range(1, L + 1)}
     bw_d = chain.platform.d2h_bytes_per_s * tau / mu
     bw_h = chain.platform.h2d_bytes_per_s * tau / mu

@@ -21,7 +21,7 @@ from offload.step.encoding import MODE_HELP, MODES, allowed, encoded_bytes
 from offload.step.graph import write_graphml
 from offload.step.memory import no_offload_peak, op_memory, op_name, smallest_feasible_budget
 from offload.step.schedulefile import load_schedule, save_schedule
-from offload.step.simulate import Simulation, simulate
+from offload.step.simulate import Simulation
 
 from .encoded_floor import floor
 from .floors import joint_floor
@@ -57,11 +57,13 @@ def print_chain(chain: Chain) -> None:
     print(f"platform    D2H {p.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {p.h2d_bytes_per_s / 1e9:.2f} GB/s, "
           f"latency {format_seconds(p.latency_s)}" + (f" ({printable(p.note)})" if p.note else ""))
     print()
-    print(f"{'#':>4} {'name':<22} {'kind':<10} {'fwd':>10} {'bwd':>10} {'saved':>11} {'fwd peak':>11} {'bwd peak':>11} {'need':>5}")
+    casts = bool(chain.castable)  # a column of the weight casts each stage makes again
+    print(f"{'#':>4} {'name':<22} {'kind':<10} {'fwd':>10} {'bwd':>10} {'saved':>11} {'fwd peak':>11} {'bwd peak':>11} {'need':>5}"
+          + (f" {'casts':>11}" if casts else ""))
     for i, s in enumerate(chain.stages, start=1):
         print(f"{i:>4} {printable(s.name)[:22]:<22} {printable(s.kind)[:10]:<10} {format_seconds(s.fwd_s):>10} {format_seconds(s.bwd_s):>10} "
               f"{format_bytes(s.saved_bytes):>11} {format_bytes(s.fwd_peak_bytes):>11} {format_bytes(s.bwd_peak_bytes):>11} "
-              f"{s.need_from:>5}")
+              f"{s.need_from:>5}" + (f" {format_bytes(s.cast_bytes):>11}" if casts else ""))
     if chain.has_encodings:
         print()
         print("encodings   (unit size once encoded, encode / decode time)")
@@ -77,10 +79,10 @@ def print_chain(chain: Chain) -> None:
     o = int(op_memory(chain, ()).argmax())
     _line("no-offload", f"activation peak {format_bytes(peak)} at {op_name(chain, o)}"
           + (f"; total {format_bytes(peak + chain.base_bytes)} with base {format_bytes(chain.base_bytes)}" if chain.base_bytes else ""))
-    casts = chain.source.get("weight_cast_bytes")
-    if isinstance(casts, list) and casts and all(isinstance(c, int) for c in casts):
-        _line("casts", f"{format_bytes(sum(casts))} of weight casts (autocast), {format_bytes(max(casts))} in the "
-              "largest stage: not saved for the backward, made again by the op that reads them")
+    if chain.castable:
+        _line("casts", f"{format_bytes(int(chain.cb.sum()))} of weight casts (autocast) in {len(chain.castable)} "
+              f"stages, {format_bytes(int(chain.cb.max()))} in the largest: made again by the backward "
+              f"({format_seconds(float(chain.rc.sum()))} in all) unless a schedule has the room to keep them")
     if chain.workspace_bytes:
         _line("workspaces", f"{format_bytes(chain.workspace_bytes)} of the base held by no tensor (cuBLAS/cuDNN "
               "workspaces, allocator rounding): made in step 1, kept; a run counts any more as activations")
@@ -92,7 +94,8 @@ def print_chain(chain: Chain) -> None:
               f"to {format_seconds(device)}, the host's time to issue them to {format_seconds(host)}, slower than "
               f"the device in {slower} of {2 * chain.L} ops: recomputing there costs host time)")
     else:
-        _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times)")
+        _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times"
+              + (", no weight cast made again)" if chain.castable else ")"))
     _line("smallest", f"feasible activation budget {format_bytes(plain_floor)} ({plain_floor} B, "
           f"{100 * plain_floor / peak:.1f}% of the peak)" if peak else "feasible budget 0 B")
     for mode in ("lossless", "lossy"):
@@ -133,6 +136,11 @@ def _print_simulation(chain: Chain, sim: Simulation, base: int) -> None:
     if sim.recompute:
         _line("recomputed", ", ".join(r.text for r in sim.recompute)
               + f" ({format_seconds(sim.recomputed_s)} of forward ops re-run)")
+    if chain.castable:
+        kept = sim.casts_kept
+        _line("casts", (f"kept in {len(kept)} of {len(chain.castable)} stages ({format_bytes(int(chain.cb[list(kept)].sum()))}, "
+                        f"{format_seconds(float(chain.rc[list(kept)].sum()))} of recasts saved)") if kept
+              else f"made again by the backward in all {len(chain.castable)} stages")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -140,7 +148,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sched = load_schedule(args.schedule, chain)
     budget = Budget.parse(args.budget, chain, args.total) if args.budget is not None else sched.budget
     base = budget.base(chain) if budget else 0
-    sim = simulate(chain, sched.offloads, budget, encode=sched.encode, recompute=sched.recompute)
+    sim = sched.simulate(chain, budget)
     if args.json:
         json.dump({"makespan_s": sim.makespan_s, "peak_bytes": sim.peak_bytes + base, "stall_s": sim.stall_s,
                    "ops": [vars(o) for o in sim.ops], "copies": [vars(c) for c in sim.copies],

@@ -36,8 +36,14 @@ the boundary after ``F(i+1)`` to its rebuild, its checkpoint meanwhile) are line
 ``g``; each re-run forward op gets a budget row that binds only when its run is chosen
 (a big-M row); the rebuild delays ``Bn``'s start after its prefetches are issued.
 
+A stage that makes weight casts (docs/model.md, "Weight casts") gets a binary ``k_i``: its
+casts kept, ``cast_bytes`` in the memory rows of the ops after ``Fi`` through ``Bi``,
+``recast_s`` less in ``Bi``, never in a recomputed stage.  The backlog bounds behind the
+big-M rows count the backward ops at their shortest.
+
 A model may also leave most units *decided* (``Decided``): their choice is a constant,
-only the other units are free, and a free unit's prefetch point may be capped.  That is
+only the other units are free, and a free unit's prefetch point may be capped; the kept
+casts are then a constant too (``casts_kept``).  That is
 the sub-MILP of the large-neighbourhood search (``solver.lns``), built from the same rows.
 """
 from __future__ import annotations
@@ -79,6 +85,7 @@ class IlpResult:
     offloads: list[Offload] | None  # None: no schedule
     encode: dict[int, str]  # stage -> chosen encoding
     recompute: list[Recompute]
+    casts_kept: list[int]
     outcome: SolveOutcome
     objective_s: float | None  # the MILP objective, in seconds
     dual_bound_s: float | None
@@ -128,11 +135,14 @@ class Model:
                  options: Mapping[int, Sequence[Encoding]] | None = None,
                  decided: Mapping[int, Decided] | None = None, prefetch_cap: Mapping[int, int] | None = None,
                  deadline: Deadline | None = None, cut_width: int | None = None, max_run: int = 0,
-                 offload: bool = True) -> None:
+                 offload: bool = True, casts_kept: Sequence[int] = ()) -> None:
         self.chain, self.deadline = chain, deadline
         self.decided = dict(decided or {})
         if max_run and self.decided:
             raise ValueError("recomputation is modelled in whole models only (no decided units)")
+        if casts_kept and not self.decided:
+            raise ValueError("kept casts are a constant in decided models only (a whole model chooses them)")
+        self.casts_fixed = tuple(sorted(casts_kept))
         L = chain.L
         self.free = [i for i in range(1, L + 1) if i not in self.decided]
         self.U = set(chain.offloadable) if offload else set()  # units that may move
@@ -146,6 +156,7 @@ class Model:
         self._release_windows()
         self._decisions()
         self._runs(max_run)
+        self._casts()
         self._memory_rows()
         self._durations()
         self._forward_times()
@@ -161,8 +172,8 @@ class Model:
 
     @property
     def offload_only(self) -> bool:
-        """No encoding or recomputation to choose: only which units move and when."""
-        return not self.g and all(len(o) == 1 for o in self.opts.values())
+        """No encoding, recomputation or cast to choose: only which units move and when."""
+        return not self.g and not self.k and all(len(o) == 1 for o in self.opts.values())
 
     # ------------------------------------------------------------------ plumbing
     def _row(self, name: str, lhs: _Affine, sense: str, rhs: float = 0.0) -> None:
@@ -194,7 +205,8 @@ class Model:
                      for i in range(1, L + 1) for o in self.opts[i]}
         self.dd = {(i, o): p.d2h_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.opts[i]}
         self.hd = {(i, o): p.h2d_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.opts[i]}
-        self.f, self.b = self.chain.f / self.tau, self.chain.b / self.tau
+        self.f = self.chain.f / self.tau
+        self.b = (self.chain.b - self.chain.rc) / self.tau  # each backward op at its shortest (casts kept)
 
     def _moves(self, i: int) -> bool:
         """Whether unit ``i`` may be offloaded in this model (free and offloadable, or decided so)."""
@@ -281,6 +293,18 @@ class Model:
                     row.add(self.x[i, o])
             self._row(f"one_fate_{i}", row, "<=", 1)
 
+    def _casts(self) -> None:
+        """``k_i``: stage ``i``'s weight casts kept (whole models only), never in a recomputed run."""
+        self.k = {i: self._var(f"casts_kept_{i}", True) for i in self.chain.castable} if not self.decided else {}
+        for i, v in self.k.items():
+            row = self.recomputed(i)
+            if row.terms:
+                self._row(f"casts_or_recompute_{i}", row.add(v), "<=", 1)
+
+    def casts(self, through: int) -> _Affine:
+        """The bytes (model units) of the casts the model may keep among stages ``1..through``."""
+        return _affine(*((v, self.chain.cb[i] / self.mu) for i, v in self.k.items() if i <= through))
+
     def recomputed(self, i: int) -> _Affine:
         """1 if stage ``i`` is in a recomputed run."""
         return _affine(*((v, 1.0) for (s, e), v in self.g.items() if s <= i <= e))
@@ -337,7 +361,7 @@ class Model:
                                            for i, s in enumerate(chain.stages, start=1)))
         offloads = [Offload(i, min(d.offload.release, self.R.get(i, d.offload.release)), d.offload.prefetch)
                     for i, d in self.decided.items() if d.offload is not None]
-        return op_memory(bare, offloads) / self.mu
+        return op_memory(bare, offloads, casts_kept=self.casts_fixed) / self.mu
 
     def _memory_rows(self) -> None:
         """One row per op; ops whose free part is the same share one row (the largest constant)."""
@@ -362,6 +386,7 @@ class Model:
                     row.add(self._extra(j, "fwd_extra_bytes"))
                 if j > 1 and j - 1 not in self.decided:
                     row.add(self._extra(j - 1, "output_bytes"))
+                row.add(self.casts(j - 1))
                 for (s, e), g in self.g.items():
                     if s < j:  # the checkpoint, from F_{s+1} (during F_s the stage's own memory counts it)
                         row.add(g, checkpoint(s, j) / mu)
@@ -387,6 +412,7 @@ class Model:
                             row.add(self.fetched(i, opt, j), self.size[i, opt])
                     if j <= need[i]:
                         decoding.add(self._extra(i, "bwd_extra_bytes"))
+                row.add(self.casts(j))
                 for n, at_n in self.run_at.items():
                     if n < j:  # not rebuilt yet: the checkpoint instead of the units
                         for span in at_n:
@@ -440,7 +466,10 @@ class Model:
                 for o in self.opts[j][1:]:
                     fd.add(self.c[j, o], self.enc[j, o].encode_s / self.tau)
             self.fdur.append(fd)
-            self.bdur.append(_Affine(self.b[j]))
+            bd = _Affine(self.chain.b[j] / self.tau)
+            if j in self.casts_fixed or j in self.k:
+                bd.add(self.k.get(j, 1.0), -self.chain.rc[j] / self.tau)
+            self.bdur.append(bd)
         for i in range(1, L + 1):
             d = self.decided.get(i)
             if d is not None and d.encoding != RAW:
@@ -608,15 +637,19 @@ class Model:
 
     # ------------------------------------------------------------------ warm start
     def load(self, offloads: Sequence[Offload], encode: Choice | None = None,
-             runs: Sequence[Recompute] = ()) -> float:
-        """Set every variable to the least solution for ``offloads``, ``encode`` and the
-        recomputed ``runs`` (decided units as decided); returns its makespan (s)."""
+             runs: Sequence[Recompute] = (), casts_kept: Sequence[int] = ()) -> float:
+        """Set every variable to the least solution for ``offloads``, ``encode``, the
+        recomputed ``runs`` and the kept casts (decided units as decided); returns its
+        makespan (s)."""
         encode = dict(encode or {})
         chosen_runs = {(r.first, r.last) for r in runs}
         if not chosen_runs <= set(self.g):
             raise ValueError(f"runs {sorted(chosen_runs - set(self.g))} are not in this model")
         for key, v in self.g.items():
             v.setInitialValue(1 if key in chosen_runs else 0)
+        kept = self.casts_fixed if self.decided else tuple(casts_kept)
+        for i, v in self.k.items():
+            v.setInitialValue(1 if i in kept else 0)
         L, tau = self.chain.L, self.tau
         offloads = [Offload(o.stage, min(o.release, self.R.get(o.stage, o.release)), o.prefetch) for o in offloads]
         by = {o.stage: o for o in offloads}
@@ -632,7 +665,7 @@ class Model:
             v.setInitialValue(1 if mine(i, o) and by[i].release <= j else 0)
         for (i, o, j), v in self.y.items():
             v.setInitialValue(1 if mine(i, o) and by[i].prefetch >= j else 0)
-        sim = simulate(self.chain, offloads, encode=encode, recompute=runs)
+        sim = simulate(self.chain, offloads, encode=encode, recompute=runs, casts_kept=kept)
         derived = sim.chain
         for j in range(1, L):  # w_j is the start of F_{j+1}; w_L the start of B_L before prefetch waits
             self.w[j].setInitialValue(sim.start[j] / tau)
@@ -654,6 +687,10 @@ class Model:
                 clock = h2d_end[i] if i in by and by[i].prefetch == k else base
                 self.clock[i, k].setInitialValue(clock)
         return sim.makespan_s
+
+    def read_casts(self) -> list[int]:
+        """The stages whose casts the solver's incumbent keeps (the constant ones included)."""
+        return sorted({i for i, v in self.k.items() if (v.varValue or 0) > 0.5} | set(self.casts_fixed))
 
     def read_runs(self) -> list[Recompute]:
         """The recomputed runs in the solver's incumbent."""
@@ -685,16 +722,19 @@ def solve_ilp(chain: Chain, budget: int, *, warm: Sequence[Offload] | None = Non
               cut_width: int | None = None, lower_bound_s: float = 0.0, solver: str = "highs", time_limit: float | None = 60.0,
               gap: float | None = 1e-4, threads: int | None = None, msg: bool = False,
               deadline: Deadline | None = None, presolve: bool = True, max_run: int = 0,
-              warm_runs: Sequence[Recompute] = (), offload: bool = True) -> IlpResult:
+              warm_runs: Sequence[Recompute] = (), offload: bool = True, warm_casts: Sequence[int] = (),
+              casts_kept: Sequence[int] = ()) -> IlpResult:
     """Build and solve the MILP for an activation ``budget``; ``options`` are the encodings
     it may choose per stage (``offload.step.encoding.allowed``), ``decided`` the units it may not
-    change, ``max_run`` the longest recomputed run (0: no recomputation), ``offload``
-    whether units may move at all (off: the recompute-only optimum).  Raises
-    ``OutOfTime`` if the ``deadline`` passes while the model is built."""
+    change (and ``casts_kept`` the stages whose weight casts are kept, a constant then),
+    ``max_run`` the longest recomputed run (0: no recomputation), ``offload`` whether units
+    may move at all (off: the recompute-only optimum).  Raises ``OutOfTime`` if the
+    ``deadline`` passes while the model is built."""
     t0 = time.perf_counter()
-    model = Model(chain, budget, lower_bound_s, options, decided, prefetch_cap, deadline, cut_width, max_run, offload)
+    model = Model(chain, budget, lower_bound_s, options, decided, prefetch_cap, deadline, cut_width, max_run, offload,
+                  casts_kept)
     if warm is not None:
-        model.load(warm, warm_encode, warm_runs)
+        model.load(warm, warm_encode, warm_runs, warm_casts)
     build_s = time.perf_counter() - t0
     out = run(model.lp, solver, time_limit=time_limit, gap=gap, threads=threads, warm=warm is not None, msg=msg,
               deadline=deadline, presolve=presolve, sub_mips=not (model.offload_only and warm is not None))
@@ -704,6 +744,7 @@ def solve_ilp(chain: Chain, budget: int, *, warm: Sequence[Offload] | None = Non
         offloads=offloads,
         encode=encode,
         recompute=model.read_runs() if out.has_solution else [],
+        casts_kept=model.read_casts() if out.has_solution else [],
         outcome=out,
         objective_s=out.objective * tau if out.objective is not None else None,
         dual_bound_s=out.dual_bound * tau if out.dual_bound is not None else None,

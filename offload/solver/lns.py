@@ -31,6 +31,7 @@ class Incumbent:
     offloads: list[Offload]
     encode: dict[int, str]
     makespan_s: float
+    casts_kept: tuple[int, ...] = ()  # kept as they are: the windows choose offloads and encodings
     log: list[dict] = field(default_factory=list)  # one entry per window tried
 
 
@@ -44,7 +45,7 @@ def _windows(chain: Chain, inc: Incumbent, width: int) -> list[list[int]]:
     starts = list(range(0, max(1, len(units) - width + 1), step))
     if starts[-1] + width < len(units):
         starts.append(len(units) - width)
-    sim = simulate(chain, inc.offloads, encode=inc.encode)
+    sim = simulate(chain, inc.offloads, encode=inc.encode, casts_kept=inc.casts_kept)
     stall = sim.start - sim.ready  # per op, execution order
     L = chain.L
 
@@ -81,7 +82,7 @@ def improve(chain: Chain, budget: int, start: Incumbent, *, options: Mapping[int
                                 options={i: options[i] for i in window if i in options}, decided=decided,
                                 prefetch_cap=caps, cut_width=8, solver=solver,
                                 time_limit=min(window_time_s, deadline.remaining()), gap=1e-6, threads=threads,
-                                msg=msg, deadline=deadline, presolve=False)
+                                msg=msg, deadline=deadline, presolve=False, casts_kept=inc.casts_kept)
             except OutOfTime:
                 break
             entry = {"window": [window[0], window[-1]], "status": res.outcome.stop,
@@ -89,10 +90,10 @@ def improve(chain: Chain, budget: int, start: Incumbent, *, options: Mapping[int
             inc.log.append(entry)
             if res.offloads is None:
                 continue
-            sim = simulate(chain, res.offloads, encode=res.encode)
+            sim = simulate(chain, res.offloads, encode=res.encode, casts_kept=inc.casts_kept)
             if sim.peak_bytes <= budget and sim.makespan_s < inc.makespan_s * (1 - 1e-9):
                 entry["gain_s"] = inc.makespan_s - sim.makespan_s
-                inc = Incumbent(list(res.offloads), dict(res.encode), sim.makespan_s, inc.log)
+                inc = Incumbent(list(res.offloads), dict(res.encode), sim.makespan_s, inc.casts_kept, inc.log)
                 by_stage = {o.stage: o for o in inc.offloads}
                 improved = True
     return inc

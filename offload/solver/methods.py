@@ -24,6 +24,7 @@ from offload.step.simulate import Simulation, simulate
 from . import baselines, checkpointing, lns, relax
 from . import encoded_floor
 from .bounds import fluid_lp
+from .casts import keep_casts
 from .deadline import Deadline, OutOfTime
 from .ilp import solve_ilp
 
@@ -61,12 +62,18 @@ class Result:
 @dataclass(frozen=True)
 class Planned:
     """What a method chose: the offloads, the encodings, notes for ``solver`` info, the
-    recomputed runs."""
+    recomputed runs, the stages whose weight casts are kept."""
 
     offloads: list[Offload]
     encode: Choice = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     recompute: tuple[Recompute, ...] = ()
+    casts_kept: tuple[int, ...] = ()
+
+    def simulate(self, chain: Chain, budget: Budget | int | None = None) -> Simulation:
+        """This plan replayed on ``chain`` (refused over ``budget``, if given)."""
+        return simulate(chain, self.offloads, budget, encode=self.encode, recompute=self.recompute,
+                        casts_kept=self.casts_kept)
 
 
 @dataclass(frozen=True)
@@ -115,12 +122,14 @@ def _adaptive(policy: Callable[[Chain, int], list[Offload] | None]) -> Callable[
 
 
 def _found(ctx: _Context, found: relax.Found) -> Planned | None:
-    """The heuristic's schedule, ``None`` if it does not fit (below the offloading floor, where
-    only some recomputations can, the search may find none)."""
+    """The heuristic's schedule, with the weight casts it has room for, ``None`` if it does not
+    fit (below the offloading floor, where only some recomputations can, the search may find
+    none)."""
     offloads, encode, runs = found
-    planned = Planned(offloads, encode, recompute=tuple(runs))
-    sim = simulate(ctx.chain, offloads, encode=encode, recompute=runs)
-    return planned if sim.peak_bytes <= ctx.budget else None
+    if simulate(ctx.chain, offloads, encode=encode, recompute=runs).peak_bytes > ctx.budget:
+        return None
+    return Planned(offloads, encode, recompute=tuple(runs),
+                   casts_kept=keep_casts(ctx.chain, ctx.budget, offloads, encode, runs))
 
 
 def _relax_lp(ctx: _Context, until: Deadline | None = None) -> Planned | None:
@@ -148,7 +157,7 @@ def _gist(with_swap: bool) -> Callable[[_Context], Planned | None]:
 
 
 def _span(chain: Chain, p: Planned) -> float:
-    return simulate(chain, p.offloads, encode=p.encode, recompute=p.recompute).makespan_s
+    return p.simulate(chain).makespan_s
 
 
 def _ilp(ctx: _Context) -> Planned:
@@ -172,7 +181,7 @@ def _ilp(ctx: _Context) -> Planned:
             res = solve_ilp(chain, target, warm=warm.offloads, warm_encode=warm.encode, options=options,
                             lower_bound_s=ctx.lp_bound_s, solver=opt.solver, time_limit=None, gap=opt.gap,
                             threads=opt.threads, msg=opt.verbose, deadline=ctx.deadline, max_run=ctx.max_run,
-                            warm_runs=warm.recompute)
+                            warm_runs=warm.recompute, warm_casts=warm.casts_kept)
         except OutOfTime:
             return replace(warm, info={**base, "status": "timed-out", "note": "the time limit passed while the "
                                        "MILP was built; the warm start (best heuristic) is returned"})
@@ -186,13 +195,13 @@ def _ilp(ctx: _Context) -> Planned:
                                     "try --solver cbc, or report the chain: the warm start proves one exists")
             return replace(warm, info={**info, "status": "timed-out",
                                        "note": "the solver found no schedule in time; the warm start (best heuristic) is returned"})
-        peak = simulate(chain, res.offloads, encode=res.encode, recompute=res.recompute).peak_bytes
+        found = Planned(res.offloads, res.encode, recompute=tuple(res.recompute), casts_kept=tuple(res.casts_kept))
+        peak = found.simulate(chain).peak_bytes
         if peak <= budget:
             break
         target -= peak - budget + 1
     else:
         raise SolverFailure("the ILP's schedules exceed the budget after 3 tightened solves (numerical trouble)")
-    found = Planned(res.offloads, res.encode, recompute=tuple(res.recompute))
     if _span(chain, found) > warm_span:
         return replace(warm, info={**info, "status": "feasible", "note": "the solver's incumbent was worse than the warm start; the warm start is returned"})
     return replace(found, info={**info, "status": "optimal" if out.proven and target == budget else "feasible"})
@@ -200,9 +209,8 @@ def _ilp(ctx: _Context) -> Planned:
 
 def _checkpointing(name: str) -> Callable[[_Context], Planned | None]:
     def run(ctx: _Context) -> Planned | None:
-        runs = tuple(checkpointing.POLICIES[name](ctx.chain))
-        fits = simulate(ctx.chain, [], recompute=runs).peak_bytes <= ctx.budget
-        return Planned([], recompute=runs) if fits else None
+        planned = Planned([], recompute=tuple(checkpointing.POLICIES[name](ctx.chain)))
+        return planned if planned.simulate(ctx.chain).peak_bytes <= ctx.budget else None
     return run
 
 
@@ -232,20 +240,21 @@ def _milp(ctx: _Context, warm: Planned | None, offload: bool) -> Planned | None:
         return replace(warm, info={"status": "timed-out"}) if warm and out.stop == "time-limit" else None
     info = {"backend": opt.solver, "solver_seconds": round(out.seconds, 3), "solver_stop": out.stop,
             "solver_bound_s": res.dual_bound_s, "status": "optimal" if out.proven else "feasible"}
-    return Planned(list(res.offloads), dict(res.encode or {}), recompute=tuple(res.recompute), info=info)
+    return Planned(list(res.offloads), dict(res.encode or {}), recompute=tuple(res.recompute), info=info,
+                   casts_kept=tuple(res.casts_kept))
 
 
 def _ilp_windows(ctx: _Context, warm: Planned, warm_span: float, options: dict, base: dict) -> Planned:
     """The ILP on a long chain: the warm start improved window by window (``solver.lns``)."""
     opt = ctx.options
-    start = lns.Incumbent(list(warm.offloads), dict(warm.encode), warm_span)
+    start = lns.Incumbent(list(warm.offloads), dict(warm.encode), warm_span, warm.casts_kept)
     best = lns.improve(ctx.chain, ctx.budget, start, options=options, deadline=ctx.deadline, solver=opt.solver,
                        threads=opt.threads, msg=opt.verbose)
     gained = sum(e.get("gain_s", 0.0) for e in best.log)
     info = {**base, "status": "feasible", "windows": len(best.log), "windows_improved": sum("gain_s" in e for e in best.log),
             "note": f"{ctx.chain.L} stages: the MILP was solved window by window (large-neighbourhood search, "
                     f"{len(best.log)} windows), improving the best heuristic by {100 * gained / warm_span:.2f}%"}
-    return Planned(best.offloads, best.encode, info)
+    return Planned(best.offloads, best.encode, info, casts_kept=best.casts_kept)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in [
@@ -336,7 +345,7 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
             + ("" if method == "ilp" else ": try --method ilp or relax-lp"),
             smallest_bytes=smallest)
     info = dict(planned.info)
-    sim = simulate(chain, planned.offloads, budget, encode=planned.encode, recompute=planned.recompute)
+    sim = planned.simulate(chain, budget)
     bounds = _bounds(ctx, unbounded, info)
     span = sim.makespan_s
     status = info.pop("status", "heuristic")
@@ -357,6 +366,6 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
                  "ideal_makespan_s": chain.ideal_makespan_s, "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes,
                  "encoded_units": len(planned.encode), "lossy": bool(encoding.lossy_stages(chain, planned.encode)),
                  "recomputed_units": sum(len(r.stages) for r in planned.recompute), "recompute_s": sim.recomputed_s}
-    schedule = make_schedule(chain, planned.offloads, planned.recompute, budget=budget, method=method,
+    schedule = make_schedule(chain, planned.offloads, planned.recompute, planned.casts_kept, budget=budget, method=method,
                              solver=solver_info, encode=dict(planned.encode), predicted=predicted)
     return Result(schedule, sim, status, bound, gap, seconds, solver_info)

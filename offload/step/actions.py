@@ -7,7 +7,8 @@ of ``Fr`` the next op waits for the D2H copy, then ``Ui`` is freed) and a prefet
 recomputed *run* of stages ``s..e`` (``e < L``), a ``Recompute``: their units are dropped at
 the end of the next forward op and rebuilt by re-running ``Fs..Fe`` from ``Fs``'s input at
 the start of ``B(max need_from)``; a ``Choice`` names, per encoded unit (kept or
-offloaded), the stage's encoding it uses.  ``check_*`` refuse what lies outside the class,
+offloaded), the stage's encoding it uses; the stages whose weight casts are *kept* (saved
+as autograd would, not made again by ``Bi``) are a set of their own (``check_casts``).  ``check_*`` refuse what lies outside the class,
 naming the unit and the rule.  When each of these happens in a step is
 ``offload.step.events``.
 """
@@ -106,3 +107,18 @@ def check_choice(chain: Chain, choice: Choice) -> None:
         except KeyError:
             offered = ", ".join(e.name for e in chain.stage(i).encodings) or "none"
             raise ScheduleRejected(f"stage {i} has no encoding {name!r} (it offers: {offered})") from None
+
+
+def check_casts(chain: Chain, kept: Iterable[int], runs: Iterable[Recompute] = ()) -> None:
+    """Refuse kept weight casts outside the class: a stage that makes none, or one that is
+    recomputed (its re-run forward makes them again, kept or not)."""
+    rebuilt = {i for run in runs for i in run.stages}
+    for i in kept:
+        if isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= chain.L:
+            raise ScheduleRejected(f"kept casts of stage {i!r}: the chain has stages 1..{chain.L}")
+        if i not in chain.castable:
+            raise ScheduleRejected(f"stage {i} ({chain.stage(i).name}) keeps its weight casts, but it makes none "
+                                   "(its chain stage has no cast_bytes)")
+        if i in rebuilt:
+            raise ScheduleRejected(f"stage {i} keeps its weight casts and is recomputed: the recomputation makes them "
+                                   "again")

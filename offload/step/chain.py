@@ -104,6 +104,8 @@ class Stage:
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
     fwd_host_s: float = 0.0  # host time to issue Fi's kernels (CUDA; 0: the device is never waiting for the host)
     bwd_host_s: float = 0.0  # the same for Bi
+    cast_bytes: int = 0  # weight casts (autocast) Fi makes and Bi reads: dropped and made again unless kept ...
+    recast_s: float = 0.0  # ... what making them again costs Bi (part of bwd_s): docs/model.md, "Weight casts"
 
     @property
     def recomputed_fwd_peak(self) -> int:
@@ -203,6 +205,8 @@ def _stage_document(s: Stage) -> dict:
         d["recomputed_fwd_peak_bytes"] = s.recomputed_fwd_peak_bytes
     if s.fwd_host_s or s.bwd_host_s:  # absent otherwise: chains from before the host lane keep their sha256
         d.update(fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s)
+    if s.cast_bytes:  # absent otherwise: chains from before the choice keep their sha256
+        d.update(cast_bytes=s.cast_bytes, recast_s=s.recast_s)
     if s.input_carried_bytes:
         d["input_carried_bytes"] = s.input_carried_bytes
     if s.input_held_bytes:
@@ -250,6 +254,8 @@ class Chain:
     xh = _column("input_held_bytes")
     fh = _column("fwd_host_s", np.float64)
     bh = _column("bwd_host_s", np.float64)
+    cb = _column("cast_bytes")
+    rc = _column("recast_s", np.float64)
 
     @cached_property
     def offloadable(self) -> tuple[int, ...]:
@@ -267,6 +273,11 @@ class Chain:
         return all(i in self.recomputable for i in range(first, last + 1))
 
     @cached_property
+    def castable(self) -> tuple[int, ...]:
+        """Stages whose weight casts a schedule may keep (docs/model.md, "Weight casts")."""
+        return tuple(i for i in range(1, self.L + 1) if self.cb[i] > 0)
+
+    @cached_property
     def has_encodings(self) -> bool:
         return any(s.encodings for s in self.stages)
 
@@ -278,14 +289,16 @@ class Chain:
 
     @cached_property
     def ideal_makespan_s(self) -> float:
-        """The makespan with no stall at all: the sum of all op durations, or where the host
-        issues some op later than the device could run it, each op ending no earlier than
-        that (docs/model.md, "The host").  Every schedule's makespan is at least this."""
+        """The makespan with no stall at all: the sum of all op durations (every weight cast
+        kept: no backward recasts), or where the host issues some op later than the device
+        could run it, each op ending no earlier than that (docs/model.md, "The host").  Every
+        schedule's makespan is at least this."""
+        b = self.b - self.rc
         if not (self.fh.any() or self.bh.any()):
-            return float(self.f.sum() + self.b.sum())
+            return float(self.f.sum() + b.sum())
         end = host = 0.0
         L = self.L
-        for d, h in zip([*self.f[1:], *self.b[L:0:-1]], [*self.fh[1:], *self.bh[L:0:-1]]):
+        for d, h in zip([*self.f[1:], *b[L:0:-1]], [*self.fh[1:], *self.bh[L:0:-1]]):
             host += h
             end = max(end + d, host)
         return float(end)

@@ -29,7 +29,7 @@ _KEYS = {"format", "name", "source", "platform", "base_bytes", "workspace_bytes"
 _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from", "encodings",
                "held_bytes", "held_until", "input_bytes", "recomputable",
                "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes",
-               "input_carried_bytes", "input_held_bytes", "fwd_host_s", "bwd_host_s"}
+               "input_carried_bytes", "input_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
@@ -119,10 +119,14 @@ def _stage(s: Any, i: int, L: int) -> Stage:
     bwd_peak = v.nbytes(s, "bwd_peak_bytes", ctx)
     checkpoint = v.nbytes(s, "input_bytes", ctx) if "input_bytes" in s else 0
     carry = v.whole(s, "carry_bytes", ctx, 0, saved) if "carry_bytes" in s else None
+    bwd_s = v.seconds(s, "bwd_s", ctx)
+    recast = v.seconds(s, "recast_s", ctx) if "recast_s" in s else 0.0
+    if recast > bwd_s:
+        raise FormatError(f"{ctx}.recast_s ({recast}) > bwd_s ({bwd_s}): the backward's time includes its recasts")
     carried = v.whole(s, "input_carried_bytes", ctx, 0, min(checkpoint, saved if carry is None else carry)) \
         if "input_carried_bytes" in s else 0
     return Stage(name=v.string(s, "name", ctx, f"stage{i}"), kind=v.string(s, "kind", ctx, "layer"),
-                 fwd_s=v.seconds(s, "fwd_s", ctx), bwd_s=v.seconds(s, "bwd_s", ctx), saved_bytes=saved,
+                 fwd_s=v.seconds(s, "fwd_s", ctx), bwd_s=bwd_s, saved_bytes=saved,
                  fwd_peak_bytes=fwd_peak, bwd_peak_bytes=bwd_peak, need_from=need,
                  encodings=_encodings(s.get("encodings", []), saved, ctx), held_bytes=held, held_until=until,
                  input_bytes=checkpoint,
@@ -133,7 +137,8 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                  recomputed_fwd_peak_bytes=(v.whole(s, "recomputed_fwd_peak_bytes", ctx, 0, fwd_peak)
                                             if "recomputed_fwd_peak_bytes" in s else None),
                  fwd_host_s=v.seconds(s, "fwd_host_s", ctx) if "fwd_host_s" in s else 0.0,
-                 bwd_host_s=v.seconds(s, "bwd_host_s", ctx) if "bwd_host_s" in s else 0.0)
+                 bwd_host_s=v.seconds(s, "bwd_host_s", ctx) if "bwd_host_s" in s else 0.0,
+                 cast_bytes=v.nbytes(s, "cast_bytes", ctx) if "cast_bytes" in s else 0, recast_s=recast)
 
 
 def chain_from_dict(d: Any) -> Chain:
@@ -148,7 +153,7 @@ def chain_from_dict(d: Any) -> Chain:
     stages = tuple(_stage(s, i, len(raw)) for i, s in enumerate(raw, start=1))
     base = v.nbytes(d, "base_bytes", "") if "base_bytes" in d else 0
     workspace = v.whole(d, "workspace_bytes", "", 0, base) if "workspace_bytes" in d else 0
-    total = base + sum(s.saved_bytes + s.fwd_peak_bytes + s.bwd_peak_bytes + s.input_bytes
+    total = base + sum(s.saved_bytes + s.fwd_peak_bytes + s.bwd_peak_bytes + s.input_bytes + s.cast_bytes
                        + sum(e.covered_bytes + e.encoded_bytes + e.workspace_bytes for e in s.encodings)
                        for s in stages)
     if total > MAX_TOTAL_BYTES:

@@ -9,7 +9,9 @@ keeping none of it); during ``Bj`` the resident units of stages ``<= j`` count p
 until it is rebuilt; each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its
 own transient (units and the gradient flowing in, ``bwd_start_bytes``), less the units not
 rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (and ``Rs`` the checkpoint it reads), and
-``Bn``'s memory is the largest of those and its own.  Memory depends only
+``Bn``'s memory is the largest of those and its own.  A stage whose weight casts are kept
+counts them from the op after ``Fi`` through ``Bi`` (an upper bound during ``Bi``, which
+frees them as it reads them).  Memory depends only
 on the schedule's decisions, never on timing, which is what lets the ILP separate memory
 from time.
 """
@@ -57,8 +59,10 @@ def forward_checkpoint_changes(chain: Chain, s: int) -> list[tuple[int, int]]:
     return out
 
 
-def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute]) -> np.ndarray:
-    """Per op, the bytes of units and checkpoints resident, without the recomputations' own."""
+def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute],
+              casts_kept: Iterable[int]) -> np.ndarray:
+    """Per op, the bytes of units, checkpoints and kept casts resident, without the
+    recomputations' own."""
     L = chain.L
     diff = np.zeros(2 * L + 1, dtype=np.int64)
     kept = np.ones(L + 1, dtype=bool)
@@ -97,6 +101,9 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
     idx = np.nonzero(kept)[0]
     np.add.at(diff, idx, chain.a[idx])  # kept: F_{i+1} .. B_i
     np.add.at(diff, 2 * L - idx + 1, -chain.a[idx])
+    casts = np.array(sorted(casts_kept), dtype=np.int64)
+    np.add.at(diff, casts, chain.cb[casts])  # the same span
+    np.add.at(diff, 2 * L - casts + 1, -chain.cb[casts])
     return np.cumsum(diff[:-1])
 
 
@@ -118,12 +125,12 @@ def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompu
     return out
 
 
-def memory_profile(chain: Chain, offloads: Iterable[Offload],
-                   runs: Iterable[Recompute] = ()) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+def memory_profile(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute] = (),
+                   casts_kept: Iterable[int] = ()) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """Activation bytes held during each op (int64 array of length ``2L``; ``Bn`` counts the
     recomputations at its start) and, per re-run forward op, ``(n, j, bytes)``."""
     runs = tuple(runs)
-    resident = _resident(chain, offloads, runs)
+    resident = _resident(chain, offloads, runs, casts_kept)
     mem = resident + _transient(chain)
     for run in runs:  # a recomputed stage's forward: autograd keeps none of its unit
         mem[run.first - 1:run.last] -= chain.fp[run.first:run.last + 1] - chain.rfp[run.first:run.last + 1]
@@ -133,9 +140,10 @@ def memory_profile(chain: Chain, offloads: Iterable[Offload],
     return mem, rebuilt
 
 
-def op_memory(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute] = ()) -> np.ndarray:
+def op_memory(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute] = (),
+              casts_kept: Iterable[int] = ()) -> np.ndarray:
     """Activation bytes held during each op (``memory_profile``'s first part)."""
-    return memory_profile(chain, offloads, runs)[0]
+    return memory_profile(chain, offloads, runs, casts_kept)[0]
 
 
 def floor_savings(chain: Chain, i: int) -> list[tuple[int, int, int]]:

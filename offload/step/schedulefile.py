@@ -1,6 +1,7 @@
 """The schedule file format, ``offload-schedule/2`` (docs/formats.md).
 
-``/2`` adds ``recompute``, the recomputed runs; ``/1`` files (offloads and encodings only)
+``/2`` adds ``recompute``, the recomputed runs, and ``casts_kept``, the stages whose weight
+casts are kept (optional: absent means none); ``/1`` files (offloads and encodings only)
 still load.
 
 ``"turn"`` in a file means ``L``: the boundary between the last forward and the first
@@ -16,7 +17,7 @@ from offload.errors import ChainMismatch, FormatError
 from offload.io import validate as v
 from offload.io.files import read_document, write_json
 
-from .actions import Offload, Recompute, check_choice, check_offloads, check_recompute
+from .actions import Offload, Recompute, check_casts, check_choice, check_offloads, check_recompute
 from .budget import SCOPES, Budget
 from .chain import Chain
 from .schedule import Schedule
@@ -24,7 +25,7 @@ from .schedule import Schedule
 SCHEDULE_FORMAT = "offload-schedule/2"
 OLD_FORMATS = ("offload-schedule/1",)
 _KEYS = {"format", "chain", "budget_bytes", "budget_scope", "method", "solver", "predicted", "offload", "encode",
-         "recompute"}
+         "recompute", "casts_kept"}
 
 
 def _point(value: Any, L: int, ctx: str) -> int:
@@ -62,7 +63,7 @@ def _encode(raw: Any) -> dict[int, str]:
 def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
     """Validate a parsed ``schedule.json`` against ``chain`` (hash first, then actions)."""
     fmt = v.document_format(d, "schedule", SCHEDULE_FORMAT, OLD_FORMATS, "produce schedules with `offload solve`")
-    v.no_unknown(d, _KEYS - ({"recompute"} if fmt in OLD_FORMATS else set()), "the schedule")
+    v.no_unknown(d, _KEYS - ({"recompute", "casts_kept"} if fmt in OLD_FORMATS else set()), "the schedule")
     ref = _check_chain(d, chain)
     encode = _encode(d.get("encode", []))
     check_choice(chain, encode)
@@ -76,6 +77,10 @@ def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
     runs = [Recompute(v.whole(r, "first", ctx, 1, 2 ** 31), v.whole(r, "last", ctx, 1, 2 ** 31))
             for ctx, r in v.objects(d.get("recompute", []), "recompute", {"first", "last"})]
     check_recompute(chain, runs, offloads, encode)
+    kept = d.get("casts_kept", [])
+    if not isinstance(kept, list) or len(set(map(repr, kept))) != len(kept):
+        raise FormatError(f"'casts_kept' must be a list of distinct stage numbers, got {kept!r}")
+    check_casts(chain, kept, runs)
     budget = None
     if d.get("budget_bytes") is not None:
         scope = d.get("budget_scope", "activations")
@@ -89,13 +94,14 @@ def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
         raise FormatError(f"'method' must be a string, got {method!r}")
     return Schedule(chain_name=str(ref.get("name", "")), chain_sha256=ref["sha256"], offloads=tuple(sorted(offloads)),
                     budget=budget, method=method, solver=dict(d.get("solver", {})),
-                    predicted=dict(d.get("predicted", {})), encode=encode, recompute=tuple(sorted(runs)))
+                    predicted=dict(d.get("predicted", {})), encode=encode, recompute=tuple(sorted(runs)),
+                    casts_kept=tuple(sorted(kept)))
 
 
 def schedule_to_dict(s: Schedule, chain: Chain) -> dict:
     """The ``schedule.json`` document; points equal to ``L`` are written as ``"turn"``."""
     L = chain.L
-    return {
+    doc = {
         "format": SCHEDULE_FORMAT,
         "chain": {"name": s.chain_name, "sha256": s.chain_sha256},
         "budget_bytes": s.budget.nbytes if s.budget else None,
@@ -108,6 +114,9 @@ def schedule_to_dict(s: Schedule, chain: Chain) -> dict:
         "encode": [{"stage": i, "encoding": name} for i, name in sorted(s.encode.items())],
         "recompute": [{"first": r.first, "last": r.last} for r in s.recompute],
     }
+    if s.casts_kept:  # absent otherwise: a schedule that keeps none reads as before
+        doc["casts_kept"] = list(s.casts_kept)
+    return doc
 
 
 def load_schedule(path: str | os.PathLike, chain: Chain) -> Schedule:

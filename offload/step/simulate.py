@@ -11,7 +11,8 @@ time (``fwd_host_s``/``bwd_host_s``, and a recomputed stage's forward host time 
 an op cannot end before the host has issued it (its end is the later of the device's and
 the host's; the host never waits for the device within a step).  Memory per op is ``memory``'s (it depends on the actions alone).  Encoded
 units are replayed on the derived chain of ``encoding.apply``, whose op times include the
-encoders and decoders (``ENCODE`` and ``DECODE`` take no time of their own).
+encoders and decoders (``ENCODE`` and ``DECODE`` take no time of their own).  A stage whose
+weight casts are kept runs ``Bi`` without recasting them (``recast_s`` less).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from offload.errors import ScheduleRejected
 
-from .actions import Offload, Recompute, check_offloads, check_recompute
+from .actions import Offload, Recompute, check_casts, check_offloads, check_recompute
 from .budget import Budget
 from .chain import Chain
 from .encoding import apply
@@ -79,6 +80,7 @@ class Simulation:
     recompute_s: np.ndarray | None = None  # per op, the recomputation it starts with
     events: StepEvents | None = None  # what was replayed, in order
     host_wait: np.ndarray | None = None  # per op, how long its end waited for the host to issue it
+    casts_kept: tuple[int, ...] = ()  # stages whose weight casts were kept
 
     @property
     def host_wait_s(self) -> float:
@@ -151,21 +153,26 @@ class Simulation:
 
 
 def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | None = None,
-             encode: Mapping[int, str] | None = None, recompute: Iterable[Recompute] = ()) -> Simulation:
+             encode: Mapping[int, str] | None = None, recompute: Iterable[Recompute] = (),
+             casts_kept: Iterable[int] = ()) -> Simulation:
     """Replay ``offloads`` and the recomputed runs ``recompute`` (with the units of
-    ``encode`` encoded) on ``chain``; with a budget (an ``int``: activation bytes), refuse it
-    if memory exceeds it."""
+    ``encode`` encoded, the weight casts of the stages ``casts_kept`` kept) on ``chain``;
+    with a budget (an ``int``: activation bytes), refuse it if memory exceeds it."""
     encode = dict(encode or {})
     chain = apply(chain, encode)
     offloads = tuple(sorted(offloads))
     runs = tuple(sorted(recompute))
     check_offloads(chain, offloads)
     check_recompute(chain, runs, offloads, encode)
+    kept = tuple(sorted(casts_kept))
+    check_casts(chain, kept, runs)
     events = step_events(chain, offloads, runs, encode)
-    memory, rebuilt_memory = memory_profile(chain, offloads, runs)
+    memory, rebuilt_memory = memory_profile(chain, offloads, runs, kept)
     sub_memory = {j: nbytes for _, j, nbytes in rebuilt_memory}
     L, p = chain.L, chain.platform
-    f, b, a, fh, bh = chain.f, chain.b, chain.a, chain.fh, chain.bh
+    f, a, fh, bh = chain.f, chain.a, chain.fh, chain.bh
+    b = chain.b.copy()
+    b[list(kept)] -= chain.rc[list(kept)]
     d2h_free = h2d_free = 0.0
     d2h_end = np.zeros(L + 1)
     h2d_end = np.zeros(L + 1)
@@ -208,7 +215,7 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
         elif e.kind == WAIT:
             s = max(s, h2d_end[i])
     sim = Simulation(chain, offloads, ready, start, end, memory, copies, encode, runs, recomputes, rt, events,
-                     host_wait)
+                     host_wait, kept)
     if budget is not None:
         sim.check_budget(Budget.of(budget))
     return sim

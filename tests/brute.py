@@ -4,6 +4,10 @@ from __future__ import annotations
 import itertools
 from typing import Iterator
 
+import pytest
+
+from offload.errors import InfeasibleBudget
+from offload.solver.methods import Options, solve
 from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain
 from offload.step.simulate import simulate
@@ -50,3 +54,15 @@ def brute_force(chain: Chain, budget: int, recompute: bool = False) -> float | N
                 if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best):
                     best = sim.makespan_s
     return best
+
+
+def assert_joint_ilp_is_brute_force(chain: Chain, budget: int, options: Options) -> None:
+    """The MILP with recomputation finds the brute force's optimum, and where nothing fits
+    both say so (``options``: exact, with ``recompute``)."""
+    best = brute_force(chain, budget, recompute=True)
+    if best is None:
+        with pytest.raises(InfeasibleBudget):
+            solve(chain, budget, "ilp", options)
+        return
+    res = solve(chain, budget, "ilp", options)
+    assert res.status == "optimal" and res.simulation.makespan_s == pytest.approx(best, rel=1e-7)

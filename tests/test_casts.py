@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload.errors import FormatError, InfeasibleBudget, ScheduleRejected
+from offload.errors import FormatError, ScheduleRejected
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.casts import keep_casts
@@ -22,7 +22,7 @@ from offload.step.memory import floor_offloads, no_offload_peak, op_memory
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import schedule_from_dict, schedule_to_dict
 from offload.step.simulate import simulate
-from tests.brute import brute_force
+from tests.brute import assert_joint_ilp_is_brute_force
 from tests.conftest import assert_loads_exactly
 from tests.strategies import chain_and_budget
 from tests.test_solver_properties import REL, SETTINGS
@@ -122,14 +122,7 @@ def test_joint_ilp_with_casts_equals_brute_force(cb):
     """Stages that make casts, budgets above or below the offloading floor: the MILP's optimum
     is the best of every (runs x offloads x kept casts) schedule, and where none fits both
     say so."""
-    chain, budget = cb
-    best = brute_force(chain, budget, recompute=True)
-    if best is None:
-        with pytest.raises(InfeasibleBudget):
-            solve(chain, budget, "ilp", EXACT)
-        return
-    res = solve(chain, budget, "ilp", EXACT)
-    assert res.status == "optimal" and res.simulation.makespan_s == pytest.approx(best, rel=REL)
+    assert_joint_ilp_is_brute_force(*cb, EXACT)
 
 
 def test_the_milp_keeps_casts_where_it_has_the_room():

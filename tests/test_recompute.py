@@ -28,7 +28,7 @@ from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasib
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import schedule_from_dict, schedule_to_dict
 from offload.step.simulate import simulate
-from tests.brute import brute_force
+from tests.brute import assert_joint_ilp_is_brute_force, brute_force
 from tests.conftest import assert_loads_exactly, chain_doc
 from tests.strategies import chain_and_budget
 
@@ -131,14 +131,7 @@ def test_joint_ilp_equals_brute_force_on_five_stages(cb):
 def test_joint_ilp_equals_brute_force_below_the_offload_floor(cb):
     """Under the offloading floor: the MILP's optimum is the brute force's, and where nothing
     fits both say so."""
-    chain, budget = cb
-    best = brute_force(chain, budget, recompute=True)
-    if best is None:
-        with pytest.raises(InfeasibleBudget):
-            solve(chain, budget, "ilp", JOINT)
-        return
-    res = solve(chain, budget, "ilp", JOINT)
-    assert res.status == "optimal" and res.simulation.makespan_s == pytest.approx(best, rel=REL)
+    assert_joint_ilp_is_brute_force(*cb, JOINT)
 
 
 @settings(max_examples=15, **SETTINGS)

@@ -68,6 +68,13 @@ USER_MODEL = textwrap.dedent('''
     def shared(batch):
         return Shared(), torch.randn(batch, 16)
 
+    def frozen(batch, head=3):
+        """A frozen backbone of six blocks, a trainable head of ``head`` layers."""
+        backbone = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(6)])
+        backbone.requires_grad_(False)
+        layers = [nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(head - 1)] + [nn.Linear(16, 4)]
+        return nn.Sequential(backbone, *layers), torch.randn(batch, 16)
+
     def keywords(batch):
         class KW(nn.Module):
             def __init__(self):
@@ -218,6 +225,47 @@ def test_a_collapsed_chain_says_so_and_names_the_cause(user_file):
     assert p.chain.L <= 2
     warning = " ".join(p.warnings)
     assert "4 blocks" in warning and "no cut was found" in warning and "linear in emb" in warning
+
+
+@pytest.mark.parametrize("head", [1, 3])
+def test_a_frozen_backbone_is_said_for_what_it_is(user_file, head):
+    """Blocks that compute without gradient save nothing, so no stage ends among them: the
+    warning says that, not that a shared value blocks the cuts; the trainable head gets its
+    own stages; where the floor is the backbone's own forward memory, the warning names the
+    op and suggests a smaller batch, not more stages."""
+    p = profile(f"{user_file}:frozen", ProfileOptions(batch=64, repeats=1, warmup=1, options={"head": head}))
+    assert p.chain.L == head
+    warning = " ".join(p.warnings)
+    assert "6 of the 6 blocks of 0 compute without gradient" in warning and "no cut was found" not in warning
+    if head == 1:
+        assert "F1 (1) holds it" in warning and "a smaller batch" in warning and "--stages" not in warning
+
+
+def test_a_users_file_is_found_from_any_directory(user_file, tmp_path, monkeypatch, capsys):
+    """Profiled as ``user_model.py:build`` in its own directory, the chain trains from another
+    one (it records where the file was), takes the file again on the command line however
+    its path is written, or a copy of it (the same bytes), and refuses an edited copy or a
+    file gone, saying which."""
+    monkeypatch.chdir(user_file.parent)
+    assert main(["profile", "user_model.py:build", "--batch", "4", "--repeats", "1", "--warmup", "1",
+                 "-o", "c.json"]) == 0
+    assert main(["solve", "c.json", "--budget", "100%", "-o", "s.json"]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    chain = ["--chain", "../c.json", "--schedule", "../s.json", "--steps", "1", "--quiet"]
+    copy = elsewhere / "copy.py"
+    copy.write_bytes(user_file.read_bytes())
+    for model in ([], [f"{user_file}:build"], ["../user_model.py:build"], ["copy.py:build"]):
+        assert main(["train", *model, *chain]) == 0, capsys.readouterr().err
+    copy.write_text(copy.read_text() + "\n# edited\n")
+    assert main(["train", "copy.py:build", *chain]) == 2
+    assert "copy.py is another file, its bytes differ" in capsys.readouterr().err
+    assert main(["train", "copy.py:shared", *chain]) == 2  # another function
+    user_file.rename(tmp_path / "moved.py")
+    assert main(["train", *chain]) != 0
+    err = capsys.readouterr().err
+    assert "model file not found: user_model.py" in err and f"profiled from {user_file}, gone too" in err
 
 
 def test_timing_spread_is_reported(profiled):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -367,6 +368,32 @@ def test_gradients_freed_between_steps():
     optimizer.zero_grad(set_to_none=False)
     with pytest.raises(ChainMismatch, match="gradients are allocated at this forward"):
         run(*spec.args)
+
+
+def test_a_loop_that_frees_the_gradients_the_chain_keeps_is_told(chains):
+    """A chain profiled with the gradients kept (the default) and a loop with plain
+    ``zero_grad()``: the backward allocates them on top of the activations, over the
+    prediction; the report says so and why (and warns), and with ``set_to_none=False`` the
+    peak is as predicted."""
+    chain = chains["gpt"]
+    spec = resolve("gpt", 2, GPT)
+    run = Offloaded(spec.module, chain, everything(chain), backend="cpu-lazy")
+    optimizer = torch.optim.SGD(run.parameters(), lr=0.1)
+    for set_to_none in (True, False):
+        def step():
+            spec.loss(run(*spec.args)).backward()
+            optimizer.step(), optimizer.zero_grad(set_to_none=set_to_none)
+        step()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with run.measured(optimizer) as report:
+                step()
+        if set_to_none:
+            assert report.measured.activation_peak_bytes > report.predicted.activation_peak_bytes
+            assert "1 forward(s) found the gradients freed" in report.over_prediction
+            assert [str(w.message) for w in said] == [report.over_prediction]
+        else:
+            assert report.over_prediction is None and not said
 
 
 # -- guard rails ---------------------------------------------------------------------------

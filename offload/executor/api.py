@@ -91,6 +91,7 @@ class Offloaded(nn.Module):
                                 "a training step has no use for the cache, and it keeps every block from being "
                                 "recomputed (transformers turns it off under gradient checkpointing too)")
         self.module = module
+        self.freed_grads = 0  # forwards that found the gradients freed where the chain counts them allocated
         device = _device_of(module)
         self.runtime = OffloadRuntime(stage_like_chain(module, self.chain),
                                       StepPlan.from_schedule(self.chain, self.schedule), make_backend(backend, device),
@@ -125,8 +126,11 @@ class Offloaded(nn.Module):
             raise ChainMismatch(f"this forward runs {say(autocast)}; the chain was profiled {say(self.chain.recipe.autocast)}",
                                 "profile with the autocast the training uses (offload profile --autocast DTYPE)")
         # Gradients kept allocated while the chain counts them only from the backward on would
-        # put the whole step over its prediction (the other way round it is an upper bound).
-        if self.chain.recipe.set_to_none and any(p.grad is not None for p in self.module.parameters()):
+        # put the whole step over its prediction.
+        if not self.chain.recipe.set_to_none:  # the other way round it holds more than predicted: said by measured()
+            trained = next((p for p in self.module.parameters() if p.requires_grad), None)
+            self.freed_grads += trained is not None and trained.grad is None
+        elif any(p.grad is not None for p in self.module.parameters()):
             raise ChainMismatch("the gradients are allocated at this forward; the chain was profiled with them freed "
                                 "between steps (set_to_none), so it does not count them before the backward",
                                 "call optimizer.zero_grad() (set_to_none=True) before each forward, or profile "
@@ -145,7 +149,10 @@ class Offloaded(nn.Module):
         device during any forward or backward op, above what was live when the block began,
         so a batch made inside the block counts; the optimizer step is left out, as in the
         chain; with ``base_bytes`` the total peak; the bytes moved and the seconds, per step,
-        the optimizer step included) and ``predicted`` (the simulator's).  On a GPU the
+        the optimizer step included) and ``predicted`` (the simulator's), and, when the
+        measured activation peak is above the predicted one, ``over_prediction``: by how much
+        and why when known (also a warning: plain ``zero_grad()`` on a chain that counts the
+        gradients as allocated, say).  On a GPU the
         allocator's counters measure (each op boundary synchronizes the device;
         ``reserved_peak_bytes`` is what the allocator held, its slack included; the steps'
         time includes the first, so warm up before the block; the device's peak counter
@@ -156,6 +163,7 @@ class Offloaded(nn.Module):
         meter.ignore(runtime.arena.chunks)  # host memory, even when the device is the CPU
         meter.track(persistent_tensors(self.module, optimizer, runtime.device))
         steps, moved = runtime.steps, (runtime.d2h_bytes, runtime.h2d_bytes, runtime.encoded_bytes)
+        freed = self.freed_grads
         report = Report.start(self.chain, self.schedule, runtime.backend.name, runtime.device)
         try:  # every op read at its end, the optimizer step left out
             with meter, runtime.reading(meter) as op_peaks:
@@ -171,6 +179,7 @@ class Offloaded(nn.Module):
         m = report.measured
         m.step_s = seconds / per
         m.set_peak(max(op_peaks.values(), default=start) - start, self.chain)
+        report.judge_peak(freed_grads=self.freed_grads - freed)
         m.reserved_peak_bytes, m.host_arena_bytes = meter.reserved_peak, runtime.arena.nbytes
         m.d2h_bytes_per_step, m.h2d_bytes_per_step, m.encoded_bytes_per_step = (
             (now - before) // per for now, before in zip((runtime.d2h_bytes, runtime.h2d_bytes, runtime.encoded_bytes),

@@ -15,9 +15,11 @@ Bytes moved are per step: what the runtime copied over the steps it ran.
 from __future__ import annotations
 
 import statistics
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from offload.io.text import format_bytes
 from offload.step.budget import Budget
 from offload.step.chain import Chain
 from offload.step.encoding import lossy_stages
@@ -113,6 +115,7 @@ class Report:
     compare: dict[str, Baseline] | None = None  # no_offload, save_on_cpu
     trace: dict[str, Any] | None = None  # path, copy_overlap
     error: str | None = None  # the step that failed its budget or ran out of memory
+    over_prediction: str | None = None  # the measured activation peak above the predicted one: by how much, and why
 
     @classmethod
     def start(cls, chain: Chain, schedule: Schedule, backend: str, device: Any, op_memory: bool = False) -> "Report":
@@ -127,6 +130,23 @@ class Report:
                    model=chain.recipe.model if chain.recipe else None,
                    encoded_units={str(i): name for i, name in sorted(schedule.encode.items())},
                    lossy=bool(lossy_stages(chain, schedule.encode)))
+
+    def judge_peak(self, freed_grads: int = 0) -> None:
+        """Say so (``over_prediction``, and a warning) when the measured activation peak is above
+        the predicted one, with the cause when it is known: ``freed_grads`` forwards found the
+        gradients freed (``optimizer.zero_grad()``'s default, or no backward yet) while the chain
+        counts them as allocated, in ``base_bytes``: the backward then allocates them on top."""
+        measured, predicted = self.measured.activation_peak_bytes, self.predicted.activation_peak_bytes
+        if measured is None or measured <= predicted:
+            return
+        self.over_prediction = (
+            f"the activation peak measured {format_bytes(measured)} is {format_bytes(measured - predicted)} above "
+            f"the predicted {format_bytes(predicted)}"
+            + (f"; {freed_grads} forward(s) found the gradients freed, which the chain counts as allocated (profiled "
+               "without --set-to-none): the backward allocated them on top of the activations. Call "
+               "optimizer.zero_grad(set_to_none=False) and run one step before measuring, or profile with "
+               "--set-to-none" if freed_grads else ""))
+        warnings.warn(self.over_prediction, stacklevel=4)  # at the with statement of measured()
 
     def in_scope(self, peaks: Measured | Predicted | Baseline) -> int | None:
         """``peaks``'s peak in the budget's scope (activations when there is no budget)."""

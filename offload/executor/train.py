@@ -11,14 +11,17 @@ of ``checks`` when asked for.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from offload.core.devices import DTYPES, deterministic_kernels, make_optimizer, pick_device, running
-from offload.errors import BudgetExceeded, ChainMismatch, HostMemoryShortfall, OffloadError
+from offload.errors import BudgetExceeded, ChainMismatch, HostMemoryShortfall, ModelError, OffloadError
 from offload.models import ModelSpec, resolve
+from offload.models.resolve import file_reference, file_sha256
 from offload.models.spec import cache_off
 from offload.step.chain import Chain
 from offload.step.schedule import Schedule
@@ -52,14 +55,40 @@ def _recipe_model(chain: Chain, model: str | None) -> ModelSpec:
     if r is None:
         raise ChainMismatch(f"chain {chain.name!r} has no recipe (profiled by an older version, or not from a "
                             "model): it cannot say which model to train", "profile the model again with `offload profile`")
-    if model is not None and model != r.model:
-        raise ChainMismatch(f"the chain was profiled from {r.model!r}, not {model!r}",
-                            "train the model the chain was made from, or profile this one")
-    spec = resolve(r.model, r.batch, dict(r.options), r.seed)
+    spec = resolve(_model_to_build(chain, model), r.batch, dict(r.options), r.seed)
     spec.autocast, spec.set_to_none = r.autocast, r.set_to_none
     if r.cache_off:
         cache_off(spec.module)
     return spec
+
+
+def _model_to_build(chain: Chain, model: str | None) -> str:
+    """The ``MODEL`` to build the chain's model from: the recipe's; for a file, found from the
+    working directory or else where it was profiled (the chain's ``source.model_file``); or
+    ``model``, which must name the recipe's model (for a file: the same function of the same
+    file, however its path is written, or of a copy of it: ``source.model_file_sha256``)."""
+    r = chain.recipe
+    ours = file_reference(r.model)
+    recorded, digest = chain.source.get("model_file"), chain.source.get("model_file_sha256")
+    profiled = [p for p in ([ours[0]] if ours else []) + ([Path(recorded)] if isinstance(recorded, str) else [])
+                if p.is_file()]
+    if model is not None and model != r.model:
+        theirs = file_reference(model)
+        if not (ours and theirs and ours[1] == theirs[1] and theirs[0].is_file()
+                and (any(os.path.samefile(theirs[0], p) for p in profiled) or file_sha256(theirs[0]) == digest)):
+            copy = ours and theirs and ours[1] == theirs[1] and theirs[0].is_file()
+            raise ChainMismatch(f"the chain was profiled from {r.model!r}"
+                                + (f" ({recorded})" if isinstance(recorded, str) else "") + f", not {model!r}"
+                                + (f": {theirs[0]} is another file, its bytes differ" if copy else ""),
+                                "train the model the chain was made from, or profile this one")
+        return model
+    if ours and not ours[0].is_file():
+        if not profiled:
+            raise ModelError(f"model file not found: {ours[0]}, relative to {os.getcwd()}"
+                             + (f"; it was profiled from {recorded}, gone too" if isinstance(recorded, str) else ""),
+                             "give the file: offload train path/to/file.py:" + ours[1] + " --chain ...")
+        return f"{profiled[0]}:{ours[1]}"
+    return r.model
 
 
 def build_like_chain(chain: Chain, device: torch.device, model: str | None = None) -> ModelSpec:

@@ -17,10 +17,12 @@ Every way this can go wrong ends in one ``ModelError`` that says what and what t
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
 import sys
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -155,9 +157,24 @@ def _from_user(result: Any, what: str) -> ModelSpec:
     return ModelSpec(module, args, kwargs, loss, what)
 
 
+def file_reference(model: str) -> tuple[Path, str] | None:
+    """``(path, function)`` of a ``path/to/file.py:fn`` reference (the path as written, relative
+    to the working directory), ``None`` for the other kinds of ``MODEL``."""
+    target, _, fname = model.rpartition(":")
+    if model in ALL_ZOO or model.startswith("torchvision:") or not target:
+        return None
+    return (Path(target), fname) if target.endswith(".py") or "/" in target or "\\" in target else None
+
+
+def file_sha256(path: Path) -> str:
+    """The hash of a model file's bytes: the same model, wherever the file is (``offload train``
+    takes a copy of the file the chain was profiled from)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _load_function(ref: str) -> Callable[..., Any]:
     target, _, fname = ref.rpartition(":")
-    if target.endswith(".py") or "/" in target or "\\" in target:
+    if file_reference(ref) is not None:
         try:
             path = regular_file(target, "model")
         except FormatError as exc:

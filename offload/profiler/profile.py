@@ -23,11 +23,13 @@ from offload.core.devices import DTYPES, OPTIMIZERS, pick_device, running
 from offload.core.encoders import ENCODERS, usable_on
 from offload.core.staging import Staging
 from offload.errors import ModelError
+from offload.io.text import format_bytes, printable
 from offload.models import ModelSpec, resolve
+from offload.models.resolve import file_reference, file_sha256
 from offload.models.spec import cache_off, signature, uses_cache
 from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage
 from offload.step.chainfile import make_chain
-from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.memory import floor_bound_memory, no_offload_peak, op_name, smallest_feasible_budget
 from offload.step.names import AUTOCAST
 
 from .bandwidth import measure_platform
@@ -149,8 +151,10 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
 def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: Stages, m: Measurement,
               plat: Platform, spec: ModelSpec, encodings: list[tuple[Encoding, ...]], turned_off: bool) -> Chain:
     steps = sorted(m.step_s)
+    ref = file_reference(model)
     source: dict[str, Any] = {
         "description": spec.description,
+        **({"model_file": str(ref[0].resolve()), "model_file_sha256": file_sha256(ref[0])} if ref else {}),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
         else f"cpu ({pyplatform.processor() or pyplatform.machine()}, {torch.get_num_threads()} threads)",
         "torch": torch.__version__,
@@ -194,9 +198,10 @@ def _block_lists(module: nn.Module) -> list[tuple[str, int]]:
     return out
 
 
-def _bypass(cap: Capture, container: str) -> str | None:
-    """The op whose value jumps over the most blocks of ``container`` (made before a block's
-    first op, read after its last): the shared value that leaves no block's output a cut."""
+def _block_spans(cap: Capture, container: str) -> dict[str, tuple[int, int]]:
+    """Per block of ``container`` (its index) that has ops in the captured graph, the first
+    and last of them in forward order.  The capture holds the differentiable ops alone: a block
+    that computes without gradient (frozen, its input needing none) has none."""
     g, pos = cap.graph, {n: k for k, n in enumerate(cap.order)}
     prefix = f"{container}." if container else ""
     spans: dict[str, list[int]] = {}
@@ -205,7 +210,14 @@ def _bypass(cap: Capture, container: str) -> str | None:
         block = rest.split(".")[0]
         if block.isdigit():
             spans.setdefault(block, []).append(pos[node])
-    bounds = [(min(v), max(v)) for v in spans.values()]
+    return {block: (min(v), max(v)) for block, v in spans.items()}
+
+
+def _bypass(cap: Capture, spans: dict[str, tuple[int, int]]) -> str | None:
+    """The op whose value jumps over the most of these blocks (made before a block's first op,
+    read after its last): the shared value that leaves no block's output a cut."""
+    g, pos = cap.graph, {n: k for k, n in enumerate(cap.order)}
+    bounds = list(spans.values())
     jumps: Counter[str] = Counter()
     for u, v in g.edges:
         if u in pos and v in pos:
@@ -215,23 +227,44 @@ def _bypass(cap: Capture, container: str) -> str | None:
     return jumps.most_common(1)[0][0] if jumps else None
 
 
+def _floor_holder(chain: Chain) -> str:
+    """Which op holds the smallest feasible budget, and how much of it is its own temporary memory."""
+    mem = floor_bound_memory(chain, recompute=False)
+    o = int(mem.argmax())
+    own = int(chain.fp[o + 1] if o < chain.L else chain.bp[2 * chain.L - o])
+    i = o + 1 if o < chain.L else 2 * chain.L - o
+    return (f"{op_name(chain, o)} ({printable(chain.stage(i).name)}) holds it, {format_bytes(own)} of it the op's own "
+            "temporary memory, which no schedule moves")
+
+
 def collapse_warnings(chain: Chain, cap: Capture, module: nn.Module) -> list[str]:
     """Say so when the chain has far fewer stages than the model has blocks, or when offloading
-    can barely lower the peak, naming what blocks the cuts and what to do."""
-    out = []
+    can barely lower the peak, naming what blocks the cuts (a value read past them, or blocks
+    that compute without gradient) and what to do."""
+    out: list[str] = []
+    collapsed = inert = False
     for name, count in _block_lists(module):
-        if chain.L < count // 2 + 1:
-            cause = _bypass(cap, name)
-            out.append(f"the chain has {chain.L} stages but {name or 'the model'} has {count} blocks: no cut was found "
+        spans = _block_spans(cap, name)
+        if len(spans) < count and not inert:
+            inert = True
+            out.append(f"{count - len(spans)} of the {count} blocks of {name or 'the model'} compute without gradient "
+                       "(frozen, with an input that needs none): they save nothing for the backward, so there is nothing "
+                       "in them to offload or recompute, and no stage ends among them; their forward's temporary memory "
+                       "counts in the stage that runs them, whatever the schedule")
+        if not collapsed and len(spans) >= 2 and chain.L < len(spans) // 2 + 1:
+            collapsed = True
+            cause = _bypass(cap, spans)
+            trained = f"{len(spans)} blocks" + (" that compute with gradient" if len(spans) < count else "")
+            out.append(f"the chain has {chain.L} stages but {name or 'the model'} has {trained}: no cut was found "
                        "between them" + (f"; the value of {cause} is read past them" if cause else "")
                        + ". Cuts need one value that every later computation reads; inputs without gradient (masks, "
                        "positions) do not block them, a differentiable value shared by every block does")
-            break
-    peak = no_offload_peak(chain)
-    if peak and smallest_feasible_budget(chain) > FLOOR_WARNING * peak:
-        out.append(f"the smallest feasible budget is {100 * smallest_feasible_budget(chain) / peak:.0f}% of the "
-                   "no-offload peak: offloading can barely help with these stages (too few cuts, or one op holds most "
-                   "of the memory); try --stages with more stages, or a smaller batch")
+    peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
+    if peak and floor > FLOOR_WARNING * peak:
+        out.append(f"the smallest feasible budget is {100 * floor / peak:.0f}% of the no-offload peak: "
+                   f"{_floor_holder(chain)}; offloading can barely help with these stages "
+                   + ("(a smaller batch lowers it)" if inert else
+                      "(too few cuts, or one op holds most of the memory); try --stages with more stages, or a smaller batch"))
     return out
 
 

@@ -94,7 +94,7 @@ def encoded_schedules(chain, mode="lossless"):
             "mixed": make_schedule(chain, half, encode={i: n for i, n in choice.items() if i % 3})}
 
 
-@pytest.mark.parametrize("model,backend", [("mlp", "cpu-eager"), ("mlp", "cpu-lazy"),
+@pytest.mark.parametrize("model,backend", [pytest.param("mlp", "cpu-eager", marks=pytest.mark.slow), ("mlp", "cpu-lazy"),
                                            pytest.param("resnet18", "cpu-lazy", marks=pytest.mark.slow),
                                            pytest.param("resnet18", "cpu-eager", marks=pytest.mark.slow)])
 def test_lossless_encodings_keep_gradients_bit_for_bit(chains, model, backend):

@@ -97,6 +97,21 @@ def test_bad_encodings_are_refused_with_the_field(mutate, message):
         chain_from_dict(doc)
 
 
+@pytest.mark.parametrize("option, message", [
+    ({"name": "matmuls", "kept_bytes": 101, "recompute_s": 0.5}, r"kept_bytes. must be in \[0, 100\]"),
+    ({"name": "matmuls", "kept_bytes": 40, "recompute_s": 1.5}, r"recompute_s \(1.5\) > fwd_s \(1.0\)"),
+    ({"name": "matmuls", "kept_bytes": 40}, "recompute_s"),
+])
+def test_bad_in_stage_options_are_refused_with_the_field(option, message):
+    doc = chain_doc()
+    doc["stages"][1]["options"] = [option]
+    with pytest.raises(FormatError, match=message):
+        chain_from_dict(doc)
+    doc["stages"][1]["options"] = [{"name": "matmuls", "kept_bytes": 40, "recompute_s": 0.5}] * 2
+    with pytest.raises(FormatError, match="used twice"):
+        chain_from_dict(doc)
+
+
 def test_schedule_file_keeps_encodings_and_refuses_unknown_ones(encoded_four, tmp_path):
     res = solve(encoded_four, no_offload_peak(encoded_four) - 60, "gist", EXACT)
     path = tmp_path / "s.json"

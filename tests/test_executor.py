@@ -50,7 +50,7 @@ def schedules(chain):
     return {"none": make_schedule(chain, []), "all": everything, "solver": solved}
 
 
-@pytest.mark.parametrize("model, backend", [("gpt", "cpu-eager"), ("gpt", "cpu-lazy"),  # the MLP's in make test-all
+@pytest.mark.parametrize("model, backend", [("gpt", "cpu-eager"), pytest.param("gpt", "cpu-lazy", marks=pytest.mark.slow),  # the rest: make test-all
                                             *(pytest.param("mlp", b, marks=pytest.mark.slow) for b in ("cpu-eager", "cpu-lazy"))])
 def test_gradients_bit_exact_and_memory_as_predicted(chains, model, backend):
     for name, sched in schedules(chains[model]).items():
@@ -59,7 +59,7 @@ def test_gradients_bit_exact_and_memory_as_predicted(chains, model, backend):
             assert report.measured.activation_peak_bytes < no_offload_peak(chains[model])
 
 
-@pytest.mark.parametrize("model, backend", [("gpt", "cpu-eager"), ("gpt", "cpu-lazy"),
+@pytest.mark.parametrize("model, backend", [pytest.param("gpt", "cpu-eager", marks=pytest.mark.slow), ("gpt", "cpu-lazy"),
                                             *(pytest.param("mlp", b, marks=pytest.mark.slow) for b in ("cpu-eager", "cpu-lazy"))])
 def test_recomputation_bit_exact_and_memory_as_predicted(chains, model, backend):
     """Re-run forwards replay the same dropout masks; measured memory never above the model."""

@@ -19,7 +19,7 @@ from offload.profiler.capture import capture
 from offload.profiler.linearize import default_cuts, merge_to, stages_at
 from offload.profiler.measure import StepRunner, measure, spread
 from offload.profiler.profile import ProfileOptions, profile, timing_warnings
-from offload.step.chainfile import load_chain
+from offload.step.chainfile import chain_from_dict, load_chain
 
 SMALL = {
     "resnet18": {"image": 32},
@@ -97,6 +97,11 @@ USER_MODEL = textwrap.dedent('''
     def not_a_tuple(batch):
         return nn.Linear(3, 3)
 ''')
+
+
+def load_chain_doc(chain):
+    """The chain read back from its own document."""
+    return chain_from_dict(json.loads(json.dumps(chain.document())))
 
 
 def quick(model: str, **kw) -> ProfileOptions:
@@ -266,6 +271,21 @@ def test_a_users_file_is_found_from_any_directory(user_file, tmp_path, monkeypat
     assert main(["train", *chain]) != 0
     err = capsys.readouterr().err
     assert "model file not found: user_model.py" in err and f"profiled from {user_file}, gone too" in err
+
+
+def test_a_swiglu_block_has_an_option_between_all_kept_and_all_recomputed():
+    """The in-stage menu (issue #33): each decoder block of a Llama (SwiGLU MLP, attention
+    dropout) offers ``matmuls``, which keeps strictly less than its whole unit and re-runs
+    strictly less than its whole forward; the option is in the file and in ``show``."""
+    chain = profile("llama", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options={
+        "layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "seq": 32, "vocab": 64, "dropout": 0.1})).chain
+    blocks = [s for s in chain.stages if s.name.startswith("model.layers.")]
+    assert len(blocks) == 2
+    for s in blocks:
+        (option,) = s.options
+        assert option.name == "matmuls"
+        assert 0 < option.kept_bytes < s.saved_bytes and 0 < option.recompute_s < s.fwd_s
+    assert load_chain_doc(chain) == chain
 
 
 def test_timing_spread_is_reported(profiled):

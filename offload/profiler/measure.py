@@ -118,7 +118,7 @@ def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-class _Boundaries(StageListener):
+class Boundaries(StageListener):
     """Calls ``on_boundary`` where an op ends: the inner forward boundaries, the turn (the first
     backward boundary) and the inner backward ones; keeps the tracker's current stage."""
 
@@ -135,7 +135,7 @@ class _Boundaries(StageListener):
         self.on_boundary()
 
 
-class _Recording(_Boundaries):
+class _Recording(Boundaries):
     """The memory pass's listener: also records every stage's calls (can it be re-run, what
     would a re-run hold)."""
 
@@ -325,7 +325,7 @@ class StepRunner:
         with self.batch() as (args, kwargs):
             # the executor's own work on every saved tensor, whatever it moves: which unit it is in
             tracker = UnitTracker(self.device, persistent + tensors_in((args, kwargs)))
-            listener = _Boundaries(self.L, clock.mark, tracker)
+            listener = Boundaries(self.L, clock.mark, tracker)
 
             def pack(t: torch.Tensor) -> Any:
                 tracker.saw(t)

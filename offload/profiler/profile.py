@@ -27,7 +27,7 @@ from offload.io.text import format_bytes, printable
 from offload.models import ModelSpec, resolve
 from offload.models.resolve import file_reference, file_sha256
 from offload.models.spec import cache_off, signature, uses_cache
-from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage
+from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage, StageOption
 from offload.step.chainfile import make_chain
 from offload.step.memory import floor_bound_memory, no_offload_peak, op_name, smallest_feasible_budget
 from offload.step.names import AUTOCAST
@@ -37,6 +37,7 @@ from .capture import Capture, capture
 from .encodable import encodings_pass, stage_encodings
 from .linearize import Stages, default_cuts, merge_to, stages_at
 from .measure import Measurement, StepRunner, measure, spread
+from .selective import selective_pass
 
 SPREAD_WARNING = 0.2  # timed repeats that disagree by more than this share of their median
 FLOOR_WARNING = 0.9  # a smallest feasible budget above this share of the peak: offloading can barely help
@@ -141,15 +142,18 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
                 stages.notes.append(f"encoders not offered on a GPU: {', '.join(left_out)} (each reads its blob's size "
                                     "back from the device, which would stall every step)")
             tick("encodings")
+        options = selective_pass(runner, [s.saved_bytes for s in result.stages], [s.fwd_s for s in result.stages])
+        tick("in-stage options")
         runner.staging.remove()
     plat = opts.platform or measure_platform(device)
     tick("platform")
-    chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, turned_off)
+    chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, options, turned_off)
     return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, spec.module) + timing_warnings(result))
 
 
 def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: Stages, m: Measurement,
-              plat: Platform, spec: ModelSpec, encodings: list[tuple[Encoding, ...]], turned_off: bool) -> Chain:
+              plat: Platform, spec: ModelSpec, encodings: list[tuple[Encoding, ...]],
+              options: list[tuple[StageOption, ...]], turned_off: bool) -> Chain:
     steps = sorted(m.step_s)
     ref = file_reference(model)
     source: dict[str, Any] = {
@@ -180,8 +184,8 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                   recomputed_fwd_peak_bytes=s.recomputed_fwd_peak_bytes if s.recomputable else None,
                   input_carried_bytes=s.input_carried_bytes, input_held_bytes=s.input_held_bytes,
                   fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s,
-                  cast_bytes=s.cast_bytes, recast_s=min(s.recast_s, s.bwd_s) if s.cast_bytes else 0.0)
-            for info, s, enc in zip(stages.stages, m.stages, encodings)]
+                  cast_bytes=s.cast_bytes, recast_s=min(s.recast_s, s.bwd_s) if s.cast_bytes else 0.0, options=opt)
+            for info, s, enc, opt in zip(stages.stages, m.stages, encodings, options)]
     return make_chain(opts.name or f"{_model_label(model)}-b{opts.batch}", rows, plat, m.base_bytes, source, recipe,
                       m.workspace_bytes)
 

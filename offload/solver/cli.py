@@ -73,6 +73,15 @@ def print_chain(chain: Chain) -> None:
                       f"{format_bytes(encoded_bytes(chain, i, e)):>11} of {format_bytes(s.saved_bytes):<11} "
                       f"{format_seconds(e.encode_s):>10} / {format_seconds(e.decode_s):<10} "
                       + ", ".join(f"{t.encoder}#{t.index}" for t in e.tensors))
+    if any(s.options for s in chain.stages):
+        print()
+        print("options     in-stage, measured: what each keeps of its unit and re-runs of its forward before the "
+              "backward (not chosen by the solver yet)")
+        for i, s in enumerate(chain.stages, start=1):
+            for o in s.options:
+                print(f"{i:>4} {printable(o.name):<12} keeps {format_bytes(o.kept_bytes):>11} of "
+                      f"{format_bytes(s.saved_bytes):<11} re-runs {format_seconds(o.recompute_s):>10} of "
+                      f"{format_seconds(s.fwd_s)}")
     print()
     peak = no_offload_peak(chain)
     plain_floor = smallest_feasible_budget(chain)

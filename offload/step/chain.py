@@ -81,6 +81,19 @@ class Encoding:
 
 
 @dataclass(frozen=True)
+class StageOption:
+    """A way to keep part of a stage's unit and re-run the rest before its backward, measured by
+    the profiler (``offload.profiler.selective``): ``matmuls`` keeps what the matmuls,
+    convolutions and attention kernels made (``kept_bytes`` of the unit) and re-runs the
+    other forward ops (``recompute_s``).  Carried and shown; the solver does not choose
+    options yet (issue #33)."""
+
+    name: str
+    kept_bytes: int
+    recompute_s: float
+
+
+@dataclass(frozen=True)
 class Stage:
     """One stage: its op durations (s) and the memory it holds (bytes)."""
 
@@ -104,6 +117,7 @@ class Stage:
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
     fwd_host_s: float = 0.0  # host time to issue Fi's kernels (CUDA; 0: the device is never waiting for the host)
     bwd_host_s: float = 0.0  # the same for Bi
+    options: tuple[StageOption, ...] = ()  # in-stage options, measured (not chosen by the solver yet)
     cast_bytes: int = 0  # weight casts (autocast) Fi makes and Bi reads: dropped and made again unless kept ...
     recast_s: float = 0.0  # ... what making them again costs Bi (part of bwd_s): docs/model.md, "Weight casts"
 
@@ -205,6 +219,8 @@ def _stage_document(s: Stage) -> dict:
         d["recomputed_fwd_peak_bytes"] = s.recomputed_fwd_peak_bytes
     if s.fwd_host_s or s.bwd_host_s:  # absent otherwise: chains from before the host lane keep their sha256
         d.update(fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s)
+    if s.options:  # absent otherwise: chains from before the options keep their sha256
+        d["options"] = [{"name": o.name, "kept_bytes": o.kept_bytes, "recompute_s": o.recompute_s} for o in s.options]
     if s.cast_bytes:  # absent otherwise: chains from before the choice keep their sha256
         d.update(cast_bytes=s.cast_bytes, recast_s=s.recast_s)
     if s.input_carried_bytes:

@@ -19,7 +19,7 @@ from offload.errors import FormatError
 from offload.io import validate as v
 from offload.io.files import read_document, write_json
 
-from .chain import CHAIN_FORMAT, Chain, EncodedTensor, Encoding, Platform, Recipe, Stage
+from .chain import CHAIN_FORMAT, Chain, EncodedTensor, Encoding, Platform, Recipe, Stage, StageOption
 from .names import AUTOCAST, DTYPES, ENCODERS, OPTIMIZERS
 
 OLD_FORMATS = ("offload-chain/1",)
@@ -29,7 +29,8 @@ _KEYS = {"format", "name", "source", "platform", "base_bytes", "workspace_bytes"
 _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from", "encodings",
                "held_bytes", "held_until", "input_bytes", "recomputable",
                "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes",
-               "input_carried_bytes", "input_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s"}
+               "input_carried_bytes", "input_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
+               "options"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
@@ -68,6 +69,22 @@ def _encodings(raw: Any, saved: int, ctx: str) -> tuple[Encoding, ...]:
         if enc.covered_bytes > saved:
             raise FormatError(f"{ectx} covers {enc.covered_bytes} bytes, more than the unit's saved_bytes ({saved})")
         out.append(enc)
+    return tuple(out)
+
+
+def _options(raw: Any, saved: int, fwd_s: float, ctx: str) -> tuple[StageOption, ...]:
+    """A stage's in-stage ``options``: names unique, each keeping part of the unit and re-running
+    at most the stage's forward."""
+    out, names = [], set()
+    for octx, o in v.objects(raw, f"{ctx}.options", {"name", "kept_bytes", "recompute_s"}):
+        name = v.string(o, "name", octx)
+        if name in names:
+            raise FormatError(f"{octx}.name {name!r} is used twice in this stage")
+        names.add(name)
+        kept, rerun = v.whole(o, "kept_bytes", octx, 0, saved), v.seconds(o, "recompute_s", octx)
+        if rerun > fwd_s:
+            raise FormatError(f"{octx}.recompute_s ({rerun}) > fwd_s ({fwd_s}): an option re-runs part of the forward")
+        out.append(StageOption(name, kept, rerun))
     return tuple(out)
 
 
@@ -129,6 +146,7 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                  fwd_s=v.seconds(s, "fwd_s", ctx), bwd_s=bwd_s, saved_bytes=saved,
                  fwd_peak_bytes=fwd_peak, bwd_peak_bytes=bwd_peak, need_from=need,
                  encodings=_encodings(s.get("encodings", []), saved, ctx), held_bytes=held, held_until=until,
+                 options=_options(s.get("options", []), saved, v.seconds(s, "fwd_s", ctx), ctx),
                  input_bytes=checkpoint,
                  recomputable=v.flag(s, "recomputable", ctx, True),
                  carry_bytes=carry, input_carried_bytes=carried,

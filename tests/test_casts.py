@@ -42,12 +42,12 @@ def three(link: float = 1e5, **stage_two) -> object:
 
 
 def test_kept_casts_by_hand():
-    """Kept: 40 bytes more from F3 through B2, and B2 0.5 ms shorter; the ideal makespan is
+    """Kept: 40 bytes more from F2 through B2, and B2 0.5 ms shorter; the ideal makespan is
     the step with every cast kept."""
     chain = three()
     dropped, kept = simulate(chain, []), simulate(chain, [], casts_kept=[2])
     assert list(dropped.memory) == [100, 200, 300, 300, 200, 100]
-    assert list(kept.memory) == [100, 200, 340, 340, 240, 100]
+    assert list(kept.memory) == [100, 240, 340, 340, 240, 100]
     assert dropped.makespan_s == pytest.approx(0.009) and kept.makespan_s == pytest.approx(0.0085)
     assert chain.ideal_makespan_s == pytest.approx(0.0085)
 
@@ -84,7 +84,7 @@ def test_a_recast_longer_than_its_backward_is_refused():
 @given(chain_and_budget(max_stages=7, inputs=True, casts=True), st.randoms(use_true_random=False))
 def test_kept_casts_add_their_bytes_to_the_ops_they_span(cb, rnd):
     """What ``keep_casts`` relies on: whatever the other actions, keeping stage i's casts adds
-    exactly its bytes to F(i+1)..Bi (re-run ops included) and nothing elsewhere; the fill it
+    exactly its bytes to Fi..Bi (re-run ops included) and nothing elsewhere; the fill it
     makes fits the budget and never lengthens the step."""
     chain, budget = cb
     runs = [Recompute(i, i) for i in sorted(chain.recomputable) if rnd.random() < 0.4]
@@ -93,7 +93,7 @@ def test_kept_casts_add_their_bytes_to_the_ops_they_span(cb, rnd):
     kept = [i for i in chain.castable if i not in rebuilt and rnd.random() < 0.5]
     spans = np.zeros(2 * chain.L, dtype=np.int64)
     for i in kept:
-        spans[i: 2 * chain.L - i + 1] += chain.cb[i]
+        spans[i - 1: 2 * chain.L - i + 1] += chain.cb[i]
     assert list(op_memory(chain, offloads, runs, kept)) == list(op_memory(chain, offloads, runs) + spans)
     if simulate(chain, offloads, recompute=runs).peak_bytes <= budget:
         fill = keep_casts(chain, budget, offloads, runs=runs)

@@ -1,7 +1,7 @@
 """Which weight casts a schedule keeps: the ones it has room for, most time saved per byte first.
 
 Keeping stage ``i``'s weight casts (docs/model.md, "Weight casts") adds ``cast_bytes`` to
-every op from ``F(i+1)`` through ``Bi`` (the ops re-run at those ``B``'s included:
+every op from ``Fi`` through ``Bi`` (the ops re-run at those ``B``'s included:
 ``offload.step.memory``) and takes ``recast_s`` off ``Bi``.  With the other actions fixed,
 each op's memory is then its memory without the casts plus the kept casts spanning it, and
 no op ends later for a shorter op before it, so the makespan never grows: filling the room
@@ -37,7 +37,7 @@ def keep_casts(chain: Chain, budget: int, offloads: Iterable[Offload], encode: C
     worth = [i for i in chain.castable if i not in rebuilt and chain.rc[i] > 0]
     kept = []
     for i in sorted(worth, key=lambda i: (-chain.rc[i] / chain.cb[i], i)):
-        span = slice(i, 2 * L - i + 1)  # F(i+1) .. Bi
+        span = slice(i - 1, 2 * L - i + 1)  # Fi .. Bi
         if int(mem[span].max()) + int(chain.cb[i]) <= budget:
             mem[span] += chain.cb[i]
             kept.append(i)

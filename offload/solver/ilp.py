@@ -37,7 +37,7 @@ the boundary after ``F(i+1)`` to its rebuild, its checkpoint meanwhile) are line
 (a big-M row); the rebuild delays ``Bn``'s start after its prefetches are issued.
 
 A stage that makes weight casts (docs/model.md, "Weight casts") gets a binary ``k_i``: its
-casts kept, ``cast_bytes`` in the memory rows of the ops after ``Fi`` through ``Bi``,
+casts kept, ``cast_bytes`` in the memory rows of the ops ``Fi`` through ``Bi``,
 ``recast_s`` less in ``Bi``, never in a recomputed stage.  The backlog bounds behind the
 big-M rows count the backward ops at their shortest.
 
@@ -386,7 +386,7 @@ class Model:
                     row.add(self._extra(j, "fwd_extra_bytes"))
                 if j > 1 and j - 1 not in self.decided:
                     row.add(self._extra(j - 1, "output_bytes"))
-                row.add(self.casts(j - 1))
+                row.add(self.casts(j))
                 for (s, e), g in self.g.items():
                     if s < j:  # the checkpoint, from F_{s+1} (during F_s the stage's own memory counts it)
                         row.add(g, checkpoint(s, j) / mu)

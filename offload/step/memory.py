@@ -10,8 +10,8 @@ until it is rebuilt; each re-run forward op ``Rj`` of it holds what ``Bn`` holds
 own transient (units and the gradient flowing in, ``bwd_start_bytes``), less the units not
 rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (and ``Rs`` the checkpoint it reads), and
 ``Bn``'s memory is the largest of those and its own.  A stage whose weight casts are kept
-counts them from the op after ``Fi`` through ``Bi`` (an upper bound during ``Bi``, which
-frees them as it reads them).  Memory depends only
+counts them from ``Fi`` through ``Bi``: an upper bound during ``Fi`` (whose transient holds
+them as far as autocast's cache does) and ``Bi`` (which frees them as it reads them).  Memory depends only
 on the schedule's decisions, never on timing, which is what lets the ILP separate memory
 from time.
 """
@@ -102,7 +102,7 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
     np.add.at(diff, idx, chain.a[idx])  # kept: F_{i+1} .. B_i
     np.add.at(diff, 2 * L - idx + 1, -chain.a[idx])
     casts = np.array(sorted(casts_kept), dtype=np.int64)
-    np.add.at(diff, casts, chain.cb[casts])  # the same span
+    np.add.at(diff, casts - 1, chain.cb[casts])  # F_i .. B_i
     np.add.at(diff, 2 * L - casts + 1, -chain.cb[casts])
     return np.cumsum(diff[:-1])
 

@@ -28,7 +28,7 @@ def test_ilp_equals_brute_force(cb):
     assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget), rel=REL)
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=25, **SETTINGS)
 @given(chain_and_budget(max_stages=7))
 def test_every_method_replays_within_budget_and_ilp_is_best(cb):
     chain, budget = cb

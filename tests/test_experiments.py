@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_executor, bench_overhead, demo
+from experiments import bench_executor, bench_overhead, casts, demo
 from tests.runs import ROOT
 
 
@@ -21,6 +21,14 @@ def test_bench_overhead_prints_each_way_against_plain(capsys):
     assert bench_overhead.main(["--layers", "1", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "saved tensors per step" in out and all(w in out for w in ("plain", "hooks", "offloaded, empty", "offloaded, floor"))
+
+
+@pytest.mark.slow  # three profiles and six trainings: make test-all
+def test_the_casts_table_at_a_tiny_size(capsys):
+    """The issue's table: a row per way, each joint schedule and checkpointing trained bit for bit."""
+    assert casts.main(["--layers", "2", "--seq", "16", "--repeats", "1", "--time-limit", "10", "--train"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "trained" in line]
+    assert len(rows) == 3 and all(row.count("gradients bit for bit") == 2 for row in rows), rows
 
 
 @pytest.mark.slow  # the benchmark's own run; make test-all (and make gpu-bench, without a GPU) run it

@@ -25,7 +25,6 @@ from offload.step.chain import Chain
 from offload.step.encoding import lossy_stages
 from offload.step.schedule import Schedule
 
-
 REPORT_FORMAT = "offload-report/1"
 
 

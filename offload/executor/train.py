@@ -74,12 +74,12 @@ def _model_to_build(chain: Chain, model: str | None) -> str:
                 if p.is_file()]
     if model is not None and model != r.model:
         theirs = file_reference(model)
-        if not (ours and theirs and ours[1] == theirs[1] and theirs[0].is_file()
-                and (any(os.path.samefile(theirs[0], p) for p in profiled) or file_sha256(theirs[0]) == digest)):
-            copy = ours and theirs and ours[1] == theirs[1] and theirs[0].is_file()
+        same_function = bool(ours and theirs and ours[1] == theirs[1] and theirs[0].is_file())
+        if not (same_function and (any(os.path.samefile(theirs[0], p) for p in profiled)
+                                   or file_sha256(theirs[0]) == digest)):
             raise ChainMismatch(f"the chain was profiled from {r.model!r}"
                                 + (f" ({recorded})" if isinstance(recorded, str) else "") + f", not {model!r}"
-                                + (f": {theirs[0]} is another file, its bytes differ" if copy else ""),
+                                + (f": {theirs[0]} is another file, its bytes differ" if same_function else ""),
                                 "train the model the chain was made from, or profile this one")
         return model
     if ours and not ours[0].is_file():

@@ -4,8 +4,10 @@ A conv net, an fp32 transformer and a bf16-autocast transformer, each profiled o
 device, then solved and trained at 30%, 50% and 70% of its no-offload activation peak in
 three ways: offloading only (``ilp``), recomputation and offloading jointly (``ilp
 --recompute``) and per-block activation checkpointing (``checkpoint-blocks``); and once per
-model the same steps without offloading and under ``torch.autograd.graph.save_on_cpu``
-(the user's alternatives: no budget, their peak is what it is).  Every cell is trained
+model the same steps without offloading, under ``torch.autograd.graph.save_on_cpu`` and
+with op-level selective checkpointing of the blocks (matmul outputs saved, the rest
+recomputed: ``offload.core.selective``) (the user's alternatives: no budget, their peak is
+what it is).  Every cell is trained
 twice: timed as users train (their kernels, the ones profiled), with a ``torch.profiler``
 trace from which the share of copy time hidden under kernels is read; and for
 ``--check-steps`` steps checking its gradients against training without offloading
@@ -164,7 +166,8 @@ def _cell(model: Model, chain: Chain, share: float, way: str, budget: int, devic
 
 
 def _baselines(model: Model, chain: Chain, device: str, out: Path, args: argparse.Namespace) -> list[dict]:
-    """No offloading and ``save_on_cpu``: the same steps, measured beside an empty schedule."""
+    """No offloading, ``save_on_cpu`` and op-level selective checkpointing: the same steps, measured beside an
+    empty schedule."""
     report, error = train(None, chain, make_schedule(chain, []),
                           TrainOptions(steps=args.steps, device=device, compare=True))
     write_json(out / f"{model.tag}-baselines-run.json", report.json())

@@ -23,13 +23,15 @@ from typing import Any
 import torch
 
 from offload.core.devices import persistent_tensors
+from offload.core.selective import selective_checkpointing
+from offload.core.staging import Site
 from offload.io.files import write_atomic
 from offload.models.spec import ModelSpec
 from offload.step.chain import Chain
 
 from .api import Offloaded
 from .overlap import copy_overlap
-from .report import Baseline, total
+from .report import BASELINES, Baseline, total
 from .trainer import Run, StepHooks, Trainer, step_errors
 
 
@@ -114,16 +116,26 @@ class GradCheck(StepHooks):
             p.grad = None
 
 
+def _blocks(chain: Chain) -> list[str]:
+    """The modules whose calls end the chain's stages, innermost ones only (a decoder layer,
+    not the decoder that holds them all): the blocks that users wrap in
+    ``torch.utils.checkpoint``."""
+    paths = sorted({Site.parse(text).module for text in chain.recipe.cuts} - {""}) if chain.recipe else []
+    return [p for p in paths if not any(q.startswith(p + ".") for q in paths)]
+
+
 def compare_baselines(trainer: Trainer, steps: int, ours: Run, chain: Chain) -> dict[str, Baseline]:
-    """The same steps without offloading and under ``save_on_cpu``, and our step time against both."""
+    """The same steps without offloading, under ``save_on_cpu`` and with op-level selective
+    checkpointing of the chain's blocks (``offload.core.selective``), and our step time
+    against each."""
     pin = trainer.device.type == "cuda"
-    ways = {"no_offload": contextlib.nullcontext,
-            "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)}
     module = trainer.spec.module
+    ways = {"no_offload": contextlib.nullcontext,
+            "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin),
+            "selective_checkpoint": lambda: selective_checkpointing(module, _blocks(chain))}
     out: dict[str, Baseline] = {}
     for name, wrap in ways.items():
-        run, error = trainer.measure(steps, lambda args, kwargs: module(*args, **kwargs), wrap,
-                                     label="no offloading" if name == "no_offload" else name)
+        run, error = trainer.measure(steps, lambda args, kwargs: module(*args, **kwargs), wrap, label=BASELINES[name])
         peak = max(run.peaks) if run.peaks else None
         step_s = statistics.median(run.step_s) if run.step_s else None
         out[name] = Baseline(step_s, run.step_s, peak, total(peak, chain),

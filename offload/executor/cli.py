@@ -13,7 +13,7 @@ from offload.step.chainfile import load_chain
 from offload.step.names import BACKENDS, OPTIMIZERS
 from offload.step.schedulefile import load_schedule
 
-from .report import Report
+from .report import BASELINES, Report
 
 
 
@@ -40,7 +40,7 @@ def _print_report(r: Report) -> None:
         print(f"{'encoded':<14}{format_bytes(m.encoded_bytes_per_step):>16}   per step, units "
               + ", ".join(f"U{i} {name}" for i, name in r.encoded_units.items())
               + (" (lossy)" if r.lossy else " (lossless)"))
-    for name, label in (("no_offload", "no offloading"), ("save_on_cpu", "save_on_cpu")):
+    for name, label in BASELINES.items():
         other = (r.compare or {}).get(name)
         if other and other.step_s:
             print(f"{label:<14}{format_seconds(other.step_s):>16}   peak {format_bytes(r.in_scope(other))}; our "
@@ -157,8 +157,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--check-grads", action="store_true",
                    help="also train a copy without offloading and compare every gradient bit for bit")
     p.add_argument("--compare", action="store_true",
-                   help="also time the same steps without offloading and under torch's save_on_cpu, and print "
-                        "our step time as a multiple of each")
+                   help="also time the same steps without offloading, under torch's save_on_cpu and with "
+                        "op-level selective checkpointing of the chain's blocks (matmul outputs saved, the rest "
+                        "recomputed: torchtitan's policy), and print our step time as a multiple of each")
     p.add_argument("--trace", metavar="JSON", type=output_path,
                    help="write a torch.profiler Chrome trace of one more step (open in ui.perfetto.dev); on a GPU "
                         "it also reports how much of the copy time ran under compute")

@@ -26,6 +26,8 @@ from offload.step.encoding import lossy_stages
 from offload.step.schedule import Schedule
 
 REPORT_FORMAT = "offload-report/1"
+BASELINES = {"no_offload": "no offloading", "save_on_cpu": "save_on_cpu",
+             "selective_checkpoint": "SAC (matmuls)"}  # the keys of ``compare``: what each is called (14 wide)
 
 
 def total(activation_bytes: int | None, chain: Chain) -> int | None:
@@ -111,7 +113,7 @@ class Report:
     grad_noise_floor: list[float | None] | None = None  # per step they differ: how far the reference is from itself
     grads_within_noise: bool | None = None  # bit for bit, or within the noise floor at every step
     deterministic: bool | None = None  # deterministic kernels were asked for (CUDA, with the gradient check)
-    compare: dict[str, Baseline] | None = None  # no_offload, save_on_cpu
+    compare: dict[str, Baseline] | None = None  # BASELINES
     trace: dict[str, Any] | None = None  # path, copy_overlap
     error: str | None = None  # the step that failed its budget or ran out of memory
     over_prediction: str | None = None  # the measured activation peak above the predicted one: by how much, and why

@@ -30,7 +30,7 @@ from . import distributed
 from .api import Offloaded
 from .backends import default_backend
 from .checks import GradCheck, compare_baselines, trace_step
-from .report import Report
+from .report import BASELINES, Report
 from .trainer import Run, Trainer
 
 
@@ -42,7 +42,7 @@ class TrainOptions:
     optimizer: str | None = None  # default: the one the chain was profiled with
     lr: float = 1e-4
     check_grads: bool = False
-    compare: bool = False  # also time the same steps without offloading and under save_on_cpu
+    compare: bool = False  # also time the same steps without offloading, under save_on_cpu, with selective checkpointing
     trace: str | None = None  # write a torch.profiler Chrome trace of one more step here
     op_memory: bool = False  # read memory at every stage boundary of the first step (per-op peaks)
     progress: Callable[[str, int], None] | None = None  # (what is done, steps in all) after each step
@@ -166,7 +166,7 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
     trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes,
                       elsewhere=check.tensors() if check is not None else None)
     if opts.progress is not None:
-        total = trainer.steps_per_measure(opts.steps) * (3 if opts.compare else 1) + bool(opts.trace)
+        total = trainer.steps_per_measure(opts.steps) * (1 + len(BASELINES) * opts.compare) + bool(opts.trace)
         trainer.tick = lambda what: opts.progress(what, total)
     run = None
     try:  # the front door of every user's loop: the schedule is the chain's, the batch the profiled one

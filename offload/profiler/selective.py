@@ -31,17 +31,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from offload.core.devices import persistent_tensors
+from offload.core.selective import EXPENSIVE
 from offload.core.units import UnitTracker, plain, storage_key
 from offload.step.chain import StageOption
 
 from .measure import Boundaries, StepRunner
 
-aten = torch.ops.aten
-EXPENSIVE = frozenset(getattr(aten, name) for name in (
-    "mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_flash_attention_forward", "_efficient_attention_forward") if hasattr(aten, name))
 OPTION = "matmuls"  # the option's name: the expensive ops' outputs kept
 
 

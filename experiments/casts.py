@@ -12,9 +12,10 @@ decoder layer's forward and backward transients (they grew with depth while the 
 were saved), the smallest feasible budget, the casts' bytes, per-block checkpointing's
 step and peak, and the joint schedule (``ilp --recompute``) at that same peak: its step,
 how far below checkpointing's, and in how many stages it keeps the casts.  With
-``--train`` both schedules are trained (``offload train --check-grads --op-memory``): on a
-CPU the measured steps compare the two, the prediction of the one that moves units is
-loose there (the copies are memcpy on the cores that compute).
+``--train`` both schedules are trained (``offload train --check-grads --op-memory``, the
+joint one with ``--compare``, which also measures op-level selective checkpointing, "SAC
+(matmuls)", at its own peak): on a CPU the measured steps compare them, the prediction of
+the one that moves units is loose there (the copies are memcpy on the cores that compute).
 """
 from __future__ import annotations
 
@@ -64,13 +65,17 @@ def row(way: str, autocast: str | None, cache: int, args: argparse.Namespace) ->
             f"casts kept in {len(joint.schedule.casts_kept)} of {len(chain.castable)} |")
     if args.train:
         for name, res in (("checkpoint-blocks", checkpoint), ("joint", joint)):
-            report, error = train(None, chain, res.schedule, TrainOptions(steps=2, check_grads=True, op_memory=True))
+            report, error = train(None, chain, res.schedule, TrainOptions(steps=2, check_grads=True, op_memory=True,
+                                                                           compare=name == "joint"))
             m, p = report.measured, report.predicted
             over = sum(b > p.op_bytes[op] for op, b in m.op_peak_bytes.items())
             line += (f" {name} trained: {format_seconds(m.step_s)} (predicted {format_seconds(p.step_s)}), peak "
                      f"{format_bytes(m.activation_peak_bytes)} (predicted {format_bytes(p.activation_peak_bytes)}), "
                      f"{over} ops above their prediction, gradients {'bit for bit' if report.grads_match else 'DIFFER'}"
                      + (f", error: {error}" if error else "") + ";")
+        sac = report.compare["selective_checkpoint"]
+        line += (f" SAC (matmuls) measured: {format_seconds(sac.step_s)}, peak {format_bytes(sac.activation_peak_bytes)}"
+                 if sac.step_s else f" SAC (matmuls) failed: {sac.error}")
     return line
 
 

@@ -8,9 +8,9 @@ recomputed *run* of stages ``s..e`` (``e < L``), a ``Recompute``: their units ar
 the end of the next forward op and rebuilt by re-running ``Fs..Fe`` from ``Fs``'s input at
 the start of ``B(max need_from)``; a ``Choice`` names, per encoded unit (kept or
 offloaded), the stage's encoding it uses; the stages whose weight casts are *kept* (saved
-as autograd would, not made again by ``Bi``) are a set of their own (``check_casts``).  ``check_*`` refuse what lies outside the class,
-naming the unit and the rule.  When each of these happens in a step is
-``offload.step.events``.
+as autograd would, not made again by ``Bi``) are a set of their own (``check_casts``).
+``check_*`` refuse what lies outside the class, naming the unit and the rule.  When each
+of these happens in a step is ``offload.step.events``.
 """
 from __future__ import annotations
 

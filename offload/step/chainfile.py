@@ -136,17 +136,17 @@ def _stage(s: Any, i: int, L: int) -> Stage:
     bwd_peak = v.nbytes(s, "bwd_peak_bytes", ctx)
     checkpoint = v.nbytes(s, "input_bytes", ctx) if "input_bytes" in s else 0
     carry = v.whole(s, "carry_bytes", ctx, 0, saved) if "carry_bytes" in s else None
-    bwd_s = v.seconds(s, "bwd_s", ctx)
+    fwd_s, bwd_s = v.seconds(s, "fwd_s", ctx), v.seconds(s, "bwd_s", ctx)
     recast = v.seconds(s, "recast_s", ctx) if "recast_s" in s else 0.0
     if recast > bwd_s:
         raise FormatError(f"{ctx}.recast_s ({recast}) > bwd_s ({bwd_s}): the backward's time includes its recasts")
     carried = v.whole(s, "input_carried_bytes", ctx, 0, min(checkpoint, saved if carry is None else carry)) \
         if "input_carried_bytes" in s else 0
     return Stage(name=v.string(s, "name", ctx, f"stage{i}"), kind=v.string(s, "kind", ctx, "layer"),
-                 fwd_s=v.seconds(s, "fwd_s", ctx), bwd_s=bwd_s, saved_bytes=saved,
+                 fwd_s=fwd_s, bwd_s=bwd_s, saved_bytes=saved,
                  fwd_peak_bytes=fwd_peak, bwd_peak_bytes=bwd_peak, need_from=need,
                  encodings=_encodings(s.get("encodings", []), saved, ctx), held_bytes=held, held_until=until,
-                 options=_options(s.get("options", []), saved, v.seconds(s, "fwd_s", ctx), ctx),
+                 options=_options(s.get("options", []), saved, fwd_s, ctx),
                  input_bytes=checkpoint,
                  recomputable=v.flag(s, "recomputable", ctx, True),
                  carry_bytes=carry, input_carried_bytes=carried,

@@ -11,9 +11,9 @@ own transient (units and the gradient flowing in, ``bwd_start_bytes``), less the
 rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (and ``Rs`` the checkpoint it reads), and
 ``Bn``'s memory is the largest of those and its own.  A stage whose weight casts are kept
 counts them from ``Fi`` through ``Bi``: an upper bound during ``Fi`` (whose transient holds
-them as far as autocast's cache does) and ``Bi`` (which frees them as it reads them).  Memory depends only
-on the schedule's decisions, never on timing, which is what lets the ILP separate memory
-from time.
+them as far as autocast's cache does) and ``Bi`` (which frees them as it reads them).
+Memory depends only on the schedule's decisions, never on timing, which is what lets the
+ILP separate memory from time.
 """
 from __future__ import annotations
 

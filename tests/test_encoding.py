@@ -258,3 +258,20 @@ def test_every_schedule_satisfies_every_row_of_the_model(cb, data):
                 for i in chain.offloadable if data.draw(st.booleans())]
     model = Model(chain, 10 * no_offload_peak(chain) + 10**6, options=opts)
     assert_loads_exactly(model, offloads, encode)
+
+
+def test_a_start_that_highs_presolve_misreads_is_solved_again():
+    """HiGHS 1.16, started from the warm start (nothing offloaded, 10 ms) with presolve on,
+    declared it optimal with a dual bound far below it; the best schedule offloads U1 and
+    keeps its casts (9 ms).  pulp_backend solves such a contradictory claim again."""
+    sign = {"lossless": False, "encode_s": 0.0, "decode_s": 0.0,
+            "tensors": [{"index": 0, "encoder": "sign-mask", "bytes": 1, "encoded_bytes": 0}]}
+    chain = chain_from_dict({"format": "offload-chain/2", "name": "misread",
+                             "platform": {"d2h_bytes_per_s": 1e5, "h2d_bytes_per_s": 1e5}, "stages": [
+        {"fwd_s": .001, "bwd_s": .001, "saved_bytes": 81, "fwd_peak_bytes": 81, "bwd_peak_bytes": 0,
+         "encodings": [{"name": "enc0", **sign}, {"name": "enc1", **sign}], "cast_bytes": 7, "recast_s": .001},
+        {"fwd_s": .001, "bwd_s": .005, "saved_bytes": 69, "fwd_peak_bytes": 69, "bwd_peak_bytes": 0},
+        {"fwd_s": .001, "bwd_s": .001, "saved_bytes": 1, "fwd_peak_bytes": 1, "bwd_peak_bytes": 49}]})
+    res = solve(chain, 202, "ilp", LOSSY)
+    assert res.status == "optimal" and res.simulation.makespan_s == pytest.approx(0.009)
+    assert res.simulation.makespan_s == pytest.approx(brute_force(chain, 202, "lossy"))

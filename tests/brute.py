@@ -27,6 +27,13 @@ def all_runs(L: int) -> Iterator[list[Recompute]]:
         yield [Recompute(a, b) for a, b in runs]
 
 
+def with_options(chain: Chain, runs: list[Recompute]) -> Iterator[list[Recompute]]:
+    """``runs``, and each variant where runs of one stage re-run it in part (its in-stage options)."""
+    choices = [[r] + [Recompute(r.first, r.last, o.name) for o in chain.stage(r.first).options]
+               if r.first == r.last else [r] for r in runs]
+    return (list(c) for c in itertools.product(*choices))
+
+
 def kept_casts(chain: Chain, rebuilt: set[int]) -> Iterator[tuple[int, ...]]:
     """Every set of stages that may keep their weight casts (none recomputed)."""
     free = [i for i in chain.castable if i not in rebuilt]
@@ -35,7 +42,7 @@ def kept_casts(chain: Chain, rebuilt: set[int]) -> Iterator[tuple[int, ...]]:
 
 def brute_force(chain: Chain, budget: int, recompute: bool = False) -> float | None:
     """Best makespan over every schedule (offloads, kept weight casts, and with ``recompute``
-    every set of runs)."""
+    every set of runs, in-stage options included)."""
     def options(i: int, rebuilt: set[int]) -> Iterator[Offload | None]:
         yield None
         if i in rebuilt:
@@ -44,7 +51,8 @@ def brute_force(chain: Chain, budget: int, recompute: bool = False) -> float | N
             for k in range(int(chain.need[i]), chain.L + 1):
                 yield Offload(i, r, k)
     best = None
-    for runs in all_runs(chain.L) if recompute else [[]]:
+    every = (v for runs in all_runs(chain.L) for v in with_options(chain, runs)) if recompute else [[]]
+    for runs in every:
         if not all(chain.can_recompute(r.first, r.last) for r in runs):
             continue
         rebuilt = {i for r in runs for i in r.stages}

@@ -34,7 +34,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
     """``inputs``: stages carry what recomputation needs: ``input_bytes`` (a checkpoint),
     sometimes ``carry_bytes`` (less than the unit alive in the next forward) with part of the
     checkpoint in it (and in the held part), a smaller forward transient when recomputed, the
-    gradient live as the backward starts, and sometimes ``recomputable: false``.  ``casts``:
+    gradient live as the backward starts, sometimes ``recomputable: false``, and in a third of
+    the stages an in-stage option.  ``casts``:
     stages make weight casts (``None``: a third of the chains, some of their stages)."""
     L = draw(st.integers(min_stages, max_stages))
     host = draw(st.integers(0, 2)) == 0  # a GPU whose host issues kernels slower than some stages run
@@ -74,6 +75,13 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
                 st_["input_held_bytes"] = draw(st.integers(0, min(st_["input_carried_bytes"], st_["held_bytes"])))
         if inputs and draw(st.integers(0, 4)) == 0:
             stages[-1]["recomputable"] = False
+        if inputs and draw(st.integers(0, 2)) == 0:  # an in-stage option: part kept, the rest re-run
+            st_ = stages[-1]
+            st_["options"] = [{"name": "matmuls", "kept_bytes": draw(st.integers(0, saved)),
+                               "recompute_s": draw(st.integers(0, round(st_["fwd_s"] * 1000))) / 1000}]
+            if draw(st.booleans()):  # measured: its forward and re-run transients
+                st_["options"][0].update(fwd_peak_bytes=draw(st.integers(0, st_["fwd_peak_bytes"] + saved)),
+                                         rerun_peak_bytes=draw(st.integers(0, st_["fwd_peak_bytes"])))
     return chain_from_dict({
         "format": "offload-chain/2",
         "name": "random",

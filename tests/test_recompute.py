@@ -114,6 +114,7 @@ def test_joint_ilp_equals_brute_force(cb):
     assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget, recompute=True), rel=REL)
 
 
+@pytest.mark.slow  # make test-all; the tests above draw up to four stages, some with in-stage options
 @settings(max_examples=6, **SETTINGS)
 @given(chain_and_budget(min_stages=5, max_stages=5, inputs=True, casts=False))
 def test_joint_ilp_equals_brute_force_on_five_stages(cb):

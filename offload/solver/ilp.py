@@ -30,8 +30,9 @@ the pairs ``(k, j)`` closest together (and the whole-phase ones) are kept: any s
 valid cuts leaves the model exact, and the build stays O(L^2).
 
 With ``max_run > 0`` the model also chooses recomputation (docs/model.md, "Recomputation"):
-one binary ``g_{s,e}`` per run ``s..e`` of at most ``max_run`` stages, a stage in at most
-one run and never also offloaded or encoded.  A run's memory terms (its units gone from
+one binary ``g_{s,e}`` per run ``s..e`` of at most ``max_run`` stages, and one per in-stage
+option of a stage (a run of that stage re-run in part), a stage in at most one run and
+never also offloaded or encoded.  A run's memory terms (its units gone from
 the boundary after ``F(i+1)`` to its rebuild, its checkpoint meanwhile) are linear in
 ``g``; each re-run forward op gets a budget row that binds only when its run is chosen
 (a big-M row); the rebuild delays ``Bn``'s start after its prefetches are issued.
@@ -62,7 +63,7 @@ from offload.step.chain import Chain, Encoding
 from offload.step.encoding import apply, encoded_bytes
 from offload.step.events import prefetch_order
 from offload.step.memory import forward_checkpoint, op_memory
-from offload.step.recompute import run_op, run_seconds
+from offload.step.recompute import checkpoint_bytes, forward_peak, rerun_peak, run_op, run_seconds
 from offload.step.simulate import simulate
 
 from .deadline import Deadline
@@ -273,15 +274,17 @@ class Model:
         """``g_{s,e}``: stages ``s..e`` recomputed as one run; a stage in one run at most, and
         then neither offloaded nor encoded."""
         L = self.chain.L
-        self.g = {(s, e): self._var(f"recompute_{s}_{e}", True)
-                  for s in range(1, L) for e in range(s, min(L - 1, s + max_run - 1) + 1)
-                  if self.chain.can_recompute(s, e)} if max_run else {}
-        self.run_at: dict[int, list[tuple[int, int]]] = {}  # n -> runs rebuilt at the start of B_n
-        a, x = self.chain.a, self.chain.x
-        self.unbuilt: dict[tuple[int, int], float] = {}  # run -> its checkpoint less its units (model units)
-        for (s, e) in self.g:
-            self.run_at.setdefault(run_op(self.chain, Recompute(s, e)), []).append((s, e))
-            self.unbuilt[s, e] = (int(x[s]) - int(sum(a[s:e + 1]))) / self.mu
+        runs = [Recompute(s, e) for s in range(1, L) for e in range(s, min(L - 1, s + max_run - 1) + 1)
+                if self.chain.can_recompute(s, e)] if max_run else []
+        runs += [Recompute(i, i, name) for i, name in self.chain.optional] if max_run else []
+        self.g = {r: self._var(f"recompute_{r.first}_{r.last}" + (f"_{r.option}" if r.option else ""), True)
+                  for r in runs}
+        self.run_at: dict[int, list[Recompute]] = {}  # n -> runs rebuilt at the start of B_n
+        a = self.chain.a
+        self.unbuilt: dict[Recompute, float] = {}  # run -> its checkpoint less its units (model units)
+        for r in self.g:
+            self.run_at.setdefault(run_op(self.chain, r), []).append(r)
+            self.unbuilt[r] = (checkpoint_bytes(self.chain, r) - int(sum(a[r.first:r.last + 1]))) / self.mu
         for i in range(1, L):
             row = self.recomputed(i)
             if not row.terms:
@@ -307,7 +310,7 @@ class Model:
 
     def recomputed(self, i: int) -> _Affine:
         """1 if stage ``i`` is in a recomputed run."""
-        return _affine(*((v, 1.0) for (s, e), v in self.g.items() if s <= i <= e))
+        return _affine(*((v, 1.0) for r, v in self.g.items() if r.first <= i <= r.last))
 
     def chosen(self, i: int, o: str) -> _Form:
         """1 if unit ``i`` is stored with option ``o``."""
@@ -387,11 +390,12 @@ class Model:
                 if j > 1 and j - 1 not in self.decided:
                     row.add(self._extra(j - 1, "output_bytes"))
                 row.add(self.casts(j))
-                for (s, e), g in self.g.items():
+                for r, g in self.g.items():
+                    s, e = r.first, r.last
                     if s < j:  # the checkpoint, from F_{s+1} (during F_s the stage's own memory counts it)
-                        row.add(g, checkpoint(s, j) / mu)
+                        row.add(g, checkpoint(r, j) / mu)
                     if s <= j <= e:  # autograd keeps none of U_j
-                        row.add(g, -(int(self.chain.fp[j]) - int(self.chain.rfp[j])) / mu)
+                        row.add(g, (forward_peak(self.chain, r, j) - int(self.chain.fp[j])) / mu)
                     for i in range(s, min(e, j - 1) + 1):  # its carried part through F_{i+1}, held part after
                         if i == j - 1:
                             kept = self.chain.carry[i]
@@ -433,23 +437,23 @@ class Model:
         """Each re-run forward op ``Rj`` of a run ``s..e`` rebuilt at ``Bn`` holds ``Bn``'s
         units less those not rebuilt yet (``j..e``, and the runs at ``n`` that come after),
         plus ``Fj``'s transient: a budget row that binds only when the run is chosen."""
-        a, fp, bs, mu = self.chain.a, self.chain.fp, self.chain.bs, self.mu
+        a, bs, mu = self.chain.a, self.chain.bs, self.mu
         for n, at_n in self.run_at.items():
-            for (s, e) in at_n:
-                g = self.g[s, e]
+            for rerun in at_n:
+                s, e, g = rerun.first, rerun.last, self.g[rerun]
                 later = _Affine()
                 for span in at_n:
-                    if span[0] < s:  # rebuilt after this run
+                    if span.first < s:  # rebuilt after this run
                         later.add(self.g[span], self.unbuilt[span])
                 for j in range(s, e + 1):
                     row = _Affine().add(self.bwd_rows[n]).add(later)
-                    row.const += (int(fp[j]) - int(sum(a[j:e + 1])) + (int(self.chain.x[s]) if j == s else 0)
+                    row.const += (rerun_peak(self.chain, rerun, j) - int(sum(a[j:e + 1])) + (checkpoint_bytes(self.chain, rerun) if j == s else 0)
                                   + int(bs[n])) / mu
                     big = sum(c for c in row.terms.values() if c > 0) + row.const - self.B
                     if big <= 0:
                         continue
                     row.add(g, big)  # lhs <= B + big (1 - g)
-                    self._row(f"memory_R{j}_{s}_{e}", row, "<=", self.B + big)
+                    self._row(f"memory_R{j}_{g.name}", row, "<=", self.B + big)
 
     # ------------------------------------------------------------------ times
     def _durations(self) -> None:
@@ -531,9 +535,9 @@ class Model:
         for k in range(L, 0, -1):
             start = _affine((self.s[k], 1.0)).add(self.issue[k], -1.0)
             host.add(float(bh[k]) / self.tau)
-            for (s0, e0) in self.run_at.get(k, ()):  # rebuilt after the prefetches are issued
-                start.add(self.g[s0, e0], -run_seconds(self.chain, Recompute(s0, e0)) / self.tau)
-                host.add(self.g[s0, e0], float(fh[s0:e0 + 1].sum()) / self.tau)
+            for r in self.run_at.get(k, ()):  # rebuilt after the prefetches are issued
+                start.add(self.g[r], -run_seconds(self.chain, r) / self.tau)
+                host.add(self.g[r], float(fh[r.first:r.last + 1].sum()) / self.tau)
             self._row(f"backward_{k}", start, ">=")
             if host.const > 0 or host.terms:
                 self._row(f"backward_host_{k}", _affine((self.s[k], 1.0), (self.bdur[k], 1.0)).add(host, -1.0), ">=")
@@ -642,7 +646,7 @@ class Model:
         recomputed ``runs`` and the kept casts (decided units as decided); returns its
         makespan (s)."""
         encode = dict(encode or {})
-        chosen_runs = {(r.first, r.last) for r in runs}
+        chosen_runs = set(runs)
         if not chosen_runs <= set(self.g):
             raise ValueError(f"runs {sorted(chosen_runs - set(self.g))} are not in this model")
         for key, v in self.g.items():
@@ -694,7 +698,7 @@ class Model:
 
     def read_runs(self) -> list[Recompute]:
         """The recomputed runs in the solver's incumbent."""
-        return sorted(Recompute(s, e) for (s, e), v in self.g.items() if (v.varValue or 0) > 0.5)
+        return sorted(r for r, v in self.g.items() if (v.varValue or 0) > 0.5)
 
     def read(self) -> tuple[list[Offload], dict[int, str]]:
         """The schedule in the solver's incumbent (binaries rounded), decided units included."""

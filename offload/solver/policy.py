@@ -30,6 +30,7 @@ from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain
 from offload.step.events import prefetch_order
 from offload.step.memory import floor_savings, forward_checkpoint_changes, op_memory
+from offload.step.recompute import forward_peak
 
 Points = dict[int, int]
 
@@ -85,11 +86,14 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
     A recomputed unit holds its carried part through ``F(i+1)`` and goes at its end (its
     held part through ``F(held_until)``); a run's checkpoint stays."""
     S = set(units)
+    runs = tuple(runs)
     recomputed = {i for r in runs for i in r.stages}
-    starts = {r.first for r in runs}
     L, p = chain.L, chain.platform
     f, a = chain.f, chain.a
-    fp = [int((chain.rfp if j in recomputed else chain.fp)[j]) for j in range(L + 1)]  # F_j's own transient
+    fp = [int(x) for x in chain.fp]  # F_j's own transient
+    for r in runs:
+        for j in r.stages:
+            fp[j] = forward_peak(chain, r, j)
     release: Points = {}
     pending: list[int] = []  # offloaded, not yet released, stage order == D2H FIFO order
     held: dict[int, int] = {}  # boundary -> bytes the model's code stops holding there
@@ -106,7 +110,7 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
     d2h_end: dict[int, float] = {}
     d2h_free = 0.0
     resident = 0  # bytes of units of earlier stages still on the GPU
-    checkpoints = _checkpoint_changes(chain, starts)
+    checkpoints = _checkpoint_changes(chain, runs)
     t = 0.0
     for j in range(1, L + 1):
         resident += int(checkpoints[j])
@@ -139,12 +143,12 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
     return release
 
 
-def _checkpoint_changes(chain: Chain, starts: Iterable[int]) -> np.ndarray:
-    """Per forward op ``Fj``, how much the checkpoints of runs starting at ``starts`` hold more
-    than during ``F(j-1)``: O(L + runs), not O(L x runs)."""
+def _checkpoint_changes(chain: Chain, runs: Iterable[Recompute]) -> np.ndarray:
+    """Per forward op ``Fj``, how much the checkpoints of ``runs`` hold more than during
+    ``F(j-1)``: O(L + runs), not O(L x runs)."""
     change = np.zeros(chain.L + 2, dtype=np.int64)
-    for s in starts:
-        for j, delta in forward_checkpoint_changes(chain, s):
+    for run in runs:
+        for j, delta in forward_checkpoint_changes(chain, run):
             change[j] += delta
     return change
 

@@ -117,7 +117,7 @@ class _Moves:
     long chains, so that a pass fits the time budget), change one unit's encoding, and with
     ``max_run``: recompute one more stage (a run of one, the unit no longer offloaded),
     undo a run (its units kept, or offloaded), merge two adjacent runs (up to ``max_run``
-    stages) or split one.
+    stages) or split one, re-run a run of one stage whole or in part (its in-stage options).
 
     Held as small descriptions and built into states one at a time when read: on a chain of
     10,000 stages there are ~10^5 moves, each a set of thousands of units once built."""
@@ -140,6 +140,8 @@ class _Moves:
             self.moves += [("recompute", i) for i in sorted(chain.recomputable) if i not in rebuilt and i not in self.choice]
             self.moves += [("undo", r) for r in self.runs] + [("offload", r) for r in self.runs]
             self.moves += [("split", r) for r in self.runs if r.last > r.first]
+            self.moves += [("option", r, name) for r in self.runs if r.last == r.first
+                           for name in ["", *(o.name for o in chain.stage(r.first).options)] if name != r.option]
             self.moves += [("shrink", r, i) for r in self.runs if r.last > r.first for i in (r.first, r.last)]
             self.moves += [("extend", r, i) for r in self.runs if len(r.stages) < max_run for i in (r.first - 1, r.last + 1)
                            if i in chain.recomputable and i not in rebuilt and i not in self.choice]
@@ -174,6 +176,9 @@ class _Moves:
         elif kind == "extend":  # a neighbouring stage joins the run
             r, i = args
             units, runs = units - {i}, (runs - {r}) | {Recompute(min(r.first, i), max(r.last, i))}
+        elif kind == "option":  # a run of one stage re-run whole or in part (an in-stage option)
+            r, name = args
+            runs = (runs - {r}) | {Recompute(r.first, r.last, name)}
         elif kind == "split":
             runs = (runs - {args[0]}) | {Recompute(i, i) for i in args[0].stages}
         else:  # merge

@@ -6,7 +6,8 @@ of ``Fr`` the next op waits for the D2H copy, then ``Ui`` is freed) and a prefet
 ``k`` (``need_from <= k <= L``: the H2D copy is issued at the start of ``Bk``); per
 recomputed *run* of stages ``s..e`` (``e < L``), a ``Recompute``: their units are dropped at
 the end of the next forward op and rebuilt by re-running ``Fs..Fe`` from ``Fs``'s input at
-the start of ``B(max need_from)``; a ``Choice`` names, per encoded unit (kept or
+the start of ``B(max need_from)``; a run of one stage may re-run it *in part*, keeping what
+its in-stage option keeps (``Recompute.option``, docs/model.md, "In-stage options"); a ``Choice`` names, per encoded unit (kept or
 offloaded), the stage's encoding it uses; the stages whose weight casts are *kept* (saved
 as autograd would, not made again by ``Bi``) are a set of their own (``check_casts``).
 ``check_*`` refuse what lies outside the class, naming the unit and the rule.  When each
@@ -36,10 +37,14 @@ class Offload:
 @dataclass(frozen=True, order=True)
 class Recompute:
     """A run of recomputed stages ``first..last`` (1-based, ``last < L``), rebuilt together
-    from ``first``'s input (its *checkpoint*, kept on the device until then)."""
+    from ``first``'s input (its *checkpoint*, kept on the device until then).  With an
+    ``option`` (one of the stage's ``StageOption`` names; runs of one stage only) the stage
+    is re-run in part: the option's kept outputs join the checkpoint and the re-run serves
+    them instead of computing them again."""
 
     first: int
     last: int
+    option: str = ""
 
     @property
     def stages(self) -> range:
@@ -47,7 +52,9 @@ class Recompute:
 
     @property
     def text(self) -> str:
-        """``3`` for a run of one stage, ``3..5`` otherwise."""
+        """``3`` for a run of one stage, ``3..5`` otherwise, ``3:matmuls`` for an in-stage option."""
+        if self.option:
+            return f"{self.first}:{self.option}"
         return f"{self.first}..{self.last}" if self.last > self.first else str(self.first)
 
 
@@ -65,6 +72,8 @@ def check_recompute(chain: Chain, runs: Iterable[Recompute], offloads: Iterable[
         if not 1 <= run.first <= run.last < L:
             raise ScheduleRejected(f"recomputed run {run.first}..{run.last}: runs lie within stages 1..{L - 1} "
                                    f"(stage {L}'s backward runs right after its forward)")
+        if run.option:
+            _check_option(chain, run)
         for i in run.stages:
             if i not in chain.recomputable:
                 raise ScheduleRejected(f"stage {i} ({chain.stage(i).name}) is recomputed, but the profiler found that "
@@ -74,6 +83,18 @@ def check_recompute(chain: Chain, runs: Iterable[Recompute], offloads: Iterable[
                 raise ScheduleRejected(f"stage {i} is in two recomputed runs" if taken[i] == "recomputed" else
                                        f"stage {i} is recomputed and {taken[i]}: a unit has one fate")
             taken[i] = "recomputed"
+
+
+def _check_option(chain: Chain, run: Recompute) -> None:
+    """An in-stage option re-runs one stage, and one the stage offers."""
+    if run.last != run.first:
+        raise ScheduleRejected(f"recomputed run {run.first}..{run.last} with option {run.option!r}: an in-stage option "
+                               "re-runs one stage", "give the option to a run of one stage")
+    try:
+        chain.stage(run.first).option(run.option)
+    except KeyError:
+        offered = ", ".join(o.name for o in chain.stage(run.first).options) or "none"
+        raise ScheduleRejected(f"stage {run.first} has no in-stage option {run.option!r} (it offers: {offered})") from None
 
 
 def check_offloads(chain: Chain, offloads: Iterable[Offload]) -> None:

@@ -84,13 +84,15 @@ class Encoding:
 class StageOption:
     """A way to keep part of a stage's unit and re-run the rest before its backward, measured by
     the profiler (``offload.profiler.selective``): ``matmuls`` keeps what the matmuls,
-    convolutions and attention kernels made (``kept_bytes`` of the unit) and re-runs the
-    other forward ops (``recompute_s``).  Carried and shown; the solver does not choose
-    options yet (issue #33)."""
+    convolutions and attention kernels made (``kept_bytes``) and re-runs the other forward
+    ops (``recompute_s``).  A schedule chooses one as a recomputed run of the stage
+    (``Recompute.option``; docs/model.md, "In-stage options")."""
 
     name: str
     kept_bytes: int
     recompute_s: float
+    fwd_peak_bytes: int | None = None  # Fi's transient with the kept outputs held (None: recomputed_fwd_peak + kept)
+    rerun_peak_bytes: int | None = None  # the re-run's transient over its checkpoint and kept outputs (None: fwd_peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class Stage:
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
     fwd_host_s: float = 0.0  # host time to issue Fi's kernels (CUDA; 0: the device is never waiting for the host)
     bwd_host_s: float = 0.0  # the same for Bi
-    options: tuple[StageOption, ...] = ()  # in-stage options, measured (not chosen by the solver yet)
+    options: tuple[StageOption, ...] = ()  # in-stage options, measured: a recomputed run may choose one
     cast_bytes: int = 0  # weight casts (autocast) Fi makes and Bi reads: dropped and made again unless kept ...
     recast_s: float = 0.0  # ... what making them again costs Bi (part of bwd_s): docs/model.md, "Weight casts"
 
@@ -130,6 +132,13 @@ class Stage:
     def carried(self) -> int:
         """Bytes of the unit a recomputation still finds alive during the next stage's forward."""
         return self.saved_bytes if self.carry_bytes is None else self.carry_bytes
+
+    def option(self, name: str) -> StageOption:
+        """The in-stage option called ``name`` (``KeyError`` if the stage offers none by that name)."""
+        for o in self.options:
+            if o.name == name:
+                return o
+        raise KeyError(name)
 
     def encoding(self, name: str) -> Encoding:
         """The encoding called ``name`` (``KeyError`` if the stage offers none by that name)."""
@@ -200,6 +209,14 @@ def _encodings_document(encodings: tuple[Encoding, ...]) -> list[dict]:
             for e in encodings]
 
 
+def _option_document(o: StageOption) -> dict[str, Any]:
+    d: dict[str, Any] = {"name": o.name, "kept_bytes": o.kept_bytes, "recompute_s": o.recompute_s}
+    for key in ("fwd_peak_bytes", "rerun_peak_bytes"):  # absent when not measured: older chains keep their sha256
+        if getattr(o, key) is not None:
+            d[key] = getattr(o, key)
+    return d
+
+
 def _stage_document(s: Stage) -> dict:
     d: dict[str, Any] = {"name": s.name, "kind": s.kind, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s, "saved_bytes": s.saved_bytes,
                          "fwd_peak_bytes": s.fwd_peak_bytes, "bwd_peak_bytes": s.bwd_peak_bytes, "need_from": s.need_from}
@@ -220,7 +237,7 @@ def _stage_document(s: Stage) -> dict:
     if s.fwd_host_s or s.bwd_host_s:  # absent otherwise: chains from before the host lane keep their sha256
         d.update(fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s)
     if s.options:  # absent otherwise: chains from before the options keep their sha256
-        d["options"] = [{"name": o.name, "kept_bytes": o.kept_bytes, "recompute_s": o.recompute_s} for o in s.options]
+        d["options"] = [_option_document(o) for o in s.options]
     if s.cast_bytes:  # absent otherwise: chains from before the choice keep their sha256
         d.update(cast_bytes=s.cast_bytes, recast_s=s.recast_s)
     if s.input_carried_bytes:
@@ -287,6 +304,11 @@ class Chain:
     def can_recompute(self, first: int, last: int) -> bool:
         """Whether stages ``first..last`` may form a recomputed run."""
         return all(i in self.recomputable for i in range(first, last + 1))
+
+    @cached_property
+    def optional(self) -> tuple[tuple[int, str], ...]:
+        """``(stage, option)``: the in-stage options a schedule may choose (recomputable stages)."""
+        return tuple((i, o.name) for i in sorted(self.recomputable) for o in self.stage(i).options)
 
     @cached_property
     def castable(self) -> tuple[int, ...]:

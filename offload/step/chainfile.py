@@ -76,7 +76,8 @@ def _options(raw: Any, saved: int, fwd_s: float, ctx: str) -> tuple[StageOption,
     """A stage's in-stage ``options``: names unique, each keeping part of the unit and re-running
     at most the stage's forward."""
     out, names = [], set()
-    for octx, o in v.objects(raw, f"{ctx}.options", {"name", "kept_bytes", "recompute_s"}):
+    for octx, o in v.objects(raw, f"{ctx}.options", {"name", "kept_bytes", "recompute_s", "fwd_peak_bytes",
+                                                     "rerun_peak_bytes"}):
         name = v.string(o, "name", octx)
         if name in names:
             raise FormatError(f"{octx}.name {name!r} is used twice in this stage")
@@ -84,7 +85,8 @@ def _options(raw: Any, saved: int, fwd_s: float, ctx: str) -> tuple[StageOption,
         kept, rerun = v.whole(o, "kept_bytes", octx, 0, saved), v.seconds(o, "recompute_s", octx)
         if rerun > fwd_s:
             raise FormatError(f"{octx}.recompute_s ({rerun}) > fwd_s ({fwd_s}): an option re-runs part of the forward")
-        out.append(StageOption(name, kept, rerun))
+        peaks = [v.whole(o, key, octx, 0, 2 ** 53) if key in o else None for key in ("fwd_peak_bytes", "rerun_peak_bytes")]
+        out.append(StageOption(name, kept, rerun, *peaks))
     return tuple(out)
 
 

@@ -3,12 +3,14 @@
 Ops are indexed ``0..2L-1`` in execution order: ``Fj`` is ``j-1``, ``Bj`` is ``2L-j``.
 During ``Fj`` the resident units of earlier stages count plus ``fwd_peak_bytes`` of ``Fj``
 (which includes ``Uj``; ``recomputed_fwd_peak_bytes`` when ``Uj`` is recomputed, autograd
-keeping none of it); during ``Bj`` the resident units of stages ``<= j`` count plus
+keeping none of it, and an in-stage option's kept outputs on top: ``recompute.forward_peak``); during ``Bj`` the resident units of stages ``<= j`` count plus
 ``bwd_peak_bytes``.  A recomputed unit counts its carried part during the next forward op
-(its held part after); a run's checkpoint counts from the op after its first forward op
-until it is rebuilt; each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its
+(its held part after); a run's checkpoint (with what its option keeps:
+``recompute.checkpoint_bytes``) counts from the op after its first forward op until it is
+rebuilt; each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its
 own transient (units and the gradient flowing in, ``bwd_start_bytes``), less the units not
-rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (and ``Rs`` the checkpoint it reads), and
+rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (an option's measured re-run transient:
+``recompute.rerun_peak``; and ``Rs`` the checkpoint it reads), and
 ``Bn``'s memory is the largest of those and its own.  A stage whose weight casts are kept
 counts them from ``Fi`` through ``Bi``: an upper bound during ``Fi`` (whose transient holds
 them as far as autocast's cache does) and ``Bi`` (which frees them as it reads them).
@@ -23,7 +25,7 @@ import numpy as np
 
 from .actions import Offload, Recompute
 from .chain import Chain
-from .recompute import by_op
+from .recompute import by_op, checkpoint_bytes, forward_peak, kept_bytes, rerun_peak
 
 
 def op_name(chain: Chain, o: int) -> str:
@@ -35,25 +37,28 @@ def _transient(chain: Chain) -> np.ndarray:
     return np.concatenate([chain.fp[1:], chain.bp[1:][::-1]])
 
 
-def forward_checkpoint(chain: Chain, s: int, j: int) -> int:
-    """Bytes the checkpoint of a run starting at ``s`` adds during ``Fj``: none through ``Fs``
+def forward_checkpoint(chain: Chain, run: Recompute, j: int) -> int:
+    """Bytes the checkpoint of ``run`` adds during ``Fj``: none through its first stage ``Fs``
     (the stage's own memory counts its input), then ``input_bytes`` less the storages of ``Us``
-    that its carried part (``F(s+1)``) and held part (through ``F(held_until)``) count too."""
+    that its carried part (``F(s+1)``) and held part (through ``F(held_until)``) count too,
+    plus what its option keeps (``recompute.kept_bytes``)."""
+    s = run.first
     if j <= s:
         return 0
     if j == s + 1:
-        return int(chain.x[s] - chain.xc[s])
-    return int(chain.x[s] - (chain.xh[s] if j <= chain.held_until[s] else 0))
+        return int(chain.x[s] - chain.xc[s]) + kept_bytes(chain, run)
+    return int(chain.x[s] - (chain.xh[s] if j <= chain.held_until[s] else 0)) + kept_bytes(chain, run)
 
 
-def forward_checkpoint_changes(chain: Chain, s: int) -> list[tuple[int, int]]:
-    """``(j, bytes)``: where the checkpoint of a run starting at ``s`` changes in the forward (by
-    how much as ``Fj`` starts).  ``forward_checkpoint`` changes only where ``F(s+1)``, ``F(s+2)``
-    and ``F(held_until+1)`` start, so a walk over these is O(1) per run, not O(L)."""
+def forward_checkpoint_changes(chain: Chain, run: Recompute) -> list[tuple[int, int]]:
+    """``(j, bytes)``: where the checkpoint of ``run`` (first stage ``s``) changes in the forward
+    (by how much as ``Fj`` starts).  ``forward_checkpoint`` changes only where ``F(s+1)``,
+    ``F(s+2)`` and ``F(held_until+1)`` start, so a walk over these is O(1) per run, not O(L)."""
+    s = run.first
     out, counted = [], 0
     for j in sorted({s + 1, s + 2, int(chain.held_until[s]) + 1}):
         if j <= chain.L:
-            now = forward_checkpoint(chain, s, j)
+            now = forward_checkpoint(chain, run, j)
             out.append((j, now - counted))
             counted = now
     return out
@@ -81,15 +86,15 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
         diff[2 * L - back] += a  # B_back .. B_i
         diff[2 * L - i + 1] -= a
 
-    def checkpoint(s: int, n: int) -> None:
-        """Run ``s..``'s checkpoint until its rebuild at ``Bn``: ``forward_checkpoint`` in the
-        forward, then ``input_bytes``."""
-        counted = 0
-        for j, change in forward_checkpoint_changes(chain, s):
+    def checkpoint(run: Recompute, n: int) -> None:
+        """``run``'s checkpoint until its rebuild at ``Bn``: ``forward_checkpoint`` in the
+        forward, then ``checkpoint_bytes``."""
+        counted, whole = 0, checkpoint_bytes(chain, run)
+        for j, change in forward_checkpoint_changes(chain, run):
             diff[j - 1] += change
             counted += change
-        diff[L] += int(chain.x[s]) - counted
-        diff[2 * L - n] -= int(chain.x[s])
+        diff[L] += whole - counted
+        diff[2 * L - n] -= whole
 
     for o in offloads:
         away(o.stage, o.release, o.prefetch, chain.a[o.stage])
@@ -97,7 +102,7 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
         for run in at_n:
             for i in run.stages:
                 away(i, i + 1, n, chain.carry[i])  # during F_{i+1}: what the model's code still holds
-            checkpoint(run.first, n)
+            checkpoint(run, n)
     idx = np.nonzero(kept)[0]
     np.add.at(diff, idx, chain.a[idx])  # kept: F_{i+1} .. B_i
     np.add.at(diff, 2 * L - idx + 1, -chain.a[idx])
@@ -110,18 +115,18 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
 def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompute]) -> list[tuple[int, int, int]]:
     """``(n, j, bytes)`` per re-run forward op ``Rj`` (rebuilt at the start of ``Bn``), in
     execution order; ``resident`` is ``_resident``'s per-op residency."""
-    L, a, x = chain.L, chain.a, chain.x
+    L, a = chain.L, chain.a
     out = []
     for n, at_n in sorted(by_op(chain, runs).items(), reverse=True):
         # what B_n holds before its transient, with the runs at n rebuilt and their checkpoints gone
         base = int(resident[2 * L - n])
-        pending = [int(sum(a[j] for j in r.stages)) - int(x[r.first]) for r in at_n]
+        pending = [int(sum(a[j] for j in r.stages)) - checkpoint_bytes(chain, r) for r in at_n]
         for m, run in enumerate(at_n):
             later = sum(pending[m + 1:])
             for j in run.stages:
                 missing = int(sum(a[l] for l in range(j, run.last + 1)))
-                checkpoint = int(x[j]) if j == run.first else 0  # R_s reads it
-                out.append((n, j, base - later - missing + int(chain.fp[j]) + checkpoint + int(chain.bs[n])))
+                checkpoint = checkpoint_bytes(chain, run) if j == run.first else 0  # R_s reads it
+                out.append((n, j, base - later - missing + rerun_peak(chain, run, j) + checkpoint + int(chain.bs[n])))
     return out
 
 
@@ -133,7 +138,8 @@ def memory_profile(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Rec
     resident = _resident(chain, offloads, runs, casts_kept)
     mem = resident + _transient(chain)
     for run in runs:  # a recomputed stage's forward: autograd keeps none of its unit
-        mem[run.first - 1:run.last] -= chain.fp[run.first:run.last + 1] - chain.rfp[run.first:run.last + 1]
+        for j in run.stages:
+            mem[j - 1] += forward_peak(chain, run, j) - int(chain.fp[j])
     rebuilt = _recompute_memory(chain, resident, runs)
     for n, _, nbytes in rebuilt:
         mem[2 * chain.L - n] = max(mem[2 * chain.L - n], nbytes)

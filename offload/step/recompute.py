@@ -4,6 +4,10 @@ A run ``s..e`` is rebuilt at the start of ``Bn``, ``n`` the latest ``need_from``
 units (the first backward op that reads one of them), after the prefetches issued there
 and before ``Bn`` waits for its copies: ``Fs .. Fe`` re-run one after another on the
 compute stream.  Runs rebuilt at the same op go later stages first.
+
+A run with an in-stage option (``Recompute.option``, docs/model.md, "In-stage options")
+re-runs its one stage in ``recompute_s``: what the option keeps (``kept_bytes``) stays on
+the device with the checkpoint from the end of the stage's forward until the rebuild.
 """
 from __future__ import annotations
 
@@ -19,8 +23,41 @@ def run_op(chain: Chain, run: Recompute) -> int:
 
 
 def run_seconds(chain: Chain, run: Recompute) -> float:
-    """Compute time of rebuilding ``run``: its forward ops again."""
+    """Compute time of rebuilding ``run``: its forward ops again (an option's: the ops it re-runs)."""
+    if run.option:
+        return float(chain.stage(run.first).option(run.option).recompute_s)
     return float(sum(chain.f[j] for j in run.stages))
+
+
+def kept_bytes(chain: Chain, run: Recompute) -> int:
+    """What ``run``'s option keeps beside its checkpoint until the rebuild (0 without one)."""
+    return chain.stage(run.first).option(run.option).kept_bytes if run.option else 0
+
+
+def checkpoint_bytes(chain: Chain, run: Recompute) -> int:
+    """All that ``run`` holds from its forward until its rebuild: its first stage's input and
+    what its option keeps."""
+    return int(chain.x[run.first]) + kept_bytes(chain, run)
+
+
+def forward_peak(chain: Chain, run: Recompute, j: int) -> int:
+    """Stage ``j``'s forward transient in ``run``: autograd keeps none of its unit; an option
+    holds its kept outputs too (measured, or bounded by all of them on top)."""
+    if not run.option:
+        return int(chain.rfp[j])
+    option = chain.stage(j).option(run.option)
+    return option.fwd_peak_bytes if option.fwd_peak_bytes is not None else int(chain.rfp[j]) + option.kept_bytes
+
+
+def rerun_peak(chain: Chain, run: Recompute, j: int) -> int:
+    """The transient of re-running stage ``j`` in ``run``, over its checkpoint (and its kept
+    outputs): its forward's (an upper bound for an option, whose kept outputs exist already,
+    where it was not measured)."""
+    if run.option:
+        measured = chain.stage(j).option(run.option).rerun_peak_bytes
+        if measured is not None:
+            return measured
+    return int(chain.fp[j])
 
 
 def by_op(chain: Chain, runs: Iterable[Recompute]) -> dict[int, list[Recompute]]:

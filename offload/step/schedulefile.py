@@ -1,8 +1,8 @@
 """The schedule file format, ``offload-schedule/2`` (docs/formats.md).
 
-``/2`` adds ``recompute``, the recomputed runs, and ``casts_kept``, the stages whose weight
-casts are kept (optional: absent means none); ``/1`` files (offloads and encodings only)
-still load.
+``/2`` adds ``recompute``, the recomputed runs (each with an optional ``option``: an
+in-stage option of its one stage), and ``casts_kept``, the stages whose weight casts are
+kept (optional: absent means none); ``/1`` files (offloads and encodings only) still load.
 
 ``"turn"`` in a file means ``L``: the boundary between the last forward and the first
 backward op.  A schedule whose chain hash differs from the chain it is used with is
@@ -34,6 +34,13 @@ def _point(value: Any, L: int, ctx: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise FormatError(f"{ctx} must be a stage number or \"turn\", got {value!r}")
     return value
+
+
+def _option(run: Mapping, ctx: str) -> str:
+    option = run.get("option", "")
+    if not isinstance(option, str):
+        raise FormatError(f"{ctx}.option must be the name of an in-stage option, got {option!r}")
+    return option
 
 
 def _check_chain(d: Mapping, chain: Chain) -> Mapping:
@@ -74,8 +81,8 @@ def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
         offloads.append(Offload(v.whole(o, "stage", ctx, 1, 2 ** 31), _point(o["release"], chain.L, f"{ctx}.release"),
                                 _point(o["prefetch"], chain.L, f"{ctx}.prefetch")))
     check_offloads(chain, offloads)
-    runs = [Recompute(v.whole(r, "first", ctx, 1, 2 ** 31), v.whole(r, "last", ctx, 1, 2 ** 31))
-            for ctx, r in v.objects(d.get("recompute", []), "recompute", {"first", "last"})]
+    runs = [Recompute(v.whole(r, "first", ctx, 1, 2 ** 31), v.whole(r, "last", ctx, 1, 2 ** 31), _option(r, ctx))
+            for ctx, r in v.objects(d.get("recompute", []), "recompute", {"first", "last", "option"})]
     check_recompute(chain, runs, offloads, encode)
     kept = d.get("casts_kept", [])
     if not isinstance(kept, list) or len(set(map(repr, kept))) != len(kept):
@@ -112,7 +119,8 @@ def schedule_to_dict(s: Schedule, chain: Chain) -> dict:
         "offload": [{"stage": o.stage, "release": "turn" if o.release == L else o.release,
                      "prefetch": "turn" if o.prefetch == L else o.prefetch} for o in s.offloads],
         "encode": [{"stage": i, "encoding": name} for i, name in sorted(s.encode.items())],
-        "recompute": [{"first": r.first, "last": r.last} for r in s.recompute],
+        "recompute": [{"first": r.first, "last": r.last, **({"option": r.option} if r.option else {})}
+                      for r in s.recompute],
     }
     if s.casts_kept:  # absent otherwise: a schedule that keeps none reads as before
         doc["casts_kept"] = list(s.casts_kept)

@@ -4,7 +4,7 @@ It is the single source of truth for every number the tool prints.  It walks the
 events (``events.step_events``: what happens, in order) with times: each op is ready when
 the previous one ends and starts once the events before it are done: a ``RELEASE`` waits
 for that unit's D2H copy, an ``H2D`` is issued then (no earlier than its own D2H ended),
-a ``RECOMPUTE`` re-runs its run's forward ops, a ``WAIT`` waits for that unit's H2D copy.
+a ``RECOMPUTE`` re-runs its run's forward ops (an in-stage option the ops it re-runs), a ``WAIT`` waits for that unit's H2D copy.
 A ``D2H`` is issued as its forward op ends.  Copies run one at a time per direction, in
 issue order.  On a GPU the host issues the kernels: a second clock adds up each op's host
 time (``fwd_host_s``/``bwd_host_s``, and a recomputed stage's forward host time again), and
@@ -29,6 +29,7 @@ from .chain import Chain
 from .encoding import apply
 from .events import BACKWARD, D2H, FORWARD, H2D, RECOMPUTE, RELEASE, WAIT, StepEvents, step_events
 from .memory import memory_profile, op_name
+from .recompute import run_seconds
 
 
 @dataclass(frozen=True)
@@ -208,9 +209,10 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
             copies.append(CopyRecord(i, "H2D", float(s), float(c0), float(h2d_end[i]), int(a[i])))
         elif e.kind == RECOMPUTE:
             for j in e.run.stages:
-                recomputes.append(RecomputeRecord(j, 2 * L - o, float(s), float(s + f[j]), sub_memory[j]))
-                s += f[j]
-                rt[o] += f[j]
+                took = run_seconds(chain, e.run) if e.run.option else float(f[j])
+                recomputes.append(RecomputeRecord(j, 2 * L - o, float(s), float(s + took), sub_memory[j]))
+                s += took
+                rt[o] += took
                 h += fh[j]
         elif e.kind == WAIT:
             s = max(s, h2d_end[i])

@@ -1,0 +1,110 @@
+"""In-stage options chosen by the solver (docs/model.md, "In-stage options"): a recomputed run
+of one stage that keeps what its option keeps and re-runs the rest.  The simulator's
+semantics by hand, the MILP exact over the class with options (brute force), the file
+format and its refusals (the executor's own tests are in test_executor_options.py)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from offload.errors import ScheduleRejected
+from offload.solver.methods import Options, solve
+from offload.step.actions import Recompute
+from offload.step.chain import Chain, StageOption
+from offload.step.chainfile import chain_from_dict
+from offload.step.schedule import make_schedule
+from offload.step.schedulefile import schedule_from_dict, schedule_to_dict
+from offload.step.simulate import simulate
+from tests.brute import assert_joint_ilp_is_brute_force
+from tests.strategies import chain_and_budget
+
+JOINT = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.02, recompute=True)
+MATMULS = {"name": "matmuls", "kept_bytes": 40, "recompute_s": 0.0004}
+
+
+def small_chain(every: bool = False) -> Chain:
+    """Four stages as in test_recompute.py (1 ms forward, 2 ms backward, 100-byte units,
+    transients 120 and 50, inputs 30 bytes); stage 1 (``every``: each stage) offers an option
+    keeping 40 bytes and re-running 0.4 ms of its forward."""
+    stages = [{"fwd_s": 0.001, "bwd_s": 0.002, "saved_bytes": 100, "fwd_peak_bytes": 120, "bwd_peak_bytes": 50,
+               "input_bytes": 30} for _ in range(4)]
+    for st in stages if every else stages[:1]:
+        st["options"] = [dict(MATMULS)]
+    return chain_from_dict({"format": "offload-chain/2", "name": "small", "stages": stages,
+                            "platform": {"d2h_bytes_per_s": 1e4, "h2d_bytes_per_s": 1e4}})
+
+
+def test_an_option_by_hand():
+    """Stage 1 re-run in part: its forward holds the 40 kept bytes on top of its transient
+    (autograd keeps none of its unit, the kept outputs are held: an upper bound), the
+    checkpoint holds them with its input from F2 to the rebuild at B1, which re-runs 0.4 ms,
+    not 1 ms, and holds the whole checkpoint and F1's transient."""
+    plain = simulate(small_chain(), [], recompute=[Recompute(1, 1)])
+    part = simulate(small_chain(), [], recompute=[Recompute(1, 1, "matmuls")])
+    assert plain.memory.tolist() == [120, 250, 250, 350, 380, 280, 180, 150]
+    assert part.memory.tolist() == [160, 290, 290, 390, 420, 320, 220, 190]
+    assert [(r.stage, r.op_stage, r.mem_bytes) for r in part.recomputes] == [(1, 1, 190)]
+    assert part.makespan_s == pytest.approx(0.0124) and plain.makespan_s == pytest.approx(0.013)
+    assert part.recomputed_s == pytest.approx(0.0004)
+
+
+def test_the_solver_chooses_an_option_where_it_is_faster():
+    """With room for the 40 kept bytes the option beats recomputing the whole stage; with
+    none, only the whole stage fits."""
+    chain = small_chain()
+    roomy = solve(chain, 420, "ilp", JOINT)
+    assert Recompute(1, 1, "matmuls") in roomy.schedule.recompute
+    tight = solve(chain, 400, "ilp", JOINT)
+    assert all(not r.option for r in tight.schedule.recompute)
+    assert tight.simulation.makespan_s > roomy.simulation.makespan_s
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain_and_budget(min_stages=2, max_stages=4, inputs=True, casts=False))
+def test_joint_ilp_with_options_equals_brute_force(cb):
+    """Every stage offering an option: brute force over every set of runs, each run of one
+    stage whole or in part, and every offload of the rest."""
+    chain, budget = cb
+    stages = tuple(replace(s, options=s.options or (StageOption("matmuls", s.saved_bytes // 3, s.fwd_s / 2,
+                                                                 s.fwd_peak_bytes // 2, s.fwd_peak_bytes // 3),))
+                   for s in chain.stages)
+    assert_joint_ilp_is_brute_force(replace(chain, stages=stages), budget, JOINT)
+
+
+def test_measured_option_transients_replace_the_bounds():
+    """Measured, the option's forward holds 130 (not 120 + 40) and its re-run 60 over the
+    checkpoint and kept outputs (not F1's whole 120)."""
+    doc = small_chain().document()
+    doc["stages"][0]["options"][0].update(fwd_peak_bytes=130, rerun_peak_bytes=60)
+    sim = simulate(chain_from_dict(doc), [], recompute=[Recompute(1, 1, "matmuls")])
+    assert sim.memory.tolist() == [130, 290, 290, 390, 420, 320, 220, 150]
+    assert [(r.stage, r.op_stage, r.mem_bytes) for r in sim.recomputes] == [(1, 1, 130)]
+    assert chain_from_dict(doc).document()["stages"][0]["options"][0]["rerun_peak_bytes"] == 60
+
+
+def test_the_schedule_file_carries_the_option():
+    chain = small_chain(every=True)
+    s = make_schedule(chain, [], [Recompute(1, 1, "matmuls"), Recompute(2, 3)], method="test")
+    doc = schedule_to_dict(s, chain)
+    assert doc["recompute"] == [{"first": 1, "last": 1, "option": "matmuls"}, {"first": 2, "last": 3}]
+    assert schedule_from_dict(doc, chain).recompute == s.recompute
+
+
+@pytest.mark.parametrize("run, words", [
+    (Recompute(1, 2, "matmuls"), "an in-stage option re-runs one stage"),
+    (Recompute(2, 2, "matmuls"), r"stage 2 has no in-stage option 'matmuls' \(it offers: none\)"),
+    (Recompute(1, 1, "everything"), r"no in-stage option 'everything' \(it offers: matmuls\)"),
+])
+def test_options_outside_the_class_are_refused(run, words):
+    with pytest.raises(ScheduleRejected, match=words):
+        simulate(small_chain(), [], recompute=[run])
+
+
+@pytest.mark.parametrize("method", ["relax-lp", "relax-bw", "recompute-only"])
+def test_the_heuristics_find_the_option(method):
+    """The local search re-runs a run of one stage in part where that is faster."""
+    res = solve(small_chain(), 420, method, Options(heuristic_time_s=0.5, recompute=True))
+    assert Recompute(1, 1, "matmuls") in res.schedule.recompute
+    assert res.simulation.makespan_s == pytest.approx(0.0124)

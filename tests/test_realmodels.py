@@ -91,7 +91,7 @@ def test_half_the_blocks_frozen(profiled, model):
 
 
 @pytest.mark.parametrize("dropout, backend", [(0.1, "cpu-eager"), pytest.param(0.1, "cpu-lazy", marks=SLOW),
-                                              (0.0, "cpu-lazy")])
+                                              pytest.param(0.0, "cpu-lazy", marks=SLOW)])
 def test_llama_blocks_recomputed_bit_exact(profiled, dropout, backend):
     """Re-run decoder blocks (rotary tables and masks held, keyword calls) replay their
     attention-dropout masks; without dropout SDPA takes its fused kernel, which saves its own

@@ -8,15 +8,27 @@ profiler measures what keeping their outputs and re-running the rest would cost 
 users do today, with PyTorch's own mechanism (``torch.utils.checkpoint`` with a selective
 checkpoint policy around each block), as a baseline that ``offload train --compare``
 measures next to our schedule.
+
+An op is kept only if it draws no random numbers (``keeps``): attention with dropout is
+re-run, so that the re-run draws the same numbers in the same order as the forward did.
+
+Our own schedules run the option with ``KeptOutputs``: the executor replays a stage from
+its recorded module calls (``offload.core.rerun``), at a point its schedule chooses, not
+from inside ``torch.utils.checkpoint``'s frame, so it cannot use the checkpoint's caching
+contexts; ``KeptOutputs`` is the same idea (a dispatch mode that records what the kept
+ops output in the forward and hands it back, in order, to the re-run) with the checks a
+replay needs.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 aten = torch.ops.aten
@@ -27,8 +39,60 @@ EXPENSIVE = frozenset(getattr(aten, name) for name in (
     "_flash_attention_forward", "_efficient_attention_forward") if hasattr(aten, name))
 
 
+def keeps(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the option keeps what ``func`` outputs: an expensive op drawing no random
+    numbers (an attention kernel's ``dropout_p`` is 0)."""
+    if func.overloadpacket not in EXPENSIVE:
+        return False
+    for n, arg in enumerate(func._schema.arguments):
+        if arg.name == "dropout_p":
+            p = kwargs.get("dropout_p", args[n] if n < len(args) else arg.default_value)
+            return not p
+    return True
+
+
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in EXPENSIVE else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if keeps(op, args, kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class KeptOutputs(TorchDispatchMode):
+    """While a stage's forward runs (the mode entered), records what its kept ops output, in
+    order; ``serving()`` hands each back to the stage's re-run in place of running the op
+    again, and lets go of it: the kept outputs live from the forward to the re-run."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        self.stage = stage
+        self.outputs: list[tuple[Any, Any] | None] = []  # (op, its output detached), None once served
+        self.served: int | None = None  # while serving: how many were handed back
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not keeps(func, args, kwargs):
+            return func(*args, **kwargs)
+        if self.served is None:
+            out = func(*args, **kwargs)
+            self.outputs.append((func, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)))
+            return out
+        n = self.served
+        if n >= len(self.outputs) or self.outputs[n][0] is not func:
+            raise RuntimeError(f"re-running stage {self.stage} calls {func} as its kept op #{n}, where its forward "
+                               f"called {self.outputs[n][0] if n < len(self.outputs) else 'no more'}: the stage does "
+                               "not run the same way twice")
+        out = self.outputs[n][1]
+        self.outputs[n], self.served = None, n + 1
+        return out
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """In this block the stage's re-run reads the kept outputs; all of them, or it fails."""
+        self.served = 0
+        with self:
+            yield
+        if self.served != len(self.outputs):
+            raise RuntimeError(f"re-running stage {self.stage} called {self.served} kept ops where its forward called "
+                               f"{len(self.outputs)}: the stage does not run the same way twice")
+        self.outputs = []
 
 
 @contextlib.contextmanager

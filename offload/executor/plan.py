@@ -42,6 +42,11 @@ class StepPlan:
         return frozenset(i for e in self.events.of(RECOMPUTE) for i in e.run.stages)
 
     @cached_property
+    def in_part(self) -> frozenset[int]:
+        """Recomputed stages re-run in part: their in-stage option keeps its ops' outputs."""
+        return frozenset(e.stage for e in self.events.of(RECOMPUTE) if e.run.option)
+
+    @cached_property
     def run_starts(self) -> frozenset[int]:
         """The first stage of each recomputed run (its input is the run's checkpoint)."""
         return frozenset(e.stage for e in self.events.of(RECOMPUTE))

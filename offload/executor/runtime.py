@@ -29,7 +29,10 @@ handle and the step keeps nothing of it, so the storage dies when the forward's 
 it.  The input of a run's first stage (its checkpoint) is held.  At the backward boundary
 of the run's op, after the prefetches are issued and before the waits, the run's stages
 are replayed one after another from the checkpoint; each storage the replay saves becomes
-the buffer of the handle with the same place in the stage's saves.
+the buffer of the handle with the same place in the stage's saves.  A stage re-run in part
+(its in-stage option) also records, while its forward runs, what its kept ops output
+(``offload.core.selective.KeptOutputs``), holds it until the replay and hands it back
+there instead of running those ops again.
 
 A handle points at its own step, so a step's backward may run after later forwards have
 started; but a forward while an earlier step's graph is alive and its backward unfinished
@@ -48,6 +51,7 @@ import torch
 from offload.core import casts
 from offload.core.encoders import ENCODERS, Encoder, flat_storage, usable_on
 from offload.core.rerun import NotRerunnable, StageProgram, StageRecorder
+from offload.core.selective import KeptOutputs
 from offload.core.staging import StageListener, Staging
 from offload.core.units import UnitTracker
 from offload.errors import ChainMismatch
@@ -130,6 +134,8 @@ class _Step(StageListener):
         self.programs: dict[int, StageProgram] = {}  # recomputed stage -> its replay
         self.ordinals: dict[int, list[int | None]] = {}  # recomputed stage -> per tensor it saved, its held storage
         self.checkpoints: dict[int, torch.Tensor] = {}  # first stage of a run -> its input, until the rebuild
+        self.kept: dict[int, KeptOutputs] = {}  # stage re-run in part -> its kept ops' outputs, until the rebuild
+        self.keeping: KeptOutputs | None = None  # entered while such a stage's forward runs
 
     # ------------------------------------------------------------------ hooks (never traced by torch.compile)
     @torch.compiler.disable
@@ -206,6 +212,7 @@ class _Step(StageListener):
         self._record(1, None)
 
     def stage_output(self, k: int, x: torch.Tensor) -> None:
+        self.stop_keeping()
         if self.recorder is not None:
             try:
                 self.programs[k] = self.recorder.finish(x)
@@ -224,6 +231,15 @@ class _Step(StageListener):
         self.ordinals[k] = []
         if x is not None and k in self.plan.run_starts:
             self.checkpoints[k] = x.detach()
+        if k in self.plan.in_part:
+            self.keeping = self.kept[k] = KeptOutputs(k)
+            self.keeping.__enter__()
+
+    def stop_keeping(self) -> None:
+        """The stage whose kept ops' outputs were being recorded has ended (or the forward failed in it)."""
+        if self.keeping is not None:
+            self.keeping.__exit__(None, None, None)
+            self.keeping = None
 
     def _rebuild(self, run: Recompute) -> None:
         """Replay ``run`` from its checkpoint (docs/model.md, "Recomputation")."""
@@ -231,7 +247,8 @@ class _Step(StageListener):
         for j in run.stages:
             program = self.programs.pop(j)
             replayed = _Replay(self, j, run.stages)
-            x = program.run(x, self.runtime.device, replayed.saved)
+            with self.kept.pop(j).serving() if run.option else contextlib.nullcontext():
+                x = program.run(x, self.runtime.device, replayed.saved)
             replayed.check()
         del x
 
@@ -418,8 +435,11 @@ class OffloadRuntime:
         Under ``torch.compile`` this frame runs eagerly and the module's own frames compile,
         with a graph break at every stage boundary (``offload.core.staging``)."""
         step = self._new_step(args, kwargs)
-        with self.staging.listening(step), torch.autograd.graph.saved_tensors_hooks(step.pack, _Step.unpack):
-            return self.staging.module(*args, **kwargs)
+        try:
+            with self.staging.listening(step), torch.autograd.graph.saved_tensors_hooks(step.pack, _Step.unpack):
+                return self.staging.module(*args, **kwargs)
+        finally:
+            step.stop_keeping()
 
     @torch.compiler.disable
     def _new_step(self, args: tuple, kwargs: dict) -> _Step:

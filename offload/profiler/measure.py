@@ -43,6 +43,7 @@ from offload.core import casts
 from offload.core.devices import deterministic_kernels, make_optimizer, persistent_tensors
 from offload.core.meters import Clock, CpuMeter, make_meter, timed
 from offload.core.rerun import NotRerunnable, StageRecorder
+from offload.core.selective import KeptOutputs
 from offload.core.staging import StageListener, Staging
 from offload.core.units import Saved, UnitTracker, storage_key
 from offload.models.spec import ModelSpec, tensors_in
@@ -346,12 +347,16 @@ class _Holding(StageListener, TorchDispatchMode):
     the meter (the mode outside this one) after every op: the most bytes live beyond ``m0``
     and the storages of earlier units during each forward op (``transient``), with the stage's
     checkpoint held through it as the executor holds it when a run starts there (a stage
-    within a run is booked a little high when its input would die before its end)."""
+    within a run is booked a little high when its input would die before its end), and for
+    the stages in ``keeping`` what their kept ops output held through them, as the executor
+    runs a stage re-run in part (``offload.core.selective.KeptOutputs``)."""
 
-    def __init__(self, L: int, tracker: UnitTracker, meter: Any, device: torch.device) -> None:
+    def __init__(self, L: int, tracker: UnitTracker, meter: Any, device: torch.device,
+                 keeping: set[int] | None = None) -> None:
         TorchDispatchMode.__init__(self)
         self.L, self.tracker, self.meter, self.device = L, tracker, meter, device
         self.checkpoint: StageRecorder | None = None  # of the running stage (what it holds, nothing else)
+        self.keeping, self.kept = keeping or set(), None  # the running stage's KeptOutputs, if it is in keeping
         self.ops = 0
         self.m0 = 0  # bytes live as the forward starts
         self.first_op = [0] * (L + 2)  # per stage, its first op
@@ -371,7 +376,11 @@ class _Holding(StageListener, TorchDispatchMode):
     def _hold(self, k: int, x: torch.Tensor | None) -> None:
         if self.checkpoint is not None:
             self.checkpoint.close()
+        self.stop_keeping()  # the kept outputs are let go: the model counts them from F(k) on
         self.checkpoint = StageRecorder(k, x, self.device, self.tracker.excluded) if k < self.L else None
+        if k in self.keeping:
+            self.kept = KeptOutputs(k)
+            self.kept.__enter__()
 
     def forward_boundary(self, k: int) -> None:
         if k < self.L:
@@ -402,6 +411,11 @@ class _Holding(StageListener, TorchDispatchMode):
             self.storages.append(saved)
         # nothing is returned: autograd keeps no reference, only the model's own code can
 
+    def stop_keeping(self) -> None:
+        if self.kept is not None:
+            self.kept.__exit__(None, None, None)
+            self.kept = None
+
     def close(self) -> None:
         self._hold(self.L, None)
         for f in self._finalizers:
@@ -421,7 +435,7 @@ class Holding:
 
 
 def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int],
-                 starts: list[int]) -> list[Holding]:
+                 starts: list[int], keeping: set[int] | None = None) -> list[Holding]:
     """Per stage, the storages of its unit that the model's own code (a local of its forward,
     an argument of a call still running, a cache) keeps alive at the peak of ``F(i+2)`` or
     later, and those alive when ``F(i+1)`` runs its first op (what a recomputation, which
@@ -436,10 +450,11 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
     hook), is held through it if it would raise the stage's peak there: when the stage
     started within its bytes of its peak.  Without op counts (CUDA's meter gives none), a
     storage alive at a stage's first op counts as held through the stage: a little
-    conservative."""
+    conservative.  ``keeping``: stages whose kept ops' outputs are held through their forward
+    (their transient is then the in-stage option's)."""
     persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
     meter = make_meter(runner.device)
-    holding = _Holding(runner.L, UnitTracker(runner.device, persistent), meter, runner.device)
+    holding = _Holding(runner.L, UnitTracker(runner.device, persistent), meter, runner.device, keeping)
     with meter:
         meter.track(persistent)
         with runner.batch() as (args, kwargs):
@@ -447,7 +462,10 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
             meter.track(tensors_in((args, kwargs)))
             holding.m0 = meter.live
             with holding:
-                loss = runner.forward(args, kwargs, holding, holding.pack)
+                try:
+                    loss = runner.forward(args, kwargs, holding, holding.pack)
+                finally:
+                    holding.stop_keeping()
                 end = holding.ops  # the forward and the loss are done (an autocast cache is emptied here)
             del loss
     meter.close()

@@ -142,7 +142,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
                 stages.notes.append(f"encoders not offered on a GPU: {', '.join(left_out)} (each reads its blob's size "
                                     "back from the device, which would stall every step)")
             tick("encodings")
-        options = selective_pass(runner, [s.saved_bytes for s in result.stages], [s.fwd_s for s in result.stages])
+        options = selective_pass(runner, result.stages)
         tick("in-stage options")
         runner.staging.remove()
     plat = opts.platform or measure_platform(device)

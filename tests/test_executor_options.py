@@ -1,0 +1,60 @@
+"""The executor runs in-stage options (docs/executor.md, "In-stage options") on a transformers
+Llama in bf16 autocast with attention dropout: the kept ops' outputs are held from the
+forward to the re-run, which reads them instead of running those ops, replaying the same
+dropout masks; gradients bit for bit, no op above its prediction."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.core.selective import KeptOutputs
+from offload.executor.train import TrainOptions, train
+from offload.profiler.profile import ProfileOptions, profile
+from offload.step.actions import Offload, Recompute
+from offload.step.memory import no_offload_peak
+from offload.step.schedule import make_schedule
+from tests.runs import check_run
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return profile("llama", ProfileOptions(batch=2, repeats=1, warmup=1, autocast="bfloat16", options={
+        "layers": 3, "width": 64, "heads": 4, "kv_heads": 2, "seq": 32, "vocab": 64, "dropout": 0.1})).chain
+
+
+def test_a_swiglu_block_offers_an_option_between_keeping_and_recomputing(llama):
+    """Each decoder block's menu has an option that keeps less than the whole unit and re-runs
+    less than the whole forward."""
+    blocks = [i for i in range(1, llama.L) if llama.stage(i).options]
+    assert len(blocks) >= 3
+    for i in blocks:
+        s, o = llama.stage(i), llama.stage(i).option("matmuls")
+        assert 0 < o.kept_bytes < s.saved_bytes and 0 < o.recompute_s < s.fwd_s
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpu-eager", marks=pytest.mark.slow), "cpu-lazy"])  # eager: make test-all
+def test_options_train_bit_exact_and_as_predicted(llama, backend):
+    """Every block re-run in part; then every other block, the rest offloaded: gradients bit for
+    bit, each op's memory its prediction (tests/runs.py's allowance), bytes moved as predicted."""
+    blocks = [i for i, _ in llama.optional]
+    every = make_schedule(llama, [], [Recompute(i, i, "matmuls") for i in blocks])
+    report = check_run(llama, every, backend, "every block in part")
+    assert report.measured.activation_peak_bytes < no_offload_peak(llama)
+    mixed = make_schedule(llama, [Offload(i, i + 1, int(llama.need[i])) for i in blocks[1::2]],
+                          [Recompute(i, i, "matmuls") for i in blocks[::2]])
+    check_run(llama, mixed, backend, "in part and offloaded")
+
+
+def test_a_reordered_rerun_is_refused(llama, monkeypatch):
+    """A re-run that does not call the kept ops the forward called fails loudly, never training
+    on another op's output."""
+    served = KeptOutputs.__torch_dispatch__
+
+    def swapped(self, func, types, args=(), kwargs=None):
+        if self.served == 0 and self.outputs:
+            self.outputs[0] = (torch.ops.aten.bmm.default, self.outputs[0][1])
+        return served(self, func, types, args, kwargs)
+    monkeypatch.setattr(KeptOutputs, "__torch_dispatch__", swapped)
+    sched = make_schedule(llama, [], [Recompute(llama.optional[0][0], llama.optional[0][0], "matmuls")])
+    _, error = train(None, llama, sched, TrainOptions(steps=1))
+    assert "does not run the same way twice" in str(error), error

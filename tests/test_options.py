@@ -108,3 +108,24 @@ def test_the_heuristics_find_the_option(method):
     res = solve(small_chain(), 420, method, Options(heuristic_time_s=0.5, recompute=True))
     assert Recompute(1, 1, "matmuls") in res.schedule.recompute
     assert res.simulation.makespan_s == pytest.approx(0.0124)
+
+
+def test_selective_checkpointing_is_per_block_checkpointing_keeping_the_matmuls():
+    """checkpoint-matmuls re-runs every stage that offers ``matmuls`` in part and the other
+    recomputable ones whole; its floor lies above per-block checkpointing's by what it keeps."""
+    chain = small_chain()
+    sac = solve(chain, 1000, "checkpoint-matmuls", JOINT)
+    assert sac.schedule.recompute == (Recompute(1, 1, "matmuls"), Recompute(2, 2), Recompute(3, 3))
+    blocks = solve(chain, 1000, "checkpoint-blocks", JOINT)
+    assert sac.simulation.makespan_s == pytest.approx(blocks.simulation.makespan_s - 0.0006)
+    assert sac.simulation.peak_bytes == blocks.simulation.peak_bytes + 40
+
+
+def test_without_in_stage_options_the_solver_decides_per_stage():
+    """``in_stage=False`` (``--no-in-stage``): the stage is kept or recomputed whole, and the
+    schedule is still the chain's own."""
+    chain = small_chain()
+    res = solve(chain, 420, "ilp", replace(JOINT, in_stage=False))
+    assert all(not r.option for r in res.schedule.recompute)
+    assert res.schedule.chain_sha256 == chain.sha256
+    assert res.simulation.makespan_s > solve(chain, 420, "ilp", JOINT).simulation.makespan_s

@@ -65,7 +65,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     budgets = parse_budgets(args.budgets, chain, args.total)
     methods = parse_methods(args.methods)
     options = Options(time_limit_s=args.time_limit, heuristic_time_s=args.heuristic_time, encodings=args.encodings,
-                      recompute=args.recompute, max_run=args.max_run)
+                      recompute=args.recompute, max_run=args.max_run, in_stage=args.in_stage)
     cells = len(budgets) * len(methods)
     print(f"sweeping {chain.name} ({chain.L} stages): {len(methods)} methods x {len(budgets)} budgets from "
           f"{budgets[0]} to {budgets[-1]}", file=sys.stderr)

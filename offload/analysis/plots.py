@@ -28,7 +28,7 @@ _STYLE = {
     "swap-size-idle": ("olive", "-.", "X"), "save-on-cpu": ("tab:pink", ":", "*"),
     "gist": ("teal", (0, (5, 1, 1, 1)), "d"), "gist-swap": ("darkslateblue", (0, (5, 1, 1, 1)), "p"),
     "recompute-only": ("darkgoldenrod", (0, (1, 1)), "8"), "checkpoint-sqrt": ("firebrick", (0, (1, 2)), "1"),
-    "checkpoint-blocks": ("darkgreen", (0, (1, 2)), "2"),
+    "checkpoint-blocks": ("darkgreen", (0, (1, 2)), "2"), "checkpoint-matmuls": ("limegreen", (0, (1, 2)), "3"),
 }
 
 

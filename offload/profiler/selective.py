@@ -41,12 +41,9 @@ from offload.core.rerun import StageProgram, StageRecorder
 from offload.core.selective import KeptOutputs, keeps
 from offload.core.units import UnitTracker, plain, storage_key
 from offload.models.spec import tensors_in
-from offload.step.chain import StageOption
+from offload.step.chain import MATMULS, StageOption
 
 from .measure import Boundaries, StageMeasurement, StepRunner, holding_pass
-
-OPTION = "matmuls"  # the option's name: the expensive ops' outputs kept
-
 
 class _OpTimes(TorchDispatchMode):
     """Per stage, the time of its expensive ops and of the rest, and the bytes the expensive ops output."""
@@ -108,7 +105,7 @@ def selective_pass(runner: StepRunner, stages: list[StageMeasurement]) -> list[t
         return [() for _ in stages]
     fwd_peaks = [h.recomputed_fwd_peak_bytes for h in holding_pass(runner, None, [], [], keeping=set(offered))]
     rerun_peaks = _rerun_peaks(runner, set(offered))
-    return [(StageOption(OPTION, *offered[k], fwd_peaks[k - 1], rerun_peaks[k]),) if k in offered else ()
+    return [(StageOption(MATMULS, *offered[k], fwd_peaks[k - 1], rerun_peaks[k]),) if k in offered else ()
             for k in range(1, runner.L + 1)]
 
 

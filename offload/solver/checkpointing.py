@@ -7,14 +7,19 @@ users and of torchtune/Megatron's "full" activation checkpointing: every stage b
 its own run, each rebuilt from its own input just before its backward needs it.  The
 optimal recompute-only schedule over the class (the role that Beaumont et al.'s rotor
 dynamic program plays in its own model) is the MILP with offloading turned off
-(``methods``, ``recompute-only``).
+(``methods``, ``recompute-only``).  ``checkpoint-matmuls`` is op-level selective activation
+checkpointing (torchtitan's "op" policy, "save the matmuls"): per-block checkpointing
+where each block keeps what its matmuls and attention kernel output, its ``matmuls``
+in-stage option (docs/model.md, "In-stage options"); a stage without that option (the
+profiler offers it where it keeps less than the unit and re-runs less than the forward)
+is recomputed whole.
 """
 from __future__ import annotations
 
 import math
 
 from offload.step.actions import Recompute
-from offload.step.chain import Chain
+from offload.step.chain import MATMULS, Chain
 
 
 def sqrt_runs(chain: Chain) -> list[Recompute]:
@@ -34,6 +39,12 @@ def block_runs(chain: Chain) -> list[Recompute]:
     return [Recompute(i, i) for i in sorted(chain.recomputable)]
 
 
+def matmul_runs(chain: Chain) -> list[Recompute]:
+    """``block_runs``, each stage offering ``matmuls`` re-run in part: keeping its matmuls' outputs."""
+    return [Recompute(r.first, r.last, MATMULS if any(o.name == MATMULS for o in chain.stage(r.first).options) else "")
+            for r in block_runs(chain)]
+
+
 def recomputable_parts(chain: Chain, first: int, last: int) -> list[Recompute]:
     """The maximal runs of recomputable stages within ``first..last``."""
     parts: list[Recompute] = []
@@ -47,4 +58,4 @@ def recomputable_parts(chain: Chain, first: int, last: int) -> list[Recompute]:
     return parts
 
 
-POLICIES = {"checkpoint-sqrt": sqrt_runs, "checkpoint-blocks": block_runs}
+POLICIES = {"checkpoint-sqrt": sqrt_runs, "checkpoint-blocks": block_runs, "checkpoint-matmuls": matmul_runs}

@@ -76,7 +76,7 @@ def print_chain(chain: Chain) -> None:
     if any(s.options for s in chain.stages):
         print()
         print("options     in-stage, measured: what each keeps of its unit and re-runs of its forward before the "
-              "backward (not chosen by the solver yet)")
+              "backward (a schedule's run `3:matmuls`)")
         for i, s in enumerate(chain.stages, start=1):
             for o in s.options:
                 print(f"{i:>4} {printable(o.name):<12} keeps {format_bytes(o.kept_bytes):>11} of "
@@ -183,18 +183,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def add_recompute_arguments(p: argparse.ArgumentParser) -> None:
-    """``--recompute`` and ``--max-run`` (``Options.recompute``, ``Options.max_run``), for solve and sweep."""
+    """``--recompute``, ``--max-run`` and ``--no-in-stage`` (``Options.recompute``, ``Options.max_run``,
+    ``Options.in_stage``), for solve and sweep."""
     p.add_argument("--recompute", action="store_true",
                    help="ilp and relax-* may also recompute runs of stages instead of keeping or offloading their "
                         "units (recompute-only and checkpoint-* always do); see docs/model.md, \"Recomputation\"")
     p.add_argument("--max-run", type=integer(1, 64), default=8, metavar="N",
                    help="longest run of stages recomputed together that the ILP considers (default 8)")
+    p.add_argument("--no-in-stage", dest="in_stage", action="store_false",
+                   help="ilp, relax-* and recompute-only decide per stage only: no stage re-run in part (its in-stage "
+                        "options, e.g. 3:matmuls; docs/model.md, \"In-stage options\")")
 
 
 def cmd_solve(args: argparse.Namespace) -> int:
     if args.list_methods:
         for m in METHODS.values():
-            print(f"{m.name:<15} {m.description}")
+            print(f"{m.name:<18} {m.description}")
         return 0
     if args.chain is None or args.budget is None:
         raise FormatError("solve needs CHAIN and --budget", "example: offload solve chain.json --budget 60% -o schedule.json")
@@ -202,7 +206,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     budget = Budget.parse(args.budget, chain, args.total)
     opts = Options(time_limit_s=args.time_limit, gap=args.gap, threads=args.threads, solver=args.solver,
                    heuristic_time_s=args.heuristic_time, verbose=args.verbose, encodings=args.encodings,
-                   recompute=args.recompute, max_run=args.max_run)
+                   recompute=args.recompute, max_run=args.max_run, in_stage=args.in_stage)
     for note in _unused_flags(args):
         print(f"note: {note}", file=sys.stderr)
     if args.method == "ilp":
@@ -230,6 +234,8 @@ def _unused_flags(args: argparse.Namespace) -> list[str]:
                      "checkpoint-* always do)")
     if args.max_run != 8 and not (searching and args.recompute) and args.method != "recompute-only":
         notes.append("--max-run: only ilp and relax-* with --recompute, and recompute-only, choose runs")
+    if not args.in_stage and not (searching and args.recompute) and args.method != "recompute-only":
+        notes.append("--no-in-stage: only ilp and relax-* with --recompute, and recompute-only, choose in-stage options")
     cores = os.cpu_count() or 1
     if args.threads is not None and args.threads > cores:
         notes.append(f"--threads {args.threads}: this machine has {cores} cores; the solver gains nothing past them")

@@ -46,6 +46,7 @@ class Options:
     encodings: str = "lossless"  # which encodings ilp, relax-*, gist* may choose (offload.step.encoding.MODES)
     recompute: bool = False  # whether ilp and relax-* may recompute runs of stages as well
     max_run: int = 8  # the longest recomputed run they consider
+    in_stage: bool = True  # whether ilp, relax-* and recompute-only may re-run a stage in part (its in-stage options)
 
 
 @dataclass
@@ -274,8 +275,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("recompute-only", "the optimal recompute-only schedule over the class (the MILP with offloading off: rotor's role)", _recompute_only),
     Method("checkpoint-sqrt", "torch checkpoint_sequential: runs of ceil(sqrt L) stages recomputed, the last segment kept", _checkpointing("checkpoint-sqrt")),
     Method("checkpoint-blocks", "per-block activation checkpointing: every stage but the last recomputed from its own input", _checkpointing("checkpoint-blocks")),
+    Method("checkpoint-matmuls", "op-level selective checkpointing (torchtitan's \"save the matmuls\"): checkpoint-blocks, each block keeping its matmul and attention outputs", _checkpointing("checkpoint-matmuls")),
 ]}
-RECOMPUTING = {"recompute-only", "checkpoint-sqrt", "checkpoint-blocks"}  # methods that recompute whatever the options
+RECOMPUTING = {"recompute-only", "checkpoint-sqrt", "checkpoint-blocks", "checkpoint-matmuls"}  # methods that recompute whatever the options
 
 
 def _refuse_below_floor(chain: Chain, budget: Budget, mode: str, recompute: bool) -> int:
@@ -331,7 +333,9 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
     # the fluid LP knows neither encodings nor recomputation: with them it is no lower bound, the ideal still is
     unbounded = encoded or options.recompute or method in RECOMPUTING
     lp_bound = lp.makespan_s if lp is not None and lp.proven and not unbounded else chain.ideal_makespan_s
-    ctx = _Context(chain, act, options, lp_bound, lp, deadline)
+    # without in-stage options the methods search the chain without them (their schedules are the chain's)
+    searched = chain if options.in_stage or method == "checkpoint-matmuls" else chain.without_options()
+    ctx = _Context(searched, act, options, lp_bound, lp, deadline)
     planned = METHODS[method].run(ctx)
     if planned is None:
         own = baselines.own_smallest_budget(chain, method)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Mapping
 
@@ -78,6 +78,9 @@ class Encoding:
         """What ``B(need_i) .. Bi`` hold on top of the encoded unit: the decoded storages and
         the decoder's workspace."""
         return self.covered_bytes + self.workspace_bytes
+
+
+MATMULS = "matmuls"  # the option that keeps what the expensive ops output (torchtitan's "save the matmuls")
 
 
 @dataclass(frozen=True)
@@ -309,6 +312,11 @@ class Chain:
     def optional(self) -> tuple[tuple[int, str], ...]:
         """``(stage, option)``: the in-stage options a schedule may choose (recomputable stages)."""
         return tuple((i, o.name) for i in sorted(self.recomputable) for o in self.stage(i).options)
+
+    def without_options(self) -> "Chain":
+        """This chain with no in-stage options: what per-block decisions alone can do (its
+        schedules are this chain's, its hash is not)."""
+        return replace(self, stages=tuple(replace(s, options=()) for s in self.stages))
 
     @cached_property
     def castable(self) -> tuple[int, ...]:

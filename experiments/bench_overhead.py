@@ -10,12 +10,15 @@ the same module, interleaved so that a loaded machine slows all alike:
 * ``plain``: the module;
 * ``hooks``: the module under identity ``saved_tensors_hooks`` (autograd's own cost of a hook);
 * ``offloaded, empty``: ``Offloaded`` with a schedule that moves nothing (tracking and staging);
-* ``offloaded, floor``: ``Offloaded`` moving the units of the floor schedule (copies, slots).
+* ``offloaded, floor``: ``Offloaded`` moving the units of the floor schedule (copies, slots);
+* ``offloaded, in part`` (``--model llama``): every block re-run in part (its ``matmuls``
+  in-stage option: the kept ops' outputs recorded in the forward and served to the re-run).
 
 Prints each one's median step, its ratio to ``plain`` and the overhead per saved tensor::
 
     python -m experiments.bench_overhead                  # the default tiny GPT
     python -m experiments.bench_overhead --layers 12 --width 64
+    python -m experiments.bench_overhead --model llama   # the transformers Llama in bf16 autocast
 """
 from __future__ import annotations
 
@@ -28,12 +31,16 @@ import torch
 from offload.executor import Offloaded
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
+from offload.step.actions import Recompute
+from offload.step.chain import MATMULS
 from offload.step.memory import floor_offloads
 from offload.step.schedule import make_schedule
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                    help="gpt (default), or the transformers Llama (bf16 autocast, SDPA, dropout 0.1)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--seq", type=int, default=16)
@@ -41,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="timed steps of each way, interleaved (40)")
     args = ap.parse_args(argv)
     options = {"layers": args.layers, "width": args.width, "heads": 4, "seq": args.seq, "vocab": 64}
-    chain = profile("gpt", ProfileOptions(batch=args.batch, repeats=1, warmup=1, device="cpu", options=options)).chain
-    spec = resolve("gpt", args.batch, options)
+    autocast = "bfloat16" if args.model == "llama" else None
+    if args.model == "llama":
+        options.update(kv_heads=2, dropout=0.1)
+    chain = profile(args.model, ProfileOptions(batch=args.batch, repeats=1, warmup=1, device="cpu", options=options,
+                                               autocast=autocast)).chain
+    spec = resolve(args.model, args.batch, options)
+    spec.autocast = autocast
     saved = [0]
 
     def counting(t: torch.Tensor) -> torch.Tensor:
@@ -50,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return t
 
     def step(forward) -> None:
-        loss = spec.loss(forward(*spec.args, **spec.kwargs))
+        with spec.autocasting():
+            loss = spec.loss(forward(*spec.args, **spec.kwargs))
         loss.backward()
 
     def hooked(*a, **k):
@@ -62,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             "offloaded, empty": Offloaded(spec.module, chain, make_schedule(chain, []), backend="cpu-eager"),
             "offloaded, floor": Offloaded(spec.module, chain, make_schedule(chain, floor_offloads(chain)),
                                           backend="cpu-eager")}
+    if chain.optional:  # the Llama's blocks re-run in part: their kept ops' outputs recorded and served
+        ways["offloaded, in part"] = Offloaded(spec.module, chain, make_schedule(
+            chain, [], [Recompute(i, i, MATMULS) for i in sorted({i for i, _ in chain.optional})]), backend="cpu-eager")
     times: dict[str, list[float]] = {name: [] for name in ways}
     for name, forward in ways.items():  # warm-up
         step(forward)
@@ -71,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             step(forward)
             times[name].append(time.perf_counter() - t0)
     plain = statistics.median(times["plain"])
-    print(f"gpt, {args.layers} layers, width {args.width}, batch {args.batch}, seq {args.seq}: {chain.L} stages, "
+    print(f"{args.model}, {args.layers} layers, width {args.width}, batch {args.batch}, seq {args.seq}: {chain.L} stages, "
           f"{saved[0]} saved tensors per step; {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"{'way':<18} {'median step':>12} {'x plain':>8} {'per saved tensor':>17}")
     for name, ts in times.items():

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from offload.core.selective import KeptOutputs
+from offload.errors import ScheduleRejected
+from offload.executor import Offloaded
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
 from offload.step.actions import Offload, Recompute
@@ -24,25 +26,27 @@ def llama():
 
 def test_a_swiglu_block_offers_an_option_between_keeping_and_recomputing(llama):
     """Each decoder block's menu has an option that keeps less than the whole unit and re-runs
-    less than the whole forward."""
+    less than the whole forward; re-running every other matmul too keeps less, re-runs more."""
     blocks = [i for i in range(1, llama.L) if llama.stage(i).options]
     assert len(blocks) >= 3
     for i in blocks:
-        s, o = llama.stage(i), llama.stage(i).option("matmuls")
+        s, o, half = llama.stage(i), llama.stage(i).option("matmuls"), llama.stage(i).option("every-other-matmul")
         assert 0 < o.kept_bytes < s.saved_bytes and 0 < o.recompute_s < s.fwd_s
+        assert 0 < half.kept_bytes < o.kept_bytes and o.recompute_s < half.recompute_s < s.fwd_s  # the Pareto front
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cpu-eager", marks=pytest.mark.slow), "cpu-lazy"])  # eager: make test-all
 def test_options_train_bit_exact_and_as_predicted(llama, backend):
-    """Every block re-run in part; then every other block, the rest offloaded: gradients bit for
-    bit, each op's memory its prediction (tests/runs.py's allowance), bytes moved as predicted."""
-    blocks = [i for i, _ in llama.optional]
+    """Every block re-run in part; then every other block keeping every other matmul, the rest
+    offloaded: gradients bit for bit, each op's memory its prediction (tests/runs.py's
+    allowance), bytes moved as predicted."""
+    blocks = sorted({i for i, _ in llama.optional})
     every = make_schedule(llama, [], [Recompute(i, i, "matmuls") for i in blocks])
     report = check_run(llama, every, backend, "every block in part")
     assert report.measured.activation_peak_bytes < no_offload_peak(llama)
     mixed = make_schedule(llama, [Offload(i, i + 1, int(llama.need[i])) for i in blocks[1::2]],
-                          [Recompute(i, i, "matmuls") for i in blocks[::2]])
-    check_run(llama, mixed, backend, "in part and offloaded")
+                          [Recompute(i, i, "every-other-matmul") for i in blocks[::2]])
+    check_run(llama, mixed, backend, "every other matmul kept, the rest offloaded")
 
 
 def test_a_reordered_rerun_is_refused(llama, monkeypatch):
@@ -55,6 +59,15 @@ def test_a_reordered_rerun_is_refused(llama, monkeypatch):
             self.outputs[0] = (torch.ops.aten.bmm.default, self.outputs[0][1])
         return served(self, func, types, args, kwargs)
     monkeypatch.setattr(KeptOutputs, "__torch_dispatch__", swapped)
-    sched = make_schedule(llama, [], [Recompute(llama.optional[0][0], llama.optional[0][0], "matmuls")])
+    first = llama.optional[0][0]
+    sched = make_schedule(llama, [], [Recompute(first, first, "matmuls")])
     _, error = train(None, llama, sched, TrainOptions(steps=1))
     assert "does not run the same way twice" in str(error), error
+
+
+def test_a_stage_in_two_runs_is_refused_before_a_step(llama):
+    """A schedule built in code, not loaded from a file, is checked as the file would be."""
+    first = llama.optional[0][0]
+    sched = make_schedule(llama, [], [Recompute(first, first, "matmuls"), Recompute(first, first, "every-other-matmul")])
+    with pytest.raises(ScheduleRejected, match=f"stage {first} is in two recomputed runs"):
+        Offloaded(torch.nn.Linear(2, 2), llama, sched)

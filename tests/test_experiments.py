@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_executor, bench_overhead, casts, demo
+from experiments import bench_executor, bench_overhead, casts, demo, options
 from tests.runs import ROOT
 
 
@@ -17,10 +17,21 @@ def _is_png(path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_overhead_prints_each_way_against_plain(capsys):
-    assert bench_overhead.main(["--layers", "1", "--steps", "1"]) == 0
+@pytest.mark.parametrize("model, ways", [("gpt", ()), ("llama", ("offloaded, in part",))])
+def test_bench_overhead_prints_each_way_against_plain(capsys, model, ways):
+    assert bench_overhead.main(["--model", model, "--layers", "1", "--steps", "1"]) == 0
     out = capsys.readouterr().out
-    assert "saved tensors per step" in out and all(w in out for w in ("plain", "hooks", "offloaded, empty", "offloaded, floor"))
+    assert "saved tensors per step" in out and all(w in out for w in ("plain", "hooks", "offloaded, empty",
+                                                                       "offloaded, floor", *ways))
+
+
+def test_the_options_table_at_a_tiny_size(capsys):
+    """Every method at the budget, predicted; the joint schedule with options at or below the rest."""
+    assert options.main(["--layers", "3", "--width", "64", "--seq", "32", "--budgets", "80", "--repeats", "1",
+                         "--time-limit", "5", "--no-train"]) == 0
+    out = capsys.readouterr().out
+    assert "keeps" in out and "| 80% | checkpoint-matmuls |" in out and "| 80% | recompute-only + options |" in out
+    assert "80%: predicted ≤ every other: True" in out
 
 
 @pytest.mark.slow  # three profiles and six trainings: make test-all

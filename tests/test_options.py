@@ -129,3 +129,18 @@ def test_without_in_stage_options_the_solver_decides_per_stage():
     assert all(not r.option for r in res.schedule.recompute)
     assert res.schedule.chain_sha256 == chain.sha256
     assert res.simulation.makespan_s > solve(chain, 420, "ilp", JOINT).simulation.makespan_s
+
+
+def test_stalls_are_never_negative():
+    """A rebuild's start less its ready time and its rebuild time rounds a hair below 0 on
+    these durations (-1.3e-18 s): a stall is 0 there, not negative (a sweep CSV refuses it)."""
+    fwd, bwd = [0.0014302060167127723, 0.002625183354820275, 0.006550770429955354, 0.0003806400175678625], \
+        [0.008489593995678604, 0.005004807362210216, 0.007908361176241581, 0.00837407452880671]
+    rerun = [0.0010923550554728584, 0.001179996461423837, 0.0006148526056084866, 0.00016472846433017186]
+    stages = [{"fwd_s": f, "bwd_s": b, "saved_bytes": 100, "fwd_peak_bytes": 120, "bwd_peak_bytes": 50,
+               "input_bytes": 30, "options": [{"name": "matmuls", "kept_bytes": 40, "recompute_s": r}]}
+              for f, b, r in zip(fwd, bwd, rerun)]
+    chain = chain_from_dict({"format": "offload-chain/2", "name": "rounding", "stages": stages,
+                             "platform": {"d2h_bytes_per_s": 1e9, "h2d_bytes_per_s": 1e9}})
+    sim = simulate(chain, [], recompute=[Recompute(i, i, "matmuls") for i in (1, 2, 3)])
+    assert sim.stalls.min() >= 0.0 and sim.stall_s == pytest.approx(0.0, abs=1e-15)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from offload.cli import main
+from offload.profiler.selective import _menu
 from offload.core.staging import Site, Staging
 from offload.errors import ModelError
 from offload.models import ModelSpec, resolve
@@ -276,14 +277,14 @@ def test_a_users_file_is_found_from_any_directory(user_file, tmp_path, monkeypat
 def test_a_swiglu_block_has_an_option_between_all_kept_and_all_recomputed():
     """The in-stage menu (issue #33): each decoder block of a Llama (SwiGLU MLP, attention
     dropout) offers ``matmuls``, which keeps strictly less than its whole unit and re-runs
-    strictly less than its whole forward; the option is in the file and in ``show``."""
+    strictly less than its whole forward, and ``every-other-matmul``; the options are in the file."""
     chain = profile("llama", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options={
         "layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "seq": 32, "vocab": 64, "dropout": 0.1})).chain
     blocks = [s for s in chain.stages if s.name.startswith("model.layers.")]
     assert len(blocks) == 2
     for s in blocks:
-        (option,) = s.options
-        assert option.name == "matmuls"
+        assert [o.name for o in s.options] == ["matmuls", "every-other-matmul"]
+        option = s.option("matmuls")
         assert 0 < option.kept_bytes < s.saved_bytes and 0 < option.recompute_s < s.fwd_s
     assert load_chain_doc(chain) == chain
 
@@ -367,3 +368,11 @@ def test_bad_options_are_refused():
     with pytest.raises(ModelError, match="--batch must be at least 1"):
         resolve("mlp", 0)
     assert main(["profile", "mlp", "--batch", "2", "-O", "oops", "-o", "x.json"]) == 2
+
+
+def test_a_menu_holds_the_pareto_front_between_keeping_and_recomputing():
+    """An option is offered where it keeps part of the unit, re-runs part of the forward and no
+    other keeps no more and re-runs no more."""
+    candidates = {"a": (10, 1.0), "b": (20, 0.5), "dominated": (20, 1.0), "keeps nothing": (0, 0.2),
+                  "keeps it all": (100, 0.1), "re-runs it all": (5, 1.5)}
+    assert _menu(candidates, 100, 1.5) == {"a": (10, 1.0), "b": (20, 0.5)}

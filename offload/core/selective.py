@@ -31,6 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from offload.step.chain import EVERY_OTHER_MATMUL, MATMULS
+
 aten = torch.ops.aten
 EXPENSIVE = frozenset(getattr(aten, name) for name in (
     "mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution",
@@ -51,6 +53,30 @@ def keeps(func: Any, args: tuple, kwargs: dict) -> bool:
     return True
 
 
+MATMUL = frozenset(getattr(aten, name) for name in ("mm", "addmm"))  # what every-other-matmul counts
+
+
+class KeepRule:
+    """Which op calls' outputs an in-stage option keeps, asked in call order over one run of a
+    stage (the forward, then again the re-run: a fresh rule each).  ``matmuls`` keeps every
+    op ``keeps`` names; ``every-other-matmul`` keeps only the first, third, ... of its matmuls
+    (``mm``, ``addmm``: a linear layer), torchtitan's default op-level policy, which trades
+    half the matmuls' outputs for re-running them."""
+
+    def __init__(self, option: str) -> None:
+        if option not in (MATMULS, EVERY_OTHER_MATMUL):
+            raise ValueError(f"no in-stage option {option!r} (the executor runs {MATMULS}, {EVERY_OTHER_MATMUL})")
+        self.option, self.matmuls = option, 0
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        if not keeps(func, args, kwargs):
+            return False
+        if self.option == EVERY_OTHER_MATMUL and func.overloadpacket in MATMUL:
+            self.matmuls += 1
+            return self.matmuls % 2 == 1
+        return True
+
+
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if keeps(op, args, kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -60,15 +86,15 @@ class KeptOutputs(TorchDispatchMode):
     order; ``serving()`` hands each back to the stage's re-run in place of running the op
     again, and lets go of it: the kept outputs live from the forward to the re-run."""
 
-    def __init__(self, stage: int) -> None:
+    def __init__(self, stage: int, option: str = MATMULS) -> None:
         super().__init__()
-        self.stage = stage
+        self.stage, self.option, self.rule = stage, option, KeepRule(option)
         self.outputs: list[tuple[Any, Any] | None] = []  # (op, its output detached), None once served
         self.served: int | None = None  # while serving: how many were handed back
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not keeps(func, args, kwargs):
+        if not self.rule(func, args, kwargs):
             return func(*args, **kwargs)
         if self.served is None:
             out = func(*args, **kwargs)
@@ -86,7 +112,7 @@ class KeptOutputs(TorchDispatchMode):
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
         """In this block the stage's re-run reads the kept outputs; all of them, or it fails."""
-        self.served = 0
+        self.served, self.rule = 0, KeepRule(self.option)
         with self:
             yield
         if self.served != len(self.outputs):

@@ -85,6 +85,7 @@ class Offloaded(nn.Module):
         if self.schedule.chain_sha256 != self.chain.sha256:
             raise ChainMismatch(f"the schedule was made for chain {self.schedule.chain_name!r}, not for "
                                 f"{self.chain.name!r} (sha256 differs)", "solve again on this chain")
+        self.schedule.simulate(self.chain)  # a schedule built in code, not loaded: refused here if outside the class
         if self.chain.recipe is not None and self.chain.recipe.cache_off and uses_cache(unwrap(module)):
             raise ChainMismatch("the model's config asks for a key/value cache (use_cache=True); the chain was "
                                 "profiled with it off: set model.config.use_cache = False before training",

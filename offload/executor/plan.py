@@ -42,9 +42,9 @@ class StepPlan:
         return frozenset(i for e in self.events.of(RECOMPUTE) for i in e.run.stages)
 
     @cached_property
-    def in_part(self) -> frozenset[int]:
-        """Recomputed stages re-run in part: their in-stage option keeps its ops' outputs."""
-        return frozenset(e.stage for e in self.events.of(RECOMPUTE) if e.run.option)
+    def in_part(self) -> dict[int, str]:
+        """Recomputed stages re-run in part, each with its in-stage option (which ops' outputs it keeps)."""
+        return {e.stage: e.run.option for e in self.events.of(RECOMPUTE) if e.run.option}
 
     @cached_property
     def run_starts(self) -> frozenset[int]:

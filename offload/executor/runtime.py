@@ -232,7 +232,7 @@ class _Step(StageListener):
         if x is not None and k in self.plan.run_starts:
             self.checkpoints[k] = x.detach()
         if k in self.plan.in_part:
-            self.keeping = self.kept[k] = KeptOutputs(k)
+            self.keeping = self.kept[k] = KeptOutputs(k, self.plan.in_part[k])
             self.keeping.__enter__()
 
     def stop_keeping(self) -> None:

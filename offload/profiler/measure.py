@@ -352,11 +352,11 @@ class _Holding(StageListener, TorchDispatchMode):
     runs a stage re-run in part (``offload.core.selective.KeptOutputs``)."""
 
     def __init__(self, L: int, tracker: UnitTracker, meter: Any, device: torch.device,
-                 keeping: set[int] | None = None) -> None:
+                 keeping: dict[int, str] | None = None) -> None:
         TorchDispatchMode.__init__(self)
         self.L, self.tracker, self.meter, self.device = L, tracker, meter, device
         self.checkpoint: StageRecorder | None = None  # of the running stage (what it holds, nothing else)
-        self.keeping, self.kept = keeping or set(), None  # the running stage's KeptOutputs, if it is in keeping
+        self.keeping, self.kept = keeping or {}, None  # stage -> option; the running stage's KeptOutputs
         self.ops = 0
         self.m0 = 0  # bytes live as the forward starts
         self.first_op = [0] * (L + 2)  # per stage, its first op
@@ -379,7 +379,7 @@ class _Holding(StageListener, TorchDispatchMode):
         self.stop_keeping()  # the kept outputs are let go: the model counts them from F(k) on
         self.checkpoint = StageRecorder(k, x, self.device, self.tracker.excluded) if k < self.L else None
         if k in self.keeping:
-            self.kept = KeptOutputs(k)
+            self.kept = KeptOutputs(k, self.keeping[k])
             self.kept.__enter__()
 
     def forward_boundary(self, k: int) -> None:
@@ -435,7 +435,7 @@ class Holding:
 
 
 def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int],
-                 starts: list[int], keeping: set[int] | None = None) -> list[Holding]:
+                 starts: list[int], keeping: dict[int, str] | None = None) -> list[Holding]:
     """Per stage, the storages of its unit that the model's own code (a local of its forward,
     an argument of a call still running, a cache) keeps alive at the peak of ``F(i+2)`` or
     later, and those alive when ``F(i+1)`` runs its first op (what a recomputation, which
@@ -450,8 +450,8 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
     hook), is held through it if it would raise the stage's peak there: when the stage
     started within its bytes of its peak.  Without op counts (CUDA's meter gives none), a
     storage alive at a stage's first op counts as held through the stage: a little
-    conservative.  ``keeping``: stages whose kept ops' outputs are held through their forward
-    (their transient is then the in-stage option's)."""
+    conservative.  ``keeping``: stages (each with an in-stage option) whose kept ops' outputs
+    are held through their forward (their transient is then the option's)."""
     persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
     meter = make_meter(runner.device)
     holding = _Holding(runner.L, UnitTracker(runner.device, persistent), meter, runner.device, keeping)

@@ -81,6 +81,7 @@ class Encoding:
 
 
 MATMULS = "matmuls"  # the option that keeps what the expensive ops output (torchtitan's "save the matmuls")
+EVERY_OTHER_MATMUL = "every-other-matmul"  # the same but every second matmul re-run (torchtitan's default "op" policy)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class StageOption:
     """A way to keep part of a stage's unit and re-run the rest before its backward, measured by
     the profiler (``offload.profiler.selective``): ``matmuls`` keeps what the matmuls,
     convolutions and attention kernels made (``kept_bytes``) and re-runs the other forward
-    ops (``recompute_s``).  A schedule chooses one as a recomputed run of the stage
+    ops (``recompute_s``); ``every-other-matmul`` re-runs every second matmul too.  A schedule chooses one as a recomputed run of the stage
     (``Recompute.option``; docs/model.md, "In-stage options")."""
 
     name: str

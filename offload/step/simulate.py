@@ -94,9 +94,10 @@ class Simulation:
 
     @property
     def stalls(self) -> np.ndarray:
-        """Per op, the time it waited for copies."""
+        """Per op, the time it waited for copies (never below 0: ``start`` is at least ``ready``
+        plus the rebuild time, and their difference may round a hair under it)."""
         rt = self.recompute_s if self.recompute_s is not None else 0.0
-        return self.start - self.ready - rt
+        return np.maximum(0.0, self.start - self.ready - rt)
 
     @property
     def stall_s(self) -> float:

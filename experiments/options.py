@@ -1,0 +1,183 @@
+"""In-stage options against activation checkpointing (issue #33): a bf16 Llama, budgets 20–70%.
+
+    python -m experiments.options                # profile, solve, train: a few minutes here
+    python -m experiments.options --no-train     # predictions only, seconds after the profile
+
+A transformers Llama (SwiGLU, RoPE, GQA, SDPA attention with dropout 0.1) in bf16 autocast,
+profiled once.  Each method solves for each budget (a share of the no-offload activation
+peak); each schedule that fits is trained (``offload train --check-grads``) and its
+measured step and activation peak printed beside the prediction:
+
+* ``none``: no offloading, at the peak (the step everything is compared with);
+* ``checkpoint-blocks``: per-block ``torch.utils.checkpoint``, on our executor;
+* ``checkpoint-matmuls``: op-level selective checkpointing (torchtitan's "save the
+  matmuls"), each block's ``matmuls`` in-stage option, on our executor; the same policy
+  run by ``torch.utils.checkpoint`` with a selective-checkpoint policy is measured once
+  (``train --compare``) to show that ours runs it as users do;
+* ``recompute-only``: the optimal schedule that only recomputes (``--no-in-stage``: whole
+  stages), and ``recompute-only + options``, which may also re-run a stage in part; no
+  copies, so a CPU measures them as a GPU would order them;
+* ``joint per-block``: ``ilp --recompute --no-in-stage``, each stage kept, offloaded or
+  recomputed whole;
+* ``joint + options``: ``ilp --recompute``, which may also re-run a stage in part.
+
+The fixed policies have one peak whatever the budget: they are listed at every budget
+their peak fits.  A step's noise is the spread (largest less smallest over the median) of
+its timed steps, printed per row; "ours ≤ baseline within noise" is judged against the
+larger of the two spreads.  On a CPU the copies are memcpy on the cores that compute, so
+schedules that offload are measured on a stand-in link; the recompute-only rows are what
+this machine can judge.
+
+Not here: op-level SAC *with its kept outputs offloaded* (torchtune's OffloadActivations
+with checkpointing): our schedule class keeps an option's outputs on the device until its
+re-run (docs/model.md, "In-stage options"), so neither that baseline nor our joint schedule
+can offload them yet.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+
+import torch
+
+from offload.errors import InfeasibleBudget
+from offload.executor.train import TrainOptions, train
+from offload.io.text import format_bytes, format_seconds, parse_rate
+from offload.profiler.bandwidth import given_platform
+from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.methods import Options, Result, solve
+from offload.step.chain import Chain
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
+
+FIXED = ("checkpoint-blocks", "checkpoint-matmuls")
+SEARCHED = (("recompute-only", "recompute-only", False), ("recompute-only + options", "recompute-only", True),
+            ("joint per-block", "ilp", False), ("joint + options", "ilp", True))  # (row, method, in-stage options)
+
+
+@dataclass
+class Row:
+    """One schedule: what it predicts and, trained, what it measured."""
+
+    method: str
+    result: Result
+    step_s: float | None = None
+    spread: float | None = None
+    peak: int | None = None
+    grads: str = "-"
+    error: str | None = None
+
+    @property
+    def predicted_s(self) -> float:
+        return self.result.simulation.makespan_s
+
+
+def measure(chain: Chain, row: Row, args: argparse.Namespace, compare: bool = False) -> dict:
+    """Train ``row``'s schedule, gradients checked; fill in what it measured (and return the
+    ``--compare`` baselines, if asked)."""
+    report, error = train(None, chain, row.result.schedule,
+                          TrainOptions(steps=args.steps, check_grads=True, compare=compare))
+    m = report.measured
+    times = m.step_times_s
+    row.step_s, row.peak, row.error = m.step_s, m.activation_peak_bytes, error
+    row.spread = (max(times) - min(times)) / m.step_s if times and m.step_s else None
+    row.grads = {True: "bit for bit", False: "DIFFER", None: "-"}[report.grads_match]
+    return report.compare or {}
+
+
+def line(peak: int, budget: str, row: Row, planned_link: bool) -> str:
+    pred = row.result.simulation
+    measured = (f"{format_seconds(row.step_s)} ±{100 * row.spread:.0f}% | {format_bytes(row.peak)} "
+                f"({100 * row.peak / peak:.0f}%) | {100 * (row.step_s / row.predicted_s - 1):+.1f}% | {row.grads}"
+                if row.step_s else "| | | " if row.error is None else f"failed: {row.error} | | |")
+    runs = pred.recompute
+    what = (f"{sum(1 for r in runs if r.option)} in part, {sum(1 for r in runs if not r.option)} whole, "
+            f"{len(pred.offloads)} offloaded; {row.result.status}"
+            + ("; link planned, copies measured at memcpy speed" if planned_link and pred.offloads else ""))
+    return (f"| {budget} | {row.method} | {format_seconds(row.predicted_s)} | {format_bytes(pred.peak_bytes)} "
+            f"({100 * pred.peak_bytes / peak:.0f}%) | {measured} | {what} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--budgets", default="20,30,40,50,60,70", help="shares of the no-offload peak, %% (20,...,70)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps of the profile (3)")
+    ap.add_argument("--steps", type=int, default=4, help="steps of each training run (4)")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="of each solve, seconds (30)")
+    ap.add_argument("--bandwidth", type=parse_rate, default=None, metavar="RATE",
+                    help="plan for this link (e.g. 0.5GB/s) instead of the measured one; on a CPU the copies still "
+                         "run at memcpy speed, so the measured steps of schedules that offload are not this link's")
+    ap.add_argument("--no-train", dest="train", action="store_false", help="predictions only")
+    args = ap.parse_args(argv)
+    options = {"layers": args.layers, "width": args.width, "heads": 8, "kv_heads": 2, "seq": args.seq,
+               "vocab": 1000, "dropout": 0.1}
+    platform = given_platform(args.bandwidth, args.bandwidth, 0.0) if args.bandwidth else None
+    chain = profile("llama", ProfileOptions(batch=args.batch, repeats=args.repeats, warmup=1, autocast="bfloat16",
+                                            options=options, platform=platform)).chain
+    peak = no_offload_peak(chain)
+    print(f"Llama {args.layers} layers, width {args.width}, sequence {args.seq}, batch {args.batch}, bf16 autocast, "
+          f"SDPA, attention dropout 0.1; {torch.get_num_threads()} threads, torch {torch.__version__}; link "
+          f"{chain.platform.d2h_bytes_per_s / 1e9:.3g} GB/s" + (" (planned for, not this machine's)" if platform else ""))
+    print(f"no-offload activation peak {format_bytes(peak)}; smallest budget with recomputation no lower than "
+          f"{100 * smallest_feasible_budget(chain, recompute=True) / peak:.1f}% (a bound, options or not)")
+    for i, name in chain.optional:
+        s, o = chain.stage(i), chain.stage(i).option(name)
+        print(f"  stage {i} {s.name}: {name} keeps {format_bytes(o.kept_bytes)} of {format_bytes(s.saved_bytes)}, "
+              f"re-runs {format_seconds(o.recompute_s)} of {format_seconds(s.fwd_s)}")
+    opts = Options(recompute=True, time_limit_s=args.time_limit)
+    reference = Row("none", solve(chain, peak, "none", opts))
+    fixed = [Row(name, solve(chain, 2 * peak, name, opts)) for name in FIXED]
+    torch_sac = {}
+    if args.train:
+        measure(chain, reference, args)
+        for row in fixed:
+            torch_sac = measure(chain, row, args, compare=row.method == "checkpoint-matmuls") or torch_sac
+    print()
+    print("| budget | method | predicted step | predicted peak | measured step ± spread | measured peak | measured / "
+          "predicted | gradients | schedule |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(line(peak, "100%", reference, False), flush=True)
+    sac = torch_sac.get("selective_checkpoint")
+    if sac is not None:
+        print("| | SAC by torch.utils.checkpoint (--compare) | | | "
+              + (f"{format_seconds(sac.step_s)} | {format_bytes(sac.activation_peak_bytes)} "
+                 f"({100 * sac.activation_peak_bytes / peak:.0f}%) | | | |" if sac.step_s else f"failed: {sac.error} | | | | |"))
+    verdicts = []
+    for share in (int(s) for s in args.budgets.split(",")):
+        budget = peak * share // 100
+        rows = [r for r in fixed if r.result.simulation.peak_bytes <= budget]
+        for name, method, in_stage in SEARCHED:
+            try:
+                rows.append(Row(name, solve(chain, budget, method, replace(opts, in_stage=in_stage))))
+            except InfeasibleBudget:
+                print(f"| {share}% | {name} | nothing fits | | | | | | |")
+        for row in rows:
+            if args.train and row.method not in FIXED:
+                measure(chain, row, args)
+            print(line(peak, f"{share}%", row, platform is not None), flush=True)
+        verdicts.append(_verdict(share, rows))
+    print()
+    print("\n".join(verdicts))
+    return 0
+
+
+def _verdict(share: int, rows: list[Row]) -> str:
+    """Whether ``joint + options`` is predicted, and measured within noise, at or below every other row."""
+    ours = next((r for r in rows if r.method == "joint + options"), None)
+    if ours is None:
+        return f"{share}%: nothing of ours fits"
+    others = [r for r in rows if r is not ours]
+    predicted = all(ours.predicted_s <= r.predicted_s * (1 + 1e-9) for r in others)
+    said = f"{share}%: predicted ≤ every other: {predicted}"
+    if ours.step_s is not None:
+        within = [r.method for r in others if r.step_s is not None
+                  and ours.step_s > r.step_s * (1 + max(ours.spread or 0, r.spread or 0))]
+        said += f"; measured ≤ every other within noise: {not within}" + (f" (not: {', '.join(within)})" if within else "")
+    return said
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

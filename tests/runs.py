@@ -2,21 +2,41 @@
 checks the executor tests and the real-model tests share."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
+
+import pytest
 
 from offload.core.encoders import ENCODERS
+from offload.profiler import selective
 from offload.executor.train import TrainOptions, train
 from offload.solver.checkpointing import block_runs, sqrt_runs
 from offload.step.actions import Offload
+from offload.step.chain import EVERY_OTHER_MATMUL, MATMULS
 from offload.step.chainfile import save_chain
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import save_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
+STAND_IN_RATIOS = {MATMULS: 0.5, EVERY_OTHER_MATMUL: 0.75}  # re-run in part over whole, on a device where it pays
+
+
+@contextlib.contextmanager
+def options_paying() -> Iterator[None]:
+    """Profiles in this block time a stage's re-run in part at ``STAND_IN_RATIOS`` of its whole
+    re-run: on this CPU a small block's re-run in part measures no faster than the whole, so
+    the profiler offers no option (docs/profiling.md); the tests of what the options keep,
+    hold and run need the menus a device where they pay would give.  Everything else is
+    measured."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(selective, "rerun_ratios",
+                   lambda runner, candidates: {(k, o): STAND_IN_RATIOS[o] for k, o in candidates})
+        yield
 
 TOLERANCE = 64 * 1024  # bytes a measured op may differ from its prediction (held storages dying mid-stage)
 

@@ -10,16 +10,17 @@ from pathlib import Path
 import pytest
 
 from experiments import bench_executor, bench_overhead, casts, demo, options
-from tests.runs import ROOT
+from tests.runs import ROOT, options_paying
 
 
 def _is_png(path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("model, ways", [("gpt", ()), ("llama", ("offloaded, in part",))])
+@pytest.mark.parametrize("model, ways", [("gpt", ()), ("llama", ("recomputed, whole", "recomputed, in part"))])
 def test_bench_overhead_prints_each_way_against_plain(capsys, model, ways):
-    assert bench_overhead.main(["--model", model, "--layers", "1", "--steps", "1"]) == 0
+    with options_paying():  # the Llama's blocks offer their options (tests/runs.py)
+        assert bench_overhead.main(["--model", model, "--layers", "1", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "saved tensors per step" in out and all(w in out for w in ("plain", "hooks", "offloaded, empty",
                                                                        "offloaded, floor", *ways))
@@ -27,8 +28,9 @@ def test_bench_overhead_prints_each_way_against_plain(capsys, model, ways):
 
 def test_the_options_table_at_a_tiny_size(capsys):
     """Every method at the budget, predicted; the joint schedule with options at or below the rest."""
-    assert options.main(["--layers", "3", "--width", "64", "--seq", "32", "--budgets", "80", "--repeats", "1",
-                         "--time-limit", "5", "--no-train"]) == 0
+    with options_paying():  # the blocks offer their options (tests/runs.py)
+        assert options.main(["--layers", "3", "--width", "64", "--seq", "32", "--budgets", "80", "--repeats", "1",
+                             "--time-limit", "5", "--no-train"]) == 0
     out = capsys.readouterr().out
     assert "keeps" in out and "| 80% | checkpoint-matmuls |" in out and "| 80% | recompute-only + options |" in out
     assert "80%: predicted ≤ every other: True" in out

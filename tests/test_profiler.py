@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from offload.cli import main
+from offload.profiler import selective
 from offload.profiler.selective import _menu
 from offload.core.staging import Site, Staging
 from offload.errors import ModelError
@@ -21,6 +22,7 @@ from offload.profiler.linearize import default_cuts, merge_to, stages_at
 from offload.profiler.measure import StepRunner, measure, spread
 from offload.profiler.profile import ProfileOptions, profile, timing_warnings
 from offload.step.chainfile import chain_from_dict, load_chain
+from tests.runs import options_paying
 
 SMALL = {
     "resnet18": {"image": 32},
@@ -274,19 +276,36 @@ def test_a_users_file_is_found_from_any_directory(user_file, tmp_path, monkeypat
     assert "model file not found: user_model.py" in err and f"profiled from {user_file}, gone too" in err
 
 
+def _tiny_llama():
+    return profile("llama", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options={
+        "layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "seq": 32, "vocab": 64, "dropout": 0.1})).chain
+
+
 def test_a_swiglu_block_has_an_option_between_all_kept_and_all_recomputed():
     """The in-stage menu (issue #33): each decoder block of a Llama (SwiGLU MLP, attention
-    dropout) offers ``matmuls``, which keeps strictly less than its whole unit and re-runs
-    strictly less than its whole forward, and ``every-other-matmul``; the options are in the file."""
-    chain = profile("llama", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options={
-        "layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "seq": 32, "vocab": 64, "dropout": 0.1})).chain
+    dropout) offers ``matmuls``, which keeps strictly less than its whole unit (measured) and
+    re-runs strictly less than its whole forward (on a device where that pays: this CPU's
+    re-runs in part are timed at ``tests.runs.STAND_IN_RATIOS`` of the whole), and
+    ``every-other-matmul``, which keeps less still; the options are in the file."""
+    with options_paying():
+        chain = _tiny_llama()
     blocks = [s for s in chain.stages if s.name.startswith("model.layers.")]
     assert len(blocks) == 2
     for s in blocks:
         assert [o.name for o in s.options] == ["matmuls", "every-other-matmul"]
-        option = s.option("matmuls")
-        assert 0 < option.kept_bytes < s.saved_bytes and 0 < option.recompute_s < s.fwd_s
+        option, half = s.option("matmuls"), s.option("every-other-matmul")
+        assert 0 < half.kept_bytes < option.kept_bytes < s.saved_bytes
+        assert option.recompute_s == pytest.approx(s.fwd_s / 2)
+        assert option.fwd_peak_bytes > 0 and option.rerun_peak_bytes > 0
     assert load_chain_doc(chain) == chain
+
+
+def test_an_option_no_faster_than_the_whole_re_run_is_not_offered(monkeypatch):
+    """Where the re-run in part measures no faster than the whole one (a small block on a CPU,
+    whose dispatch mode costs more than the matmuls it saves), keeping part of the unit only
+    costs memory: the menu is empty."""
+    monkeypatch.setattr(selective, "rerun_ratios", lambda runner, candidates: {c: 1.0 for c in candidates})
+    assert all(not s.options for s in _tiny_llama().stages)
 
 
 def test_timing_spread_is_reported(profiled):

@@ -14,13 +14,14 @@ half the matmuls' bytes for re-running them).  This pass measures each:
   or not: a re-run reads it instead of running them again);
 * ``recompute_s``: ``fwd_s`` (the timed steps' median) times the ratio of the stage's
   re-run with the option to its whole re-run, both timed as the executor replays them
-  (``rerun_ratios``: the fastest of three replays each, a GPU synchronized around each).
+  (``rerun_ratios``: back to back from one recording after an untimed one, in either order
+  over two passes, the faster of each; a GPU synchronized around each).
   Both run the stage's Python code again whole; the option serves the kept ops and re-runs
   the rest under its dispatch mode, which every op passes through (about 11 us per op on
   the development machine's CPU, 124 ops in a Llama block).  A share of the forward's op
-  time would leave the Python and the mode out: on a CPU, where a small block's matmuls
-  take little of its time, the re-run in part measures no faster than the whole, and no
-  option is offered (it would be worse than recomputing the stage whole);
+  time would leave the Python and the mode out: on a CPU a small block's re-run in part
+  measures slower than the whole (width 64: 1.7x), and no option is offered (it would be
+  worse than recomputing the stage whole); at width 1024 it takes 0.35x;
 * ``fwd_peak_bytes``: the stage's forward transient when autograd keeps none of its unit and
   the kept outputs are held, as the executor runs it (the holding pass with ``KeptOutputs``);
 * ``rerun_peak_bytes``: what re-running it from its checkpoint, the kept outputs handed back,
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -106,36 +108,36 @@ def selective_pass(runner: StepRunner, stages: list[StageMeasurement]) -> list[t
         keeping = {k: option for k, menu in menus.items() if option in menu}
         if keeping:
             fwd = holding_pass(runner, None, [], [], keeping=keeping)
-            rerun = _replayed(runner, keeping, metered=True)
-            measured.update({(k, option): (fwd[k - 1].recomputed_fwd_peak_bytes, int(rerun[k])) for k in keeping})
+            rerun = _rerun_peaks(runner, keeping)
+            measured.update({(k, option): (fwd[k - 1].recomputed_fwd_peak_bytes, rerun[k]) for k in keeping})
     return [tuple(StageOption(o, *menus[k][o], *measured[k, o]) for o in OPTIONS if o in menus[k])
             for k in range(1, runner.L + 1)]
 
 
 def rerun_ratios(runner: StepRunner, candidates: list[tuple[int, str]]) -> dict[tuple[int, str], float]:
     """Per ``(stage, option)``, the time of re-running the stage with the option over the time of
-    re-running it whole, each timed as the executor replays it (the fastest of three replays:
-    the first pays what runs once)."""
-    whole = {k for k, _ in candidates}
-    replays: dict[tuple[int, str | None], float] = {}
-    for option in (None, *OPTIONS):
-        stages = {k: option for k in whole if option is None or (k, option) in candidates}
-        if stages:
-            timed = [_replayed(runner, stages, metered=False) for _ in range(3)]
-            replays.update({(k, option): min(t[k] for t in timed) for k in stages})
-    return {(k, o): replays[k, o] / replays[k, None] if replays[k, None] > 0 else 1.0 for k, o in candidates}
+    re-running it whole, both timed as the executor replays them, back to back from the same
+    recording (so both find the same memory and caches), after an untimed one, in either
+    order over two passes; the faster of each."""
+    times: dict[tuple[int, str], list[tuple[float, float]]] = {c: [] for c in candidates}
+    for option in OPTIONS:
+        stages = {k: option for k, o in candidates if o == option}
+        for n in range(2 if stages else 0):
+            for k, pair in _rerun_pairs(runner, stages, whole_first=n % 2 == 0).items():
+                times[k, option].append(pair)
+    return {c: min(p for _, p in t) / min(w for w, _ in t) if min(w for w, _ in t) > 0 else 1.0
+            for c, t in times.items()}
 
 
 class _Replaying(Boundaries):
-    """Records each stage of ``stages`` (stage -> option, ``None``: the whole stage) as the
-    executor records a stage it re-runs: its calls, its input and, re-run in part, its kept
-    ops' outputs."""
+    """Records each stage of ``stages`` (stage -> option) as the executor records a stage it
+    re-runs in part: its calls, its input, its kept ops' outputs."""
 
-    def __init__(self, L: int, tracker: UnitTracker, device: torch.device, stages: dict[int, str | None]) -> None:
+    def __init__(self, L: int, tracker: UnitTracker, device: torch.device, stages: dict[int, str]) -> None:
         super().__init__(L, lambda: None, tracker)
         self.device, self.stages = device, stages
-        self.running: tuple[StageRecorder, KeptOutputs | None, torch.Tensor | None] | None = None
-        self.recorded: dict[int, tuple[StageProgram, KeptOutputs | None, torch.Tensor | None]] = {}
+        self.running: tuple[StageRecorder, KeptOutputs, torch.Tensor | None] | None = None
+        self.recorded: dict[int, tuple[StageProgram, KeptOutputs, torch.Tensor | None]] = {}
 
     def forward_start(self) -> None:
         self._start(1, None)
@@ -143,41 +145,34 @@ class _Replaying(Boundaries):
     def stage_output(self, k: int, x: torch.Tensor) -> None:
         if self.running is not None:
             recorder, kept, checkpoint = self.running
-            self._stop_keeping()
+            kept.__exit__(None, None, None)
+            self.running = None
             self.recorded[k] = (recorder.finish(x), kept, checkpoint)
         self._start(k + 1, x)
 
     def _start(self, k: int, x: torch.Tensor | None) -> None:
         if k in self.stages:
-            kept = KeptOutputs(k, self.stages[k]) if self.stages[k] is not None else None
+            kept = KeptOutputs(k, self.stages[k])
             self.running = (StageRecorder(k, x, self.device, self.tracker.excluded), kept,
                             x.detach() if x is not None else None)
-            if kept is not None:
-                kept.__enter__()
-
-    def _stop_keeping(self) -> None:
-        if self.running[1] is not None:
-            self.running[1].__exit__(None, None, None)
-        self.running = None
+            kept.__enter__()
 
     def close(self) -> None:
         if self.running is not None:
             self.running[0].close()
-            self._stop_keeping()
+            self.running[1].__exit__(None, None, None)
+            self.running = None
 
 
-def _replayed(runner: StepRunner, stages: dict[int, str | None], metered: bool) -> dict[int, float]:
-    """Each stage of ``stages`` (stage -> option, ``None``: whole) recorded in one forward
-    (autograd keeping nothing), then replayed, latest first, from its checkpoint with its
-    kept outputs served, what it saves kept as the executor keeps the rebuilt unit.  Per
-    stage, ``metered``: the most bytes its replay holds over its checkpoint and kept outputs;
-    else its seconds (its Python code, the serving mode and the ops it re-runs; a GPU
-    synchronized around it)."""
+@contextlib.contextmanager
+def _recorded(runner: StepRunner, stages: dict[int, str], meter: Any) -> Iterator[dict]:
+    """Each stage of ``stages`` (stage -> option) recorded in one forward (autograd keeping
+    nothing) as the executor records a stage it re-runs in part: in this block,
+    ``{stage: (program, kept outputs, checkpoint)}``, the batch alive (and ``meter``, if
+    given, entered and tracking what persists)."""
     persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
     tracker = UnitTracker(runner.device, persistent)
     listener = _Replaying(runner.L, tracker, runner.device, stages)
-    meter = make_meter(runner.device) if metered else None
-    out: dict[int, float] = {}
     with meter if meter is not None else contextlib.nullcontext():
         if meter is not None:
             meter.track(persistent)
@@ -190,17 +185,50 @@ def _replayed(runner: StepRunner, stages: dict[int, str | None], metered: bool) 
             finally:
                 listener.close()
             del loss
-            for k in sorted(listener.recorded, reverse=True):
-                program, kept, checkpoint = listener.recorded.pop(k)
-                rebuilt: list[torch.Tensor] = []
-                start = meter.boundary()[1] if meter is not None else _now(runner.device)
-                with kept.serving() if kept is not None else contextlib.nullcontext():
+            yield listener.recorded
+
+
+def _rerun_peaks(runner: StepRunner, stages: dict[int, str]) -> dict[int, int]:
+    """Per stage of ``stages``, the most bytes its re-run with its option holds over its
+    checkpoint and kept outputs, replayed latest first under the meter, what it saves kept as
+    the executor keeps the rebuilt unit."""
+    meter = make_meter(runner.device)
+    peaks: dict[int, int] = {}
+    with _recorded(runner, stages, meter) as recorded:
+        for k in sorted(recorded, reverse=True):
+            program, kept, checkpoint = recorded.pop(k)
+            rebuilt: list[torch.Tensor] = []
+            _, before = meter.boundary()
+            with kept.serving():
+                y = program.run(checkpoint, runner.device, rebuilt.append)
+            peak, _ = meter.boundary()
+            peaks[k] = max(0, peak - before)
+            del program, kept, checkpoint, rebuilt, y
+    meter.close()
+    return peaks
+
+
+def _rerun_pairs(runner: StepRunner, stages: dict[int, str], whole_first: bool) -> dict[int, tuple[float, float]]:
+    """Per stage of ``stages``, the seconds of its re-run whole and with its option, one after
+    the other (``whole_first`` or not) from one recording, after an untimed one: each its
+    Python code, the ops it runs and, with the option, the serving mode (a GPU synchronized
+    around each)."""
+    pairs: dict[int, tuple[float, float]] = {}
+    with _recorded(runner, stages, None) as recorded:
+        for k in sorted(recorded, reverse=True):
+            program, kept, checkpoint = recorded.pop(k)
+            seconds = {}
+            program.run(checkpoint, runner.device, lambda t: None)  # untimed: what a first replay pays once
+            for part in ((False, True) if whole_first else (True, False)):
+                rebuilt: list[torch.Tensor] = []  # what it saves, kept as the executor keeps the rebuilt unit
+                start = _now(runner.device)
+                with kept.serving() if part else contextlib.nullcontext():
                     y = program.run(checkpoint, runner.device, rebuilt.append)
-                out[k] = max(0, meter.boundary()[0] - start) if meter is not None else _now(runner.device) - start
-                del program, kept, checkpoint, rebuilt, y
-    if meter is not None:
-        meter.close()
-    return out
+                seconds[part] = _now(runner.device) - start
+                del y, rebuilt
+            pairs[k] = (seconds[False], seconds[True])
+            del program, kept, checkpoint
+    return pairs
 
 
 def _now(device: torch.device) -> float:

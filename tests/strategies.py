@@ -81,7 +81,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
                                "recompute_s": draw(st.integers(0, round(st_["fwd_s"] * 1000))) / 1000}]
             if draw(st.booleans()):  # measured: its forward and re-run transients
                 st_["options"][0].update(fwd_peak_bytes=draw(st.integers(0, st_["fwd_peak_bytes"] + saved)),
-                                         rerun_peak_bytes=draw(st.integers(0, st_["fwd_peak_bytes"])))
+                                         rerun_peak_bytes=draw(st.integers(0, st_["fwd_peak_bytes"])),
+                                         fwd_s=st_["fwd_s"] + draw(st.integers(0, 3)) / 1000)
     return chain_from_dict({
         "format": "offload-chain/2",
         "name": "random",

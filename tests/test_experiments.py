@@ -17,7 +17,8 @@ def _is_png(path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("model, ways", [("gpt", ()), ("llama", ("recomputed, whole", "recomputed, in part"))])
+@pytest.mark.parametrize("model, ways", [("gpt", ()), pytest.param("llama", ("recomputed, whole", "recomputed, in part"),
+                                                                    marks=pytest.mark.slow)])  # llama: make test-all
 def test_bench_overhead_prints_each_way_against_plain(capsys, model, ways):
     with options_paying():  # the Llama's blocks offer their options (tests/runs.py)
         assert bench_overhead.main(["--model", model, "--layers", "1", "--steps", "1"]) == 0

@@ -295,7 +295,7 @@ def test_a_swiglu_block_has_an_option_between_all_kept_and_all_recomputed():
         assert [o.name for o in s.options] == ["matmuls", "every-other-matmul"]
         option, half = s.option("matmuls"), s.option("every-other-matmul")
         assert 0 < half.kept_bytes < option.kept_bytes < s.saved_bytes
-        assert option.recompute_s == pytest.approx(s.fwd_s / 2)
+        assert option.recompute_s == pytest.approx(s.fwd_s / 2) and option.fwd_s == pytest.approx(1.1 * s.fwd_s)
         assert option.fwd_peak_bytes > 0 and option.rerun_peak_bytes > 0
     assert load_chain_doc(chain) == chain
 
@@ -304,7 +304,7 @@ def test_an_option_no_faster_than_the_whole_re_run_is_not_offered(monkeypatch):
     """Where the re-run in part measures no faster than the whole one (a small block on a CPU,
     whose dispatch mode costs more than the matmuls it saves), keeping part of the unit only
     costs memory: the menu is empty."""
-    monkeypatch.setattr(selective, "rerun_ratios", lambda runner, candidates: {c: 1.0 for c in candidates})
+    monkeypatch.setattr(selective, "rerun_ratios", lambda runner, candidates: {c: (1.0, 1.0) for c in candidates})
     assert all(not s.options for s in _tiny_llama().stages)
 
 

@@ -22,6 +22,9 @@ half the matmuls' bytes for re-running them).  This pass measures each:
   time would leave the Python and the mode out: on a CPU a small block's re-run in part
   measures slower than the whole (width 64: 1.7x), and no option is offered (it would be
   worse than recomputing the stage whole); at width 1024 it takes 0.35x;
+* ``fwd_s``: the stage's forward while the option records what it keeps, ``fwd_s`` times
+  the ratio of a replay under a recording ``KeptOutputs`` to a plain one (timed with the
+  others; at least ``fwd_s``: the mode only adds);
 * ``fwd_peak_bytes``: the stage's forward transient when autograd keeps none of its unit and
   the kept outputs are held, as the executor runs it (the holding pass with ``KeptOutputs``);
 * ``rerun_peak_bytes``: what re-running it from its checkpoint, the kept outputs handed back,
@@ -101,7 +104,7 @@ def selective_pass(runner: StepRunner, stages: list[StageMeasurement]) -> list[t
     candidates = {(k, o): sizes.kept[k - 1][n] for k, s in enumerate(stages, 1) if k < runner.L and s.recomputable
                   for n, o in enumerate(OPTIONS) if 0 < sizes.kept[k - 1][n] < s.saved_bytes}
     ratios = rerun_ratios(runner, list(candidates))
-    menus = {k: _menu({o: (kept, s.fwd_s * ratios[k, o]) for (j, o), kept in candidates.items() if j == k},
+    menus = {k: _menu({o: (kept, s.fwd_s * ratios[k, o][0]) for (j, o), kept in candidates.items() if j == k},
                       s.saved_bytes, s.fwd_s) for k, s in enumerate(stages, 1)}
     measured: dict[tuple[int, str], tuple[int, int]] = {}
     for option in OPTIONS:  # one forward holding and one replaying each option's stages, metered
@@ -110,23 +113,27 @@ def selective_pass(runner: StepRunner, stages: list[StageMeasurement]) -> list[t
             fwd = holding_pass(runner, None, [], [], keeping=keeping)
             rerun = _rerun_peaks(runner, keeping)
             measured.update({(k, option): (fwd[k - 1].recomputed_fwd_peak_bytes, rerun[k]) for k in keeping})
-    return [tuple(StageOption(o, *menus[k][o], *measured[k, o]) for o in OPTIONS if o in menus[k])
-            for k in range(1, runner.L + 1)]
+    return [tuple(StageOption(o, *menus[k][o], *measured[k, o], s.fwd_s * max(1.0, ratios[k, o][1]))
+                  for o in OPTIONS if o in menus[k]) for k, s in enumerate(stages, 1)]
 
 
-def rerun_ratios(runner: StepRunner, candidates: list[tuple[int, str]]) -> dict[tuple[int, str], float]:
-    """Per ``(stage, option)``, the time of re-running the stage with the option over the time of
-    re-running it whole, both timed as the executor replays them, back to back from the same
-    recording (so both find the same memory and caches), after an untimed one, in either
-    order over two passes; the faster of each."""
-    times: dict[tuple[int, str], list[tuple[float, float]]] = {c: [] for c in candidates}
+def rerun_ratios(runner: StepRunner, candidates: list[tuple[int, str]]) -> dict[tuple[int, str], tuple[float, float]]:
+    """Per ``(stage, option)``, over the time of re-running the stage whole: the time of
+    re-running it with the option, and of running it while the option records what it keeps
+    (its forward's share of the mode).  All timed as the executor replays a stage, back to
+    back from the same recording (so each finds the same memory and caches), after an untimed
+    one, in one order and then the reverse; the faster of each."""
+    times: dict[tuple[int, str], list[tuple[float, float, float]]] = {c: [] for c in candidates}
     for option in OPTIONS:
         stages = {k: option for k, o in candidates if o == option}
         for n in range(2 if stages else 0):
-            for k, pair in _rerun_pairs(runner, stages, whole_first=n % 2 == 0).items():
-                times[k, option].append(pair)
-    return {c: min(p for _, p in t) / min(w for w, _ in t) if min(w for w, _ in t) > 0 else 1.0
-            for c, t in times.items()}
+            for k, timed in _rerun_times(runner, stages, reverse=n % 2 == 1).items():
+                times[k, option].append(timed)
+    out = {}
+    for c, t in times.items():
+        whole, part, recording = (min(column) for column in zip(*t))
+        out[c] = (part / whole, recording / whole) if whole > 0 else (1.0, 1.0)
+    return out
 
 
 class _Replaying(Boundaries):
@@ -208,27 +215,28 @@ def _rerun_peaks(runner: StepRunner, stages: dict[int, str]) -> dict[int, int]:
     return peaks
 
 
-def _rerun_pairs(runner: StepRunner, stages: dict[int, str], whole_first: bool) -> dict[int, tuple[float, float]]:
-    """Per stage of ``stages``, the seconds of its re-run whole and with its option, one after
-    the other (``whole_first`` or not) from one recording, after an untimed one: each its
-    Python code, the ops it runs and, with the option, the serving mode (a GPU synchronized
-    around each)."""
-    pairs: dict[int, tuple[float, float]] = {}
+def _rerun_times(runner: StepRunner, stages: dict[int, str], reverse: bool) -> dict[int, tuple[float, float, float]]:
+    """Per stage of ``stages``, the seconds of three replays from one recording, after an
+    untimed one: whole, with its option (the kept ops served), and whole while a fresh
+    ``KeptOutputs`` records (what the option's forward pays); in that order or ``reverse``.
+    Each is the stage's Python code and its ops (a GPU synchronized around each)."""
+    out: dict[int, tuple[float, float, float]] = {}
     with _recorded(runner, stages, None) as recorded:
         for k in sorted(recorded, reverse=True):
             program, kept, checkpoint = recorded.pop(k)
-            seconds = {}
             program.run(checkpoint, runner.device, lambda t: None)  # untimed: what a first replay pays once
-            for part in ((False, True) if whole_first else (True, False)):
+            modes = {"whole": contextlib.nullcontext, "part": kept.serving, "recording": lambda: KeptOutputs(k, stages[k])}
+            seconds = {}
+            for name in reversed(modes) if reverse else modes:
                 rebuilt: list[torch.Tensor] = []  # what it saves, kept as the executor keeps the rebuilt unit
                 start = _now(runner.device)
-                with kept.serving() if part else contextlib.nullcontext():
+                with modes[name]():
                     y = program.run(checkpoint, runner.device, rebuilt.append)
-                seconds[part] = _now(runner.device) - start
+                seconds[name] = _now(runner.device) - start
                 del y, rebuilt
-            pairs[k] = (seconds[False], seconds[True])
-            del program, kept, checkpoint
-    return pairs
+            out[k] = (seconds["whole"], seconds["part"], seconds["recording"])
+            del program, kept, checkpoint, modes
+    return out
 
 
 def _now(device: torch.device) -> float:

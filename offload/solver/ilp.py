@@ -63,7 +63,7 @@ from offload.step.chain import Chain, Encoding
 from offload.step.encoding import apply, encoded_bytes
 from offload.step.events import prefetch_order
 from offload.step.memory import forward_checkpoint, op_memory
-from offload.step.recompute import checkpoint_bytes, forward_peak, rerun_peak, run_op, run_seconds
+from offload.step.recompute import checkpoint_bytes, forward_peak, forward_seconds, rerun_peak, run_op, run_seconds
 from offload.step.simulate import simulate
 
 from .deadline import Deadline
@@ -280,6 +280,10 @@ class Model:
         self.g = {r: self._var(f"recompute_{r.first}_{r.last}" + (f"_{r.option}" if r.option else ""), True)
                   for r in runs}
         self.run_at: dict[int, list[Recompute]] = {}  # n -> runs rebuilt at the start of B_n
+        self.run_of_option: dict[int, list[Recompute]] = {}  # stage -> its runs in part
+        for r in self.g:
+            if r.option:
+                self.run_of_option.setdefault(r.first, []).append(r)
         a = self.chain.a
         self.unbuilt: dict[Recompute, float] = {}  # run -> its checkpoint less its units (model units)
         for r in self.g:
@@ -457,12 +461,15 @@ class Model:
 
     # ------------------------------------------------------------------ times
     def _durations(self) -> None:
-        """Op durations (model units): encoders run at the end of ``Fi``, decoders in ``B(need_i)``."""
+        """Op durations (model units): encoders run at the end of ``Fi``, decoders in ``B(need_i)``;
+        a stage re-run in part records what its option keeps during ``Fi``."""
         L = self.chain.L
         self.fdur: list[_Affine] = [_Affine()]
         self.bdur: list[_Affine] = [_Affine()]
         for j in range(1, L + 1):
             fd = _Affine(self.f[j])
+            for r in self.run_of_option.get(j, ()):  # re-run in part: its forward records what it keeps
+                fd.add(self.g[r], (forward_seconds(self.chain, r, j) - self.chain.f[j]) / self.tau)
             d = self.decided.get(j)
             if d is not None and d.encoding != RAW:
                 fd.add(self.enc[j, d.encoding].encode_s / self.tau)

@@ -97,6 +97,7 @@ class StageOption:
     recompute_s: float
     fwd_peak_bytes: int | None = None  # Fi's transient with the kept outputs held (None: recomputed_fwd_peak + kept)
     rerun_peak_bytes: int | None = None  # the re-run's transient over its checkpoint and kept outputs (None: fwd_peak_bytes)
+    fwd_s: float | None = None  # Fi's time while the option records what it keeps (None: the stage's fwd_s)
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ def _encodings_document(encodings: tuple[Encoding, ...]) -> list[dict]:
 
 def _option_document(o: StageOption) -> dict[str, Any]:
     d: dict[str, Any] = {"name": o.name, "kept_bytes": o.kept_bytes, "recompute_s": o.recompute_s}
-    for key in ("fwd_peak_bytes", "rerun_peak_bytes"):  # absent when not measured: older chains keep their sha256
+    for key in ("fwd_peak_bytes", "rerun_peak_bytes", "fwd_s"):  # absent when not measured: older chains keep their sha256
         if getattr(o, key) is not None:
             d[key] = getattr(o, key)
     return d

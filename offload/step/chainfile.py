@@ -77,7 +77,7 @@ def _options(raw: Any, saved: int, fwd_s: float, ctx: str) -> tuple[StageOption,
     at most the stage's forward."""
     out, names = [], set()
     for octx, o in v.objects(raw, f"{ctx}.options", {"name", "kept_bytes", "recompute_s", "fwd_peak_bytes",
-                                                     "rerun_peak_bytes"}):
+                                                     "rerun_peak_bytes", "fwd_s"}):
         name = v.string(o, "name", octx)
         if name in names:
             raise FormatError(f"{octx}.name {name!r} is used twice in this stage")
@@ -86,7 +86,11 @@ def _options(raw: Any, saved: int, fwd_s: float, ctx: str) -> tuple[StageOption,
         if rerun > fwd_s:
             raise FormatError(f"{octx}.recompute_s ({rerun}) > fwd_s ({fwd_s}): an option re-runs part of the forward")
         peaks = [v.whole(o, key, octx, 0, 2 ** 53) if key in o else None for key in ("fwd_peak_bytes", "rerun_peak_bytes")]
-        out.append(StageOption(name, kept, rerun, *peaks))
+        forward = v.seconds(o, "fwd_s", octx) if "fwd_s" in o else None
+        if forward is not None and forward < fwd_s:
+            raise FormatError(f"{octx}.fwd_s ({forward}) < the stage's fwd_s ({fwd_s}): recording what an option keeps "
+                              "adds to the forward")
+        out.append(StageOption(name, kept, rerun, *peaks, forward))
     return tuple(out)
 
 

@@ -7,7 +7,8 @@ compute stream.  Runs rebuilt at the same op go later stages first.
 
 A run with an in-stage option (``Recompute.option``, docs/model.md, "In-stage options")
 re-runs its one stage in ``recompute_s``: what the option keeps (``kept_bytes``) stays on
-the device with the checkpoint from the end of the stage's forward until the rebuild.
+the device with the checkpoint from the end of the stage's forward until the rebuild, and
+the forward takes the option's ``fwd_s`` (recording what it keeps) where measured.
 """
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ def run_seconds(chain: Chain, run: Recompute) -> float:
     if run.option:
         return float(chain.stage(run.first).option(run.option).recompute_s)
     return float(sum(chain.f[j] for j in run.stages))
+
+
+def forward_seconds(chain: Chain, run: Recompute, j: int) -> float:
+    """Stage ``j``'s forward time in ``run``: an option's, which records what it keeps, where
+    measured; the stage's otherwise."""
+    if run.option:
+        measured = chain.stage(j).option(run.option).fwd_s
+        if measured is not None:
+            return measured
+    return float(chain.f[j])
 
 
 def kept_bytes(chain: Chain, run: Recompute) -> int:

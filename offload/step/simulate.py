@@ -29,7 +29,7 @@ from .chain import Chain
 from .encoding import apply
 from .events import BACKWARD, D2H, FORWARD, H2D, RECOMPUTE, RELEASE, WAIT, StepEvents, step_events
 from .memory import memory_profile, op_name
-from .recompute import run_seconds
+from .recompute import forward_seconds, run_seconds
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,10 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     memory, rebuilt_memory = memory_profile(chain, offloads, runs, kept)
     sub_memory = {j: nbytes for _, j, nbytes in rebuilt_memory}
     L, p = chain.L, chain.platform
-    f, a, fh, bh = chain.f, chain.a, chain.fh, chain.bh
+    a, fh, bh = chain.a, chain.fh, chain.bh
+    f = chain.f.copy()
+    for run in runs:  # a stage re-run in part records what it keeps as its forward runs
+        f[run.first] = forward_seconds(chain, run, run.first)
     b = chain.b.copy()
     b[list(kept)] -= chain.rc[list(kept)]
     d2h_free = h2d_free = 0.0
@@ -210,7 +213,7 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
             copies.append(CopyRecord(i, "H2D", float(s), float(c0), float(h2d_end[i]), int(a[i])))
         elif e.kind == RECOMPUTE:
             for j in e.run.stages:
-                took = run_seconds(chain, e.run) if e.run.option else float(f[j])
+                took = run_seconds(chain, e.run) if e.run.option else float(chain.f[j])
                 recomputes.append(RecomputeRecord(j, 2 * L - o, float(s), float(s + took), sub_memory[j]))
                 s += took
                 rt[o] += took

@@ -14,8 +14,8 @@ half the matmuls' bytes for re-running them).  This pass measures each:
   or not: a re-run reads it instead of running them again);
 * ``recompute_s``: ``fwd_s`` (the timed steps' median) times the ratio of the stage's
   re-run with the option to its whole re-run, both timed as the executor replays them
-  (``rerun_ratios``: back to back from one recording after an untimed one, in either order
-  over two passes, the faster of each; a GPU synchronized around each).
+  (``rerun_ratios``: from one recording, each right after an untimed whole replay, the
+  faster of two passes; a GPU synchronized around each).
   Both run the stage's Python code again whole; the option serves the kept ops and re-runs
   the rest under its dispatch mode, which every op passes through (about 11 us per op on
   the development machine's CPU, 124 ops in a Llama block).  A share of the forward's op
@@ -120,9 +120,8 @@ def selective_pass(runner: StepRunner, stages: list[StageMeasurement]) -> list[t
 def rerun_ratios(runner: StepRunner, candidates: list[tuple[int, str]]) -> dict[tuple[int, str], tuple[float, float]]:
     """Per ``(stage, option)``, over the time of re-running the stage whole: the time of
     re-running it with the option, and of running it while the option records what it keeps
-    (its forward's share of the mode).  All timed as the executor replays a stage, back to
-    back from the same recording (so each finds the same memory and caches), after an untimed
-    one, in one order and then the reverse; the faster of each."""
+    (its forward's share of the mode).  All timed as the executor replays a stage, from one
+    recording (``_rerun_times``), in two passes; the faster of each."""
     times: dict[tuple[int, str], list[tuple[float, float, float]]] = {c: [] for c in candidates}
     for option in OPTIONS:
         stages = {k: option for k, o in candidates if o == option}
@@ -216,18 +215,22 @@ def _rerun_peaks(runner: StepRunner, stages: dict[int, str]) -> dict[int, int]:
 
 
 def _rerun_times(runner: StepRunner, stages: dict[int, str], reverse: bool) -> dict[int, tuple[float, float, float]]:
-    """Per stage of ``stages``, the seconds of three replays from one recording, after an
-    untimed one: whole, with its option (the kept ops served), and whole while a fresh
-    ``KeptOutputs`` records (what the option's forward pays); in that order or ``reverse``.
-    Each is the stage's Python code and its ops (a GPU synchronized around each)."""
+    """Per stage of ``stages``, the seconds of three replays from one recording: with its
+    option (the kept ops served; once, before anything else can serve them), whole, and whole
+    while a fresh ``KeptOutputs`` records (what the option's forward pays), the two whole ones
+    in this order or ``reverse``.  Each comes right after an untimed whole replay: on the
+    development machine a replay that follows a timed one ran up to 4x slower, whatever it
+    ran.  Each is the stage's Python code and its ops (a GPU synchronized around each)."""
     out: dict[int, tuple[float, float, float]] = {}
     with _recorded(runner, stages, None) as recorded:
         for k in sorted(recorded, reverse=True):
             program, kept, checkpoint = recorded.pop(k)
-            program.run(checkpoint, runner.device, lambda t: None)  # untimed: what a first replay pays once
-            modes = {"whole": contextlib.nullcontext, "part": kept.serving, "recording": lambda: KeptOutputs(k, stages[k])}
+            modes = {"part": kept.serving, "whole": contextlib.nullcontext,
+                     "recording": lambda: KeptOutputs(k, stages[k])}
+            order = ["part", *(["recording", "whole"] if reverse else ["whole", "recording"])]
             seconds = {}
-            for name in reversed(modes) if reverse else modes:
+            for name in order:
+                program.run(checkpoint, runner.device, lambda t: None)  # untimed
                 rebuilt: list[torch.Tensor] = []  # what it saves, kept as the executor keeps the rebuilt unit
                 start = _now(runner.device)
                 with modes[name]():

@@ -1,8 +1,9 @@
 """In-stage options against activation checkpointing (issue #33): a bf16 Llama, budgets 20–70%.
 
-    python -m experiments.options                # profile, solve, train: a few minutes here
-    python -m experiments.options --no-train     # predictions only, seconds after the profile
+    python -m experiments.options --bandwidth 0.5GB/s   # profile, solve, train: about 18 minutes here
+    python -m experiments.options --no-train            # predictions only, a few minutes
 
+``make bench`` runs the first (experiments/results/README.md has its table).
 A transformers Llama (SwiGLU, RoPE, GQA, SDPA attention with dropout 0.1) in bf16 autocast,
 profiled once.  Each method solves for each budget (a share of the no-offload activation
 peak); each schedule that fits is trained (``offload train --check-grads``) and its
@@ -99,10 +100,10 @@ def line(peak: int, budget: str, row: Row, planned_link: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--width", type=int, default=1024, help="(1024: on a CPU, smaller blocks get no option)")
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--budgets", default="20,30,40,50,60,70", help="shares of the no-offload peak, %% (20,...,70)")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps of the profile (3)")
     ap.add_argument("--steps", type=int, default=4, help="steps of each training run (4)")

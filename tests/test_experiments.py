@@ -27,6 +27,7 @@ def test_bench_overhead_prints_each_way_against_plain(capsys, model, ways):
                                                                        "offloaded, floor", *ways))
 
 
+@pytest.mark.slow  # a profile and twelve solves: make test-all
 def test_the_options_table_at_a_tiny_size(capsys):
     """Every method at the budget, predicted; the joint schedule with options at or below the rest."""
     with options_paying():  # the blocks offer their options (tests/runs.py)

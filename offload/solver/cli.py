@@ -79,7 +79,7 @@ def print_chain(chain: Chain) -> None:
               "backward (a schedule's run `3:matmuls`)")
         for i, s in enumerate(chain.stages, start=1):
             for o in s.options:
-                print(f"{i:>4} {printable(o.name):<12} keeps {format_bytes(o.kept_bytes):>11} of "
+                print(f"{i:>4} {printable(o.name):<18} keeps {format_bytes(o.kept_bytes):>11} of "
                       f"{format_bytes(s.saved_bytes):<11} re-runs {format_seconds(o.recompute_s):>10} of "
                       f"{format_seconds(s.fwd_s)}")
     print()

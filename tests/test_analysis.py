@@ -121,7 +121,12 @@ def test_cli_refuses_bad_input_without_output(tmp_path, capsys):
 
 
 def test_every_method_has_a_style_of_its_own():
-    """Each method is told apart in a sweep plot (five once shared one dark-grey line)."""
+    """Each method is told apart in a sweep plot (five once shared one dark-grey line), its
+    markers filled: a point not proven optimal is drawn hollow (checkpointing's line-art
+    markers were drawn white on white there)."""
+    from matplotlib.lines import Line2D
+
     from offload.analysis.plots import _STYLE
     assert set(_STYLE) == set(METHODS)
     assert len({(color, str(ls), marker) for color, ls, marker in _STYLE.values()}) == len(_STYLE)
+    assert all(marker in Line2D.filled_markers for _, _, marker in _STYLE.values())

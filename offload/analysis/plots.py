@@ -20,15 +20,16 @@ from .sweep import Row  # noqa: E402
 from .timeline import Timeline  # noqa: E402
 
 # one style per method, stable across figures: the exact and heuristic methods solid, offloading
-# baselines dashed, encodings dash-dotted, recomputation dotted (a test checks every method has one)
+# baselines dashed, encodings dash-dotted, recomputation dotted (a test checks every method has one);
+# filled markers only: a point not proven optimal is drawn hollow (white inside its edge)
 _STYLE = {
     "ilp": ("black", "-", "o"), "relax-lp": ("tab:blue", "-", "s"), "relax-bw": ("tab:cyan", "-", "^"),
     "none": ("tab:gray", ":", "h"), "vdnn-all": ("tab:red", "--", "v"), "vdnn-conv": ("tab:orange", "--", "<"),
     "vdnn-dyn": ("tab:brown", "--", ">"), "layrub": ("tab:purple", "--", "D"), "swap-idle": ("tab:green", "-.", "P"),
     "swap-size-idle": ("olive", "-.", "X"), "save-on-cpu": ("tab:pink", ":", "*"),
     "gist": ("teal", (0, (5, 1, 1, 1)), "d"), "gist-swap": ("darkslateblue", (0, (5, 1, 1, 1)), "p"),
-    "recompute-only": ("darkgoldenrod", (0, (1, 1)), "8"), "checkpoint-sqrt": ("firebrick", (0, (1, 2)), "1"),
-    "checkpoint-blocks": ("darkgreen", (0, (1, 2)), "2"), "checkpoint-matmuls": ("limegreen", (0, (1, 2)), "3"),
+    "recompute-only": ("darkgoldenrod", (0, (1, 1)), "8"), "checkpoint-sqrt": ("firebrick", (0, (1, 2)), "v"),
+    "checkpoint-blocks": ("darkgreen", (0, (1, 2)), "^"), "checkpoint-matmuls": ("limegreen", (0, (1, 2)), "H"),
 }
 
 

@@ -60,6 +60,7 @@ from .measure import Boundaries, StageMeasurement, StepRunner, holding_pass
 
 OPTIONS = (MATMULS, EVERY_OTHER_MATMUL)  # the candidates of each stage's menu
 
+
 class _KeptBytes(TorchDispatchMode):
     """Per stage and option, the bytes of what the option keeps of the stage's forward."""
 

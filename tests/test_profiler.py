@@ -381,6 +381,17 @@ def test_bad_models_get_one_clear_error(model, message, user_file, tmp_path, cap
     assert not out.exists()
 
 
+def test_a_module_name_for_a_file_here_says_to_give_the_file(tmp_path, monkeypatch, capsys):
+    """``mymodels.net:build`` from a directory holding mymodels/net.py: Python imports module names
+    from the installed packages, so the message names the file form that works."""
+    (tmp_path / "mymodels").mkdir()
+    (tmp_path / "mymodels" / "net.py").write_text("def build(batch_size):\n    raise SystemExit\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", "mymodels.net:build", "--batch", "2", "-o", "c.json", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot import module 'mymodels.net'" in err and "give mymodels/net.py:build" in err
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ModelError, match="does not accept"):
         resolve("resnet18", 2, {"depth": 3})

@@ -194,7 +194,10 @@ def _load_function(ref: str) -> Callable[..., Any]:
         try:
             module = importlib.import_module(target)
         except (Exception, SystemExit) as exc:
+            here = Path(*target.split(".")).with_suffix(".py")
             raise ModelError(f"cannot import module {target!r}: {type(exc).__name__}: {exc}",
+                             f"{here} is a file here: give {here}:{fname} (a module name is imported from "
+                             "the installed packages, not the working directory)" if here.is_file() else
                              "check that the package is installed in this environment, or give "
                              "path/to/file.py:function") from exc
     fn = getattr(module, fname, None)

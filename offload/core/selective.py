@@ -54,6 +54,7 @@ def keeps(func: Any, args: tuple, kwargs: dict) -> bool:
 
 
 MATMUL = frozenset(getattr(aten, name) for name in ("mm", "addmm"))  # what every-other-matmul counts
+OPTIONS = (MATMULS, EVERY_OTHER_MATMUL)  # the in-stage options there are rules for: each stage's candidates
 
 
 class KeepRule:
@@ -64,8 +65,8 @@ class KeepRule:
     half the matmuls' outputs for re-running them."""
 
     def __init__(self, option: str) -> None:
-        if option not in (MATMULS, EVERY_OTHER_MATMUL):
-            raise ValueError(f"no in-stage option {option!r} (the executor runs {MATMULS}, {EVERY_OTHER_MATMUL})")
+        if option not in OPTIONS:
+            raise ValueError(f"no in-stage option {option!r} (the executor runs {', '.join(OPTIONS)})")
         self.option, self.matmuls = option, 0
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> bool:
@@ -86,7 +87,7 @@ class KeptOutputs(TorchDispatchMode):
     order; ``serving()`` hands each back to the stage's re-run in place of running the op
     again, and lets go of it: the kept outputs live from the forward to the re-run."""
 
-    def __init__(self, stage: int, option: str = MATMULS) -> None:
+    def __init__(self, stage: int, option: str) -> None:
         super().__init__()
         self.stage, self.option, self.rule = stage, option, KeepRule(option)
         self.outputs: list[tuple[Any, Any] | None] = []  # (op, its output detached), None once served

@@ -51,14 +51,12 @@ from torch.utils._pytree import tree_flatten
 from offload.core.devices import persistent_tensors
 from offload.core.meters import make_meter
 from offload.core.rerun import StageProgram, StageRecorder
-from offload.core.selective import KeepRule, KeptOutputs
+from offload.core.selective import OPTIONS, KeepRule, KeptOutputs
 from offload.core.units import UnitTracker, plain, storage_key
 from offload.models.spec import tensors_in
-from offload.step.chain import EVERY_OTHER_MATMUL, MATMULS, StageOption
+from offload.step.chain import StageOption
 
 from .measure import Boundaries, StageMeasurement, StepRunner, holding_pass
-
-OPTIONS = (MATMULS, EVERY_OTHER_MATMUL)  # the candidates of each stage's menu
 
 
 class _KeptBytes(TorchDispatchMode):

@@ -41,7 +41,7 @@ def block_runs(chain: Chain) -> list[Recompute]:
 
 def matmul_runs(chain: Chain) -> list[Recompute]:
     """``block_runs``, each stage offering ``matmuls`` re-run in part: keeping its matmuls' outputs."""
-    return [Recompute(r.first, r.last, MATMULS if any(o.name == MATMULS for o in chain.stage(r.first).options) else "")
+    return [Recompute(r.first, r.last, MATMULS if (r.first, MATMULS) in chain.optional else "")
             for r in block_runs(chain)]
 
 

@@ -281,13 +281,12 @@ class Model:
                   for r in runs}
         self.run_at: dict[int, list[Recompute]] = {}  # n -> runs rebuilt at the start of B_n
         self.run_of_option: dict[int, list[Recompute]] = {}  # stage -> its runs in part
-        for r in self.g:
-            if r.option:
-                self.run_of_option.setdefault(r.first, []).append(r)
         a = self.chain.a
         self.unbuilt: dict[Recompute, float] = {}  # run -> its checkpoint less its units (model units)
         for r in self.g:
             self.run_at.setdefault(run_op(self.chain, r), []).append(r)
+            if r.option:
+                self.run_of_option.setdefault(r.first, []).append(r)
             self.unbuilt[r] = (checkpoint_bytes(self.chain, r) - int(sum(a[r.first:r.last + 1]))) / self.mu
         for i in range(1, L):
             row = self.recomputed(i)

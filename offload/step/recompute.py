@@ -12,7 +12,7 @@ the forward takes the option's ``fwd_s`` (recording what it keeps) where measure
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 from .actions import Recompute
 from .chain import Chain
@@ -30,14 +30,16 @@ def run_seconds(chain: Chain, run: Recompute) -> float:
     return float(sum(chain.f[j] for j in run.stages))
 
 
+def _measured(chain: Chain, run: Recompute, j: int, key: str) -> Any:
+    """What ``run``'s option measured for stage ``j`` under ``key`` (``None``: no option, or not measured)."""
+    return getattr(chain.stage(j).option(run.option), key) if run.option else None
+
+
 def forward_seconds(chain: Chain, run: Recompute, j: int) -> float:
     """Stage ``j``'s forward time in ``run``: an option's, which records what it keeps, where
     measured; the stage's otherwise."""
-    if run.option:
-        measured = chain.stage(j).option(run.option).fwd_s
-        if measured is not None:
-            return measured
-    return float(chain.f[j])
+    measured = _measured(chain, run, j, "fwd_s")
+    return float(chain.f[j]) if measured is None else measured
 
 
 def kept_bytes(chain: Chain, run: Recompute) -> int:
@@ -54,21 +56,16 @@ def checkpoint_bytes(chain: Chain, run: Recompute) -> int:
 def forward_peak(chain: Chain, run: Recompute, j: int) -> int:
     """Stage ``j``'s forward transient in ``run``: autograd keeps none of its unit; an option
     holds its kept outputs too (measured, or bounded by all of them on top)."""
-    if not run.option:
-        return int(chain.rfp[j])
-    option = chain.stage(j).option(run.option)
-    return option.fwd_peak_bytes if option.fwd_peak_bytes is not None else int(chain.rfp[j]) + option.kept_bytes
+    measured = _measured(chain, run, j, "fwd_peak_bytes")
+    return int(chain.rfp[j]) + kept_bytes(chain, run) if measured is None else measured
 
 
 def rerun_peak(chain: Chain, run: Recompute, j: int) -> int:
     """The transient of re-running stage ``j`` in ``run``, over its checkpoint (and its kept
     outputs): its forward's (an upper bound for an option, whose kept outputs exist already,
     where it was not measured)."""
-    if run.option:
-        measured = chain.stage(j).option(run.option).rerun_peak_bytes
-        if measured is not None:
-            return measured
-    return int(chain.fp[j])
+    measured = _measured(chain, run, j, "rerun_peak_bytes")
+    return int(chain.fp[j]) if measured is None else measured
 
 
 def by_op(chain: Chain, runs: Iterable[Recompute]) -> dict[int, list[Recompute]]:

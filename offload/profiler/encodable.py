@@ -67,20 +67,25 @@ class _Numbering(StageListener):
     def __init__(self, L: int, tracker: UnitTracker) -> None:
         self.L, self.tracker = L, tracker
         self.outputs: set[int] = set()
+        self.roots: list[Any] = []  # each stage's last node: where the walk of its graph starts
 
     def stage_output(self, k: int, x: torch.Tensor) -> None:
         if plain(x):
             self.outputs.add(storage_key(x))
+        if x.grad_fn is not None:
+            self.roots.append(x.grad_fn)
 
     def forward_boundary(self, k: int) -> None:
         if k < self.L:
             self.tracker.stage = k + 1
 
 
-def _readers(root: Any) -> dict[int, set[tuple[str, str]]]:
-    """Storage key -> the (node type, attribute) pairs that saved it, over the whole graph."""
+def _readers(roots: list[Any]) -> dict[int, set[tuple[str, str]]]:
+    """Storage key -> the (node type, attribute) pairs that saved it, over the graph below
+    ``roots``.  (The loss's node alone is not enough: on torch 2.11 the walk ended at the
+    first stage boundary's node, so the walk starts from every stage's output too.)"""
     found: dict[int, set[tuple[str, str]]] = {}
-    seen, todo = set(), [root]
+    seen, todo = set(), list(roots)
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
@@ -144,7 +149,8 @@ def encodings_pass(runner: StepRunner) -> list[list[SavedStorage]]:
     with runner.batch() as (args, kwargs):
         tracker.exclude(tensors_in((args, kwargs)))
         loss = runner.forward(args, kwargs, numbering, pack)
-        readers = _readers(loss.grad_fn)
+        readers = _readers([loss.grad_fn, *numbering.roots])
+        numbering.roots.clear()
         for key, (saved, t) in tensors.items():
             flat = flat_storage(t)
             stored = SavedStorage(saved.index, saved.nbytes, key in numbering.outputs, readers.get(key, set()))

@@ -2,8 +2,10 @@
 
 A conv net, an fp32 transformer and a bf16-autocast transformer, each profiled on the
 device, then solved and trained at 30%, 50% and 70% of its no-offload activation peak in
-three ways: offloading only (``ilp``), recomputation and offloading jointly (``ilp
---recompute``) and per-block activation checkpointing (``checkpoint-blocks``); and once per
+four ways: offloading only (``ilp``), recomputation and offloading jointly (``ilp
+--recompute``), per-block activation checkpointing (``checkpoint-blocks``) and our op-level
+checkpointing (``checkpoint-matmuls``: each block keeps its matmul outputs where the profile
+measured that option to pay); and once per
 model the same steps without offloading, under ``torch.autograd.graph.save_on_cpu`` and
 with op-level selective checkpointing of the blocks (matmul outputs saved, the rest
 recomputed: ``offload.core.selective``) (the user's alternatives: no budget, their peak is
@@ -35,6 +37,7 @@ import platform as pyplatform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -81,7 +84,8 @@ SETS = {
     ],
 }
 SHARES = (0.3, 0.5, 0.7)
-WAYS = {"offload": ("ilp", False), "joint": ("ilp", True), "checkpoint": ("checkpoint-blocks", False)}
+WAYS = {"offload": ("ilp", False), "joint": ("ilp", True), "checkpoint": ("checkpoint-blocks", False),
+        "matmuls": ("checkpoint-matmuls", False)}
 FIELDS = ["model", "share", "way", "solver_status", "budget_bytes", "predicted_step_s", "measured_step_s", "step_error",
           "predicted_peak_bytes", "measured_peak_bytes", "within_budget", "copy_overlap", "predicted_overlap",
           "grads_match", "grads_within_noise", "exit", "d2h_bytes_per_step", "detail"]
@@ -121,20 +125,19 @@ def row(model: Model, share: float | str, way: str, report: Report | None, error
             "d2h_bytes_per_step": m.d2h_bytes_per_step, "detail": str(error or check_error or "")}
 
 
-def bench_model(model: Model, device: str, out: Path, args: argparse.Namespace) -> list[dict]:
-    """Profile once; every share and way; the baselines once.  Rows of the summary."""
+def bench_model(model: Model, device: str, out: Path, args: argparse.Namespace) -> Iterator[dict]:
+    """Profile once; every share and way; the baselines once.  Rows of the summary, each as soon as it is
+    measured (a run stopped at a time limit keeps what it measured)."""
     chain = profile(model.name, ProfileOptions(batch=model.batch, device=device, repeats=args.repeats,
                                                options=model.options, autocast=model.autocast)).chain
     save_chain(chain, out / f"{model.tag}-chain.json")
     peak = no_offload_peak(chain)
-    rows = []
     for share in args.shares:
         for way in args.ways:
-            rows.append(_cell(model, chain, share, way, int(share * peak), device, out, args))
+            yield _cell(model, chain, share, way, int(share * peak), device, out, args)
             release(device)
-    rows += _baselines(model, chain, device, out, args)
+    yield from _baselines(model, chain, device, out, args)
     release(device)
-    return rows
 
 
 def release(device: str) -> None:
@@ -237,14 +240,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"no model of the set is in {args.models}")
     out = args.out or RESULTS / f"executor-{device}"
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[dict] = []
     for model in todo:
         print(f"{model.tag}: profiling, then {len(args.shares) * len(args.ways)} runs and the baselines",
               file=sys.stderr, flush=True)
-        rows += bench_model(model, device, out, args)
-    write_csv(out / "summary.csv", rows, FIELDS)
-    table = markdown(rows, machine_name(device))
-    write_atomic(out / "summary.md", lambda fh: fh.write(table))
+        for r in bench_model(model, device, out, args):
+            rows.append(r)
+            print(f"  {r['model']} {r['share']} {r['way']}: exit {r.get('exit', '-')}", file=sys.stderr, flush=True)
+            write_csv(out / "summary.csv", rows, FIELDS)
+            table = markdown(rows, machine_name(device))
+            write_atomic(out / "summary.md", lambda fh: fh.write(table))
     print(table)
     print(f"wrote {out / 'summary.csv'} and {out / 'summary.md'}")
     return 0

@@ -60,6 +60,9 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
                               recast_s=draw(st.integers(0, stages[-1]["bwd_s"] * 1000)) / 1000)
         if host:
             stages[-1].update(fwd_host_s=draw(st.integers(0, 15)) / 1000, bwd_host_s=draw(st.integers(0, 25)) / 1000)
+            if inputs and draw(st.booleans()):  # the executor's recording and re-run, measured
+                stages[-1].update(recording_host_s=draw(st.integers(0, 5)) / 1000,
+                                  rerun_host_s=draw(st.integers(0, 20)) / 1000)
         if saved and i + 2 <= L and draw(st.integers(0, 3)) == 0:  # part held by the model's own code
             stages[-1].update(held_bytes=draw(st.integers(1, saved)), held_until=draw(st.integers(i + 2, L)))
         if inputs:

@@ -406,3 +406,26 @@ def test_a_menu_holds_the_pareto_front_between_keeping_and_recomputing():
     candidates = {"a": (10, 1.0), "b": (20, 0.5), "dominated": (20, 1.0), "keeps nothing": (0, 0.2),
                   "keeps it all": (100, 0.1), "re-runs it all": (5, 1.5)}
     assert _menu(candidates, 100, 1.5) == {"a": (10, 1.0), "b": (20, 0.5)}
+
+
+def test_replays_are_timed_as_the_executor_replays_them():
+    """The re-runs' host time (on CUDA in the chain, ``profiler.replays``): every stage asked
+    for is recorded, replayed and timed; the host's intervals line up with the stages (one
+    per stage but the last); on a CPU recording costs the host nothing apart (its ops run as
+    issued), and the chain gets neither."""
+    from offload.profiler import replays
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+    spec = ModelSpec(module, (torch.randn(8, 16),), {}, lambda out: out.square().mean())
+    args, kwargs = spec.batch()
+    cap = capture(module, lambda: spec.loss(module(*args)), (args, kwargs))
+    stages = stages_at(cap, default_cuts(cap))
+    runner = StepRunner(Staging(module, stages.cuts), spec, torch.device("cpu"), "sgd")
+    L = stages.L
+    assert L >= 3
+    assert len(replays._forward_host(runner, {})) == L - 1
+    rerun, recording = replays.host_seconds(runner, list(range(1, L)))
+    assert sorted(rerun) == sorted(recording) == list(range(1, L))
+    assert all(t > 0 for t in rerun.values()) and set(recording.values()) == {0.0}
+    runner.staging.remove()

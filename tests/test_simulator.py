@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 
 from offload.errors import ScheduleRejected
-from offload.step.actions import Offload
+from offload.step.actions import Offload, Recompute
 from offload.step.budget import Budget
 from offload.step.chainfile import chain_from_dict
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
@@ -95,3 +95,17 @@ def test_an_op_ends_no_earlier_than_the_host_has_issued_it():
     assert sim.host_wait_s == pytest.approx(4 * 0.5) and sim.stall_s == 0
     moved = simulate(chain, [Offload(1, 2, 2)])
     assert moved.copies[0].issue == 1.5  # as F1 ends, not when its kernels would have on an idle host
+
+
+def test_a_recomputed_stage_costs_the_host_its_recording_and_its_rerun():
+    """Stage 2 recomputed on a host that issues every op in 0.5 s: recording F2 costs the host
+    3 s more (F2 ends at 4, not 2, and the rest of the forward follows), and issuing its re-run
+    8 s (B2 waits for the host until 14.5, where the device would have ended it at 13)."""
+    doc = chain_doc()
+    for s in doc["stages"]:
+        s.update(fwd_host_s=0.5, bwd_host_s=0.5)
+    doc["stages"][1].update(input_bytes=10, recording_host_s=3.0, rerun_host_s=8.0)
+    chain = chain_from_dict(doc)
+    sim = simulate(chain, [], recompute=[Recompute(2, 2)])
+    assert list(sim.end) == [1.0, 4.0, 5.0, 6.0, 8.0, 10.0, 14.5, 16.5]
+    assert simulate(chain, []).makespan_s == 12.0  # kept: nothing recorded, nothing re-run

@@ -37,6 +37,7 @@ from .capture import Capture, capture
 from .encodable import encodings_pass, stage_encodings
 from .linearize import Stages, default_cuts, merge_to, stages_at
 from .measure import Measurement, StepRunner, measure, spread
+from . import replays
 from .selective import selective_pass
 
 SPREAD_WARNING = 0.2  # timed repeats that disagree by more than this share of their median
@@ -144,16 +145,21 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
             tick("encodings")
         options = selective_pass(runner, result.stages)
         tick("in-stage options")
+        again = [k for k, s in enumerate(result.stages, 1) if k < stages.L and s.recomputable]
+        rerun_host, recording_host = replays.host_seconds(runner, again) if device.type == "cuda" else ({}, {})
+        tick("re-runs' host time")
         runner.staging.remove()
     plat = opts.platform or measure_platform(device)
     tick("platform")
-    chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, options, turned_off)
+    chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, options, turned_off,
+                      rerun_host, recording_host)
     return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, spec.module) + timing_warnings(result))
 
 
 def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: Stages, m: Measurement,
               plat: Platform, spec: ModelSpec, encodings: list[tuple[Encoding, ...]],
-              options: list[tuple[StageOption, ...]], turned_off: bool) -> Chain:
+              options: list[tuple[StageOption, ...]], turned_off: bool, rerun_host: dict[int, float],
+              recording_host: dict[int, float]) -> Chain:
     steps = sorted(m.step_s)
     ref = file_reference(model)
     source: dict[str, Any] = {
@@ -183,9 +189,10 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                   recomputable=s.recomputable, carry_bytes=s.carry_bytes, bwd_start_bytes=s.bwd_start_bytes,
                   recomputed_fwd_peak_bytes=s.recomputed_fwd_peak_bytes if s.recomputable else None,
                   input_carried_bytes=s.input_carried_bytes, input_held_bytes=s.input_held_bytes,
-                  fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s,
+                  fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s, rerun_host_s=rerun_host.get(k, 0.0),
+                  recording_host_s=recording_host.get(k, 0.0),
                   cast_bytes=s.cast_bytes, recast_s=min(s.recast_s, s.bwd_s) if s.cast_bytes else 0.0, options=opt)
-            for info, s, enc, opt in zip(stages.stages, m.stages, encodings, options)]
+            for k, (info, s, enc, opt) in enumerate(zip(stages.stages, m.stages, encodings, options), 1)]
     return make_chain(opts.name or f"{_model_label(model)}-b{opts.batch}", rows, plat, m.base_bytes, source, recipe,
                       m.workspace_bytes)
 

@@ -41,8 +41,6 @@ stage, and the executor runs it (``offload.core.selective.KeptOutputs``).
 from __future__ import annotations
 
 import contextlib
-import time
-from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,13 +48,12 @@ from torch.utils._pytree import tree_flatten
 
 from offload.core.devices import persistent_tensors
 from offload.core.meters import make_meter
-from offload.core.rerun import StageProgram, StageRecorder
 from offload.core.selective import OPTIONS, KeepRule, KeptOutputs
 from offload.core.units import UnitTracker, plain, storage_key
-from offload.models.spec import tensors_in
 from offload.step.chain import StageOption
 
 from .measure import Boundaries, StageMeasurement, StepRunner, holding_pass
+from .replays import now, recorded
 
 
 class _KeptBytes(TorchDispatchMode):
@@ -134,74 +131,15 @@ def rerun_ratios(runner: StepRunner, candidates: list[tuple[int, str]]) -> dict[
     return out
 
 
-class _Replaying(Boundaries):
-    """Records each stage of ``stages`` (stage -> option) as the executor records a stage it
-    re-runs in part: its calls, its input, its kept ops' outputs."""
-
-    def __init__(self, L: int, tracker: UnitTracker, device: torch.device, stages: dict[int, str]) -> None:
-        super().__init__(L, lambda: None, tracker)
-        self.device, self.stages = device, stages
-        self.running: tuple[StageRecorder, KeptOutputs, torch.Tensor | None] | None = None
-        self.recorded: dict[int, tuple[StageProgram, KeptOutputs, torch.Tensor | None]] = {}
-
-    def forward_start(self) -> None:
-        self._start(1, None)
-
-    def stage_output(self, k: int, x: torch.Tensor) -> None:
-        if self.running is not None:
-            recorder, kept, checkpoint = self.running
-            kept.__exit__(None, None, None)
-            self.running = None
-            self.recorded[k] = (recorder.finish(x), kept, checkpoint)
-        self._start(k + 1, x)
-
-    def _start(self, k: int, x: torch.Tensor | None) -> None:
-        if k in self.stages:
-            kept = KeptOutputs(k, self.stages[k])
-            self.running = (StageRecorder(k, x, self.device, self.tracker.excluded), kept,
-                            x.detach() if x is not None else None)
-            kept.__enter__()
-
-    def close(self) -> None:
-        if self.running is not None:
-            self.running[0].close()
-            self.running[1].__exit__(None, None, None)
-            self.running = None
-
-
-@contextlib.contextmanager
-def _recorded(runner: StepRunner, stages: dict[int, str], meter: Any) -> Iterator[dict]:
-    """Each stage of ``stages`` (stage -> option) recorded in one forward (autograd keeping
-    nothing) as the executor records a stage it re-runs in part: in this block,
-    ``{stage: (program, kept outputs, checkpoint)}``, the batch alive (and ``meter``, if
-    given, entered and tracking what persists)."""
-    persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
-    tracker = UnitTracker(runner.device, persistent)
-    listener = _Replaying(runner.L, tracker, runner.device, stages)
-    with meter if meter is not None else contextlib.nullcontext():
-        if meter is not None:
-            meter.track(persistent)
-        with runner.batch() as (args, kwargs):
-            tracker.exclude(tensors_in((args, kwargs)))
-            if meter is not None:
-                meter.track(tensors_in((args, kwargs)))
-            try:
-                loss = runner.forward(args, kwargs, listener, lambda t: None)  # nothing saved: no backward
-            finally:
-                listener.close()
-            del loss
-            yield listener.recorded
-
-
 def _rerun_peaks(runner: StepRunner, stages: dict[int, str]) -> dict[int, int]:
     """Per stage of ``stages``, the most bytes its re-run with its option holds over its
     checkpoint and kept outputs, replayed latest first under the meter, what it saves kept as
     the executor keeps the rebuilt unit."""
     meter = make_meter(runner.device)
     peaks: dict[int, int] = {}
-    with _recorded(runner, stages, meter) as recorded:
-        for k in sorted(recorded, reverse=True):
-            program, kept, checkpoint = recorded.pop(k)
+    with recorded(runner, stages, meter) as programs:
+        for k in sorted(programs, reverse=True):
+            program, kept, checkpoint = programs.pop(k)
             rebuilt: list[torch.Tensor] = []
             _, before = meter.boundary()
             with kept.serving():
@@ -221,9 +159,9 @@ def _rerun_times(runner: StepRunner, stages: dict[int, str], reverse: bool) -> d
     development machine a replay that follows a timed one ran up to 4x slower, whatever it
     ran.  Each is the stage's Python code and its ops (a GPU synchronized around each)."""
     out: dict[int, tuple[float, float, float]] = {}
-    with _recorded(runner, stages, None) as recorded:
-        for k in sorted(recorded, reverse=True):
-            program, kept, checkpoint = recorded.pop(k)
+    with recorded(runner, stages) as programs:
+        for k in sorted(programs, reverse=True):
+            program, kept, checkpoint = programs.pop(k)
             modes = {"part": kept.serving, "whole": contextlib.nullcontext,
                      "recording": lambda: KeptOutputs(k, stages[k])}
             order = ["part", *(["recording", "whole"] if reverse else ["whole", "recording"])]
@@ -231,18 +169,11 @@ def _rerun_times(runner: StepRunner, stages: dict[int, str], reverse: bool) -> d
             for name in order:
                 program.run(checkpoint, runner.device, lambda t: None)  # untimed
                 rebuilt: list[torch.Tensor] = []  # what it saves, kept as the executor keeps the rebuilt unit
-                start = _now(runner.device)
+                start = now(runner.device)
                 with modes[name]():
                     y = program.run(checkpoint, runner.device, rebuilt.append)
-                seconds[name] = _now(runner.device) - start
+                seconds[name] = now(runner.device) - start
                 del y, rebuilt
             out[k] = (seconds["whole"], seconds["part"], seconds["recording"])
             del program, kept, checkpoint, modes
     return out
-
-
-def _now(device: torch.device) -> float:
-    """The host clock, once the device has done what it was given."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

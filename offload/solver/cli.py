@@ -102,6 +102,12 @@ def print_chain(chain: Chain) -> None:
         _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (no stall; the device's op times add up "
               f"to {format_seconds(device)}, the host's time to issue them to {format_seconds(host)}, slower than "
               f"the device in {slower} of {2 * chain.L} ops: recomputing there costs host time)")
+        if chain.rech.any() or any(s.rerun_host_s for s in chain.stages):
+            again = sorted(chain.recomputable)
+            _line("re-runs", f"the host issues the executor's re-run of the {len(again)} recomputable stages in "
+                  f"{format_seconds(float(chain.rh[again].sum()))} (their forwards: "
+                  f"{format_seconds(float(chain.fh[again].sum()))}) and records them as they run for "
+                  f"{format_seconds(float(chain.rech[again].sum()))} more")
     else:
         _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times"
               + (", no weight cast made again)" if chain.castable else ")"))

@@ -315,6 +315,13 @@ class Model:
         """1 if stage ``i`` is in a recomputed run."""
         return _affine(*((v, 1.0) for r, v in self.g.items() if r.first <= i <= r.last))
 
+    def forward_host(self, j: int) -> _Affine:
+        """The host's time to issue ``Fj`` (model units): recording it for a re-run costs more."""
+        out = _Affine(float(self.chain.fh[j]) / self.tau)
+        if self.chain.rech[j]:
+            out.add(self.recomputed(j), float(self.chain.rech[j]) / self.tau)
+        return out
+
     def chosen(self, i: int, o: str) -> _Form:
         """1 if unit ``i`` is stored with option ``o``."""
         if i in self.decided:
@@ -500,18 +507,20 @@ class Model:
         self.w: list[_Form] = [0.0] + [self._var(f"w{j}") for j in range(1, L + 1)]
         self.d: dict[int, pulp.LpVariable] = {}
         prev = None
-        issued = np.cumsum(self.chain.fh) / self.tau  # when the host has issued F_j: F_j ends no earlier
+        issued = _Affine()  # when the host has issued F_j: F_j ends no earlier
         for j in range(1, L + 1):
+            issued.add(self.forward_host(j))
             end_f = _affine((self.w[j - 1], 1.0), (self.fdur[j], 1.0))
             self._row(f"forward_{j}", _affine((self.w[j], 1.0)).add(end_f, -1.0), ">=")
-            if issued[j] > 0:
-                self._row(f"forward_host_{j}", _affine((self.w[j], 1.0)), ">=", issued[j])
+            host = issued.const > 0 or issued.terms
+            if host:
+                self._row(f"forward_host_{j}", _affine((self.w[j], 1.0)).add(issued, -1.0), ">=")
             if not self._moves(j):
                 continue
             v = self.d[j] = self._var(f"d{j}")
             self._row(f"d2h_after_F{j}", _affine((v, 1.0)).add(end_f, -1.0).add(self.moved_d2h(j), -1.0), ">=")
-            if issued[j] > 0:
-                self._row(f"d2h_host_{j}", _affine((v, 1.0)).add(self.moved_d2h(j), -1.0), ">=", issued[j])
+            if host:
+                self._row(f"d2h_host_{j}", _affine((v, 1.0)).add(self.moved_d2h(j), -1.0).add(issued, -1.0), ">=")
             if prev is not None:
                 self._row(f"d2h_fifo_{j}", _affine((v, 1.0), (self.d[prev], -1.0)).add(self.moved_d2h(j), -1.0), ">=")
             prev = j
@@ -536,14 +545,16 @@ class Model:
         h2d_total = sum(self._max_h2d(i) for i in range(1, L + 1))
         slots = self._slots()
         span, clock = 0.0, None  # span: bound on (H2D clock - issue time) within the current group
-        fh, bh = self.chain.fh, self.chain.bh
-        host = _Affine(float(fh.sum()) / self.tau)  # when the host has issued B_k: B_k ends no earlier
+        bh, rh = self.chain.bh, self.chain.rh
+        host = _Affine()  # when the host has issued B_k: B_k ends no earlier
+        for j in range(1, L + 1):
+            host.add(self.forward_host(j))
         for k in range(L, 0, -1):
             start = _affine((self.s[k], 1.0)).add(self.issue[k], -1.0)
             host.add(float(bh[k]) / self.tau)
             for r in self.run_at.get(k, ()):  # rebuilt after the prefetches are issued
                 start.add(self.g[r], -run_seconds(self.chain, r) / self.tau)
-                host.add(self.g[r], float(fh[r.first:r.last + 1].sum()) / self.tau)
+                host.add(self.g[r], float(rh[r.first:r.last + 1].sum()) / self.tau)
             self._row(f"backward_{k}", start, ">=")
             if host.const > 0 or host.terms:
                 self._row(f"backward_host_{k}", _affine((self.s[k], 1.0), (self.bdur[k], 1.0)).add(host, -1.0), ">=")

@@ -124,6 +124,8 @@ class Stage:
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
     fwd_host_s: float = 0.0  # host time to issue Fi's kernels (CUDA; 0: the device is never waiting for the host)
     bwd_host_s: float = 0.0  # the same for Bi
+    recording_host_s: float = 0.0  # host time Fi adds while the executor records it for a re-run (CUDA)
+    rerun_host_s: float = 0.0  # host time to issue the executor's re-run of Fi (CUDA; 0: fwd_host_s)
     options: tuple[StageOption, ...] = ()  # in-stage options, measured: a recomputed run may choose one
     cast_bytes: int = 0  # weight casts (autocast) Fi makes and Bi reads: dropped and made again unless kept ...
     recast_s: float = 0.0  # ... what making them again costs Bi (part of bwd_s): docs/model.md, "Weight casts"
@@ -132,6 +134,11 @@ class Stage:
     def recomputed_fwd_peak(self) -> int:
         """``Fi``'s transient when its unit is recomputed: its saved tensors die as its code drops them."""
         return self.fwd_peak_bytes if self.recomputed_fwd_peak_bytes is None else self.recomputed_fwd_peak_bytes
+
+    @property
+    def rerun_host(self) -> float:
+        """The host's time to issue a re-run of ``Fi``: measured, else ``Fi``'s own."""
+        return self.rerun_host_s or self.fwd_host_s
 
     @property
     def carried(self) -> int:
@@ -241,6 +248,8 @@ def _stage_document(s: Stage) -> dict:
         d["recomputed_fwd_peak_bytes"] = s.recomputed_fwd_peak_bytes
     if s.fwd_host_s or s.bwd_host_s:  # absent otherwise: chains from before the host lane keep their sha256
         d.update(fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s)
+    if s.recording_host_s or s.rerun_host_s:  # likewise: chains from before these were measured
+        d.update(recording_host_s=s.recording_host_s, rerun_host_s=s.rerun_host_s)
     if s.options:  # absent otherwise: chains from before the options keep their sha256
         d["options"] = [_option_document(o) for o in s.options]
     if s.cast_bytes:  # absent otherwise: chains from before the choice keep their sha256
@@ -292,6 +301,8 @@ class Chain:
     xh = _column("input_held_bytes")
     fh = _column("fwd_host_s", np.float64)
     bh = _column("bwd_host_s", np.float64)
+    rech = _column("recording_host_s", np.float64)
+    rh = _column("rerun_host", np.float64)
     cb = _column("cast_bytes")
     rc = _column("recast_s", np.float64)
 

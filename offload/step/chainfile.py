@@ -30,7 +30,7 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "held_bytes", "held_until", "input_bytes", "recomputable",
                "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes",
                "input_carried_bytes", "input_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
-               "options"}
+               "options", "recording_host_s", "rerun_host_s"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
@@ -162,6 +162,8 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                                             if "recomputed_fwd_peak_bytes" in s else None),
                  fwd_host_s=v.seconds(s, "fwd_host_s", ctx) if "fwd_host_s" in s else 0.0,
                  bwd_host_s=v.seconds(s, "bwd_host_s", ctx) if "bwd_host_s" in s else 0.0,
+                 recording_host_s=v.seconds(s, "recording_host_s", ctx) if "recording_host_s" in s else 0.0,
+                 rerun_host_s=v.seconds(s, "rerun_host_s", ctx) if "rerun_host_s" in s else 0.0,
                  cast_bytes=v.nbytes(s, "cast_bytes", ctx) if "cast_bytes" in s else 0, recast_s=recast)
 
 

@@ -9,10 +9,16 @@ A run with an in-stage option (``Recompute.option``, docs/model.md, "In-stage op
 re-runs its one stage in ``recompute_s``: what the option keeps (``kept_bytes``) stays on
 the device with the checkpoint from the end of the stage's forward until the rebuild, and
 the forward takes the option's ``fwd_s`` (recording what it keeps) where measured.
+
+On a GPU the host's share (docs/model.md, "The host's share"): a recomputed stage's forward
+costs the host ``recording_host_s`` more (the executor records its calls), and its re-run
+``rerun_host_s`` (the executor's replay, measured; the forward's ``fwd_host_s`` where not).
 """
 from __future__ import annotations
 
 from typing import Any, Iterable
+
+import numpy as np
 
 from .actions import Recompute
 from .chain import Chain
@@ -28,6 +34,15 @@ def run_seconds(chain: Chain, run: Recompute) -> float:
     if run.option:
         return float(chain.stage(run.first).option(run.option).recompute_s)
     return float(sum(chain.f[j] for j in run.stages))
+
+
+def recording_host(chain: Chain, runs: Iterable[Recompute]) -> np.ndarray:
+    """Per stage (index 0 unused), the host time its forward adds because ``runs`` re-run it:
+    the executor records a recomputed stage's calls as it runs (``recording_host_s``)."""
+    out = np.zeros(chain.L + 1)
+    for run in runs:
+        out[list(run.stages)] = chain.rech[list(run.stages)]
+    return out
 
 
 def _measured(chain: Chain, run: Recompute, j: int, key: str) -> Any:

@@ -7,9 +7,10 @@ for that unit's D2H copy, an ``H2D`` is issued then (no earlier than its own D2H
 a ``RECOMPUTE`` re-runs its run's forward ops (an in-stage option the ops it re-runs), a ``WAIT`` waits for that unit's H2D copy.
 A ``D2H`` is issued as its forward op ends.  Copies run one at a time per direction, in
 issue order.  On a GPU the host issues the kernels: a second clock adds up each op's host
-time (``fwd_host_s``/``bwd_host_s``, and a recomputed stage's forward host time again), and
-an op cannot end before the host has issued it (its end is the later of the device's and
-the host's; the host never waits for the device within a step).  Memory per op is ``memory``'s (it depends on the actions alone).  Encoded
+time (``fwd_host_s``/``bwd_host_s``; a recomputed stage's ``Fi`` adds what recording it
+costs, ``recording_host_s``, and its re-run takes ``rerun_host_s``), and an op cannot end
+before the host has issued it (its end is the later of the device's and the host's; the
+host never waits for the device within a step).  Memory per op is ``memory``'s (it depends on the actions alone).  Encoded
 units are replayed on the derived chain of ``encoding.apply``, whose op times include the
 encoders and decoders (``ENCODE`` and ``DECODE`` take no time of their own).  A stage whose
 weight casts are kept runs ``Bi`` without recasting them (``recast_s`` less).
@@ -29,7 +30,7 @@ from .chain import Chain
 from .encoding import apply
 from .events import BACKWARD, D2H, FORWARD, H2D, RECOMPUTE, RELEASE, WAIT, StepEvents, step_events
 from .memory import memory_profile, op_name
-from .recompute import forward_seconds, run_seconds
+from .recompute import forward_seconds, recording_host, run_seconds
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     memory, rebuilt_memory = memory_profile(chain, offloads, runs, kept)
     sub_memory = {j: nbytes for _, j, nbytes in rebuilt_memory}
     L, p = chain.L, chain.platform
-    a, fh, bh = chain.a, chain.fh, chain.bh
+    a, bh = chain.a, chain.bh
+    fh = chain.fh + recording_host(chain, runs)
     f = chain.f.copy()
     for run in runs:  # a stage re-run in part records what it keeps as its forward runs
         f[run.first] = forward_seconds(chain, run, run.first)
@@ -217,7 +219,7 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
                 recomputes.append(RecomputeRecord(j, 2 * L - o, float(s), float(s + took), sub_memory[j]))
                 s += took
                 rt[o] += took
-                h += fh[j]
+                h += chain.rh[j]
         elif e.kind == WAIT:
             s = max(s, h2d_end[i])
     sim = Simulation(chain, offloads, ready, start, end, memory, copies, encode, runs, recomputes, rt, events,

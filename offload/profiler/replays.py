@@ -1,0 +1,149 @@
+"""The profiler's replays of stages, as the executor replays them (``offload.core.rerun``).
+
+What a recomputation costs is measured on the executor's own mechanism, not inferred from
+the forward: one forward (autograd keeping nothing) records the stages as the executor
+records a stage it re-runs (``recorded``: its calls, its input, and, for an in-stage option,
+its kept ops' outputs), and each recorded stage is then replayed as the executor replays it.
+The in-stage options' ratios and peaks (``profiler.selective``) are read on these replays,
+and so is the host's share of a recomputation on a GPU (``host_seconds``):
+
+* ``rerun_host_s``: the host's seconds to issue a stage's re-run whole (the device
+  synchronized before it, the clock read as the replay returns, before its kernels are
+  done): the Python of the stage's code again, the replay's own bookkeeping, the launches.
+  On an H200 a 16-layer bf16 Llama's per-block checkpointing measured 9-19% over the
+  prediction that charged a re-run its forward's host time;
+* ``recording_host_s``: the host's seconds the executor's recording adds to the stage's
+  forward (module hooks on every call): a recorded forward's host time per stage less a
+  plain one's, both forward-only.
+
+Each is the least of two passes; latest stage first, each timed replay after an untimed one.
+On a CPU the host is the device: its ops run as they are issued, the re-run's time is in
+the forward's, and neither is measured.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+from offload.core.devices import persistent_tensors
+from offload.core.meters import Clock
+from offload.core.rerun import StageProgram, StageRecorder
+from offload.core.selective import KeptOutputs
+from offload.core.units import UnitTracker
+from offload.models.spec import tensors_in
+
+from .measure import Boundaries, StepRunner
+
+Recorded = tuple[StageProgram, KeptOutputs | None, torch.Tensor | None]  # the program, what it keeps, its checkpoint
+
+
+class _Replaying(Boundaries):
+    """Records each stage of ``stages`` (stage -> its option, ``None``: re-run whole) as the
+    executor records a stage it re-runs: its calls, its input, its kept ops' outputs."""
+
+    def __init__(self, L: int, tracker: UnitTracker, device: torch.device, stages: dict[int, str | None],
+                 on_boundary: Callable[[], None]) -> None:
+        super().__init__(L, on_boundary, tracker)
+        self.device, self.stages = device, stages
+        self.running: tuple[StageRecorder, KeptOutputs | None, torch.Tensor | None] | None = None
+        self.recorded: dict[int, Recorded] = {}
+
+    def forward_start(self) -> None:
+        self.on_boundary()
+        self._start(1, None)
+
+    def stage_output(self, k: int, x: torch.Tensor) -> None:
+        if self.running is not None:
+            recorder, kept, checkpoint = self.running
+            if kept is not None:
+                kept.__exit__(None, None, None)
+            self.running = None
+            self.recorded[k] = (recorder.finish(x), kept, checkpoint)
+        self._start(k + 1, x)
+
+    def _start(self, k: int, x: torch.Tensor | None) -> None:
+        if k in self.stages:
+            option = self.stages[k]
+            kept = KeptOutputs(k, option) if option is not None else None
+            self.running = (StageRecorder(k, x, self.device, self.tracker.excluded), kept,
+                            x.detach() if x is not None else None)
+            if kept is not None:
+                kept.__enter__()
+
+    def close(self) -> None:
+        if self.running is not None:
+            self.running[0].close()
+            if self.running[1] is not None:
+                self.running[1].__exit__(None, None, None)
+            self.running = None
+
+
+@contextlib.contextmanager
+def recorded(runner: StepRunner, stages: dict[int, str | None], meter: Any = None,
+             on_boundary: Callable[[], None] = lambda: None) -> Iterator[dict[int, Recorded]]:
+    """Each stage of ``stages`` (stage -> its option, or ``None``) recorded in one forward
+    (autograd keeping nothing) as the executor records a stage it re-runs: in this block,
+    ``{stage: (program, kept outputs, checkpoint)}``, the batch alive (and ``meter``, if
+    given, entered and tracking what persists).  ``on_boundary`` is called as the forward
+    starts and as each stage but the last ends."""
+    persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
+    tracker = UnitTracker(runner.device, persistent)
+    listener = _Replaying(runner.L, tracker, runner.device, stages, on_boundary)
+    with meter if meter is not None else contextlib.nullcontext():
+        if meter is not None:
+            meter.track(persistent)
+        with runner.batch() as (args, kwargs):
+            tracker.exclude(tensors_in((args, kwargs)))
+            if meter is not None:
+                meter.track(tensors_in((args, kwargs)))
+            runner.sync()
+            try:
+                loss = runner.forward(args, kwargs, listener, lambda t: None)  # nothing saved: no backward
+            finally:
+                listener.close()
+            del loss
+            yield listener.recorded
+
+
+def now(device: torch.device) -> float:
+    """The host clock, once the device has done what it was given."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def host_seconds(runner: StepRunner, stages: list[int]) -> tuple[dict[int, float], dict[int, float]]:
+    """Per stage of ``stages`` (each re-runnable, not the last): the host's seconds to issue
+    the executor's re-run of it whole, and those that recording it adds to its forward
+    (module docstring; on a CPU the first is the re-run's time, the second 0, and neither
+    goes in the chain)."""
+    if not stages:
+        return {}, {}
+    reruns: dict[int, list[float]] = {k: [] for k in stages}
+    plain, recording = [], []
+    for _ in range(2):
+        plain.append(_forward_host(runner, {}))
+        clock = Clock(runner.device)
+        with recorded(runner, dict.fromkeys(stages), on_boundary=clock.mark) as programs:
+            recording.append(clock.host_intervals())
+            for k in sorted(programs, reverse=True):
+                program, _, checkpoint = programs.pop(k)
+                program.run(checkpoint, runner.device, lambda t: None)  # untimed
+                rebuilt: list[torch.Tensor] = []  # what it saves, kept as the executor keeps the rebuilt unit
+                start = now(runner.device)
+                y = program.run(checkpoint, runner.device, rebuilt.append)
+                reruns[k].append(time.perf_counter() - start)  # issued; the kernels may still run
+                now(runner.device)
+                del program, checkpoint, rebuilt, y
+    base, rec = [min(c) for c in zip(*plain)], [min(c) for c in zip(*recording)]
+    return {k: min(t) for k, t in reruns.items()}, {k: max(0.0, rec[k - 1] - base[k - 1]) for k in stages}
+
+
+def _forward_host(runner: StepRunner, stages: dict[int, str | None]) -> list[float]:
+    """The host's seconds to issue each stage's forward but the last's, ``stages`` recorded."""
+    clock = Clock(runner.device)
+    with recorded(runner, stages, on_boundary=clock.mark):
+        return clock.host_intervals()

@@ -150,3 +150,9 @@ def test_show_says_where_the_host_is_slower_than_the_device(tmp_path, capsys):
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("ideal"))
     assert "makespan 14.000 s" in line and "add up to 12.000 s" in line and "to 10.000 s" in line
     assert "slower than the device in 4 of 8 ops" in line
+    doc["stages"][1].update(input_bytes=10, recording_host_s=0.25, rerun_host_s=2.0)
+    save_chain(chain_from_dict(doc), path)
+    assert main(["show", str(path)]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("re-runs"))
+    assert "re-run of the 3 recomputable stages in 5.000 s (their forwards: 4.500 s)" in line
+    assert "for 250.000 ms more" in line

@@ -296,6 +296,36 @@ def test_a_step_is_judged_over_the_chains_base_workspaces_included(monkeypatch, 
     assert error is None and run.peaks == expected
 
 
+@pytest.mark.parametrize("leak", [0, 3 * MiB])
+def test_what_the_optimizer_makes_between_steps_is_the_base(monkeypatch, leak):
+    """The optimizer's first update makes its state between steps 1 and 2, and the allocator
+    holds more for it than its tensors (rounded up to its blocks: 2 MiB here, held by no
+    tensor): that is the base's, not the steps' activations.  What a step leaves behind
+    (``leak``) is still charged to every step after it."""
+    spec = resolve("gpt", 2, GPT)
+    params = [p for p in spec.module.parameters() if p.requires_grad]
+    allocator = FakeAllocator(monkeypatch, allocated=MiB, peak=MiB, reserved=64 * MiB)
+    made = []
+
+    class Optimizer:
+        state: dict = {}  # its tensors the meter tracks: none here, all the allocator's bytes are untracked
+
+        def step(self):
+            if not made:
+                allocator.allocate(2 * MiB)
+                made.append(True)
+
+    def forward(args, kwargs):
+        allocator.allocate(2 * MiB)  # the step's activations
+        allocator.free(2 * MiB)
+        allocator.allocate(leak)
+        return spec.module(*args, **kwargs)
+    trainer = Trainer(spec, params, Optimizer(), torch.device("cuda", 0))
+    run, error = trainer.measure(3, forward)
+    assert error is None
+    assert run.peaks == [max(2 * MiB, leak) + n * leak for n in range(3)] and run.leaks == [leak * (n + 1) for n in range(3)]
+
+
 @pytest.fixture(scope="module")
 def resnet():
     """A ReLU network's chain, with encodings (sign masks where only the sign is read), on the CPU."""

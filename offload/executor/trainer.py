@@ -10,7 +10,12 @@ tensor does (cuBLAS/cuDNN workspaces, made on their first use and kept): the cha
 step 1, in which the workspaces appear, counts them only beyond the profiled ones, and
 every step counts whatever more the run holds without a tensor (an executor's buffers, a
 workspace the profile did not see), unless it was there before the run's first step (an
-earlier run's workspaces in the same process).  On the CPU exact accounting slows every op
+earlier run's workspaces in the same process) or appeared between two steps: the
+optimizer's first update makes its state, whose tensors the allocator may round up to its
+blocks (on an H200 an fp32 Llama's runs held 22.3 MB without a tensor from step 2 on, where
+the only memory a smaller run of it made between its steps was Adam's state; charged to
+every step as activations, it put one run 8.6 MB over its budget).  What a step leaves
+behind is still charged to every step after it.  On the CPU exact accounting slows every op
 down several times, so step times come from as many steps again without the meter (on a
 GPU the allocator's counters cost nothing and every step gives both).
 """
@@ -81,7 +86,10 @@ class Trainer:
         self.spec, self.params, self.optimizer, self.device = spec, params, optimizer, device
         self.tick = tick  # told each step done: "<what> step <n>/<steps>"
         self.workspace_bytes = workspace_bytes  # the chain's: device memory of its base that no tensor holds
-        self.untracked_before: int | None = None  # such memory already there as the first step starts
+        # memory no tensor holds that every step is judged over: the chain's workspaces, what was there before
+        # the first step, and what appeared between steps (``_Metering.step``); and such memory as the last step ended
+        self.base_untracked: int | None = None
+        self.untracked_after: int | None = None
         self.elsewhere = list(elsewhere or [])  # device tensors the run keeps beside the model (a reference copy)
 
     def steps_per_measure(self, steps: int) -> int:
@@ -178,15 +186,18 @@ class _Metering:
                 meter.ignore(t.spec.tensors() + t.elsewhere)  # the example batches are copied from; a reference
                 t.synchronize()
                 meter.boundary()
-                if t.untracked_before is None:  # an earlier run's workspaces, the user's: not this run's
-                    t.untracked_before = meter.untracked
-                m0 = meter.live - meter.untracked + max(t.workspace_bytes, t.untracked_before)  # the chain's base
+                if t.base_untracked is None:  # an earlier run's workspaces, the user's: not this run's
+                    t.base_untracked = max(t.workspace_bytes, meter.untracked)
+                elif t.untracked_after is not None:  # made between steps (the optimizer's new state, rounded up to
+                    t.base_untracked += max(0, meter.untracked - t.untracked_after)  # the allocator's blocks): base
+                m0 = meter.live - meter.untracked + t.base_untracked  # the chain's base
                 t0 = time.perf_counter()
                 body(batch)
                 t.synchronize()
                 elapsed = time.perf_counter() - t0
                 gc.collect()  # reference cycles (closures over tensors) are only freed by the collector
                 peak, live = meter.boundary()  # the batch still alive: it is in m0
+                t.untracked_after = meter.untracked
                 if probing:
                     op_peaks["B1"] = max(peak, op_peaks.get("B1", 0))
                     self.run.op_peaks = {op: p - m0 for op, p in op_peaks.items()}

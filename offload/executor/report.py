@@ -51,13 +51,16 @@ class Measured:
     encoded_bytes_per_step: int = 0  # blobs the encoders made
     op_peak_bytes: dict[str, int] | None = None  # step 1, per op, activation bytes (--op-memory)
     leaked_by_step: list[int] = field(default_factory=list)  # bytes still live after each step, over its start
+    base_growth_bytes: int = 0  # GPU: held by no tensor, made between steps (the optimizer's state rounded up): base
     host_arena_bytes: int = 0
     host_allocations: list[int] = field(default_factory=list)  # arena buffers so far, after each step
 
-    def set_peak(self, activation_bytes: int | None, chain: Chain) -> None:
-        """The activation peak, and the total one with the chain's ``base_bytes``."""
-        self.activation_peak_bytes = activation_bytes
-        self.total_peak_bytes = total(activation_bytes, chain)
+    def set_peak(self, activation_bytes: int | None, chain: Chain, base_growth: int = 0) -> None:
+        """The activation peak, and the total one with the chain's ``base_bytes`` and what the
+        base grew by between steps (``base_growth_bytes``)."""
+        self.activation_peak_bytes, self.base_growth_bytes = activation_bytes, base_growth
+        grown = total(activation_bytes, chain)
+        self.total_peak_bytes = None if grown is None else grown + base_growth
 
     def set_times(self, times: list[float]) -> None:
         self.step_times_s = list(times)

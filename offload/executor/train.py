@@ -210,7 +210,7 @@ def _measured(report: Report, steps: Run, run: Offloaded | None, chain: Chain) -
     report.steps_done = len(steps.peaks)
     m.set_times(steps.step_s)
     m.warmup_s, m.metered_step_s, m.reserved_peak_bytes = steps.warmup_s, steps.metered_step_s, steps.reserved_peak
-    m.set_peak(max(steps.peaks) if steps.peaks else None, chain)
+    m.set_peak(max(steps.peaks) if steps.peaks else None, chain, steps.base_growth)
     m.op_peak_bytes = steps.op_peaks or None
     m.leaked_by_step, m.host_allocations = steps.leaks, steps.allocations
     if run is not None:

@@ -51,6 +51,7 @@ class Run:
     metered_step_s: list[float] = field(default_factory=list)  # CPU: the metered steps' times (not step_s)
     warmup_s: float | None = None  # GPU: step 1, left out of step_s (kernel selection, allocator growth)
     reserved_peak: int | None = None  # GPU: the most the allocator reserved over the steps so far
+    base_growth: int = 0  # held by no tensor, made between its steps (the base's, beyond the chain's)
 
 
 
@@ -189,7 +190,9 @@ class _Metering:
                 if t.base_untracked is None:  # an earlier run's workspaces, the user's: not this run's
                     t.base_untracked = max(t.workspace_bytes, meter.untracked)
                 elif t.untracked_after is not None:  # made between steps (the optimizer's new state, rounded up to
-                    t.base_untracked += max(0, meter.untracked - t.untracked_after)  # the allocator's blocks): base
+                    grown = max(0, meter.untracked - t.untracked_after)  # the allocator's blocks): the base's
+                    t.base_untracked += grown
+                    self.run.base_growth += grown
                 m0 = meter.live - meter.untracked + t.base_untracked  # the chain's base
                 t0 = time.perf_counter()
                 body(batch)

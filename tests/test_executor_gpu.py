@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload.executor import Offloaded
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
@@ -67,6 +68,38 @@ def test_cuda_lossless_encodings_keep_gradients_bit_exact():
         assert error is None and report.grads_match is True
         m, p = report.measured, report.predicted
         assert m.activation_peak_bytes <= p.activation_peak_bytes + 16 * 2**20
+
+
+def test_a_step_never_makes_the_host_wait():
+    """No pack, unpack, copy, encoder or re-run blocks the thread that launches the step's
+    kernels: steps with every encoder a GPU runs (kept, then offloaded) and with recomputed
+    stages, under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any call that
+    waits for the device (``nonzero``, ``.item()``, a copy to pageable memory, ...).  Step 1
+    of each warms up outside it (the pinned arena, the kernels' choices)."""
+    from offload.core.encoders import usable_on
+    from offload.models import resolve
+    from offload.step import encoding
+    from offload.step.actions import Recompute
+
+    chain = profile("resnet18", ProfileOptions(batch=4, device="cuda", repeats=1, options={"image": 64})).chain
+    lossy = encoding.smallest(chain, "lossy")
+    assert {t.encoder for i, name in lossy.items() for t in chain.stage(i).encoding(name).tensors} == set(usable_on(gpu=True))
+    again = [Recompute(j, j) for j in sorted(chain.recomputable)[::2]]
+    spec = resolve(chain.recipe.model, chain.recipe.batch, dict(chain.recipe.options))
+    spec.place(torch.device("cuda"), torch.float32)
+    for sched in (make_schedule(chain, [], encode=lossy), make_schedule(chain, floor_offloads(chain), encode=lossy),
+                  make_schedule(chain, [], recompute=again)):
+        run = Offloaded(spec.module, chain, sched)
+        for step in range(3):
+            args, kwargs = spec.batch()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if step else "default")
+            try:
+                spec.loss(run(*args, **kwargs)).backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            spec.zero_grads([p for p in spec.module.parameters()])
+        assert run.moved_bytes != (0, 0) or not sched.offloads
 
 
 @pytest.mark.parametrize("name", ["everything", "solved", "late-release", "recompute"])

@@ -121,6 +121,25 @@ def test_selective_checkpointing_is_per_block_checkpointing_keeping_the_matmuls(
     assert sac.simulation.peak_bytes == blocks.simulation.peak_bytes + 40
 
 
+def test_torchtitans_default_policy_re_runs_every_other_matmul_too():
+    """checkpoint-every-other-matmul: each block offering ``every-other-matmul`` re-runs with it,
+    the rest whole; where a block offers only ``matmuls`` it is re-run whole (a policy, not a
+    search), so on a chain offering only ``matmuls`` it is per-block checkpointing."""
+    chain = small_chain()
+    assert solve(chain, 1000, "checkpoint-every-other-matmul", JOINT).schedule.recompute == (
+        Recompute(1, 1), Recompute(2, 2), Recompute(3, 3))
+    every = small_chain(every=True)
+    half = StageOption("every-other-matmul", 20, 0.0007)
+    every = replace(every, stages=tuple(replace(s, options=s.options + (half,)) if i < 2 else s
+                                        for i, s in enumerate(every.stages)))
+    titan = solve(every, 1000, "checkpoint-every-other-matmul", JOINT)
+    assert titan.schedule.recompute == (Recompute(1, 1, "every-other-matmul"), Recompute(2, 2, "every-other-matmul"),
+                                        Recompute(3, 3))
+    sac = solve(every, 1000, "checkpoint-matmuls", JOINT)
+    assert titan.simulation.peak_bytes < sac.simulation.peak_bytes  # it keeps half as much
+    assert titan.simulation.makespan_s > sac.simulation.makespan_s  # and re-runs more
+
+
 def test_without_in_stage_options_the_solver_decides_per_stage():
     """``in_stage=False`` (``--no-in-stage``): the stage is kept or recomputed whole, and the
     schedule is still the chain's own."""

@@ -30,6 +30,7 @@ _STYLE = {
     "gist": ("teal", (0, (5, 1, 1, 1)), "d"), "gist-swap": ("darkslateblue", (0, (5, 1, 1, 1)), "p"),
     "recompute-only": ("darkgoldenrod", (0, (1, 1)), "8"), "checkpoint-sqrt": ("firebrick", (0, (1, 2)), "v"),
     "checkpoint-blocks": ("darkgreen", (0, (1, 2)), "^"), "checkpoint-matmuls": ("limegreen", (0, (1, 2)), "H"),
+    "checkpoint-every-other-matmul": ("yellowgreen", (0, (1, 2)), "<"),
 }
 
 

@@ -12,14 +12,16 @@ checkpointing (torchtitan's "op" policy, "save the matmuls"): per-block checkpoi
 where each block keeps what its matmuls and attention kernel output, its ``matmuls``
 in-stage option (docs/model.md, "In-stage options"); a stage without that option (the
 profiler offers it where it keeps less than the unit and re-runs less than the forward)
-is recomputed whole.
+is recomputed whole.  ``checkpoint-every-other-matmul`` is torchtitan's default "op" policy:
+the same with each block's ``every-other-matmul`` option (every second matmul re-run too).
 """
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from offload.step.actions import Recompute
-from offload.step.chain import MATMULS, Chain
+from offload.step.chain import EVERY_OTHER_MATMUL, MATMULS, Chain
 
 
 def sqrt_runs(chain: Chain) -> list[Recompute]:
@@ -39,10 +41,13 @@ def block_runs(chain: Chain) -> list[Recompute]:
     return [Recompute(i, i) for i in sorted(chain.recomputable)]
 
 
-def matmul_runs(chain: Chain) -> list[Recompute]:
-    """``block_runs``, each stage offering ``matmuls`` re-run in part: keeping its matmuls' outputs."""
-    return [Recompute(r.first, r.last, MATMULS if (r.first, MATMULS) in chain.optional else "")
-            for r in block_runs(chain)]
+def option_runs(option: str) -> Callable[[Chain], list[Recompute]]:
+    """``block_runs``, each stage offering in-stage ``option`` re-run in part (keeping what the
+    option keeps), the others whole."""
+    def runs(chain: Chain) -> list[Recompute]:
+        return [Recompute(r.first, r.last, option if (r.first, option) in chain.optional else "")
+                for r in block_runs(chain)]
+    return runs
 
 
 def recomputable_parts(chain: Chain, first: int, last: int) -> list[Recompute]:
@@ -58,4 +63,6 @@ def recomputable_parts(chain: Chain, first: int, last: int) -> list[Recompute]:
     return parts
 
 
-POLICIES = {"checkpoint-sqrt": sqrt_runs, "checkpoint-blocks": block_runs, "checkpoint-matmuls": matmul_runs}
+POLICIES = {"checkpoint-sqrt": sqrt_runs, "checkpoint-blocks": block_runs, "checkpoint-matmuls": option_runs(MATMULS),
+            "checkpoint-every-other-matmul": option_runs(EVERY_OTHER_MATMUL)}
+IN_STAGE = ("checkpoint-matmuls", "checkpoint-every-other-matmul")  # the policies that run in-stage options

@@ -276,8 +276,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("checkpoint-sqrt", "torch checkpoint_sequential: runs of ceil(sqrt L) stages recomputed, the last segment kept", _checkpointing("checkpoint-sqrt")),
     Method("checkpoint-blocks", "per-block activation checkpointing: every stage but the last recomputed from its own input", _checkpointing("checkpoint-blocks")),
     Method("checkpoint-matmuls", "op-level selective checkpointing (torchtitan's \"save the matmuls\"): checkpoint-blocks, each block keeping its matmul and attention outputs", _checkpointing("checkpoint-matmuls")),
+    Method("checkpoint-every-other-matmul", "torchtitan's default op-level policy: checkpoint-matmuls, every second matmul of a block re-run too", _checkpointing("checkpoint-every-other-matmul")),
 ]}
-RECOMPUTING = {"recompute-only", "checkpoint-sqrt", "checkpoint-blocks", "checkpoint-matmuls"}  # methods that recompute whatever the options
+RECOMPUTING = {"recompute-only", "checkpoint-sqrt", "checkpoint-blocks", *checkpointing.IN_STAGE}  # methods that recompute whatever the options
 
 
 def _refuse_below_floor(chain: Chain, budget: Budget, mode: str, recompute: bool) -> int:
@@ -334,7 +335,7 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
     unbounded = encoded or options.recompute or method in RECOMPUTING
     lp_bound = lp.makespan_s if lp is not None and lp.proven and not unbounded else chain.ideal_makespan_s
     # without in-stage options the methods search the chain without them (their schedules are the chain's)
-    searched = chain if options.in_stage or method == "checkpoint-matmuls" else chain.without_options()
+    searched = chain if options.in_stage or method in checkpointing.IN_STAGE else chain.without_options()
     ctx = _Context(searched, act, options, lp_bound, lp, deadline)
     planned = METHODS[method].run(ctx)
     if planned is None:

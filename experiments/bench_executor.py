@@ -20,8 +20,8 @@ timed run), both held to the budget::
     python -m experiments.bench_executor --set smoke      # tiny sizes, seconds a cell on a CPU
 
 Each row: predicted and measured step time and activation peak, whether the peak stayed
-within the budget, the copy overlap measured and the one the simulator implies (copy time
-not spent stalling the compute stream), whether gradients matched (bit for bit, or within
+within the budget, the copy overlap measured and the one the simulator implies (the share
+of copy time during which the device runs an op, read the same way), whether gradients matched (bit for bit, or within
 the reference's own noise), and the exit code ``offload train`` would have given (0, 6 over
 budget or out of memory, 7 gradients beyond the noise).  Everything lands in ``--out``
 (default ``experiments/results/executor-<device>/``): ``summary.csv``, ``summary.md`` (the

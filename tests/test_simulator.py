@@ -109,3 +109,16 @@ def test_a_recomputed_stage_costs_the_host_its_recording_and_its_rerun():
     sim = simulate(chain, [], recompute=[Recompute(2, 2)])
     assert list(sim.end) == [1.0, 4.0, 5.0, 6.0, 8.0, 10.0, 14.5, 16.5]
     assert simulate(chain, []).makespan_s == 12.0  # kept: nothing recorded, nothing re-run
+
+
+def test_a_copy_is_hidden_only_while_the_device_computes():
+    """The predicted overlap is read as a trace's is: the D2H of U1 (2 s, from 1.5) runs under
+    F2's kernels for 1 s, then while the device waits for the host (to 3.0) and for the copy
+    itself (to 3.5): exposed, though only 0.5 s of it is a stall; the H2D (2 s) runs under B2.
+    3 s of 4 hidden, not the 3.5 that subtracting the stalls would say."""
+    doc = chain_doc(platform={"d2h_bytes_per_s": 50.0, "h2d_bytes_per_s": 50.0, "latency_s": 0.0})
+    for s in doc["stages"]:
+        s.update(fwd_host_s=1.5, bwd_host_s=1.0)
+    sim = simulate(chain_from_dict(doc), [Offload(1, 2, 2)])
+    assert [(c.direction, c.start, c.end) for c in sim.copies] == [("D2H", 1.5, 3.5), ("H2D", 10.0, 12.0)]
+    assert sim.stall_s == 0.5 and sim.copy_overlap == 0.75

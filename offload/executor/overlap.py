@@ -6,46 +6,20 @@ numbers: the copy time, and the part of it during which some kernel was running.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
-Interval = tuple[float, float]
-
-
-def _union(intervals: Iterable[Interval]) -> list[Interval]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def _intersection_length(a: list[Interval], b: list[Interval]) -> float:
-    """Total length of the intersection of two sorted, disjoint interval lists."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
+from offload.step.intervals import Interval, hidden, union
 
 def copy_overlap(events: list[dict[str, Any]]) -> dict[str, float] | None:
     """``copy_s`` (D2H and H2D memcpy time, as a union), ``overlapped_s`` (of it, while a kernel
     ran) and ``fraction``, from the ``traceEvents`` of a Chrome trace; ``None`` when the trace
     holds no GPU copies (a CPU run, or a schedule that moves nothing)."""
     def spans(category: str, names: tuple[str, ...] = ()) -> list[Interval]:
-        return _union((e["ts"], e["ts"] + e["dur"]) for e in events
-                      if e.get("ph") == "X" and e.get("cat") == category
-                      and (not names or any(n in e.get("name", "") for n in names)))
+        return union((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("ph") == "X" and e.get("cat") == category
+                     and (not names or any(n in e.get("name", "") for n in names)))
     copies = spans("gpu_memcpy", ("DtoH", "HtoD", "Device -> Pinned", "Pinned -> Device"))
     if not copies:
         return None
-    kernels = spans("kernel")
-    copy_us = sum(b - a for a, b in copies)
-    hidden_us = _intersection_length(copies, kernels)
+    copy_us, hidden_us = hidden(copies, spans("kernel"))
     return {"copy_s": copy_us * 1e-6, "overlapped_s": hidden_us * 1e-6, "fraction": hidden_us / copy_us}

@@ -29,6 +29,7 @@ from .budget import Budget
 from .chain import Chain
 from .encoding import apply
 from .events import BACKWARD, D2H, FORWARD, H2D, RECOMPUTE, RELEASE, WAIT, StepEvents, step_events
+from .intervals import hidden
 from .memory import memory_profile, op_name
 from .recompute import forward_seconds, recording_host, run_seconds
 
@@ -111,10 +112,14 @@ class Simulation:
 
     @property
     def copy_overlap(self) -> float | None:
-        """The share of copy time hidden under compute: what of it the compute stream did not
-        spend stalling (``None`` without copies)."""
-        copy_s = sum(c.end - c.start for c in self.copies)
-        return max(0.0, 1 - self.stall_s / copy_s) if copy_s > 0 else None
+        """The share of copy time hidden under compute: while the device ran an op or a
+        rebuild, not while it waited for a copy or for the host (``None`` without copies;
+        read as a trace is, ``intervals``)."""
+        wait = self.host_wait if self.host_wait is not None else np.zeros(len(self.end))
+        busy = [(float(s), float(e - w)) for s, e, w in zip(self.start, self.end, wait)]
+        busy += [(r.start, r.end) for r in self.recomputes]
+        copy_s, under = hidden(((c.start, c.end) for c in self.copies), busy)
+        return under / copy_s if copy_s > 0 else None
 
     @property
     def peak_bytes(self) -> int:

@@ -139,7 +139,7 @@ def host_seconds(runner: StepRunner, stages: list[int]) -> tuple[dict[int, float
                 now(runner.device)
                 del program, checkpoint, rebuilt, y
     base, rec = [min(c) for c in zip(*plain)], [min(c) for c in zip(*recording)]
-    return {k: min(t) for k, t in reruns.items()}, {k: max(0.0, rec[k - 1] - base[k - 1]) for k in stages}
+    return {k: min(t) for k, t in reruns.items() if t}, {k: max(0.0, rec[k - 1] - base[k - 1]) for k in stages}
 
 
 def _forward_host(runner: StepRunner, stages: dict[int, str | None]) -> list[float]:

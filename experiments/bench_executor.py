@@ -18,6 +18,7 @@ timed run), both held to the budget::
 
     python -m experiments.bench_executor                  # on a GPU (make gpu-bench)
     python -m experiments.bench_executor --set smoke      # tiny sizes, seconds a cell on a CPU
+    python -m experiments.bench_executor --models llama --resume   # the cells a stopped run did not reach
 
 Each row: predicted and measured step time and activation peak, whether the peak stayed
 within the budget, the copy overlap measured and the one the simulator implies (the share
@@ -32,12 +33,13 @@ anything there.
 from __future__ import annotations
 
 import argparse
+import csv
 import gc
 import platform as pyplatform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -50,7 +52,7 @@ from offload.io.text import format_bytes, format_seconds
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.chain import Chain
-from offload.step.chainfile import save_chain
+from offload.step.chainfile import load_chain, save_chain
 from offload.step.memory import no_offload_peak
 from offload.step.schedule import make_schedule
 
@@ -125,19 +127,37 @@ def row(model: Model, share: float | str, way: str, report: Report | None, error
             "d2h_bytes_per_step": m.d2h_bytes_per_step, "detail": str(error or check_error or "")}
 
 
-def bench_model(model: Model, device: str, out: Path, args: argparse.Namespace) -> Iterator[dict]:
-    """Profile once; every share and way; the baselines once.  Rows of the summary, each as soon as it is
-    measured (a run stopped at a time limit keeps what it measured)."""
-    chain = profile(model.name, ProfileOptions(batch=model.batch, device=device, repeats=args.repeats,
-                                               options=model.options, autocast=model.autocast)).chain
-    save_chain(chain, out / f"{model.tag}-chain.json")
+def bench_model(model: Model, device: str, out: Path, args: argparse.Namespace,
+                done: set[tuple[str, str, str]] = frozenset()) -> Iterator[dict]:
+    """Profile once (or, resuming, take the chain profiled before); every share and way; the
+    baselines once; the cells in ``done`` (model, share, way) left out.  Rows of the summary,
+    each as soon as it is measured (a run stopped at a time limit keeps what it measured)."""
+    path = out / f"{model.tag}-chain.json"
+    if args.resume and path.exists():
+        chain = load_chain(path)
+    else:
+        chain = profile(model.name, ProfileOptions(batch=model.batch, device=device, repeats=args.repeats,
+                                                   options=model.options, autocast=model.autocast)).chain
+        save_chain(chain, path)
     peak = no_offload_peak(chain)
     for share in args.shares:
         for way in args.ways:
-            yield _cell(model, chain, share, way, int(share * peak), device, out, args)
-            release(device)
-    yield from _baselines(model, chain, device, out, args)
-    release(device)
+            if (model.tag, str(share), way) not in done:
+                yield _cell(model, chain, share, way, int(share * peak), device, out, args)
+                release(device)
+    if (model.tag, "-", "no_offload") not in done:
+        yield from _baselines(model, chain, device, out, args)
+        release(device)
+
+
+def earlier_rows(path: Path) -> list[dict]:
+    """The rows of a summary written before (``--resume``), typed as the bench made them."""
+    def typed(v: str) -> Any:
+        return None if v == "" else v == "True" if v in ("True", "False") else v
+    if not path.exists():
+        return []
+    with path.open(newline="") as fh:
+        return [{k: typed(v) for k, v in r.items()} for r in csv.DictReader(fh)]
 
 
 def release(device: str) -> None:
@@ -232,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="profiling repeats (5)")
     ap.add_argument("--time-limit", type=float, default=30, help="solve time limit in seconds (30)")
     ap.add_argument("--out", type=Path, help="results folder (default experiments/results/executor-<device>)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows already in --out's summary.csv and run only the missing cells, on the chains "
+                         "profiled there (a bench spread over several short windows of a GPU)")
     args = ap.parse_args(argv)
     device = pick_device(args.device).type
     todo = [m for m in SETS[args.set or ("gpu" if device == "cuda" else "smoke")]
@@ -240,17 +263,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"no model of the set is in {args.models}")
     out = args.out or RESULTS / f"executor-{device}"
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
+    rows = earlier_rows(out / "summary.csv") if args.resume else []
+    done = {(str(r["model"]), str(r["share"]), str(r["way"])) for r in rows}
     for model in todo:
         print(f"{model.tag}: profiling, then {len(args.shares) * len(args.ways)} runs and the baselines",
               file=sys.stderr, flush=True)
-        for r in bench_model(model, device, out, args):
+        for r in bench_model(model, device, out, args, done):
             rows.append(r)
             print(f"  {r['model']} {r['share']} {r['way']}: exit {r.get('exit', '-')}", file=sys.stderr, flush=True)
             write_csv(out / "summary.csv", rows, FIELDS)
             table = markdown(rows, machine_name(device))
             write_atomic(out / "summary.md", lambda fh: fh.write(table))
-    print(table)
+    print(markdown(rows, machine_name(device)))
     print(f"wrote {out / 'summary.csv'} and {out / 'summary.md'}")
     return 0
 

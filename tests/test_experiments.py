@@ -55,12 +55,23 @@ def test_bench_executor_smoke_on_the_cpu(tmp_path, capsys):
     rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
     assert [(r["model"], r["way"]) for r in rows] == [
         (m, w) for m in ("llama", "llama-bfloat16")
-        for w in ("offload", "joint", "checkpoint", "no_offload", "save_on_cpu", "selective_checkpoint")]
+        for w in ("offload", "joint", "checkpoint", "matmuls", "no_offload", "save_on_cpu", "selective_checkpoint")]
     trained = [r for r in rows if r["share"] != "-" and r["solver_status"] != "infeasible"]
     assert len(trained) >= 4 and all(r["exit"] == "0" and r["grads_match"] == "True" and r["within_budget"] == "True"
                                      for r in trained)
     assert (tmp_path / "llama-70-joint-run.json").exists() and (tmp_path / "llama-bfloat16-chain.json").exists()
     assert "Measured on a CPU" in (tmp_path / "summary.md").read_text() and "| llama | 70% | joint |" in capsys.readouterr().out
+    # resumed with one more budget: the rows kept, the chains not profiled again, only the new cells run
+    (tmp_path / "llama-70-joint-run.json").unlink()
+    profiled = (tmp_path / "llama-chain.json").stat().st_mtime_ns
+    assert bench_executor.main(["--set", "smoke", "--models", "llama", "--shares", "0.7", "0.9", "--ways", "joint",
+                                "--device", "cpu", "--steps", "2", "--time-limit", "5", "--out", str(tmp_path),
+                                "--resume"]) == 0
+    again = list(csv.DictReader((tmp_path / "summary.csv").open()))
+    assert again[:len(rows)] == rows and [(r["model"], r["share"], r["way"]) for r in again[len(rows):]] == [
+        ("llama", "0.9", "joint")]
+    assert not (tmp_path / "llama-70-joint-run.json").exists() and (tmp_path / "llama-90-joint-run.json").exists()
+    assert (tmp_path / "llama-chain.json").stat().st_mtime_ns == profiled
 
 
 def test_demo_pipeline_at_a_small_size(tmp_path, capsys):

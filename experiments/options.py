@@ -17,6 +17,8 @@ measured step and activation peak printed beside the prediction:
   are measured once (``train --compare``) as users run them: they keep autocast's weight
   casts for the backward, which our schedules make again (docs/model.md, "Weight casts"),
   so their peaks hold the casts (21 MiB a block at width 1024) and ours do not;
+* ``checkpoint-every-other-matmul``: torchtitan's default op policy, each block's
+  ``every-other-matmul`` option (every second matmul re-run too), on our executor;
 * ``recompute-only``: the optimal schedule that only recomputes (``--no-in-stage``: whole
   stages), and ``recompute-only + options``, which may also re-run a stage in part; no
   copies, so a CPU measures them as a GPU would order them;
@@ -52,7 +54,7 @@ from offload.solver.methods import Options, Result, solve
 from offload.step.chain import Chain
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
 
-FIXED = ("checkpoint-blocks", "checkpoint-matmuls")
+FIXED = ("checkpoint-blocks", "checkpoint-matmuls", "checkpoint-every-other-matmul")
 SEARCHED = (("recompute-only", "recompute-only", False), ("recompute-only + options", "recompute-only", True),
             ("joint per-block", "ilp", False), ("joint + options", "ilp", True))  # (row, method, in-stage options)
 

@@ -16,7 +16,8 @@ and so is the host's share of a recomputation on a GPU (``host_seconds``):
   forward (module hooks on every call): a recorded forward's host time per stage less a
   plain one's, both forward-only.
 
-Each is the least of two passes; latest stage first, each timed replay after an untimed one.
+Each is the least of two passes; latest stage first, each timed replay after an untimed one
+(``timed_replay``).
 On a CPU the host is the device: its ops run as they are issued, the re-run's time is in
 the forward's, and neither is measured.
 """
@@ -115,6 +116,24 @@ def now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def timed_replay(program: StageProgram, checkpoint: torch.Tensor | None, device: torch.device,
+                 within: Callable[[], Any] = contextlib.nullcontext, issued: bool = False) -> float:
+    """Seconds of one replay of ``program`` as the executor replays it (what it saves kept as
+    the executor keeps the rebuilt unit; ``within`` a mode), the device synchronized before
+    it and after it, or (``issued``) until the host has issued it.  It comes right after an
+    untimed plain replay: on the development machine a replay that follows a timed one ran
+    up to 4x slower, whatever it ran."""
+    program.run(checkpoint, device, lambda t: None)  # untimed
+    rebuilt: list[torch.Tensor] = []
+    start = now(device)
+    with within():
+        y = program.run(checkpoint, device, rebuilt.append)
+    end = time.perf_counter() if issued else now(device)
+    now(device)
+    del y, rebuilt
+    return end - start
+
+
 def host_seconds(runner: StepRunner, stages: list[int]) -> tuple[dict[int, float], dict[int, float]]:
     """Per stage of ``stages`` (each re-runnable, not the last): the host's seconds to issue
     the executor's re-run of it whole, and those that recording it adds to its forward
@@ -131,13 +150,8 @@ def host_seconds(runner: StepRunner, stages: list[int]) -> tuple[dict[int, float
             recording.append(clock.host_intervals())
             for k in sorted(programs, reverse=True):
                 program, _, checkpoint = programs.pop(k)
-                program.run(checkpoint, runner.device, lambda t: None)  # untimed
-                rebuilt: list[torch.Tensor] = []  # what it saves, kept as the executor keeps the rebuilt unit
-                start = now(runner.device)
-                y = program.run(checkpoint, runner.device, rebuilt.append)
-                reruns[k].append(time.perf_counter() - start)  # issued; the kernels may still run
-                now(runner.device)
-                del program, checkpoint, rebuilt, y
+                reruns[k].append(timed_replay(program, checkpoint, runner.device, issued=True))
+                del program, checkpoint
     base, rec = [min(c) for c in zip(*plain)], [min(c) for c in zip(*recording)]
     return {k: min(t) for k, t in reruns.items() if t}, {k: max(0.0, rec[k - 1] - base[k - 1]) for k in stages}
 

@@ -53,7 +53,7 @@ from offload.core.units import UnitTracker, plain, storage_key
 from offload.step.chain import StageOption
 
 from .measure import Boundaries, StageMeasurement, StepRunner, holding_pass
-from .replays import now, recorded
+from .replays import recorded, timed_replay
 
 
 class _KeptBytes(TorchDispatchMode):
@@ -155,9 +155,8 @@ def _rerun_times(runner: StepRunner, stages: dict[int, str], reverse: bool) -> d
     """Per stage of ``stages``, the seconds of three replays from one recording: with its
     option (the kept ops served; once, before anything else can serve them), whole, and whole
     while a fresh ``KeptOutputs`` records (what the option's forward pays), the two whole ones
-    in this order or ``reverse``.  Each comes right after an untimed whole replay: on the
-    development machine a replay that follows a timed one ran up to 4x slower, whatever it
-    ran.  Each is the stage's Python code and its ops (a GPU synchronized around each)."""
+    in this order or ``reverse``, each after an untimed whole one (``replays.timed_replay``):
+    the stage's Python code and its ops, a GPU synchronized around each."""
     out: dict[int, tuple[float, float, float]] = {}
     with recorded(runner, stages) as programs:
         for k in sorted(programs, reverse=True):
@@ -165,15 +164,7 @@ def _rerun_times(runner: StepRunner, stages: dict[int, str], reverse: bool) -> d
             modes = {"part": kept.serving, "whole": contextlib.nullcontext,
                      "recording": lambda: KeptOutputs(k, stages[k])}
             order = ["part", *(["recording", "whole"] if reverse else ["whole", "recording"])]
-            seconds = {}
-            for name in order:
-                program.run(checkpoint, runner.device, lambda t: None)  # untimed
-                rebuilt: list[torch.Tensor] = []  # what it saves, kept as the executor keeps the rebuilt unit
-                start = now(runner.device)
-                with modes[name]():
-                    y = program.run(checkpoint, runner.device, rebuilt.append)
-                seconds[name] = now(runner.device) - start
-                del y, rebuilt
+            seconds = {name: timed_replay(program, checkpoint, runner.device, modes[name]) for name in order}
             out[k] = (seconds["whole"], seconds["part"], seconds["recording"])
             del program, kept, checkpoint, modes
     return out

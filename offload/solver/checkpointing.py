@@ -63,6 +63,6 @@ def recomputable_parts(chain: Chain, first: int, last: int) -> list[Recompute]:
     return parts
 
 
-POLICIES = {"checkpoint-sqrt": sqrt_runs, "checkpoint-blocks": block_runs, "checkpoint-matmuls": option_runs(MATMULS),
-            "checkpoint-every-other-matmul": option_runs(EVERY_OTHER_MATMUL)}
-IN_STAGE = ("checkpoint-matmuls", "checkpoint-every-other-matmul")  # the policies that run in-stage options
+IN_STAGE = {"checkpoint-matmuls": MATMULS, "checkpoint-every-other-matmul": EVERY_OTHER_MATMUL}  # policy -> its option
+POLICIES = {"checkpoint-sqrt": sqrt_runs, "checkpoint-blocks": block_runs,
+            **{name: option_runs(option) for name, option in IN_STAGE.items()}}

@@ -67,6 +67,16 @@ def test_profiler_masks_only_storages_read_for_their_sign(chains):
 
 def test_readers_decide_the_sign_mask():
     """ReLU -> max-pool: the sign is all anyone needs; ReLU -> conv: the conv needs the values."""
+    storages = encodings_pass(_relu_net())[0]
+    masked = [s for s in storages if any(c.encoder == "sign-mask" for c in s.candidates)]
+    assert len(masked) == 1 and masked[0].readers <= SIGN_ONLY
+    assert masked[0].readers == SIGN_ONLY  # ReLU's output is max-pool's input
+    second_relu = [s for s in storages if ("ReluBackward0", "_saved_result") in s.readers and s is not masked[0]]
+    assert second_relu and ("ConvolutionBackward0", "_saved_input") in second_relu[0].readers
+    assert not any(c.encoder == "sign-mask" for c in second_relu[0].candidates)
+
+
+def _relu_net():
     from offload.core.staging import Staging
     from offload.models import ModelSpec
     from offload.profiler.measure import StepRunner
@@ -75,13 +85,47 @@ def test_readers_decide_the_sign_mask():
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
                               torch.nn.Conv2d(4, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 3), torch.nn.Flatten())
     spec = ModelSpec(net, (torch.randn(2, 3, 20, 20),), {}, lambda out: out.square().mean(), "test")
-    storages = encodings_pass(StepRunner(Staging(net, []), spec, torch.device("cpu"), "none"))[0]
-    masked = [s for s in storages if any(c.encoder == "sign-mask" for c in s.candidates)]
-    assert len(masked) == 1 and masked[0].readers <= SIGN_ONLY
-    assert masked[0].readers == SIGN_ONLY  # ReLU's output is max-pool's input
-    second_relu = [s for s in storages if ("ReluBackward0", "_saved_result") in s.readers and s is not masked[0]]
-    assert second_relu and ("ConvolutionBackward0", "_saved_input") in second_relu[0].readers
-    assert not any(c.encoder == "sign-mask" for c in second_relu[0].candidates)
+    return StepRunner(Staging(net, []), spec, torch.device("cpu"), "none")
+
+
+def test_a_reader_the_walk_missed_forbids_the_sign_mask(monkeypatch):
+    """The H200's failure (torch 2.11): the walk of the graph missed the next block's conv, so
+    a block's ReLU output, read by that conv, took ``sign-mask`` and the gradients were off by
+    46%.  A storage saved more often than the walk found readers takes no reader-dependent
+    encoder."""
+    from offload.profiler import encodable
+
+    walk = encodable._readers
+
+    def missing_the_convs(roots):
+        found, saves = walk(roots)
+        for key, readers in found.items():
+            convs = {r for r in readers if r[0] == "ConvolutionBackward0"}
+            readers -= convs
+            saves[key] -= len(convs)
+        return found, saves
+
+    monkeypatch.setattr(encodable, "_readers", missing_the_convs)
+    storages = encodings_pass(_relu_net())[0]
+    relu_into_conv = [s for s in storages if ("ReluBackward0", "_saved_result") in s.readers
+                      and ("MaxPool2DWithIndicesBackward0", "_saved_self") not in s.readers]
+    assert relu_into_conv and not relu_into_conv[0].readers_complete
+    assert relu_into_conv[0].readers <= SIGN_ONLY  # what the incomplete walk saw ...
+    assert not any(c.encoder in ("sign-mask", "bf16") for c in relu_into_conv[0].candidates)  # ... is not trusted
+
+
+def test_the_walk_finds_every_save(monkeypatch):
+    """A staged ResNet-18 (boundaries between its blocks, readers across them): the walk finds
+    a reader for every save of every storage, so the encoders are chosen from what it saw."""
+    from offload.profiler import encodable, profile as profiling
+
+    seen = []
+    monkeypatch.setattr(profiling, "encodings_pass", lambda runner: seen.append(encodable.encodings_pass(runner)) or seen[-1])
+    profile("resnet18", ProfileOptions(batch=2, repeats=1, warmup=1, options={"image": 16}))
+    storages = [s for stage in seen[0] for s in stage]
+    assert len(seen[0]) > 5 and storages and all(s.readers_complete for s in storages)
+    outputs = [s for s in storages if s.output]
+    assert outputs and not any(c.encoder == "sign-mask" for s in outputs for c in s.candidates)  # the next conv reads them
 
 
 def encoded_schedules(chain, mode="lossless"):

@@ -18,15 +18,23 @@ from torch import nn
 from .spec import ModelSpec
 
 
-def _classifier_loss(labels: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    def loss(logits: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float(), labels.to(logits.device))
-    return loss
+class _ClassifierLoss:
+    """Cross-entropy against fixed labels, moved to the logits' device on the first call only:
+    a copy from pageable host memory at every step would make the host wait for the device
+    inside the step."""
+
+    def __init__(self, labels: torch.Tensor) -> None:
+        self.labels = labels
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.labels.device != logits.device:
+            self.labels = self.labels.to(logits.device)
+        return F.cross_entropy(logits.float(), self.labels)
 
 
 def image_batch(batch: int, image: int, classes: int) -> tuple[tuple[torch.Tensor, ...], Callable]:
     x = torch.randn(batch, 3, image, image)
-    return (x,), _classifier_loss(torch.randint(0, classes, (batch,)))
+    return (x,), _ClassifierLoss(torch.randint(0, classes, (batch,)))
 
 
 # ----------------------------------------------------------------------------- ResNet
@@ -333,7 +341,7 @@ def mlp(batch: int, layers: int = 8, width: int = 4096, features: int = 1024, cl
         mods += [nn.Linear(a, b), nn.ReLU()]
     module = nn.Sequential(*mods, nn.Linear(dims[-1], classes))
     x = torch.randn(batch, features)
-    return ModelSpec(module, (x,), {}, _classifier_loss(torch.randint(0, classes, (batch,))),
+    return ModelSpec(module, (x,), {}, _ClassifierLoss(torch.randint(0, classes, (batch,))),
                      f"MLP, {layers} hidden layers of width {width}")
 
 

@@ -5,8 +5,11 @@ One extra step of the staged model (after the warm-up, like the memory pass):
 * a pack hook numbers each stage's storages in the order the forward first saves them,
   which is how the chain and the executor name them (``EncodedTensor.index``);
 * after the forward, a walk of the autograd graph lists every node that saved each storage
-  (``ReluBackward0._saved_result``, ``ConvolutionBackward0._saved_input``, ...).  A storage
-  whose every reader needs only its sign (ReLU's output, max-pool's input) may take
+  (``ReluBackward0._saved_result``, ``ConvolutionBackward0._saved_input``, ...), and is
+  checked against the pack hook's count of the saves of each storage: a storage saved more
+  often than the walk found readers has a reader nobody can vouch for, and takes no encoder
+  that depends on who reads it (``sign-mask``, ``bf16``).  A storage whose every reader
+  needs only its sign (ReLU's output, max-pool's input) may take
   ``sign-mask``; any storage may take ``sparse`` (kept where it saves at least 10%; not on a
   GPU, where reading its size back would stall the step: ``encoders.usable_on``); 32- and
   64-bit floats other than normalization statistics may take the lossy ``bf16``;
@@ -21,6 +24,7 @@ Each stage then offers ``lossless`` (per storage the smallest lossless encoding)
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -58,6 +62,7 @@ class SavedStorage:
     nbytes: int
     output: bool  # the stage's output (alive in the next stage's forward)
     readers: set[tuple[str, str]] = field(default_factory=set)
+    readers_complete: bool = True  # the walk found a reader for every save (module docstring)
     candidates: list[Candidate] = field(default_factory=list)
 
 
@@ -80,17 +85,22 @@ class _Numbering(StageListener):
             self.tracker.stage = k + 1
 
 
-def _readers(roots: list[Any]) -> dict[int, set[tuple[str, str]]]:
+def _readers(roots: list[Any]) -> tuple[dict[int, set[tuple[str, str]]], Counter[int]]:
     """Storage key -> the (node type, attribute) pairs that saved it, over the graph below
-    ``roots``.  (The loss's node alone is not enough: on torch 2.11 the walk ended at the
-    first stage boundary's node, so the walk starts from every stage's output too.)"""
+    ``roots``, and how many saves of each storage the walk found.  (The loss's node alone
+    is not enough: on torch 2.11 the walk ended at the first stage boundary's node, so the
+    walk starts from every stage's output too.)  The nodes visited are kept alive until the
+    walk ends: a node's Python object is made on demand and may die once read, and another
+    node's object may then be made at its address, so an ``id`` alone would skip it."""
     found: dict[int, set[tuple[str, str]]] = {}
-    seen, todo = set(), list(roots)
+    saves: Counter[int] = Counter()
+    seen: dict[int, Any] = {}
+    todo = list(roots)
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         kind = type(node).__name__
         names = [n for n in dir(node) if n.startswith("_saved_")] + (["saved_tensors"] if hasattr(node, "saved_tensors") else [])
         for name in names:
@@ -101,8 +111,9 @@ def _readers(roots: list[Any]) -> dict[int, set[tuple[str, str]]]:
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor) and plain(t):  # the rest is never in a unit
                     found.setdefault(storage_key(t), set()).add((kind, name))
+                    saves[storage_key(t)] += 1
         todo.extend(fn for fn, _ in getattr(node, "next_functions", ()))
-    return found
+    return found, saves
 
 
 def _workspace(name: str, flat: torch.Tensor) -> int:
@@ -137,8 +148,11 @@ def encodings_pass(runner: StepRunner) -> list[list[SavedStorage]]:
     tracker = UnitTracker(runner.device, persistent)
     numbering = _Numbering(runner.L, tracker)
     tensors: dict[int, tuple[Saved, torch.Tensor]] = {}
+    packed: Counter[int] = Counter()  # saves of each storage, as the pack hook saw them
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        if plain(t):
+            packed[storage_key(t)] += 1
         saved = tracker.saw(t)
         if saved is not None and saved.new:
             tensors[saved.key] = (saved, t)
@@ -149,17 +163,19 @@ def encodings_pass(runner: StepRunner) -> list[list[SavedStorage]]:
     with runner.batch() as (args, kwargs):
         tracker.exclude(tensors_in((args, kwargs)))
         loss = runner.forward(args, kwargs, numbering, pack)
-        readers = _readers([loss.grad_fn, *numbering.roots])
+        readers, walked = _readers([loss.grad_fn, *numbering.roots])
         numbering.roots.clear()
         for key, (saved, t) in tensors.items():
             flat = flat_storage(t)
-            stored = SavedStorage(saved.index, saved.nbytes, key in numbering.outputs, readers.get(key, set()))
+            stored = SavedStorage(saved.index, saved.nbytes, key in numbering.outputs, readers.get(key, set()),
+                                  walked[key] >= packed[key])
+            known = stored.readers_complete and stored.readers
             names = []
-            if t.is_floating_point() and stored.readers and stored.readers <= SIGN_ONLY:
+            if t.is_floating_point() and known and stored.readers <= SIGN_ONLY:
                 names.append("sign-mask")
             if ENCODERS["sparse"].applies(t.dtype) and ENCODERS["sparse"].size(flat) <= SPARSE_WORTH * stored.nbytes:
                 names.append("sparse")
-            if ENCODERS["bf16"].applies(t.dtype) and not all(STATISTICS.search(a) for _, a in stored.readers):
+            if ENCODERS["bf16"].applies(t.dtype) and known and not all(STATISTICS.search(a) for _, a in stored.readers):
                 names.append("bf16")
             stored.candidates = [_try(n, flat, runner.sync) for n in names if n in usable]
             stages[saved.unit - 1].append(stored)

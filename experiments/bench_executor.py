@@ -22,7 +22,10 @@ timed run), both held to the budget::
 
 Each row: predicted and measured step time and activation peak, whether the peak stayed
 within the budget, the copy overlap measured and the one the simulator implies (the share
-of copy time during which the device runs an op, read the same way), whether gradients matched (bit for bit, or within
+of copy time during which the device runs an op, read the same way), how long the compute
+stream waited for the host and for copies in the traced step beside the simulator's host
+waits and stalls (``offload.executor.traces``: which part of the model a step that missed
+its prediction missed), whether gradients matched (bit for bit, or within
 the reference's own noise), and the exit code ``offload train`` would have given (0, 6 over
 budget or out of memory, 7 gradients beyond the noise).  Everything lands in ``--out``
 (default ``experiments/results/executor-<device>/``): ``summary.csv``, ``summary.md`` (the
@@ -90,7 +93,8 @@ WAYS = {"offload": ("ilp", False), "joint": ("ilp", True), "checkpoint": ("check
         "matmuls": ("checkpoint-matmuls", False)}
 FIELDS = ["model", "share", "way", "solver_status", "budget_bytes", "predicted_step_s", "measured_step_s", "step_error",
           "predicted_peak_bytes", "measured_peak_bytes", "within_budget", "copy_overlap", "predicted_overlap",
-          "grads_match", "grads_within_noise", "exit", "d2h_bytes_per_step", "detail"]
+          "grads_match", "grads_within_noise", "exit", "d2h_bytes_per_step", "busy_s", "host_wait_s",
+          "predicted_host_wait_s", "copy_wait_s", "predicted_stall_s", "blocking", "detail"]
 
 
 def exit_code(report: Report, error: OffloadError | None) -> int:
@@ -113,6 +117,7 @@ def row(model: Model, share: float | str, way: str, report: Report | None, error
         return {"model": model.tag, "share": share, "way": way, **extra}
     m, p = report.measured, report.predicted
     overlap = (report.trace or {}).get("copy_overlap")
+    device = (report.trace or {}).get("device_time") or {}
     peaks = [r.measured.activation_peak_bytes for r in (report, checked) if r.measured.activation_peak_bytes is not None]
     fits = [within_budget(r) for r in (report, checked)]
     return {"model": model.tag, "share": share, "way": way, **extra,
@@ -124,7 +129,11 @@ def row(model: Model, share: float | str, way: str, report: Report | None, error
             "grads_match": checked.grads_match,
             "grads_within_noise": checked.grads_within_noise,
             "exit": exit_code(report, error) or exit_code(checked, check_error),
-            "d2h_bytes_per_step": m.d2h_bytes_per_step, "detail": str(error or check_error or "")}
+            "d2h_bytes_per_step": m.d2h_bytes_per_step, "busy_s": device.get("busy_s"),
+            "host_wait_s": device.get("host_wait_s"), "predicted_host_wait_s": p.host_wait_s,
+            "copy_wait_s": device.get("copy_wait_s"), "predicted_stall_s": p.stall_s,
+            "blocking": " ".join(f"{k}x{n}" for k, (n, _) in sorted(device.get("blocking", {}).items())),
+            "detail": str(error or check_error or "")}
 
 
 def bench_model(model: Model, device: str, out: Path, args: argparse.Namespace,
@@ -218,18 +227,21 @@ def markdown(rows: list[dict], machine: str) -> str:
         return str(v)
     lines = [f"Measured on {machine}.", "",
              "| model | budget | way | solver | predicted | measured | error | peak pred / meas | in budget "
-             "| overlap meas / sim | grads | exit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| overlap meas / sim | waits for host, copies: meas / pred | grads | exit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         share = cell(r.get("share"), "share") if r.get("share") not in ("-", None) else "-"
         overlap = "/".join(f"{float(x):.0%}" if x is not None else "-" for x in (r.get("copy_overlap"), r.get("predicted_overlap")))
         grads = "-" if r.get("grads_match") is None else ("bit-exact" if r["grads_match"] else
                                                          "within noise" if r.get("grads_within_noise") else "DIFFER")
+        waits = (f"{cell(r.get('host_wait_s'), 's')}, {cell(r.get('copy_wait_s'), 's')} / "
+                 f"{cell(r.get('predicted_host_wait_s'), 's')}, {cell(r.get('predicted_stall_s'), 's')}"
+                 if r.get("busy_s") is not None else "-")
         lines.append(f"| {r['model']} | {share} | {r['way']} | {cell(r.get('solver_status'))} | "
                      f"{cell(r.get('predicted_step_s'), 's')} | "
                      f"{cell(r.get('measured_step_s'), 's')} | {cell(r.get('step_error'), '%')} | "
                      f"{cell(r.get('predicted_peak_bytes'), 'B')} / {cell(r.get('measured_peak_bytes'), 'B')} | "
-                     f"{cell(r.get('within_budget'))} | {overlap} | {grads} | {cell(r.get('exit'))} |")
+                     f"{cell(r.get('within_budget'))} | {overlap} | {waits} | {grads} | {cell(r.get('exit'))} |")
     return "\n".join(lines) + "\n"
 
 

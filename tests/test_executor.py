@@ -151,7 +151,7 @@ def test_compare_and_trace(chains, tmp_path):
     assert 0 < report.compare["selective_checkpoint"].activation_peak_bytes < report.compare["no_offload"].activation_peak_bytes
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "aten::mm" for e in events)
-    assert report.trace == {"path": str(trace), "copy_overlap": None}
+    assert report.trace == {"path": str(trace), "copy_overlap": None, "device_time": None}  # no GPU work
     assert not list(tmp_path.glob(".*.tmp"))
 
 

@@ -30,7 +30,7 @@ from offload.models.spec import ModelSpec
 from offload.step.chain import Chain
 
 from .api import Offloaded
-from .overlap import copy_overlap
+from .traces import copy_overlap, device_time
 from .report import BASELINES, Baseline, total
 from .trainer import Run, StepHooks, Trainer, step_errors
 
@@ -145,8 +145,9 @@ def compare_baselines(trainer: Trainer, steps: int, ours: Run, chain: Chain) -> 
 
 
 def trace_step(path: str, trainer: Trainer, run: Offloaded) -> dict[str, Any]:
-    """One more step with offloading under ``torch.profiler``: a Chrome trace, and how much of its
-    copy time overlaps GPU compute (``None`` on the CPU, where there are no GPU copies)."""
+    """One more step with offloading under ``torch.profiler``: a Chrome trace, how much of its
+    copy time overlaps GPU compute, and where the compute stream's time went
+    (``offload.executor.traces``; both ``None`` on the CPU, where there is no GPU work)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if trainer.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -161,4 +162,5 @@ def trace_step(path: str, trainer: Trainer, run: Offloaded) -> dict[str, Any]:
         prof.export_chrome_trace(str(exported))
         text = exported.read_text()
     write_atomic(path, lambda fh: fh.write(text))
-    return {"path": str(path), "copy_overlap": copy_overlap(json.loads(text)["traceEvents"])}
+    events = json.loads(text)["traceEvents"]
+    return {"path": str(path), "copy_overlap": copy_overlap(events), "device_time": device_time(events)}

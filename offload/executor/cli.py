@@ -13,8 +13,23 @@ from offload.step.chainfile import load_chain
 from offload.step.names import BACKENDS, OPTIMIZERS
 from offload.step.schedulefile import load_schedule
 
-from .report import BASELINES, Report
+from .report import BASELINES, Predicted, Report
 
+
+
+def _print_device_time(d: dict | None, p: Predicted) -> None:
+    """The traced step's compute stream (``offload.executor.traces.device_time``) beside the
+    simulator's: which part of the model a measured step missed."""
+    if not d:
+        return
+    running = p.step_s - p.host_wait_s - p.stall_s
+    print(f"{'device time':<14}measured: {format_seconds(d['busy_s'])} running, {format_seconds(d['host_wait_s'])} "
+          f"waiting for the host, {format_seconds(d['copy_wait_s'])} for copies, {format_seconds(d['other_s'])} other; "
+          f"predicted: {format_seconds(running)}, {format_seconds(p.host_wait_s)}, {format_seconds(p.stall_s)}")
+    if d["blocking"]:
+        print(f"{'host blocked':<14}" + ", ".join(f"{name} x{n} ({format_seconds(s)})"
+                                                 for name, (n, s) in sorted(d["blocking"].items()))
+              + " in the traced step: calls that may wait for the device")
 
 
 def _print_report(r: Report) -> None:
@@ -57,6 +72,7 @@ def _print_report(r: Report) -> None:
         print(f"trace         {r.trace['path']}" + (
             f"   copies {format_seconds(overlap['copy_s'])}, {overlap['fraction']:.0%} of it under compute"
             if overlap else "   (no GPU copies in it)"))
+        _print_device_time(r.trace.get("device_time"), p)
     if r.grads_match is not None:
         print(f"grads_match   {r.grads_match} (bit for bit against the same model trained without offloading"
               + ("; deterministic kernels" if r.deterministic else "") + ")")
@@ -162,7 +178,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "recomputed: torchtitan's policy), and print our step time as a multiple of each")
     p.add_argument("--trace", metavar="JSON", type=output_path,
                    help="write a torch.profiler Chrome trace of one more step (open in ui.perfetto.dev); on a GPU "
-                        "it also reports how much of the copy time ran under compute")
+                        "it also reports how much of the copy time ran under compute, and how long the device "
+                        "waited for the host and for copies beside the prediction's")
     p.add_argument("--op-memory", action="store_true",
                    help="read memory at every op's end in step 1 and compare each op with the simulator's (report: "
                         "measured.op_peak_bytes, predicted.op_bytes); on a GPU this synchronizes step 1 at every boundary")

@@ -72,13 +72,14 @@ class Predicted:
     """The simulator's replay of the schedule."""
 
     step_s: float
-    stall_s: float
+    stall_s: float  # the device waiting for copies
     activation_peak_bytes: int
     total_peak_bytes: int
     d2h_bytes_per_step: int
     h2d_bytes_per_step: int
     copy_overlap: float | None  # the share of copy time hidden under compute (None: no copies)
     op_bytes: dict[str, int] | None = None  # per op, activation bytes (--op-memory)
+    host_wait_s: float = 0.0  # the device waiting for the host to issue its work (a chain profiled on CUDA)
 
 
 @dataclass
@@ -117,7 +118,7 @@ class Report:
     grads_within_noise: bool | None = None  # bit for bit, or within the noise floor at every step
     deterministic: bool | None = None  # deterministic kernels were asked for (CUDA, with the gradient check)
     compare: dict[str, Baseline] | None = None  # BASELINES
-    trace: dict[str, Any] | None = None  # path, copy_overlap
+    trace: dict[str, Any] | None = None  # path, copy_overlap, device_time (offload.executor.traces)
     error: str | None = None  # the step that failed its budget or ran out of memory
     over_prediction: str | None = None  # the measured activation peak above the predicted one: by how much, and why
 
@@ -125,7 +126,8 @@ class Report:
     def start(cls, chain: Chain, schedule: Schedule, backend: str, device: Any, op_memory: bool = False) -> "Report":
         """A report of ``schedule`` on ``chain``, its prediction made, nothing measured yet."""
         sim = schedule.simulate(chain)
-        predicted = Predicted(step_s=sim.makespan_s, stall_s=sim.stall_s, activation_peak_bytes=sim.peak_bytes,
+        predicted = Predicted(step_s=sim.makespan_s, stall_s=sim.stall_s, host_wait_s=sim.host_wait_s,
+                              activation_peak_bytes=sim.peak_bytes,
                               total_peak_bytes=total(sim.peak_bytes, chain), d2h_bytes_per_step=sim.d2h_bytes,
                               h2d_bytes_per_step=sim.h2d_bytes, copy_overlap=sim.copy_overlap,
                               op_bytes={o.name: o.mem_bytes for o in sim.ops} if op_memory else None)

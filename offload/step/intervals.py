@@ -1,6 +1,6 @@
 """How much of the copy time falls while the device computes: the simulator's prediction and a
 ``torch.profiler`` trace's measurement are read the same way (``Simulation.copy_overlap``,
-``executor.overlap``): the union of the copies' intervals against the union of the compute
+``executor.traces``): the union of the copies' intervals against the union of the compute
 intervals, so that a copy running while the device waits (for the host, for another copy)
 counts as exposed in both."""
 from __future__ import annotations

@@ -63,16 +63,31 @@ def pick_device(name: str | None) -> torch.device:
     return device
 
 
+class ModuleTensors:
+    """The parameters, buffers and plain tensor attributes of a module tree, read again at every
+    step from the modules and attribute names found when it was made: a step walks lists, not
+    ``named_modules``' recursion and every module's ``__dict__`` (0.5 ms on a ResNet-50)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modules = list(module.modules())
+        self.attributes = [(sub, name) for sub in self.modules for name, v in vars(sub).items()
+                           if isinstance(v, torch.Tensor)]
+
+    def now(self) -> list[torch.Tensor]:
+        """The tensors as they are now (a parameter replaced since is the new one)."""
+        out = [t for sub in self.modules for held in (sub._parameters, sub._buffers) for t in held.values()
+               if t is not None]
+        return out + [v for sub, name in self.attributes if isinstance(v := getattr(sub, name, None), torch.Tensor)]
+
+
 def persistent_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None,
                        device: torch.device) -> list[torch.Tensor]:
     """Every tensor that lives across steps on ``device``: weights, buffers, gradients, optimizer
     state and plain tensor attributes (the constant ``base_bytes``, never part of a unit)."""
-    out = list(module.parameters()) + list(module.buffers())
+    out = ModuleTensors(module).now()
     out += [p.grad for p in module.parameters() if p.grad is not None]
     if optimizer is not None:
         out += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    for sub in module.modules():
-        out += [v for v in vars(sub).values() if isinstance(v, torch.Tensor)]
     return [t for t in out if t.device.type == device.type]
 
 

@@ -19,8 +19,7 @@ a new storage, which starts afresh.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -46,7 +45,15 @@ def is_weight(t: torch.Tensor) -> bool:
     FSDP2's gathered weights are parameters registered during the forward, after any
     snapshot of them, and its reshard frees their storage behind every holder; autocast
     caches a weight's cast for the whole forward, so moving it would free nothing."""
-    return any(isinstance(x, torch.nn.Parameter) or cast_parameter(x) is not None for x in (t, t._base) if x is not None)
+    base = t._base
+    return _parameter(t) or cast_parameter(t) is not None or (
+        base is not None and (_parameter(base) or cast_parameter(base) is not None))
+
+
+def _parameter(t: torch.Tensor) -> bool:
+    """``isinstance(t, nn.Parameter)``, without the Python ``__instancecheck__`` for a plain
+    tensor that is not marked as one (every activation: the check runs at each new save)."""
+    return isinstance(t, torch.nn.Parameter) if type(t) is not torch.Tensor else getattr(t, "_is_param", False)
 
 
 def cast_parameter(t: torch.Tensor) -> torch.nn.Parameter | None:
@@ -58,9 +65,8 @@ def cast_parameter(t: torch.Tensor) -> torch.nn.Parameter | None:
     return variable if isinstance(variable, torch.nn.Parameter) else None
 
 
-@dataclass(frozen=True)
-class Saved:
-    """A saved tensor's storage, as the tracker knows it."""
+class Saved(NamedTuple):
+    """A saved tensor's storage, as the tracker knows it (a tuple: one is made per save)."""
 
     key: int  # storage_key, valid while the storage lives
     unit: int  # the first stage that saved it

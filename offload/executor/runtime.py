@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from offload.core import casts
+from offload.core.devices import ModuleTensors
 from offload.core.encoders import ENCODERS, Encoder, flat_storage, usable_on
 from offload.core.rerun import NotRerunnable, StageProgram, StageRecorder
 from offload.core.selective import KeptOutputs
@@ -79,24 +80,31 @@ class _Stored:
     codec: tuple[Encoder, torch.dtype, int] | None = None  # encoder, dtype and element count of the raw storage
     readers: int = 0  # saved references not yet read by the backward
     decoded: torch.Tensor | None = None  # the raw storage again, from its first reader to its last
-    watched: list[tuple[weakref.ref, int]] = field(default_factory=list)  # saved tensors' bases, their versions
-    aliases: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # detach() aliases until the release
+    # per saved tensor's base (by id; a view shares its base's version counter): the base
+    # watched, and until the release a ``detach()`` alias of it (sharing its counter too)
+    watched: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
+    aliases: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     # Autograd's check that a saved tensor was not modified in place is off for what a
     # saved-tensors hook replaces; this does it.  Each saved reference's version counter
     # (shared by a tensor and its views, and by ``detach()``) is read at pack and again
-    # whenever the step looks (each forward boundary, another save of the storage, the
-    # release, unpack).  Until the release a ``detach()`` alias is held (the step holds the
-    # storage until then anyway), so an in-place write while the D2H may run is always
-    # caught; after it, the saved tensor's base is watched while it lives.
+    # whenever the step looks (another save of the storage, the release, unpack: a few
+    # times per storage, not at every boundary, and each counter once however many views
+    # of its base were saved).  Until the release a ``detach()`` alias is held (the step
+    # holds the storage until then anyway), so an in-place write while the D2H may run is
+    # always caught; after it, the saved tensor's base is watched while it lives.
     def saw(self, t: torch.Tensor) -> None:
-        self.check_versions()
-        self.watched.append((weakref.ref(t if t._base is None else t._base), t._version))
+        self.check_versions()  # a counter already watched is unchanged past here
+        base = t if t._base is None else t._base
+        known = self.watched.get(id(base))
+        if known is not None and known[0]() is base:
+            return
+        self.watched[id(base)] = (weakref.ref(base), t._version)
         if self.device is not None and self.codec is None:
-            self.aliases.append((t.detach(), t._version))
+            self.aliases[id(base)] = (t.detach(), t._version)
 
     def check_versions(self) -> None:
-        for alias, version in [*self.aliases, *((ref(), v) for ref, v in self.watched)]:
+        for alias, version in [*self.aliases.values(), *((ref(), v) for ref, v in self.watched.values())]:
             if alias is not None and alias._version != version:
                 raise RuntimeError(f"a tensor saved for the backward (in U{self.unit}, {alias.dtype} {list(alias.shape)})"
                                    f" was modified by an in-place operation after it was saved (version "
@@ -106,7 +114,7 @@ class _Stored:
     def drop_aliases(self) -> None:
         """Before the step lets go of the device storage: checked a last time, its aliases dropped."""
         self.check_versions()
-        self.aliases = []
+        self.aliases = {}
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,10 @@ class _Step(StageListener):
         if self.recorder is not None:
             self.recorder.saved()
             self.ordinals[self.recorder.stage].append(sid)
-        if sid is None:  # not a unit's: a weight's cast, kept or made again when read
+        if sid is None:
+            if saved is not None:  # a kept unit's storage (never a weight's cast: ``saw`` checked it)
+                return t
+            # not a unit's: a weight's cast, kept or made again when read
             return t if self.tracker.stage in self.plan.casts_kept else casts.pack(t)
         self.stored[sid].readers += 1
         self.stored[sid].saw(t)
@@ -254,8 +265,6 @@ class _Step(StageListener):
 
     # -------------------------------------------------------------- boundaries
     def forward_boundary(self, k: int) -> None:
-        for s in self.stored:
-            s.check_versions()
         if k == self.plan.L:
             return  # the model returned; the loss still belongs to F_L (the turn is at the backward's start)
         self._check_unit(k)
@@ -411,6 +420,7 @@ class OffloadRuntime:
         self.encoded_bytes = 0  # blobs made by the encoders, all steps
         self.steps = 0
         self._last: Callable[[], _Step | None] = lambda: None
+        self.persistent = ModuleTensors(staging.module)  # never a unit's: excluded at every step
 
     @contextlib.contextmanager
     def reading(self, meter: Any) -> Iterator[dict[str, int]]:
@@ -448,9 +458,7 @@ class OffloadRuntime:
             raise RuntimeError("a forward while the previous forward's backward has not finished: the schedule covers "
                                "one forward and its backward at a time; call backward() first (several micro-batches: "
                                "forward and backward each in turn), or evaluate under torch.no_grad()")
-        module = self.staging.module
-        excluded = [*module.parameters(), *module.buffers(), *tensors_in((args, kwargs))]
-        step = _Step(self, excluded)
+        step = _Step(self, self.persistent.now() + tensors_in((args, kwargs)))
         self.read(None)  # what ran since the last backward (the optimizer step, data loading) is no op's
         self._last = weakref.ref(step)  # alive as long as its autograd graph holds a handle or a boundary
         self.steps += 1

@@ -23,6 +23,7 @@ _HOMES = {
     "load_schedule": "offload.step.schedulefile", "save_schedule": "offload.step.schedulefile",
     "simulate": "offload.step.simulate", "Options": "offload.solver.methods", "solve": "offload.solver.methods",
     "Offloaded": "offload.executor.api", "profile": "offload.profiler.profile",
+    "compile_scheduled": "offload.executor.compiled",
 }
 __all__ = sorted(_HOMES)
 

@@ -353,3 +353,18 @@ def test_a_replay_lets_go_of_what_it_rebuilt():
     del rebuilt, out
     gc.collect()
     assert all(ref() is None for ref in gone)
+
+
+def test_recording_leaves_no_global_hook_behind():
+    """The recorder's global module hooks go with it, their ``with_kwargs`` marks too (torch
+    keeps those in a dict the handle does not clean: a leak per recorded stage per step)."""
+    import torch
+    import torch.nn.modules.module as module_hooks
+    from offload.core.rerun import StageRecorder
+
+    before = {name: len(getattr(module_hooks, name)) for name in dir(module_hooks) if name.startswith("_global_")
+              and isinstance(getattr(module_hooks, name), dict)}
+    for _ in range(3):
+        StageRecorder(1, None, torch.device("cpu"), set()).close()
+    after = {name: len(getattr(module_hooks, name)) for name in before}
+    assert after == before

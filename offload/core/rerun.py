@@ -286,6 +286,10 @@ class StageRecorder:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+            # torch marks a global hook registered ``with_kwargs`` in a dict its handle does not
+            # clean: an entry per recorded stage per step (a leak, and torch.compile then warns
+            # of global hooks that are gone)
+            nn.modules.module._global_forward_hooks_with_kwargs.pop(h.id, None)
         self._handles.clear()
 
     def keys(self) -> set[int]:

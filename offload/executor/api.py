@@ -63,6 +63,19 @@ def stage_like_chain(module: nn.Module, chain: Chain) -> Staging:
     return staging
 
 
+def chain_and_schedule(chain: Chain | PathLike, schedule: Schedule | PathLike) -> tuple[Chain, Schedule]:
+    """The chain and the schedule, loaded where paths are given, and checked: the schedule is
+    the chain's, and the simulator replays it (a schedule built in code is refused here if it
+    is outside the class)."""
+    chain = chain if isinstance(chain, Chain) else load_chain(chain)
+    schedule = schedule if isinstance(schedule, Schedule) else load_schedule(schedule, chain)
+    if schedule.chain_sha256 != chain.sha256:
+        raise ChainMismatch(f"the schedule was made for chain {schedule.chain_name!r}, not for {chain.name!r} "
+                            "(sha256 differs)", "solve again on this chain")
+    schedule.simulate(chain)
+    return chain, schedule
+
+
 def _device_of(module: nn.Module) -> torch.device:
     first = next(module.parameters(), None)
     return first.device if first is not None else torch.device("cpu")
@@ -80,12 +93,7 @@ class Offloaded(nn.Module):
         super().__init__()
         if isinstance(unwrap(module), Offloaded):
             raise ValueError("this module is already offloaded: wrap the user's module once")
-        self.chain = chain if isinstance(chain, Chain) else load_chain(chain)
-        self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(schedule, self.chain)
-        if self.schedule.chain_sha256 != self.chain.sha256:
-            raise ChainMismatch(f"the schedule was made for chain {self.schedule.chain_name!r}, not for "
-                                f"{self.chain.name!r} (sha256 differs)", "solve again on this chain")
-        self.schedule.simulate(self.chain)  # a schedule built in code, not loaded: refused here if outside the class
+        self.chain, self.schedule = chain_and_schedule(chain, schedule)
         if self.chain.recipe is not None and self.chain.recipe.cache_off and uses_cache(unwrap(module)):
             raise ChainMismatch("the model's config asks for a key/value cache (use_cache=True); the chain was "
                                 "profiled with it off: set model.config.use_cache = False before training",

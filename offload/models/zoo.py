@@ -19,9 +19,9 @@ from .spec import ModelSpec
 
 
 class _ClassifierLoss:
-    """Cross-entropy against fixed labels, moved to the logits' device on the first call only:
-    a copy from pageable host memory at every step would make the host wait for the device
-    inside the step."""
+    """Cross-entropy against fixed labels (one per row, or one per position of a sequence),
+    moved to the logits' device on the first call only: a copy from pageable host memory at
+    every step would make the host wait for the device inside the step."""
 
     def __init__(self, labels: torch.Tensor) -> None:
         self.labels = labels
@@ -29,7 +29,7 @@ class _ClassifierLoss:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.labels.device != logits.device:
             self.labels = self.labels.to(logits.device)
-        return F.cross_entropy(logits.float(), self.labels)
+        return F.cross_entropy(logits.float().flatten(0, -2), self.labels.flatten())
 
 
 def image_batch(batch: int, image: int, classes: int) -> tuple[tuple[torch.Tensor, ...], Callable]:
@@ -323,11 +323,7 @@ def gpt(batch: int, layers: int = 12, width: int = 768, heads: int = 12, seq: in
     if width % heads:
         raise ValueError(f"width ({width}) must be a multiple of heads ({heads})")
     tokens = torch.randint(0, vocab, (batch, seq + 1))
-    targets = tokens[:, 1:].contiguous()
-
-    def loss(logits: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.to(logits.device).flatten())
-
+    loss = _ClassifierLoss(tokens[:, 1:].contiguous())
     return ModelSpec(GPT(layers, width, heads, seq, vocab, dropout), (tokens[:, :-1].contiguous(),), {}, loss,
                      f"GPT decoder, {layers} layers, width {width}, {heads} heads, sequence {seq}")
 

@@ -1,0 +1,196 @@
+"""The schedule inside ``torch.compile``: the model compiled whole, our recomputation in its graph.
+
+``Offloaded(torch.compile(m))`` runs a schedule on a compiled model by breaking its graph at
+every stage boundary (the hooks and the runtime are ``torch.compiler.disable``d), so that
+Inductor compiles one block at a time.  ``compile_scheduled`` compiles the user's module as
+one graph instead and hands AOTAutograd a partitioner built from (chain, schedule):
+
+* **stages**: each forward node of the joint graph carries the module calls it ran in
+  (``nn_module_stack``); the chain's cut sites are module calls, so stage ``k`` ends with the
+  last forward node inside the call of ``cuts[k-1]`` and every node up to there that is in
+  no later stage is in stage ``k`` (``assign_stages``);
+* **recomputation**: the forward nodes of each recomputed run's stages are tagged
+  ``MUST_RECOMPUTE`` (those its in-stage option keeps ``MUST_SAVE``, by the ``KeepRule`` the
+  eager executor uses, and those that draw random numbers: their outputs are saved), every
+  other forward node ``MUST_SAVE``, each run its own
+  ``ac_graph_id`` in order; PyTorch's min-cut partitioner then builds the forward and the
+  backward graphs, as it does for ``torch.utils.checkpoint`` under compile, and the
+  backward graph runs a recomputed stage's forward ops again.
+
+Not here yet (issue #35): offloads and encodings (a schedule with them is refused, naming
+them: ``Offloaded`` runs those), and a chain profiled from the compiled graph (the compiled
+forward saves other, fewer tensors than the eager one the chain measured, so the chain's
+predicted memory and times are the eager model's, not this graph's).
+"""
+from __future__ import annotations
+
+import hashlib
+import operator
+import re
+from typing import Any, Sequence
+
+import torch
+from torch import fx, nn
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch.utils.checkpoint import CheckpointPolicy
+
+from offload.core.selective import KeepRule
+from offload.core.staging import Site
+from offload.errors import ChainMismatch
+from offload.step.chain import Chain
+from offload.step.schedule import Schedule
+
+from .api import PathLike, chain_and_schedule
+
+_ROOT = re.compile(r"^L\[(['\"])[^'\"]+\1\]")  # the compiled function's ``self``: L['self']
+
+
+def module_path(dynamo_path: str) -> str:
+    """A module path as ``named_modules`` writes it, from ``nn_module_stack``'s
+    (``L['self'].layers[0].mlp``, ``L['self']._modules['layers']._modules['0']`` -> ``layers.0.mlp``)."""
+    path = _ROOT.sub("", dynamo_path)
+    path = re.sub(r"\._modules\[(['\"])([^'\"]+)\1\]", r".\2", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return path.lstrip(".")
+
+
+def _inside(node: fx.Node, module: str) -> bool:
+    stack = node.meta.get("nn_module_stack") or {}
+    return any((p := module_path(path)) == module or p.startswith(module + ".") for path, _ in stack.values())
+
+
+def forward_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """The joint graph's forward ops, in order."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.meta.get("partitioner_tag") != "is_backward"]
+
+
+def assign_stages(graph: fx.Graph, cuts: Sequence[Site]) -> dict[fx.Node, int]:
+    """Stage (1..L) of each forward node of a joint graph: stage ``k`` ends with the last node
+    inside the call of ``cuts[k-1]``.  ``ChainMismatch`` when a cut site is in no node (the
+    graph is not the whole model, or the model changed) or out of order."""
+    if not any(n.meta.get("partitioner_tag") == "is_backward" for n in graph.nodes):
+        raise ChainMismatch(f"this torch ({torch.__version__}) does not mark the joint graph's backward nodes",
+                            "use a torch that does (2.13 does), or Offloaded(torch.compile(model), ...)")
+    nodes = forward_nodes(graph)
+    ends = []
+    for site in cuts:
+        if site.occurrence:
+            raise ChainMismatch(f"the chain cuts at call {site.occurrence + 1} of {site.module!r}: a compiled graph "
+                                "tells a module's calls apart by their nodes alone, which is not done yet",
+                                "train it with Offloaded(torch.compile(model), ...) (a graph break at each boundary)")
+        inside = [i for i, n in enumerate(nodes) if _inside(n, site.module)]
+        if not inside:
+            raise ChainMismatch(f"no op of the compiled graph ran in {site.module!r}, a cut site of the chain",
+                                "compile the whole module the chain was profiled from, with fullgraph=True")
+        ends.append(inside[-1])
+    if ends != sorted(ends):
+        raise ChainMismatch("the compiled graph runs the chain's cut sites in another order than the chain's stages",
+                            "profile the model again")
+    stages, k = {}, 0
+    for i, node in enumerate(nodes):
+        stages[node] = k + 1
+        while k < len(ends) and i >= ends[k]:
+            k += 1
+    return stages
+
+
+def _random(node: fx.Node) -> bool:
+    """An op that draws random numbers: its output is saved, never drawn again (the
+    partitioner would replay the generator's state around it, which Inductor cannot lower
+    on every device), so a re-run reads the forward's numbers, as the eager executor's
+    replay under the recorded random state does."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+class SchedulePartitioner(CustomPartitionerFn):
+    """AOTAutograd's partitioner for one (chain, schedule): the recompute tags (module
+    docstring), then ``min_cut_rematerialization_partition``.  ``stages`` and ``tags`` hold
+    what it decided for the last graph it partitioned (node name -> stage, -> policy), and
+    ``graphs`` the forward and backward graphs it made of it."""
+
+    def __init__(self, chain: Chain, schedule: Schedule) -> None:
+        if schedule.offloads or schedule.encode:
+            moved = [f"U{o.stage}" for o in schedule.offloads] + [f"U{i} encoded" for i in sorted(schedule.encode)]
+            raise ChainMismatch(f"a compiled graph runs recomputation only, and this schedule also moves "
+                                f"{', '.join(moved)}",
+                                "train it with Offloaded(torch.compile(model), chain, schedule) (a graph break at each "
+                                "stage boundary), or solve with --method checkpoint-blocks or a recompute-only budget")
+        self.cuts = [Site.parse(c) for c in chain.recipe.cuts] if chain.recipe else []
+        if len(self.cuts) != chain.L - 1:
+            raise ChainMismatch(f"chain {chain.name!r} has no cut sites for its {chain.L} stages", "profile it again")
+        self.runs = list(schedule.recompute)
+        self.key = hashlib.sha256(repr((chain.sha256, self.runs)).encode()).hexdigest()
+        self.stages: dict[str, int] = {}
+        self.tags: dict[str, CheckpointPolicy] = {}
+        self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+                 ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        stages = assign_stages(gm.graph, self.cuts)
+        run_of = {k: (n, run) for n, run in enumerate(self.runs, 1) for k in range(run.first, run.last + 1)}
+        rules = {n: KeepRule(run.option) for n, run in enumerate(self.runs, 1) if run.option}
+        self.stages, self.tags = {}, {}
+        for node, k in stages.items():
+            policy = CheckpointPolicy.MUST_SAVE
+            if k in run_of:
+                n, run = run_of[k]
+                node.meta["ac_graph_id"] = n
+                if node.target is operator.getitem and node.args[0].name in self.tags:
+                    policy = self.tags[node.args[0].name]  # a value of a multi-output op: as the op
+                elif _random(node) or (n in rules and isinstance(node.target, torch._ops.OpOverload)
+                                       and rules[n](node.target, node.args, node.kwargs)):
+                    policy = CheckpointPolicy.MUST_SAVE
+                else:
+                    policy = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["recompute"] = policy
+            self.stages[node.name], self.tags[node.name] = k, policy
+        self.graphs = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        return self.graphs
+
+    def uuid(self) -> str:
+        """Part of Inductor's cache key: another schedule is another compiled graph."""
+        return self.key
+
+
+def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Schedule | PathLike,
+                      backend: str = "inductor", **compile_kwargs: Any) -> nn.Module:
+    """``module`` compiled as one graph whose backward recomputes what ``schedule`` recomputes.
+
+    Args:
+        module: the user's module, the one ``chain`` was profiled from (not wrapped in
+            ``Offloaded``: the graph is not broken at stage boundaries).
+        chain: its chain, or its path (the cut sites say where stages end).
+        schedule: a schedule of ``chain`` with recomputation only, or its path (offloads and
+            encodings are refused with ``ChainMismatch``: ``Offloaded`` runs them).
+        backend: ``inductor`` (the partitioner goes in as ``custom_partitioner_fn``) or
+            ``aot_eager`` (AOTAutograd with the same partitioner, no code generation).
+        compile_kwargs: passed to ``torch.compile`` (``fullgraph`` defaults to True: the
+            stages are found in one graph of the whole model).
+
+    Returns:
+        The compiled module (``torch.compile``'s ``OptimizedModule``); its ``partitioner``
+        attribute is the ``SchedulePartitioner``, which keeps what it decided.
+    """
+    chain, schedule = chain_and_schedule(chain, schedule)
+    partitioner = SchedulePartitioner(chain, schedule)
+    names = dict(module.named_modules())
+    missing = [site.module for site in partitioner.cuts if site.module not in names]
+    if missing:
+        raise ChainMismatch(f"{type(module).__name__} has no submodule {missing[0]!r}, a cut site of chain {chain.name!r}",
+                            "compile the module the chain was profiled from")
+    compile_kwargs.setdefault("fullgraph", True)
+    if backend == "inductor":
+        options = {**compile_kwargs.pop("options", {}), "custom_partitioner_fn": partitioner}
+        compiled = torch.compile(module, backend="inductor", options=options, **compile_kwargs)
+    elif backend == "aot_eager":
+        from functorch.compile import nop
+        from torch._dynamo.backends.common import aot_autograd
+
+        compiled = torch.compile(module, backend=aot_autograd(fw_compiler=nop, bw_compiler=nop,
+                                                              partition_fn=partitioner), **compile_kwargs)
+    else:
+        raise ValueError(f"backend {backend!r}: the schedule goes into inductor or aot_eager")
+    compiled.partitioner = partitioner
+    return compiled

@@ -1,0 +1,106 @@
+"""The schedule inside ``torch.compile`` (``offload.executor.compiled``): the compiled graph's
+forward nodes in the chain's stages, the recomputed stages' ops run again in its backward,
+gradients bit for bit those of plain ``torch.compile`` (dropout on)."""
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from offload.errors import ChainMismatch
+from offload.executor.compiled import SchedulePartitioner, compile_scheduled, module_path
+from offload.models import resolve
+from offload.profiler.profile import ProfileOptions, profile
+from offload.step.actions import Recompute
+from offload.step.chain import MATMULS, StageOption
+from offload.step.memory import floor_offloads
+from offload.step.schedule import make_schedule
+
+GPT = {"layers": 4, "width": 32, "heads": 4, "seq": 16, "vocab": 64, "dropout": 0.1}
+MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+@pytest.fixture(scope="module")
+def chain():
+    return profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options=GPT)).chain
+
+
+def step(make):
+    """One training step of the GPT (same weights, same dropout draws each time): the module
+    ``make`` returns and the gradients."""
+    torch.manual_seed(1)
+    spec = resolve("gpt", 2, GPT)
+    run = make(spec.module)
+    torch.manual_seed(0)
+    spec.loss(run(*spec.args)).backward()
+    return run, [p.grad.clone() for p in spec.module.parameters()]
+
+
+def matmuls(gm):
+    return sum(1 for n in gm.graph.nodes if n.target in MATMUL_OPS)
+
+
+def saved(gm):
+    """How many values the forward graph hands the backward."""
+    return len(list(gm.graph.nodes)[-1].args[0])
+
+
+def test_module_paths_as_named_modules_writes_them():
+    assert module_path("L['self'].h[2].mlp") == "h.2.mlp"
+    assert module_path("L['self']._modules['h']._modules['0'].attn") == "h.0.attn"
+    assert module_path("L['self']") == ""
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_recomputed_stages_run_again_in_the_backward_bit_for_bit(chain, backend):
+    runs = [Recompute(i, i) for i in sorted(chain.recomputable)[1::2]]
+    assert runs
+    _, plain = step(lambda m: torch.compile(m, backend=backend))
+    kept, kept_grads = step(lambda m: compile_scheduled(m, chain, make_schedule(chain, []), backend=backend))
+    ours, grads = step(lambda m: compile_scheduled(m, chain, make_schedule(chain, [], recompute=runs), backend=backend))
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads)) and all(torch.equal(a, b) for a, b in zip(plain, kept_grads))
+    p = ours.partitioner
+    order = list(p.stages.values())
+    assert order == sorted(order) and set(order) == set(range(1, chain.L + 1))  # every stage, in order
+    recomputed = {k for r in runs for k in range(r.first, r.last + 1)}
+    assert all(p.tags[n] == CheckpointPolicy.MUST_SAVE for n, k in p.stages.items() if k not in recomputed)
+    assert all(any(p.tags[n] == CheckpointPolicy.MUST_RECOMPUTE for n, k in p.stages.items() if k == j)
+               for j in recomputed)
+    (fw_kept, bw_kept), (fw, bw) = kept.partitioner.graphs, p.graphs
+    assert matmuls(bw) > matmuls(bw_kept) and saved(fw) < saved(fw_kept)  # the blocks' matmuls again, fewer saved
+
+
+@pytest.mark.slow
+def test_an_in_stage_option_keeps_its_matmuls_in_the_graph(chain):
+    """``Recompute(i, i, "matmuls")``: the stage's matmul outputs are saved, the rest of it is
+    recomputed (the eager executor's ``KeepRule``), gradients still bit for bit.  (A GPT this
+    small offers no option on a CPU, where the option's dispatch costs more than it spares:
+    the stage offers it here as a larger model's profile would.)"""
+    i = sorted(chain.recomputable)[1]
+    s = chain.stage(i)
+    chain = replace(chain, stages=tuple(replace(t, options=(StageOption(MATMULS, s.saved_bytes // 2, s.fwd_s / 2),))
+                                        if t is s else t for t in chain.stages))
+    _, plain = step(lambda m: torch.compile(m, backend="aot_eager"))
+    whole, _ = step(lambda m: compile_scheduled(m, chain, make_schedule(chain, [], recompute=[Recompute(i, i)]),
+                                                backend="aot_eager"))
+    part, grads = step(lambda m: compile_scheduled(m, chain, make_schedule(chain, [], recompute=[Recompute(i, i, MATMULS)]),
+                                                   backend="aot_eager"))
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    p = part.partitioner
+    tags = [p.tags[n] for n, k in p.stages.items() if k == i]
+    assert CheckpointPolicy.MUST_SAVE in tags and CheckpointPolicy.MUST_RECOMPUTE in tags
+    assert matmuls(p.graphs[1]) < matmuls(whole.partitioner.graphs[1])  # fewer matmuls run again
+
+
+def test_what_a_compiled_graph_cannot_run_is_refused(chain):
+    with pytest.raises(ChainMismatch, match="recomputation only, and this schedule also moves U"):
+        compile_scheduled(resolve("gpt", 2, GPT).module, chain, make_schedule(chain, floor_offloads(chain)))
+    with pytest.raises(ChainMismatch, match="no submodule 'wte'"):
+        compile_scheduled(resolve("mlp", 2, {"layers": 2, "width": 8, "features": 4, "classes": 3}).module, chain,
+                          make_schedule(chain, []))
+
+
+def test_the_compile_cache_key_follows_the_schedule(chain):
+    a, b = (make_schedule(chain, [], recompute=[Recompute(i, i)]) for i in sorted(chain.recomputable)[:2])
+    assert SchedulePartitioner(chain, a).uuid() == SchedulePartitioner(chain, a).uuid()
+    assert SchedulePartitioner(chain, a).uuid() != SchedulePartitioner(chain, b).uuid()

@@ -27,7 +27,9 @@ def chain():
 
 def step(make):
     """One training step of the GPT (same weights, same dropout draws each time): the module
-    ``make`` returns and the gradients."""
+    ``make`` returns and the gradients.  Dynamo's caches are emptied first: each test
+    compiles the same ``forward`` again, past its limit of recompilations."""
+    torch._dynamo.reset()
     torch.manual_seed(1)
     spec = resolve("gpt", 2, GPT)
     run = make(spec.module)
@@ -92,9 +94,28 @@ def test_an_in_stage_option_keeps_its_matmuls_in_the_graph(chain):
     assert matmuls(p.graphs[1]) < matmuls(whole.partitioner.graphs[1])  # fewer matmuls run again
 
 
+def test_offloaded_units_go_to_the_host_where_pytorch_places_them(chain):
+    """The units the schedule offloads, marked in the joint graph: PyTorch's offloading puts
+    their saved tensors' copies in the forward graph and the reloads in the backward one
+    (``device_put``: on the CPU a copy to the CPU), gradients bit for bit, and what it moved
+    of each unit is said."""
+    offloads = floor_offloads(chain)[1::2]
+    _, plain = step(lambda m: torch.compile(m, backend="aot_eager"))
+    with pytest.warns(UserWarning, match=r"moves U\d+ \(.* stay\).* only in part"):  # the getitems and views it skips
+        ours, grads = step(lambda m: compile_scheduled(m, chain, make_schedule(chain, offloads), backend="aot_eager"))
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    p = ours.partitioner
+    fw, bw = p.graphs
+    puts = [n for n in fw.graph.nodes if n.target == torch.ops.prims.device_put.default]
+    assert puts and {p.stages[n.args[0].name] for n in puts} == {o.stage for o in offloads}
+    assert sum(1 for n in bw.graph.nodes if n.target == torch.ops.prims.device_put.default) == len(puts)
+    assert set(p.moved) == {o.stage for o in offloads} and all(moved > 0 for moved, _ in p.moved.values())
+
+
 def test_what_a_compiled_graph_cannot_run_is_refused(chain):
-    with pytest.raises(ChainMismatch, match="recomputation only, and this schedule also moves U"):
-        compile_scheduled(resolve("gpt", 2, GPT).module, chain, make_schedule(chain, floor_offloads(chain)))
+    encoded = replace(make_schedule(chain, []), encode={2: "lossless"})
+    with pytest.raises(ChainMismatch, match="runs no encoder, and this schedule encodes U2"):
+        SchedulePartitioner(chain, encoded)
     with pytest.raises(ChainMismatch, match="no submodule 'wte'"):
         compile_scheduled(resolve("mlp", 2, {"layers": 2, "width": 8, "features": 4, "classes": 3}).module, chain,
                           make_schedule(chain, []))
@@ -102,5 +123,6 @@ def test_what_a_compiled_graph_cannot_run_is_refused(chain):
 
 def test_the_compile_cache_key_follows_the_schedule(chain):
     a, b = (make_schedule(chain, [], recompute=[Recompute(i, i)]) for i in sorted(chain.recomputable)[:2])
+    moving = make_schedule(chain, floor_offloads(chain)[:1], recompute=a.recompute)
     assert SchedulePartitioner(chain, a).uuid() == SchedulePartitioner(chain, a).uuid()
-    assert SchedulePartitioner(chain, a).uuid() != SchedulePartitioner(chain, b).uuid()
+    assert len({SchedulePartitioner(chain, s).uuid() for s in (a, b, moving)}) == 3

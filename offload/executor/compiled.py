@@ -17,26 +17,42 @@ one graph instead and hands AOTAutograd a partitioner built from (chain, schedul
   backward graphs, as it does for ``torch.utils.checkpoint`` under compile, and the
   backward graph runs a recomputed stage's forward ops again.
 
-Not here yet (issue #35): offloads and encodings (a schedule with them is refused, naming
-them: ``Offloaded`` runs those), and a chain profiled from the compiled graph (the compiled
-forward saves other, fewer tensors than the eager one the chain measured, so the chain's
-predicted memory and times are the eager model's, not this graph's).
+* **offloads, placed by PyTorch**: the forward nodes of each offloaded unit's stage are
+  marked ``should_offload`` and PyTorch's own activation offloading
+  (``torch._functorch._activation_offloading``, on with ``enable_activation_offloading``)
+  inserts the copies: on CUDA on a side stream, the waits sunk to the forward's end, the
+  reloads hoisted by their estimated transfer time at the chain's measured H2D bandwidth.
+  Our schedule chooses *what* moves; *when* is PyTorch's rule, not the schedule's release
+  and prefetch points, and nothing predicts that step yet.  PyTorch skips what it cannot
+  move (views, ``getitem`` values, non-contiguous tensors, model outputs): a unit of which
+  it moves nothing is refused, naming it; one it moves in part is warned of, with what stays
+  (``SchedulePartitioner.moved``).
+
+Not here yet (issue #35): our own copy ops at the schedule's events (the same backends and
+pinned arena as ``Offloaded``), encodings (refused), and a chain profiled from the compiled
+graph (the compiled forward saves other, fewer tensors than the eager one the chain
+measured, so the chain's predicted memory and times are the eager model's, not this
+graph's).
 """
 from __future__ import annotations
 
 import hashlib
 import operator
 import re
+import warnings
 from typing import Any, Sequence
 
 import torch
 from torch import fx, nn
+from torch._functorch import config
+from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from offload.core.selective import KeepRule
 from offload.core.staging import Site
 from offload.errors import ChainMismatch
+from offload.io.text import format_bytes
 from offload.step.chain import Chain
 from offload.step.schedule import Schedule
 
@@ -109,20 +125,22 @@ class SchedulePartitioner(CustomPartitionerFn):
     ``graphs`` the forward and backward graphs it made of it."""
 
     def __init__(self, chain: Chain, schedule: Schedule) -> None:
-        if schedule.offloads or schedule.encode:
-            moved = [f"U{o.stage}" for o in schedule.offloads] + [f"U{i} encoded" for i in sorted(schedule.encode)]
-            raise ChainMismatch(f"a compiled graph runs recomputation only, and this schedule also moves "
-                                f"{', '.join(moved)}",
+        if schedule.encode:
+            raise ChainMismatch(f"a compiled graph runs no encoder, and this schedule encodes "
+                                f"{', '.join(f'U{i}' for i in sorted(schedule.encode))}",
                                 "train it with Offloaded(torch.compile(model), chain, schedule) (a graph break at each "
-                                "stage boundary), or solve with --method checkpoint-blocks or a recompute-only budget")
+                                "stage boundary), or solve without --encodings")
+        self.offloaded = sorted(o.stage for o in schedule.offloads)
+        self.bandwidth = chain.platform.h2d_bytes_per_s
         self.cuts = [Site.parse(c) for c in chain.recipe.cuts] if chain.recipe else []
         if len(self.cuts) != chain.L - 1:
             raise ChainMismatch(f"chain {chain.name!r} has no cut sites for its {chain.L} stages", "profile it again")
         self.runs = list(schedule.recompute)
-        self.key = hashlib.sha256(repr((chain.sha256, self.runs)).encode()).hexdigest()
+        self.key = hashlib.sha256(repr((chain.sha256, self.runs, self.offloaded)).encode()).hexdigest()
         self.stages: dict[str, int] = {}
         self.tags: dict[str, CheckpointPolicy] = {}
         self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None
+        self.moved: dict[int, tuple[int, int]] = {}  # offloaded stage -> (bytes PyTorch moves, bytes it leaves)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
                  ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -145,9 +163,38 @@ class SchedulePartitioner(CustomPartitionerFn):
                 else:
                     policy = CheckpointPolicy.MUST_RECOMPUTE
             node.meta["recompute"] = policy
+            node.meta["should_offload"] = k in self.offloaded
             self.stages[node.name], self.tags[node.name] = k, policy
-        self.graphs = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        cuda = any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_cuda for n in gm.graph.nodes)
+        with config.patch(enable_activation_offloading=bool(self.offloaded), activation_offload_separate_stream=cuda,
+                          activation_offload_sink_wait=cuda, activation_reload_prefetch=cuda,
+                          activation_offload_cpu_gpu_bw=self.bandwidth / 1e9):
+            self.graphs = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        self._check_moved(self.graphs[0], kwargs.get("num_fwd_outputs", 0))
         return self.graphs
+
+    def _check_moved(self, forward: fx.GraphModule, outputs: int) -> None:
+        """What PyTorch's offloading moved of each offloaded unit: ``ChainMismatch`` for a unit of
+        which it moved nothing, a warning for one it moved in part (module docstring)."""
+        if not self.offloaded:
+            return
+        moved = {k: [0, 0] for k in self.offloaded}
+        for node in forward.graph.find_nodes(op="output")[0].args[0][outputs:]:
+            source = node.args[0] if node.name.startswith(CPU_OFFLOAD_PREFIX) else node
+            k = self.stages.get(getattr(source, "name", None))
+            value = source.meta.get("val") if isinstance(source, fx.Node) else None
+            if k in moved and isinstance(value, torch.Tensor):
+                moved[k][source is not node] += value.numel() * value.element_size()
+        self.moved = {k: (m, left) for k, (left, m) in moved.items()}
+        none = [f"U{k}" for k, (m, left) in self.moved.items() if not m]
+        if none:
+            raise ChainMismatch(f"PyTorch's activation offloading moves nothing of {', '.join(none)} in the compiled "
+                                "graph (it skips views, getitem values, non-contiguous tensors and model outputs)",
+                                "train it with Offloaded(torch.compile(model), chain, schedule), or offload other units")
+        part = [f"U{k} ({format_bytes(left)} stay)" for k, (m, left) in self.moved.items() if left]
+        if part:
+            warnings.warn(f"PyTorch's activation offloading moves {', '.join(part)} only in part: it skips views, "
+                          "getitem values, non-contiguous tensors and model outputs", stacklevel=2)
 
     def uuid(self) -> str:
         """Part of Inductor's cache key: another schedule is another compiled graph."""
@@ -156,14 +203,16 @@ class SchedulePartitioner(CustomPartitionerFn):
 
 def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Schedule | PathLike,
                       backend: str = "inductor", **compile_kwargs: Any) -> nn.Module:
-    """``module`` compiled as one graph whose backward recomputes what ``schedule`` recomputes.
+    """``module`` compiled as one graph whose backward recomputes what ``schedule`` recomputes
+    and whose saved tensors of the units ``schedule`` offloads go to the host.
 
     Args:
         module: the user's module, the one ``chain`` was profiled from (not wrapped in
             ``Offloaded``: the graph is not broken at stage boundaries).
         chain: its chain, or its path (the cut sites say where stages end).
-        schedule: a schedule of ``chain`` with recomputation only, or its path (offloads and
-            encodings are refused with ``ChainMismatch``: ``Offloaded`` runs them).
+        schedule: a schedule of ``chain``, or its path: its recomputation in the graph, its
+            offloads placed by PyTorch (module docstring); encodings are refused with
+            ``ChainMismatch`` (``Offloaded`` runs them).
         backend: ``inductor`` (the partitioner goes in as ``custom_partitioner_fn``) or
             ``aot_eager`` (AOTAutograd with the same partitioner, no code generation).
         compile_kwargs: passed to ``torch.compile`` (``fullgraph`` defaults to True: the

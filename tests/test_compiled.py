@@ -8,6 +8,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from offload.errors import ChainMismatch
+from offload.executor import Offloaded
 from offload.executor.compiled import SchedulePartitioner, compile_scheduled, module_path
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
@@ -70,6 +71,8 @@ def test_recomputed_stages_run_again_in_the_backward_bit_for_bit(chain, backend)
                for j in recomputed)
     (fw_kept, bw_kept), (fw, bw) = kept.partitioner.graphs, p.graphs
     assert matmuls(bw) > matmuls(bw_kept) and saved(fw) < saved(fw_kept)  # the blocks' matmuls again, fewer saved
+    before, after = kept.partitioner.saved_bytes(), p.saved_bytes()
+    assert set(before) <= set(range(chain.L + 1)) and all(after.get(j, 0) < before[j] for j in recomputed)
 
 
 @pytest.mark.slow
@@ -116,6 +119,10 @@ def test_what_a_compiled_graph_cannot_run_is_refused(chain):
     encoded = replace(make_schedule(chain, []), encode={2: "lossless"})
     with pytest.raises(ChainMismatch, match="runs no encoder, and this schedule encodes U2"):
         SchedulePartitioner(chain, encoded)
+    wrapped = resolve("gpt", 2, GPT).module
+    Offloaded(wrapped, chain, make_schedule(chain, []))
+    with pytest.raises(ChainMismatch, match="inside an Offloaded: its stage boundaries break a compiled graph"):
+        compile_scheduled(wrapped, chain, make_schedule(chain, []))
     with pytest.raises(ChainMismatch, match="no submodule 'wte'"):
         compile_scheduled(resolve("mlp", 2, {"layers": 2, "width": 8, "features": 4, "classes": 3}).module, chain,
                           make_schedule(chain, []))

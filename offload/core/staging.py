@@ -117,6 +117,11 @@ def unwrap(module: nn.Module) -> nn.Module:
             return module
 
 
+def is_staged(module: nn.Module) -> bool:
+    """Whether ``module`` (or the module inside its wrapper) has a ``Staging``'s boundaries on it."""
+    return any(isinstance(getattr(hook, "__self__", None), Staging) for hook in unwrap(module)._forward_pre_hooks.values())
+
+
 class Staging:
     """Boundaries at ``sites`` (stage ``k`` ends at ``sites[k-1]``) on ``module`` itself (on the
     module inside it when it is a wrapper, ``unwrap``; the wrapper is what runs)."""

@@ -50,7 +50,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from offload.core.selective import KeepRule
-from offload.core.staging import Site
+from offload.core.staging import Site, is_staged
 from offload.errors import ChainMismatch
 from offload.io.text import format_bytes
 from offload.step.chain import Chain
@@ -121,8 +121,9 @@ def _random(node: fx.Node) -> bool:
 class SchedulePartitioner(CustomPartitionerFn):
     """AOTAutograd's partitioner for one (chain, schedule): the recompute tags (module
     docstring), then ``min_cut_rematerialization_partition``.  ``stages`` and ``tags`` hold
-    what it decided for the last graph it partitioned (node name -> stage, -> policy), and
-    ``graphs`` the forward and backward graphs it made of it."""
+    what it decided for the last graph it partitioned (node name -> stage, -> policy),
+    ``graphs`` the forward and backward graphs it made of it, ``saved`` what the forward
+    saves and ``moved`` what PyTorch's offloading moved of each offloaded unit."""
 
     def __init__(self, chain: Chain, schedule: Schedule) -> None:
         if schedule.encode:
@@ -140,6 +141,11 @@ class SchedulePartitioner(CustomPartitionerFn):
         self.stages: dict[str, int] = {}
         self.tags: dict[str, CheckpointPolicy] = {}
         self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None
+        # each value the forward graph saves for the backward, as partitioned (Inductor may
+        # change the graphs after): the stage of the node that made it (0: the graph's inputs,
+        # weights and batch), its bytes, whether it goes to the host; what a unit is in the
+        # compiled graph, to set beside the eager chain's ``saved_bytes``
+        self.saved: list[tuple[int, int, bool]] = []
         self.moved: dict[int, tuple[int, int]] = {}  # offloaded stage -> (bytes PyTorch moves, bytes it leaves)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -170,21 +176,35 @@ class SchedulePartitioner(CustomPartitionerFn):
                           activation_offload_sink_wait=cuda, activation_reload_prefetch=cuda,
                           activation_offload_cpu_gpu_bw=self.bandwidth / 1e9):
             self.graphs = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        self._check_moved(self.graphs[0], kwargs.get("num_fwd_outputs", 0))
+        self.saved = self._saved(self.graphs[0], kwargs.get("num_fwd_outputs", 0))
+        self._check_moved()
         return self.graphs
 
-    def _check_moved(self, forward: fx.GraphModule, outputs: int) -> None:
+    def _saved(self, forward: fx.GraphModule, outputs: int) -> list[tuple[int, int, bool]]:
+        out = []
+        for node in forward.graph.find_nodes(op="output")[0].args[0][outputs:]:  # the model's outputs first
+            source = node.args[0] if node.name.startswith(CPU_OFFLOAD_PREFIX) else node
+            value = source.meta.get("val") if isinstance(source, fx.Node) else None
+            if isinstance(value, torch.Tensor):
+                out.append((self.stages.get(source.name, 0), value.numel() * value.element_size(), source is not node))
+        return out
+
+    def saved_bytes(self) -> dict[int, int]:
+        """Per stage, the bytes of ``saved``."""
+        out: dict[int, int] = {}
+        for k, nbytes, _ in self.saved:
+            out[k] = out.get(k, 0) + nbytes
+        return out
+
+    def _check_moved(self) -> None:
         """What PyTorch's offloading moved of each offloaded unit: ``ChainMismatch`` for a unit of
         which it moved nothing, a warning for one it moved in part (module docstring)."""
         if not self.offloaded:
             return
         moved = {k: [0, 0] for k in self.offloaded}
-        for node in forward.graph.find_nodes(op="output")[0].args[0][outputs:]:
-            source = node.args[0] if node.name.startswith(CPU_OFFLOAD_PREFIX) else node
-            k = self.stages.get(getattr(source, "name", None))
-            value = source.meta.get("val") if isinstance(source, fx.Node) else None
-            if k in moved and isinstance(value, torch.Tensor):
-                moved[k][source is not node] += value.numel() * value.element_size()
+        for k, nbytes, host in self.saved:
+            if k in moved:
+                moved[k][host] += nbytes
         self.moved = {k: (m, left) for k, (left, m) in moved.items()}
         none = [f"U{k}" for k, (m, left) in self.moved.items() if not m]
         if none:
@@ -222,6 +242,9 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
         The compiled module (``torch.compile``'s ``OptimizedModule``); its ``partitioner``
         attribute is the ``SchedulePartitioner``, which keeps what it decided.
     """
+    if is_staged(module):
+        raise ChainMismatch("this module is inside an Offloaded: its stage boundaries break a compiled graph",
+                            "compile a module of its own (copy.deepcopy(model) before wrapping either)")
     chain, schedule = chain_and_schedule(chain, schedule)
     partitioner = SchedulePartitioner(chain, schedule)
     names = dict(module.named_modules())

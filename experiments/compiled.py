@@ -8,27 +8,41 @@ ways interleaved so that a loaded machine slows all alike (medians over ``--step
 
 * ``eager``: the module; ``Offloaded, empty``: our executor moving nothing;
   ``Offloaded, recompute``: every stage the executor can re-run recomputed on its own;
+  ``Offloaded, offload``: every other unit of the floor schedule offloaded;
 * ``compile``: ``torch.compile(module)`` (Inductor), as users compile;
-* ``compile_scheduled, empty`` and ``compile_scheduled, recompute``: one graph with the
-  same schedules in it (``offload.executor.compiled``).
+  (``Offloaded(torch.compile(module))``, a graph break at every stage boundary, is not
+  here: its compiled stages save other bytes than the eager chain measured, 8.55 MB where
+  it says 8.94 MB for the GPT's first block, and the executor stops at that stage, as it
+  must; it needs a chain profiled under compile, issue #35's item 2);
+* ``compile_scheduled, empty``, ``, recompute`` and ``, offload``: one graph with the same
+  schedules in it (``offload.executor.compiled``; the offloads placed by PyTorch's own pass).
 
-Beside each: the step the simulator predicts for the eager schedules, and per stage the bytes
+Beside each: how many graphs Dynamo compiled for it (a graph break makes one more), its
+step, the most bytes the allocator held during a step beyond what it held before (every
+allocation, Inductor's too: ``torch.profiler``'s memory events), the step and peak the
+simulator predicts for the eager schedules, and per stage the bytes
 the eager chain saves for the backward against the bytes the compiled forward graph saves
 (its partitioner's ``saved_bytes``): what a chain of the compiled graph would have to
 measure (issue #35, item 2).  On a CPU Inductor's code is C++ on the cores, there are no
-copies to hide, and the host is the device: the times compare the ways' work only.
+copies to hide, and the host is the device: the times compare the ways' work only; a copy
+"to the host" stays in the same memory (our executor's host arena is allocated before the
+step, so its offloads show as freed; PyTorch's ``device_put`` to the CPU is a no-op that
+Inductor removes).
 Writes ``experiments/results/compiled/<model>.md``.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
+import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from offload.executor import Offloaded
 from offload.executor.compiled import compile_scheduled
@@ -37,11 +51,25 @@ from offload.io.text import format_bytes
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.step.actions import Recompute
+from offload.step.memory import floor_offloads
 from offload.step.schedule import make_schedule
 
 RESULTS = Path(__file__).parent / "results" / "compiled"
 MODELS = {"gpt": {"layers": 6, "width": 256, "heads": 8, "seq": 128, "vocab": 1024, "dropout": 0.1},
           "llama": {"layers": 4, "width": 256, "heads": 8, "kv_heads": 4, "seq": 128, "vocab": 1024, "dropout": 0.1}}
+
+
+def allocated_peak(run_step) -> int:
+    """The most bytes the CPU allocator held during one step beyond those held when it began
+    (``torch.profiler``'s memory events: every allocation, Inductor's kernels' included)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_step()
+    with tempfile.TemporaryDirectory() as scratch:  # the profiler exports to a path
+        path = Path(scratch) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"
+                and e["args"].get("Device Type") == 0), default=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                                                options=options)).chain
     empty = make_schedule(chain, [])
     again = make_schedule(chain, [], recompute=[Recompute(i, i) for i in sorted(chain.recomputable)])
+    moving = make_schedule(chain, floor_offloads(chain)[::2])
     spec = resolve(args.model, args.batch, options)
     torch._dynamo.config.cache_size_limit = 64  # the same forward, compiled once per way
 
@@ -64,21 +93,27 @@ def main(argv: list[str] | None = None) -> int:
     ways = {"eager": (own(lambda m: m), None),
             "Offloaded, empty": (own(lambda m: Offloaded(m, chain, empty)), empty),
             "Offloaded, recompute": (own(lambda m: Offloaded(m, chain, again)), again),
+            "Offloaded, offload": (own(lambda m: Offloaded(m, chain, moving)), moving),
             "compile": (own(torch.compile), None),
             "compile_scheduled, empty": (own(lambda m: compile_scheduled(m, chain, empty)), None),
-            "compile_scheduled, recompute": (own(lambda m: compile_scheduled(m, chain, again)), None)}
+            "compile_scheduled, recompute": (own(lambda m: compile_scheduled(m, chain, again)), None),
+            "compile_scheduled, offload": (own(lambda m: compile_scheduled(m, chain, moving)), None)}
 
     def step(way) -> None:
         run, params = way
         spec.loss(run(*spec.args, **spec.kwargs)).backward()
         spec.zero_grads(params)
 
+    graphs = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, (way, _) in ways.items():  # warm-up: the compiles
+        for name, (way, _) in ways.items():  # warm-up: the compiles, counted
             print(f"  warming up {name}", flush=True)
+            before = counters["stats"]["unique_graphs"]
             step(way)
             step(way)
+            graphs[name] = counters["stats"]["unique_graphs"] - before
+        peaks = {name: allocated_peak(lambda: step(way)) for name, (way, _) in ways.items()}
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.steps):
         for name, (way, _) in ways.items():
@@ -89,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"`python -m experiments.compiled --model {args.model}`: {chain.name}, {chain.L} stages, "
              f"{len(chain.recomputable)} recomputed in the recompute ways; torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads, medians of {args.steps} interleaved steps.", "",
-             "| way | step | x eager | predicted (eager chain) |", "|---|---|---|---|"]
+             "| way | graphs | step | x eager | predicted step | peak allocated | predicted peak |",
+             "|---|---|---|---|---|---|---|"]
     for name, (_, sched) in ways.items():
         med = statistics.median(times[name])
-        predicted = f"{sched.simulate(chain).makespan_s * 1e3:.1f} ms" if sched is not None else "-"
-        lines.append(f"| {name} | {med * 1e3:.1f} ms | {med / eager:.2f} | {predicted} |")
+        sim = sched.simulate(chain) if sched is not None else None
+        lines.append(f"| {name} | {graphs[name]} | {med * 1e3:.1f} ms | {med / eager:.2f} | "
+                     f"{f'{sim.makespan_s * 1e3:.1f} ms' if sim else '-'} | {format_bytes(peaks[name])} | "
+                     f"{format_bytes(sim.peak_bytes) if sim else '-'} |")
     kept, recomputing = (ways[n][0][0].partitioner.saved_bytes() for n in
                          ("compile_scheduled, empty", "compile_scheduled, recompute"))
     lines += ["", "Saved for the backward, per stage: the eager chain's unit, and the compiled forward graph's "

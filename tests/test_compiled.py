@@ -133,3 +133,24 @@ def test_the_compile_cache_key_follows_the_schedule(chain):
     moving = make_schedule(chain, floor_offloads(chain)[:1], recompute=a.recompute)
     assert SchedulePartitioner(chain, a).uuid() == SchedulePartitioner(chain, a).uuid()
     assert len({SchedulePartitioner(chain, s).uuid() for s in (a, b, moving)}) == 3
+
+
+@pytest.mark.slow
+def test_a_batch_norm_recomputed_in_the_graph_reads_its_statistics_as_saved():
+    """A ResNet-18's blocks recomputed in the compiled graph: the batch norms' running
+    statistics, updated after the forward, are not read again by a recomputation (its
+    version check would fail), and the gradients are plain compile's."""
+    chain = profile("resnet18", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options={"image": 32})).chain
+    runs = [Recompute(i, i) for i in sorted(chain.recomputable)[1::2]]
+
+    def grads(make):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        spec = resolve("resnet18", 2, {"image": 32})
+        run = make(spec.module)
+        spec.loss(run(*spec.args)).backward()
+        return run, [p.grad.clone() for p in spec.module.parameters()]
+    _, plain = grads(lambda m: torch.compile(m, backend="aot_eager"))
+    ours, theirs = grads(lambda m: compile_scheduled(m, chain, make_schedule(chain, [], recompute=runs), backend="aot_eager"))
+    assert all(torch.equal(a, b) for a, b in zip(plain, theirs))
+    assert any(t == CheckpointPolicy.MUST_RECOMPUTE for t in ours.partitioner.tags.values())

@@ -11,7 +11,9 @@ one graph instead and hands AOTAutograd a partitioner built from (chain, schedul
   no later stage is in stage ``k`` (``assign_stages``);
 * **recomputation**: the forward nodes of each recomputed run's stages are tagged
   ``MUST_RECOMPUTE`` (those its in-stage option keeps ``MUST_SAVE``, by the ``KeepRule`` the
-  eager executor uses, and those that draw random numbers: their outputs are saved), each
+  eager executor uses, those that draw random numbers, and those that read an input with
+  no gradient, such as a batch norm's running statistics, which the step updates after
+  the forward: their outputs are saved), each
   run its own ``ac_graph_id`` in order; the other stages' nodes are left to PyTorch's
   min-cut partitioner as in a plain compile (tagged ``MUST_SAVE`` they made a Llama's step
   hold 14% more than plain compile's), which then builds the forward and the backward
@@ -119,6 +121,15 @@ def _random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
+def _inputs_without_gradient(graph: fx.Graph, forward_outputs: int) -> set[fx.Node]:
+    """The joint graph's primal inputs that get no gradient (buffers, the batch): a node that
+    reads one is not recomputed, because the step may change it after the forward (a batch
+    norm's running statistics) and its saved version would no longer match."""
+    primals = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    grads = list(graph.find_nodes(op="output")[0].args[0])[forward_outputs:]
+    return {p for p, g in zip(primals, grads) if g is None}
+
+
 class SchedulePartitioner(CustomPartitionerFn):
     """AOTAutograd's partitioner for one (chain, schedule): the recompute tags (module
     docstring), then ``min_cut_rematerialization_partition``.  ``stages`` and ``tags`` hold
@@ -154,6 +165,7 @@ class SchedulePartitioner(CustomPartitionerFn):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         stages = assign_stages(gm.graph, self.cuts)
+        fixed = _inputs_without_gradient(gm.graph, kwargs.get("num_fwd_outputs", 0))
         run_of = {k: (n, run) for n, run in enumerate(self.runs, 1) for k in range(run.first, run.last + 1)}
         rules = {n: KeepRule(run.option) for n, run in enumerate(self.runs, 1) if run.option}
         self.stages, self.tags = {}, {}
@@ -164,8 +176,9 @@ class SchedulePartitioner(CustomPartitionerFn):
                 node.meta["ac_graph_id"] = n
                 if node.target is operator.getitem and node.args[0].name in self.tags:
                     policy = self.tags[node.args[0].name]  # a value of a multi-output op: as the op
-                elif _random(node) or (n in rules and isinstance(node.target, torch._ops.OpOverload)
-                                       and rules[n](node.target, node.args, node.kwargs)):
+                elif _random(node) or any(a in fixed for a in node.all_input_nodes) or (
+                        n in rules and isinstance(node.target, torch._ops.OpOverload)
+                        and rules[n](node.target, node.args, node.kwargs)):
                     policy = CheckpointPolicy.MUST_SAVE
                 else:
                     policy = CheckpointPolicy.MUST_RECOMPUTE

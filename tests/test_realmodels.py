@@ -77,8 +77,8 @@ def _run(chain, share_of_range, backend):
 SLOW = pytest.mark.slow  # the same path as the other models' in make test; make test-all runs them
 
 
-@pytest.mark.parametrize("model, backend", [(m, "cpu-eager") for m in MODELS if m != "vit"]  # cpu-lazy: the frozen and recomputed llama
-                         + [pytest.param("vit", "cpu-eager", marks=SLOW)]  # an encoder, as bert: make test-all
+@pytest.mark.parametrize("model, backend", [(m, "cpu-eager") for m in ("llama", "bert")]  # cpu-lazy: the frozen and recomputed llama
+                         + [pytest.param(m, "cpu-eager", marks=SLOW) for m in ("gpt2", "vit")]  # a decoder as llama, an encoder as bert: make test-all
                          + [pytest.param(m, "cpu-lazy", marks=SLOW) for m in MODELS])
 def test_trains_bit_exact_at_half_the_peak(profiled, model, backend):
     _run(profiled(model), None, backend)

@@ -166,6 +166,7 @@ def test_ctrl_c_stops_a_sweep_and_its_workers(long_solve, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow  # 3 s; a sweep's stop by Ctrl-C is in make test, the same path
 def test_sigterm_stops_a_sweep_and_its_workers(long_solve, tmp_path):
     """``kill`` (SIGTERM to the sweep alone, not its group) stops its workers as Ctrl-C does
     (before: they solved on for ~90 s after the sweep died)."""

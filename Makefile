@@ -67,6 +67,7 @@ recompute: $(INSTALL)
 # executor-<device>/summary.md).  On a machine without a GPU it runs its smoke sizes.
 gpu-bench: $(INSTALL)
 	$(PY) -m experiments.bench_executor
+	$(PY) -m experiments.compiled --model llama
 
 # Everything only a GPU can show, in one command on a machine with one: the executor benchmark,
 # GPU-measured zoo chains, the reproduction and the encodings experiment re-run on them, then the
@@ -74,6 +75,7 @@ gpu-bench: $(INSTALL)
 gpu: $(INSTALL)
 	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu: torch sees no CUDA GPU here')"
 	$(PY) -m experiments.bench_executor
+	$(PY) -m experiments.compiled --model llama
 	$(PY) -m experiments.profile_zoo --device cuda
 	$(PY) -m experiments.reproduce
 	$(PY) -m experiments.encodings

@@ -2,6 +2,7 @@
 
     python -m experiments.compiled                     # a GPT (width 256, 6 layers), about a minute here
     python -m experiments.compiled --model llama       # the transformers Llama (SDPA, dropout)
+    python -m experiments.compiled --device cuda       # on a GPU (make gpu-bench): the copies real
 
 One model, profiled once (eager), then one training step after another of each way, the
 ways interleaved so that a loaded machine slows all alike (medians over ``--steps``):
@@ -28,7 +29,8 @@ copies to hide, and the host is the device: the times compare the ways' work onl
 "to the host" stays in the same memory (our executor's host arena is allocated before the
 step, so its offloads show as freed; PyTorch's ``device_put`` to the CPU is a no-op that
 Inductor removes).
-Writes ``experiments/results/compiled/<model>.md``.
+Writes ``experiments/results/compiled/<model>.md`` (``<model>-cuda.md`` on a GPU, whose
+peaks are the caching allocator's).
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
+from experiments.bench_executor import machine_name
+from offload.core.devices import pick_device
 from offload.executor import Offloaded
 from offload.executor.compiled import compile_scheduled
 from offload.io.files import write_atomic
@@ -59,9 +63,17 @@ MODELS = {"gpt": {"layers": 6, "width": 256, "heads": 8, "seq": 128, "vocab": 10
           "llama": {"layers": 4, "width": 256, "heads": 8, "kv_heads": 4, "seq": 128, "vocab": 1024, "dropout": 0.1}}
 
 
-def allocated_peak(run_step) -> int:
-    """The most bytes the CPU allocator held during one step beyond those held when it began
-    (``torch.profiler``'s memory events: every allocation, Inductor's kernels' included)."""
+def allocated_peak(run_step, device: torch.device) -> int:
+    """The most bytes the device's allocator held during one step beyond those held when it
+    began: on a GPU the caching allocator's counters, on the CPU ``torch.profiler``'s memory
+    events (every allocation, Inductor's kernels' included)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run_step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         run_step()
     with tempfile.TemporaryDirectory() as scratch:  # the profiler exports to a path
@@ -77,14 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=list(MODELS), default="gpt")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=15, help="timed steps of each way, interleaved (15)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = ap.parse_args(argv)
+    device = pick_device(args.device)
     options = MODELS[args.model]
     chain = profile(args.model, ProfileOptions(batch=args.batch, repeats=2, warmup=1, encodings=False,
-                                               options=options)).chain
+                                               options=options, device=device.type)).chain
     empty = make_schedule(chain, [])
     again = make_schedule(chain, [], recompute=[Recompute(i, i) for i in sorted(chain.recomputable)])
     moving = make_schedule(chain, floor_offloads(chain)[::2])
     spec = resolve(args.model, args.batch, options)
+    spec.place(device, torch.float32)
     torch._dynamo.config.cache_size_limit = 64  # the same forward, compiled once per way
 
     def own(make):  # each way its own copy of the module (an Offloaded one's boundaries would break a graph)
@@ -103,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         run, params = way
         spec.loss(run(*spec.args, **spec.kwargs)).backward()
         spec.zero_grads(params)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the step's time is the device's too
 
     graphs = {}
     with warnings.catch_warnings():
@@ -113,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             step(way)
             step(way)
             graphs[name] = counters["stats"]["unique_graphs"] - before
-        peaks = {name: allocated_peak(lambda: step(way)) for name, (way, _) in ways.items()}
+        peaks = {name: allocated_peak(lambda: step(way), device) for name, (way, _) in ways.items()}
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.steps):
         for name, (way, _) in ways.items():
@@ -122,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             times[name].append(time.perf_counter() - t)
     eager = statistics.median(times["eager"])
     lines = [f"`python -m experiments.compiled --model {args.model}`: {chain.name}, {chain.L} stages, "
-             f"{len(chain.recomputable)} recomputed in the recompute ways; torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads, medians of {args.steps} interleaved steps.", "",
+             f"{len(chain.recomputable)} recomputed in the recompute ways; {machine_name(device.type)}, medians of "
+             f"{args.steps} interleaved steps.", "",
              "| way | graphs | step | x eager | predicted step | peak allocated | predicted peak |",
              "|---|---|---|---|---|---|---|"]
     for name, (_, sched) in ways.items():
@@ -147,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines) + "\n"
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    write_atomic(RESULTS / f"{args.model}.md", lambda fh: fh.write(table))
-    print(f"wrote {RESULTS / (args.model + '.md')}")
+    out = RESULTS / f"{args.model}{'-cuda' if device.type == 'cuda' else ''}.md"
+    write_atomic(out, lambda fh: fh.write(table))
+    print(f"wrote {out}")
     return 0
 
 

@@ -90,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=15, help="timed steps of each way, interleaved (15)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--layers", type=int, help="blocks (default: the model's size above)")
+    ap.add_argument("--width", type=int, help="hidden width (default: the model's size above)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder (experiments/results/compiled)")
     args = ap.parse_args(argv)
     device = pick_device(args.device)
-    options = MODELS[args.model]
+    options = {**MODELS[args.model], **{k: v for k, v in (("layers", args.layers), ("width", args.width)) if v}}
     chain = profile(args.model, ProfileOptions(batch=args.batch, repeats=2, warmup=1, encodings=False,
                                                options=options, device=device.type)).chain
     empty = make_schedule(chain, [])
@@ -163,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"{format_bytes(sum(recomputing.values()))} |")
     table = "\n".join(lines) + "\n"
     print(table)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{args.model}{'-cuda' if device.type == 'cuda' else ''}.md"
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"{args.model}{'-cuda' if device.type == 'cuda' else ''}.md"
     write_atomic(out, lambda fh: fh.write(table))
     print(f"wrote {out}")
     return 0

@@ -46,14 +46,20 @@ from .runtime import OffloadRuntime
 PathLike = str | os.PathLike
 
 
-def stage_like_chain(module: nn.Module, chain: Chain) -> Staging:
-    """Boundaries on ``module`` at ``chain``'s cut sites, or ``ChainMismatch`` saying why not."""
+def cut_sites(chain: Chain) -> list[Site]:
+    """Where ``chain``'s stages end in its model (its recipe's cut sites), or ``ChainMismatch``."""
     if chain.recipe is None:
         raise ChainMismatch(f"chain {chain.name!r} has no recipe (profiled by an older version, or not from a model): "
                             "it says where to cut the model", "profile the model again with `offload profile`")
     sites = [Site.parse(c) for c in chain.recipe.cuts]
     if len(sites) != chain.L - 1:
         raise ChainMismatch(f"chain {chain.name!r} has {chain.L} stages but {len(sites)} cut sites", "profile again")
+    return sites
+
+
+def stage_like_chain(module: nn.Module, chain: Chain) -> Staging:
+    """Boundaries on ``module`` at ``chain``'s cut sites, or ``ChainMismatch`` saying why not."""
+    sites = cut_sites(chain)
     try:
         staging = Staging(module, sites)
     except KeyError as exc:

@@ -59,7 +59,7 @@ from offload.io.text import format_bytes
 from offload.step.chain import Chain
 from offload.step.schedule import Schedule
 
-from .api import PathLike, chain_and_schedule
+from .api import PathLike, chain_and_schedule, cut_sites
 
 _ROOT = re.compile(r"^L\[(['\"])[^'\"]+\1\]")  # the compiled function's ``self``: L['self']
 
@@ -73,9 +73,6 @@ def module_path(dynamo_path: str) -> str:
     return path.lstrip(".")
 
 
-def _inside(node: fx.Node, module: str) -> bool:
-    stack = node.meta.get("nn_module_stack") or {}
-    return any((p := module_path(path)) == module or p.startswith(module + ".") for path, _ in stack.values())
 
 
 def forward_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -91,13 +88,15 @@ def assign_stages(graph: fx.Graph, cuts: Sequence[Site]) -> dict[fx.Node, int]:
         raise ChainMismatch(f"this torch ({torch.__version__}) does not mark the joint graph's backward nodes",
                             "use a torch that does (2.13 does), or Offloaded(torch.compile(model), ...)")
     nodes = forward_nodes(graph)
+    paths = [{module_path(path) for path, _ in (n.meta.get("nn_module_stack") or {}).values()} for n in nodes]
     ends = []
     for site in cuts:
         if site.occurrence:
             raise ChainMismatch(f"the chain cuts at call {site.occurrence + 1} of {site.module!r}: a compiled graph "
                                 "tells a module's calls apart by their nodes alone, which is not done yet",
                                 "train it with Offloaded(torch.compile(model), ...) (a graph break at each boundary)")
-        inside = [i for i, n in enumerate(nodes) if _inside(n, site.module)]
+        inside = [i for i, held in enumerate(paths) if any(p == site.module or p.startswith(site.module + ".")
+                                                           for p in held)]
         if not inside:
             raise ChainMismatch(f"no op of the compiled graph ran in {site.module!r}, a cut site of the chain",
                                 "compile the whole module the chain was profiled from, with fullgraph=True")
@@ -145,9 +144,7 @@ class SchedulePartitioner(CustomPartitionerFn):
                                 "stage boundary), or solve without --encodings")
         self.offloaded = sorted(o.stage for o in schedule.offloads)
         self.bandwidth = chain.platform.h2d_bytes_per_s
-        self.cuts = [Site.parse(c) for c in chain.recipe.cuts] if chain.recipe else []
-        if len(self.cuts) != chain.L - 1:
-            raise ChainMismatch(f"chain {chain.name!r} has no cut sites for its {chain.L} stages", "profile it again")
+        self.cuts = cut_sites(chain)
         self.runs = list(schedule.recompute)
         self.key = hashlib.sha256(repr((chain.sha256, self.runs, self.offloaded)).encode()).hexdigest()
         self.stages: dict[str, int] = {}

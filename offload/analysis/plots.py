@@ -27,6 +27,7 @@ _STYLE = {
     "none": ("tab:gray", ":", "h"), "vdnn-all": ("tab:red", "--", "v"), "vdnn-conv": ("tab:orange", "--", "<"),
     "vdnn-dyn": ("tab:brown", "--", ">"), "layrub": ("tab:purple", "--", "D"), "swap-idle": ("tab:green", "-.", "P"),
     "swap-size-idle": ("olive", "-.", "X"), "save-on-cpu": ("tab:pink", ":", "*"),
+    "torch-offload": ("deeppink", "--", "s"),
     "gist": ("teal", (0, (5, 1, 1, 1)), "d"), "gist-swap": ("darkslateblue", (0, (5, 1, 1, 1)), "p"),
     "recompute-only": ("darkgoldenrod", (0, (1, 1)), "8"), "checkpoint-sqrt": ("firebrick", (0, (1, 2)), "v"),
     "checkpoint-blocks": ("darkgreen", (0, (1, 2)), "^"), "checkpoint-matmuls": ("limegreen", (0, (1, 2)), "H"),

@@ -22,6 +22,16 @@ then is its own business (``methods`` reports the smallest budget it can meet).
                      once, fetched on demand (fully exposed).  Real save_on_cpu copies on
                      the compute stream, so the model (D2H overlapping one stage) is
                      optimistic for it.
+* ``torch-offload``  PyTorch's own activation offloading under torch.compile
+                     (``torch._functorch._activation_offloading``, 2.13) placing the copies
+                     of the units our ILP offloads (``torch_placement``): what our timing
+                     buys over its placement.  It waits for each copy right after the op
+                     that made it (its ``sink_wait`` option holds the tensors to the
+                     forward's end instead, which frees nothing before the forward's peak),
+                     the unit model's nearest being per-layer sync (optimistic for it: the
+                     next stage's forward still overlaps the copy), and hoists each reload,
+                     in order of need, by the compute time its transfer takes (the swap
+                     papers' "no-overhead" prefetch, ``prefetch_latest``).
 """
 from __future__ import annotations
 
@@ -70,6 +80,11 @@ FIXED_PLANS: dict[str, Callable[[Chain], Plan]] = {
     "layrub": layrub_plan,
     "save-on-cpu": save_on_cpu_plan,
 }
+
+
+def torch_placement(chain: Chain, units: list[int], budget: int) -> Plan:
+    """``units`` timed as PyTorch's activation offloading would time them (module docstring)."""
+    return combine(release_next(chain, units), prefetch_latest(chain, units, budget))
 
 
 def fits(chain: Chain, plan: Plan, budget: int) -> bool:

@@ -122,6 +122,17 @@ def _adaptive(policy: Callable[[Chain, int], list[Offload] | None]) -> Callable[
     return run
 
 
+def _torch_offload(ctx: _Context) -> Planned | None:
+    """The units our ILP offloads (and its recomputed runs), placed by PyTorch's rules
+    (``baselines.torch_placement``); ``None`` where that placement does not fit."""
+    ours = _ilp(ctx)
+    units = sorted(o.stage for o in ours.offloads)
+    plan = baselines.torch_placement(ctx.chain, units, ctx.budget)
+    if simulate(ctx.chain, plan, recompute=ours.recompute).peak_bytes > ctx.budget:
+        return None
+    return Planned(plan, info={"units_from": "ilp", "ilp_status": ours.info.get("status")}, recompute=ours.recompute)
+
+
 def _found(ctx: _Context, found: relax.Found) -> Planned | None:
     """The heuristic's schedule, with the weight casts it has room for, ``None`` if it does not
     fit (below the offloading floor, where only some recomputations can, the search may find
@@ -270,6 +281,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("swap-idle", "Zhang et al.: swap units by longest idle time until memory fits, stick-to-limit timing", _adaptive(lambda c, b: baselines.swap_ranked(c, b, by_size=False))),
     Method("swap-size-idle", "Zhang et al.: swap units by (idle time - transfer time) x size until memory fits, stick-to-limit timing", _adaptive(lambda c, b: baselines.swap_ranked(c, b, by_size=True))),
     Method("save-on-cpu", "torch save_on_cpu: offload everything, release at once, fetch on demand (exposed)", _fixed("save-on-cpu")),
+    Method("torch-offload", "PyTorch's activation offloading under torch.compile placing the units the ilp offloads: a wait right after each copy (per-layer sync), reloads hoisted by transfer time", _torch_offload),
     Method("gist", "Gist: every unit stored with its smallest allowed encoding (lossless unless --encodings lossy), no offloading", _gist(with_swap=False)),
     Method("gist-swap", "Gist's encodings, then swap-size-idle on the encoded chain (encode before offloading)", _gist(with_swap=True)),
     Method("recompute-only", "the optimal recompute-only schedule over the class (the MILP with offloading off: rotor's role)", _recompute_only),
@@ -279,6 +291,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("checkpoint-every-other-matmul", "torchtitan's default op-level policy: checkpoint-matmuls, every second matmul of a block re-run too", _checkpointing("checkpoint-every-other-matmul")),
 ]}
 RECOMPUTING = {"recompute-only", "checkpoint-sqrt", "checkpoint-blocks", *checkpointing.IN_STAGE}  # methods that recompute whatever the options
+RETIMED = {"torch-offload"}  # methods that solve the ILP first and time its choice their own way
 
 
 def _refuse_below_floor(chain: Chain, budget: Budget, mode: str, recompute: bool) -> int:

@@ -154,3 +154,55 @@ def test_a_batch_norm_recomputed_in_the_graph_reads_its_statistics_as_saved():
     ours, theirs = grads(lambda m: compile_scheduled(m, chain, make_schedule(chain, [], recompute=runs), backend="aot_eager"))
     assert all(torch.equal(a, b) for a, b in zip(plain, theirs))
     assert any(t == CheckpointPolicy.MUST_RECOMPUTE for t in ours.partitioner.tags.values())
+
+
+def _joint(modules):
+    """A joint graph of one forward node per module path (``None``: in no module) and a backward node."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    for path in modules:
+        x = graph.call_function(torch.ops.aten.relu.default, (x,))
+        x.meta.update(partitioner_tag="is_forward", nn_module_stack={} if path is None else {path: (f"L['self'].{path}", None)})
+    back = graph.call_function(torch.ops.aten.relu.default, (x,))
+    back.meta["partitioner_tag"] = "is_backward"
+    graph.output((back,))
+    return graph
+
+
+def test_stages_of_a_graph_and_graphs_a_break_made():
+    """Stage ``k`` ends with the last node in the ``k``-th cut's module; a graph with none of the
+    cuts (a break put it outside the stages) has no stages; one with some of them is refused."""
+    from offload.core.staging import Site
+    from offload.executor.compiled import assign_stages
+
+    cuts = [Site("a"), Site("b")]
+    stages = assign_stages(_joint(["a", "a", None, "b", "c", None]), cuts)
+    assert list(stages.values()) == [1, 1, 2, 2, 3, 3]
+    assert assign_stages(_joint(["c", None]), cuts) == {}
+    with pytest.raises(ChainMismatch, match="runs some of the chain's cut sites but not 'b'"):
+        assign_stages(_joint(["a", "c"]), cuts)
+
+
+@pytest.mark.slow
+def test_a_loss_compiled_apart_is_left_to_the_compiler():
+    """transformers' GPT-2 computes its own loss, whose config warning breaks the graph: with
+    ``fullgraph=False`` the model's graph holds every stage and runs the schedule, the loss's
+    graph is compiled plainly (said), gradients those of plain compile."""
+    opts = {"layers": 2, "width": 64, "heads": 4, "seq": 16}
+    gpt2 = profile("gpt2", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options=opts)).chain
+    runs = [Recompute(i, i) for i in sorted(gpt2.recomputable)[:2]]
+
+    def grads(make):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        spec = resolve("gpt2", 2, opts)
+        run = make(spec.module)
+        torch.manual_seed(0)
+        spec.loss(run(*spec.args, **spec.kwargs)).backward()
+        return run, [p.grad.clone() for p in spec.module.parameters() if p.grad is not None]
+    _, plain = grads(lambda m: torch.compile(m, backend="aot_eager"))
+    with pytest.warns(UserWarning, match="runs none of the chain's stage boundaries"):
+        ours, theirs = grads(lambda m: compile_scheduled(m, gpt2, make_schedule(gpt2, [], recompute=runs),
+                                                         backend="aot_eager", fullgraph=False))
+    assert all(torch.equal(a, b) for a, b in zip(plain, theirs))
+    assert set(ours.partitioner.stages.values()) == set(range(1, gpt2.L + 1))

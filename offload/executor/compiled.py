@@ -82,14 +82,16 @@ def forward_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 def assign_stages(graph: fx.Graph, cuts: Sequence[Site]) -> dict[fx.Node, int]:
     """Stage (1..L) of each forward node of a joint graph: stage ``k`` ends with the last node
-    inside the call of ``cuts[k-1]``.  ``ChainMismatch`` when a cut site is in no node (the
-    graph is not the whole model, or the model changed) or out of order."""
+    inside the call of ``cuts[k-1]``.  Empty for a graph that runs none of the cut sites (a
+    graph break has put it outside the model's stages, e.g. a loss after the model);
+    ``ChainMismatch`` when it runs some of them only (a graph break between two cut sites)
+    or out of order."""
     if not any(n.meta.get("partitioner_tag") == "is_backward" for n in graph.nodes):
         raise ChainMismatch(f"this torch ({torch.__version__}) does not mark the joint graph's backward nodes",
                             "use a torch that does (2.13 does), or Offloaded(torch.compile(model), ...)")
     nodes = forward_nodes(graph)
     paths = [{module_path(path) for path, _ in (n.meta.get("nn_module_stack") or {}).values()} for n in nodes]
-    ends = []
+    ends, missing = [], []
     for site in cuts:
         if site.occurrence:
             raise ChainMismatch(f"the chain cuts at call {site.occurrence + 1} of {site.module!r}: a compiled graph "
@@ -97,10 +99,16 @@ def assign_stages(graph: fx.Graph, cuts: Sequence[Site]) -> dict[fx.Node, int]:
                                 "train it with Offloaded(torch.compile(model), ...) (a graph break at each boundary)")
         inside = [i for i, held in enumerate(paths) if any(p == site.module or p.startswith(site.module + ".")
                                                            for p in held)]
-        if not inside:
-            raise ChainMismatch(f"no op of the compiled graph ran in {site.module!r}, a cut site of the chain",
-                                "compile the whole module the chain was profiled from, with fullgraph=True")
-        ends.append(inside[-1])
+        if inside:
+            ends.append(inside[-1])
+        else:
+            missing.append(site.module)
+    if missing and ends:
+        raise ChainMismatch(f"a compiled graph runs some of the chain's cut sites but not {missing[0]!r}: a graph break "
+                            "falls between two stage boundaries", "remove the break (compile with fullgraph=True to "
+                            "see where it is), or train with Offloaded(torch.compile(model), ...)")
+    if missing:
+        return {}
     if ends != sorted(ends):
         raise ChainMismatch("the compiled graph runs the chain's cut sites in another order than the chain's stages",
                             "profile the model again")
@@ -162,6 +170,11 @@ class SchedulePartitioner(CustomPartitionerFn):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         stages = assign_stages(gm.graph, self.cuts)
+        if not stages and self.cuts:
+            warnings.warn("a graph of the compiled model runs none of the chain's stage boundaries (a graph break put "
+                          "it outside them, e.g. a loss after the model): it is partitioned as plain compile does, "
+                          "the schedule does not act in it", stacklevel=2)
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         fixed = _inputs_without_gradient(gm.graph, kwargs.get("num_fwd_outputs", 0))
         run_of = {k: (n, run) for n, run in enumerate(self.runs, 1) for k in range(run.first, run.last + 1)}
         rules = {n: KeepRule(run.option) for n, run in enumerate(self.runs, 1) if run.option}
@@ -247,8 +260,10 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
             ``ChainMismatch`` (``Offloaded`` runs them).
         backend: ``inductor`` (the partitioner goes in as ``custom_partitioner_fn``) or
             ``aot_eager`` (AOTAutograd with the same partitioner, no code generation).
-        compile_kwargs: passed to ``torch.compile`` (``fullgraph`` defaults to True: the
-            stages are found in one graph of the whole model).
+        compile_kwargs: passed to ``torch.compile``.  ``fullgraph`` defaults to True: the
+            stages are found in one graph; with ``fullgraph=False`` a graph break is allowed
+            outside the stage boundaries (a loss after the model: that graph is compiled
+            plainly, with a warning), and refused between two of them.
 
     Returns:
         The compiled module (``torch.compile``'s ``OptimizedModule``); its ``partitioner``

@@ -38,7 +38,6 @@ import argparse
 import copy
 import json
 import statistics
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -50,6 +49,7 @@ from experiments.bench_executor import machine_name
 from offload.core.devices import pick_device
 from offload.executor import Offloaded
 from offload.executor.compiled import compile_scheduled
+from offload.executor.traces import chrome_trace
 from offload.io.files import write_atomic
 from offload.io.text import format_bytes
 from offload.models import resolve
@@ -76,10 +76,7 @@ def allocated_peak(run_step, device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device) - start
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         run_step()
-    with tempfile.TemporaryDirectory() as scratch:  # the profiler exports to a path
-        path = Path(scratch) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
+    events = json.loads(chrome_trace(prof))["traceEvents"]
     return max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"
                 and e["args"].get("Device Type") == 0), default=0)
 

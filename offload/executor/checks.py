@@ -16,8 +16,6 @@ import contextlib
 import gc
 import json
 import statistics
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,8 +28,8 @@ from offload.models.spec import ModelSpec
 from offload.step.chain import Chain
 
 from .api import Offloaded
-from .traces import copy_overlap, device_time
 from .report import BASELINES, Baseline, total
+from .traces import chrome_trace, copy_overlap, device_time
 from .trainer import Run, StepHooks, Trainer, step_errors
 
 
@@ -157,10 +155,7 @@ def trace_step(path: str, trainer: Trainer, run: Offloaded) -> dict[str, Any]:
     gc.collect()
     trainer.finish_step()
     trainer.tick("traced step")
-    with tempfile.TemporaryDirectory() as scratch:  # the profiler exports to a path, not a file object
-        exported = Path(scratch) / "trace.json"
-        prof.export_chrome_trace(str(exported))
-        text = exported.read_text()
+    text = chrome_trace(prof)
     write_atomic(path, lambda fh: fh.write(text))
     events = json.loads(text)["traceEvents"]
     return {"path": str(path), "copy_overlap": copy_overlap(events), "device_time": device_time(events)}

@@ -226,11 +226,11 @@ class SchedulePartitioner(CustomPartitionerFn):
         which it moved nothing, a warning for one it moved in part (module docstring)."""
         if not self.offloaded:
             return
-        moved = {k: [0, 0] for k in self.offloaded}
+        moved = {k: [0, 0] for k in self.offloaded}  # bytes to the host, bytes left on the device
         for k, nbytes, host in self.saved:
             if k in moved:
-                moved[k][host] += nbytes
-        self.moved = {k: (m, left) for k, (left, m) in moved.items()}
+                moved[k][0 if host else 1] += nbytes
+        self.moved = {k: (m, left) for k, [m, left] in moved.items()}
         none = [f"U{k}" for k, (m, left) in self.moved.items() if not m]
         if none:
             raise ChainMismatch(f"PyTorch's activation offloading moves nothing of {', '.join(none)} in the compiled "

@@ -368,3 +368,19 @@ def test_recording_leaves_no_global_hook_behind():
         StageRecorder(1, None, torch.device("cpu"), set()).close()
     after = {name: len(getattr(module_hooks, name)) for name in before}
     assert after == before
+
+
+def test_an_op_over_the_budget_whatever_the_schedule_makes_the_milp_infeasible():
+    """Hypothesis's find: F3 holds U2 (released at the turn, the last boundary) and its own
+    byte whatever is chosen, over a 1-byte budget. The MILP's row for F3 has no variable left;
+    it was dropped as if it held, and the MILP returned a schedule over the budget."""
+    from offload.step.chain import Platform, Stage
+
+    def stage(name, saved, peak, inputs, recomputable):
+        return Stage(name=name, kind="conv", fwd_s=0.001, bwd_s=0.001, saved_bytes=saved, fwd_peak_bytes=peak,
+                     bwd_peak_bytes=0, need_from=int(name[-1]), input_bytes=inputs, recomputable=recomputable,
+                     carry_bytes=0)
+    chain = Chain(name="random", stages=(stage("stage1", 0, 0, 0, False), stage("stage2", 1, 1, 1, True),
+                                         stage("stage3", 0, 1, 0, False)),
+                  platform=Platform(d2h_bytes_per_s=4000.0, h2d_bytes_per_s=4000.0, latency_s=0.0))
+    assert_joint_ilp_is_brute_force(chain, 1, JOINT)

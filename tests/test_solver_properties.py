@@ -143,9 +143,11 @@ def test_a_decided_release_at_L_waits_for_a_copy_the_host_delayed():
     chain = chain_from_dict({"format": "offload-chain/2", "name": "host-bound", "platform": {
         "d2h_bytes_per_s": 4000.0, "h2d_bytes_per_s": 4000.0, "latency_s": 0.0}, "stages": [
         {**stage, "saved_bytes": 12, "fwd_peak_bytes": 12, "fwd_host_s": 0.003},
-        {**stage, "saved_bytes": 2, "fwd_peak_bytes": 2}, {**stage, "saved_bytes": 0, "fwd_peak_bytes": 0}]})
+        {**stage, "saved_bytes": 2, "fwd_peak_bytes": 2},
+        {**stage, "saved_bytes": 0, "fwd_peak_bytes": 0, "bwd_peak_bytes": 3}]})
+    # the forward holds at most 14 whatever moves; B3 holds 17 unless U1 is gone by then
     for decided in ({1: Decided(offload=Offload(1, 3, 1)), 3: Decided()}, {}):
-        res = solve_ilp(chain, 10, gap=0.0, decided=decided)
-        replay = simulate(chain, res.offloads, casts_kept=res.casts_kept)
+        res = solve_ilp(chain, 14, gap=0.0, decided=decided)
+        replay = simulate(chain, res.offloads, 14, casts_kept=res.casts_kept)
         assert res.objective_s == pytest.approx(replay.makespan_s, rel=1e-9)
         assert replay.copies[0].end == pytest.approx(0.006)

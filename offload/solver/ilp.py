@@ -178,9 +178,17 @@ class Model:
 
     # ------------------------------------------------------------------ plumbing
     def _row(self, name: str, lhs: _Affine, sense: str, rhs: float = 0.0) -> None:
-        """Add ``lhs sense rhs`` unless it holds whatever the decisions (no variable left)."""
+        """Add ``lhs sense rhs``; with no variable left, nothing when its constant satisfies it,
+        and a row no decision can satisfy when it does not (an op over the budget whatever the
+        schedule: the model is infeasible, not free of that row)."""
         if not any(lhs.terms.values()):
-            return
+            slack = rhs - lhs.const if sense == "<=" else lhs.const - rhs
+            if slack >= -1e-9 * max(1.0, abs(rhs)):
+                return
+            never = self._var(f"unsatisfiable_{name}")
+            never.upBound = 0
+            lhs = _Affine(1.0).add(never)
+            sense, rhs = "<=", 0.0
         op = {"<=": pulp.LpConstraintLE, ">=": pulp.LpConstraintGE}[sense]
         self.lp.addConstraint(pulp.LpConstraint(lhs.expression(), op, rhs=rhs), name)
         self._rows += 1

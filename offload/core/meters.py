@@ -67,6 +67,7 @@ class CpuMeter(TorchDispatchMode):
         self.ops = 0  # ops seen so far
         self.peak_op = 0  # the op at which the current interval's peak was reached
         self.interval_peak_op = 0  # the same, for the interval the last boundary() closed
+        self.trace: list[int] | None = None  # when a list: the live bytes as each op has made its outputs
         self._tracked: dict[int, int] = {}  # storage key -> nbytes
         self._ignored: set[int] = set()
         self.reserved_peak: int | None = None  # no allocator holds more than the tensors: nothing to report
@@ -120,6 +121,8 @@ class CpuMeter(TorchDispatchMode):
                 self._ignore(t)  # a view of a tensor from before the step: not allocated here
             else:
                 self._register(t)
+        if self.trace is not None:
+            self.trace.append(self.live)
         return out
 
     @property

@@ -177,6 +177,17 @@ def _autocast_state(device: torch.device) -> list[tuple[str, bool, torch.dtype]]
     return [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds]
 
 
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """``method`` of an object, called while the object lives, through a weak reference."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return hook
+
+
 class StageRecorder:
     """Records stage ``stage``'s top-level calls while it runs (module docstring).
 
@@ -184,17 +195,23 @@ class StageRecorder:
     saved for the backward; ``finish`` takes the stage's output, removes the hooks and
     returns the ``StageProgram`` (``NotRerunnable`` if there is none).  ``excluded``: keys
     of storages that are never a stage's input (the batch, parameters, buffers).  Without
-    ``keep`` (the profiler, which only asks whether and at what cost) the held tensors are
-    sized, not held: recording must not change the memory it measures."""
+    ``keep`` (the profiler, which only asks whether and at what cost) the input and the held
+    tensors are sized, not held: recording must not change the memory it measures (a U-Net's
+    up block drops its input after upsampling it)."""
 
     def __init__(self, stage: int, stage_input: torch.Tensor | None, device: torch.device,
                  excluded: set[int], keep: bool = True) -> None:
         self.stage, self.device, self.excluded, self.keep = stage, device, excluded, keep
         if stage_input is not None and storage_key(stage_input) in excluded:
             stage_input = None  # the batch: the training loop holds it anyway
-        self.input = stage_input
+        self._input = stage_input if keep else None
+        self._input_ref = weakref.ref(stage_input) if stage_input is not None else None
         self.input_key = storage_key(stage_input) if stage_input is not None and plain(stage_input) else None
+        # the input's storage while it lives (its key may be a later storage's once it died)
+        self._input_storage = weakref.ref(stage_input.untyped_storage()) if self.input_key is not None else None
+        self.input_bytes = stage_input.untyped_storage().nbytes() if self.input_key is not None else 0
         self.input_version = stage_input._version if stage_input is not None else 0
+        self.input_requires_grad = bool(stage_input is not None and stage_input.requires_grad)
         self.calls: list[Call] = []  # completed calls not inside another completed call, in order
         # storage key -> (the held tensor, kept only with ``keep``; its version; its storage's bytes)
         self.held: dict[int, tuple[torch.Tensor | None, int, int]] = {}
@@ -205,8 +222,11 @@ class StageRecorder:
         self.whys: list[str | None] = [None]
         self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
         self.autocast = _autocast_state(device)
-        self._handles = [nn.modules.module.register_module_forward_pre_hook(self._pre),
-                         nn.modules.module.register_module_forward_hook(self._post, with_kwargs=True)]
+        # the hooks reach this recorder through a weak reference: a module call running when they
+        # were installed keeps them in its frame until it returns (a Sequential the stage ends in),
+        # and a strong one would keep the stage's input and calls alive that long
+        self._handles = [nn.modules.module.register_module_forward_pre_hook(_weakly(self._pre)),
+                         nn.modules.module.register_module_forward_hook(_weakly(self._post), with_kwargs=True)]
 
     def saved(self) -> None:
         """A tensor is being saved for the backward now."""
@@ -216,6 +236,11 @@ class StageRecorder:
         """Not re-runnable, unless the innermost running call completes within the stage."""
         if self.whys[-1] is None:
             self.whys[-1] = why
+
+    @property
+    def input(self) -> torch.Tensor | None:
+        """The stage's input (without ``keep``: while the model holds it)."""
+        return self._input_ref() if self._input_ref is not None else None
 
     def _pre(self, module: nn.Module, args: tuple) -> None:
         self.starts.append(len(self.calls))
@@ -261,7 +286,7 @@ class StageRecorder:
         made = self._source(t)
         if made is not None:
             return made
-        if storage_key(t) == self.input_key:
+        if self._input_storage is not None and self._input_storage() is not None and storage_key(t) == self.input_key:
             return FromInput(_view_of(t, self.input) if t is not self.input else None)
         if t.requires_grad:
             raise NotRerunnable("a call reads an activation computed outside any module call of the stage")
@@ -272,14 +297,14 @@ class StageRecorder:
         """The stage ended with ``output`` (the value crossing its boundary)."""
         self.close()
         why = next((w for w in self.whys if w is not None), None)
-        if why is None and self.input is not None and self.input._version != self.input_version:
+        if why is None and self.input is not None and self.input._version != self.input_version:  # (if it lives)
             why = "it writes its input in place"
         source = self._source(output) if why is None else None
         if why is None and source is None:
             why = "its output is not the output of one of its module calls"
         if why is not None:
             raise NotRerunnable(f"stage {self.stage} cannot be re-run: {why}")
-        return StageProgram(self.stage, self.calls, source, bool(self.input is not None and self.input.requires_grad),
+        return StageProgram(self.stage, self.calls, source, self.input_requires_grad,
                             [(t, version) for t, version, _ in self.held.values() if t is not None], self.rng,
                             self.autocast)
 

@@ -16,9 +16,19 @@ records every torch call and forward hooks on every submodule, gives two things:
 
 A *cut candidate* is a call site that returned exactly one value on the way to the loss,
 produced by a node that every source-to-loss path of the graph passes through (a
-dominator of the loss, networkx); a boundary there splits the computation in two and
-fires in the backward.  Where several nested calls return the same value (a block and
-its last layer), the outermost is kept.  Stage boundaries are then forward hooks at these
+dominator of the loss, networkx): a boundary there splits the computation in two.  A
+*block* is a candidate too, whatever else crosses it: a call of a module with submodules
+held in an ``nn.ModuleList``/``nn.Sequential`` (a T5 or MoE layer, a U-Net's down or up
+block), not inside another block, that returned a value on the way to the loss (the one
+made last, when several).  Across a block boundary other values may cross (a U-Net's skip
+features, an encoder's output read by every decoder layer, an attention bias every layer
+reads): the stages on both sides share them as the model's code holds them, and their
+memory is measured where it is live.  The boundary still fires in the backward between the
+two stages' backward ops: autograd runs a backward's nodes in the reverse order of their
+creation (its ready queue pops the latest-created ready node first, and a node is ready
+once the later nodes that feed it ran), so every op after the boundary has its backward
+before the boundary's, every op before it after.  Where several nested calls return the
+same value (a block and its last layer), the outermost is kept.  Stage boundaries are then forward hooks at these
 call sites on the user's own module (``offload.core.staging``), so its forward, hooks,
 checkpointing and compilation run as written.
 """
@@ -145,8 +155,11 @@ class _Recorder(TorchFunctionMode):
             node = len(self.order)
             name = getattr(func, "__name__", str(func))
             inner = self.stack[-1] if self.stack else ""
+            first = next(t for t in outs if t.requires_grad)
             self.graph.add_node(node, op=name, module=inner, kind=self.kinds[inner] if inner else _kind(name),
-                                params=any(id(t) in self.params and t.requires_grad for t in ins))
+                                params=any(id(t) in self.params and t.requires_grad for t in ins),
+                                value=f"{str(first.dtype).removeprefix('torch.')}{list(first.shape)}",
+                                bytes=first.numel() * first.element_size())
             self.order.append(node)
             for t, (producer, _) in zip(ins, looked):
                 if producer is not None and t.requires_grad:
@@ -191,6 +204,26 @@ def _dominators(g: nx.DiGraph) -> list[int]:
     return chain[::-1]
 
 
+def _blocks(root: nn.Module) -> set[str]:
+    """The paths of the blocks (module docstring): modules with submodules, held in a
+    ``ModuleList`` or ``Sequential`` and not inside another such block, or children of the
+    model that hold no such block (a U-Net's middle block, beside its lists of down and up
+    blocks)."""
+    found: set[str] = set()
+    for name, container in root.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        if any(name == b or name.startswith(b + ".") for b in found):
+            continue
+        for key, child in container.named_children():
+            if any(True for _ in child.children()):
+                found.add(f"{name}.{key}" if name else key)
+    for key, child in root.named_children():
+        if any(True for _ in child.children()) and not any(b == key or b.startswith(key + ".") for b in found):
+            found.add(key)
+    return found
+
+
 def capture(module: nn.Module, run: Callable[[], torch.Tensor], inputs: Any) -> Capture:
     """Run ``run()`` (the forward and the loss of ``module`` on ``inputs``) once and find the
     cut candidates (module docstring).  ``run`` must return the scalar loss."""
@@ -218,12 +251,18 @@ def capture(module: nn.Module, run: Callable[[], torch.Tensor], inputs: Any) -> 
     rec.graph.add_edge(producer, SINK)
     dominators = set(_dominators(rec.graph)) - {producer}
     ancestors = nx.ancestors(rec.graph, SINK)
-    best: dict[int, CallRecord] = {}  # dominator -> its outermost call site
+    blocks = _blocks(module)
+    best: dict[int, CallRecord] = {}  # cut value's node -> its outermost call site
     for call in rec.calls:
-        live = [(leaf, node) for leaf, node in call.outputs if node in ancestors]
-        if len(live) != 1 or live[0][1] not in dominators:
+        live = [(leaf, node) for leaf, node in call.outputs if node in ancestors and node != producer]
+        if not live:
             continue
-        leaf, node = live[0]
+        if len(live) == 1 and live[0][1] in dominators:
+            leaf, node = live[0]
+        elif call.site.module in blocks:
+            leaf, node = max(live, key=lambda out: out[1])
+        else:
+            continue
         if node not in best or call.depth < best[node].depth:
             best[node] = CallRecord(Site(call.site.module, call.site.occurrence, leaf), call.depth, call.outputs)
     ends = {call.site: node for node, call in sorted(best.items())}

@@ -18,6 +18,7 @@ import numpy as np
 
 from offload.core.staging import Site
 from offload.io.files import write_atomic
+from offload.io.text import format_bytes
 
 from .capture import Capture
 
@@ -39,6 +40,7 @@ class Stages:
     cuts: list[Site]
     stages: list[StageInfo]
     notes: list[str] = field(default_factory=list)
+    crossing: dict[int, list[str]] = field(default_factory=dict)  # boundary k (after stage k) -> the values crossing it, where several do
 
     @property
     def L(self) -> int:
@@ -126,6 +128,23 @@ def _stage_kind(cap: Capture, ops: list[int]) -> str:
     return Counter(g[op]["kind"] for op in ops).most_common(1)[0][0] if ops else "op"
 
 
+def crossing(cap: Capture, cuts: Sequence[Site]) -> dict[int, list[str]]:
+    """Per boundary that several differentiable values cross (a U-Net's skip features, an
+    encoder's output, an attention bias), those values, the boundary's own first: each made
+    before the boundary and read after it, described by the op and module that made it, its
+    dtype and shape, and its bytes."""
+    g, pos = cap.graph, {n: k for k, n in enumerate(cap.order)}
+    last = {u: max((pos[v] for v in g.successors(u) if v in pos), default=-1) for u in cap.order}
+    out: dict[int, list[str]] = {}
+    for k, cut in enumerate(cuts, start=1):
+        end = pos[cap.ends[cut]]
+        values = sorted((u for u in cap.order[:end + 1] if last[u] > end), key=lambda u: (u != cap.ends[cut], pos[u]))
+        if len(values) > 1:
+            out[k] = [f"{g.nodes[u]['op']} in {g.nodes[u]['module'] or 'the model'} {g.nodes[u].get('value', '')} "
+                      f"({format_bytes(g.nodes[u].get('bytes', 0))})" for u in values]
+    return out
+
+
 def stages_at(cap: Capture, cuts: Sequence[Site]) -> Stages:
     """The stages of cutting at ``cuts`` (candidates, in order), each named and kinded.  Names
     are unique, so a chain reads stage by stage: where a short name (the shared module prefix)
@@ -144,7 +163,7 @@ def stages_at(cap: Capture, cuts: Sequence[Site]) -> Stages:
         seen[name] += 1
         infos.append(StageInfo(name=name if seen[name] == 1 else f"{name}#{seen[name]}", kind=_stage_kind(cap, seg),
                                ops=list(seg), has_params=_has_params(cap, seg)))
-    return Stages(cuts=list(cuts), stages=infos, notes=list(cap.notes))
+    return Stages(cuts=list(cuts), stages=infos, notes=list(cap.notes), crossing=crossing(cap, cuts))
 
 
 def write_op_graphml(cap: Capture, stages: Stages, path: str | os.PathLike) -> None:

@@ -82,6 +82,7 @@ class MemoryPass:
     saved: list[int]  # bytes of each unit
     need: list[int]  # need_from of each unit
     peak_ops: list[int] | None  # the op at which each F_i peaked (CPU only)
+    op_lives: list[int] | None  # the bytes live as each forward op (1, 2, ...: index 0, 1, ...) made its outputs (CPU only)
     starts: list[int]  # the bytes live as each F_i starts
     bwd_starts: list[int]  # the bytes live as each B_i starts (the gradient flowing in is new)
     inputs: list[int]  # input_bytes of each stage
@@ -155,8 +156,7 @@ class _Recording(Boundaries):
         try:
             recorder.finish(x)
             self.why[k - 1] = None
-            input_bytes = recorder.input.untyped_storage().nbytes() if recorder.input_key is not None else 0
-            self.inputs[k - 1] = input_bytes + recorder.held_bytes()
+            self.inputs[k - 1] = recorder.input_bytes + recorder.held_bytes()
             for key in recorder.keys():
                 record = self.tracker.record_of(key)
                 if record is not None and record.unit == k:
@@ -294,6 +294,9 @@ class StepRunner:
                 meter.boundary()
                 m0, workspace = meter.live, meter.untracked
                 start = getattr(meter, "ops", 0)  # ops before the forward's first
+                lives: list[int] = []
+                if isinstance(meter, CpuMeter):
+                    meter.trace = lives
                 try:
                     with made:
                         loss = self.forward(args, kwargs, listener, pack)
@@ -311,7 +314,7 @@ class StepRunner:
         starts = [m0] + [live for _, live in readings[:L - 1]]
         bwd_starts = [readings[2 * L - i - 1][1] for i in range(1, L + 1)]  # B_L starts at the turn
         return MemoryPass(m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
-                          peak_ops[:L] if exact else None, starts, bwd_starts, listener.inputs, listener.own,
+                          peak_ops[:L] if exact else None, lives if exact else None, starts, bwd_starts, listener.inputs, listener.own,
                           listener.why, workspace, [list(r.values()) for r in recasts], made.shared)
 
     def recast_seconds(self, recasts: list[casts.Recast]) -> float:
@@ -435,7 +438,8 @@ class Holding:
 
 
 def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int],
-                 starts: list[int], keeping: dict[int, str] | None = None) -> list[Holding]:
+                 starts: list[int], keeping: dict[int, str] | None = None,
+                 op_lives: list[int] | None = None) -> list[Holding]:
     """Per stage, the storages of its unit that the model's own code (a local of its forward,
     an argument of a call still running, a cache) keeps alive at the peak of ``F(i+2)`` or
     later, and those alive when ``F(i+1)`` runs its first op (what a recomputation, which
@@ -448,7 +452,10 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
     (exact meter, CPU).  A storage that dies as ``F(j+1)`` starts, before its first op (a
     local of an outer forward: ``x = block(x)`` drops the old ``x`` after the block's last
     hook), is held through it if it would raise the stage's peak there: when the stage
-    started within its bytes of its peak.  Without op counts (CUDA's meter gives none), a
+    started within its bytes of its peak; one that dies within ``F(j+1)`` before its peak
+    (a U-Net's skip features, read by the concatenation that starts an up block) likewise, if
+    an op before its death came within the bytes of such storages of the peak (``op_lives``:
+    the memory pass's bytes live at each op).  Without op counts (CUDA's meter gives none), a
     storage alive at a stage's first op counts as held through the stage: a little
     conservative.  ``keeping``: stages (each with an in-stage option) whose kept ops' outputs
     are held through their forward (their transient is then the option's)."""
@@ -478,6 +485,19 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
             if holding.first_op[j] - 1 <= death < at[j - 1]:
                 at_start[j] = at_start.get(j, 0) + saved.nbytes
     matters = {j for j, b in at_start.items() if peak_ops is None or starts[j - 1] + b > peaks[j - 1]}
+    inside: dict[int, list[tuple[float, int]]] = {}  # F_j -> (death, bytes) of earlier units' storages dying in it
+    for saved, death in zip(holding.storages, holding.death):
+        for j in range(saved.unit + 2, runner.L + 1):
+            if holding.first_op[j] <= death < at[j - 1]:
+                inside.setdefault(j, []).append((death, saved.nbytes))
+    if op_lives is not None:  # what dies inside F_j before its peak is held through it if an op before its death came close
+        for j, dying in inside.items():
+            room = peaks[j - 1] - sum(b for _, b in dying)
+            lo = holding.first_op[j] - 1
+            for death, _ in dying:
+                if max(op_lives[lo:int(death)], default=0) > room:
+                    matters.add(j)
+                    at_start.setdefault(j, 0)
     out = [Holding(0, 0, 0, 0) for _ in range(runner.L + 1)]
     for saved, death in zip(holding.storages, holding.death):
         i, h = saved.unit, out[saved.unit]
@@ -514,7 +534,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
             runner.warmup(1)  # the workspaces they make on first use exist before the pass reads
             mem = mem.widened(runner.memory_pass())
     m0, peak_f, peak_b, saved, need = mem.m0, mem.fwd_peaks, mem.bwd_peaks, mem.saved, mem.need
-    held = holding_pass(runner, mem.peak_ops, peak_f, mem.starts)
+    held = holding_pass(runner, mem.peak_ops, peak_f, mem.starts, op_lives=mem.op_lives)
     tick("memory pass")
     times = []
     for _ in range(repeats):

@@ -179,6 +179,8 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
     }
     if stages.notes or m.notes:
         source["notes"] = stages.notes + m.notes
+    if stages.crossing:  # boundaries that several values cross (offload show prints them)
+        source["crossing"] = {str(k): values for k, values in stages.crossing.items()}
     recipe = Recipe(model=model, batch=opts.batch, options=dict(spec.options), dtype=opts.dtype, seed=opts.seed,
                     optimizer=opts.optimizer, cuts=tuple(c.text for c in stages.cuts),
                     inputs=signature(spec.args, spec.kwargs), autocast=opts.autocast,

@@ -37,6 +37,26 @@ def _line(label: str, text: str) -> None:
     print(f"{label:<12} {text}")
 
 
+def _print_crossing(chain: Chain) -> None:
+    """The boundaries that several values cross, as the profiler found them (``source.crossing``)."""
+    crossing = chain.source.get("crossing")
+    if not isinstance(crossing, dict) or not crossing:
+        return
+    print()
+    print("crossing    boundaries that several values cross: the stage's output first, then the values made "
+          "before it and read after it (held by the model's code; what a stage saves of them is in its unit)")
+    shown = 0
+    for k, values in crossing.items():
+        if not (isinstance(values, list) and str(k).isdigit() and 1 <= int(k) < chain.L):
+            continue
+        if shown == MAX_NOTES:
+            print(f"{'':>4} … and {len(crossing) - MAX_NOTES} more in the chain's source.crossing")
+            break
+        shown += 1
+        name = printable(chain.stage(int(k)).name)
+        print(f"{int(k):>4} after {name}: {clipped(', '.join(printable(str(x)) for x in values), 400)}")
+
+
 def print_chain(chain: Chain) -> None:
     """The chain at a glance: source, platform, stages, peak, ideal makespan, smallest budget."""
     src = chain.source
@@ -64,6 +84,7 @@ def print_chain(chain: Chain) -> None:
         print(f"{i:>4} {printable(s.name)[:22]:<22} {printable(s.kind)[:10]:<10} {format_seconds(s.fwd_s):>10} {format_seconds(s.bwd_s):>10} "
               f"{format_bytes(s.saved_bytes):>11} {format_bytes(s.fwd_peak_bytes):>11} {format_bytes(s.bwd_peak_bytes):>11} "
               f"{s.need_from:>5}" + (f" {format_bytes(s.cast_bytes):>11}" if casts else ""))
+    _print_crossing(chain)
     if chain.has_encodings:
         print()
         print("encodings   (unit size once encoded, encode / decode time)")

@@ -1,17 +1,21 @@
 """Models nobody on this project wrote, end to end: profile, solve at half the peak, train.
 
     python -m experiments.realmodels          # or: make realmodels (a few minutes on 2 CPU cores)
+    python -m experiments.realmodels --set non-chains
 
-GPT-2, a Llama-style decoder, BERT and ViT from transformers (small configs, random
-weights, dropout on, keyword inputs, the loss from ``output.loss``), and each with half its
-blocks frozen.  Each is profiled (``offload profile``), solved by the ILP at 50% of its
-no-offload activation peak (halfway between its floor and its peak when frozen, whose floor
-is higher), and trained 3 steps with ``--check-grads --op-memory`` on the lazy CPU backend.
-One row per model in ``experiments/results/realmodels/realmodels.csv``: stages, the
-no-offload peak, the floor and its share, predicted vs measured peak and step time, the
-largest difference of any op's measured memory from its prediction, and grads_match.
-On a CPU the step times include the exact memory accounting; a GPU is where they mean
-something (``--device cuda``).
+``transformers`` (the default set): GPT-2, a Llama-style decoder, BERT and ViT from
+transformers (small configs, random weights, dropout on, keyword inputs, the loss from
+``output.loss``), and each with half its blocks frozen.  ``non-chains``: models whose block
+boundaries several values cross (``tests/models/``): a transformers T5 (encoder-decoder), a
+U-Net with skip connections, transformers' Mixtral (mixture of experts), and a frozen
+backbone under a trainable head.  Each is profiled (``offload profile``), solved by the ILP
+at 50% of its no-offload activation peak (halfway between its floor and its peak when its
+floor is higher), and trained 3 steps with ``--check-grads --op-memory`` on the lazy CPU
+backend.  One row per model in ``experiments/results/realmodels/<set>.csv``: stages, the
+boundaries several values cross, the no-offload peak, the floor and its share (and with
+recomputation), predicted vs measured peak and step time, the largest difference of any
+op's measured memory from its prediction, and grads_match.  On a CPU the step times include
+the exact memory accounting; a GPU is where they mean something (``--device cuda``).
 """
 from __future__ import annotations
 
@@ -29,18 +33,32 @@ from offload.step.memory import no_offload_peak, smallest_feasible_budget
 from offload.step.schedulefile import save_schedule
 
 OUT = Path(__file__).parent / "results" / "realmodels"
-MODELS = {
+TRANSFORMERS = {
     "gpt2": {"layers": 8, "width": 128, "heads": 4, "seq": 256, "vocab": 512},
     "llama": {"layers": 8, "width": 128, "heads": 4, "kv_heads": 2, "seq": 256, "vocab": 512},
     "bert": {"layers": 6, "width": 128, "heads": 4, "seq": 256, "vocab": 512},
     "vit": {"layers": 8, "width": 96, "heads": 3, "image": 64, "patch": 4},
 }
+_MODELS = Path(__file__).resolve().parent.parent / "tests" / "models"
+NON_CHAINS = {  # tag -> (model, options, blocks)
+    "t5": (f"{_MODELS / 't5.py'}:build", {"layers": 4, "width": 128, "seq": 128, "dropout": 0.1}, 8),
+    "unet": (f"{_MODELS / 'unet.py'}:build", {"width": 16, "depth": 3, "image": 64}, 7),
+    "mixtral": (f"{_MODELS / 'moe.py'}:build", {"layers": 4, "seq": 128}, 4),
+    "frozen-backbone": (f"{_MODELS / 'frozen.py'}:build", {}, 3),
+}
 
 
-def run(model: str, options: dict, frozen: int, batch: int, device: str | None, out: Path) -> dict:
-    tag = f"{model}" + (f"-frozen{frozen}" if frozen else "")
+def sets() -> dict[str, list[tuple[str, str, dict, int, int]]]:
+    """Per set, its runs: (tag, model, options, blocks, frozen blocks)."""
+    chains = [(m, m, o, o["layers"], frozen) for m, o in TRANSFORMERS.items() for frozen in (0, o["layers"] // 2)]
+    return {"transformers": [(m + (f"-frozen{f}" if f else ""), m, {**o, "frozen": f}, n, f) for m, _, o, n, f in chains],
+            "non-chains": [(tag, m, o, n, 0) for tag, (m, o, n) in NON_CHAINS.items()]}
+
+
+def run(tag: str, model: str, options: dict, blocks: int, frozen: int, batch: int, device: str | None,
+        out: Path) -> dict:
     t0 = time.perf_counter()
-    prof = profile(model, ProfileOptions(batch=batch, device=device, repeats=3, options={**options, "frozen": frozen}))
+    prof = profile(model, ProfileOptions(batch=batch, device=device, repeats=3, options=options))
     chain = prof.chain
     save_chain(chain, out / f"{tag}-chain.json")
     peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
@@ -52,8 +70,10 @@ def run(model: str, options: dict, frozen: int, batch: int, device: str | None, 
                                                                    check_grads=True, op_memory=True))
     m, p = report.measured, report.predicted
     op_diff = max((abs(b - p.op_bytes[op]) for op, b in (m.op_peak_bytes or {}).items()), default=None)
-    return {"model": tag, "blocks": options["layers"], "frozen_blocks": frozen, "stages": chain.L,
-            "no_offload_peak_bytes": peak, "floor_bytes": floor, "floor_share": floor / peak, "budget_bytes": budget,
+    return {"model": tag, "blocks": blocks, "frozen_blocks": frozen, "stages": chain.L,
+            "boundaries_crossed_by_several": len(chain.source.get("crossing", {})),
+            "no_offload_peak_bytes": peak, "floor_bytes": floor, "floor_share": floor / peak,
+            "recompute_floor_share": smallest_feasible_budget(chain, recompute=True) / peak, "budget_bytes": budget,
             "budget_share": budget / peak, "ilp_status": res.status, "predicted_peak_bytes": p.activation_peak_bytes,
             "measured_peak_bytes": m.activation_peak_bytes, "max_op_difference_bytes": op_diff,
             "predicted_step_s": p.step_s, "measured_step_s": m.step_s,
@@ -68,20 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--batch", type=int, default=4, help="batch size (default 4)")
     ap.add_argument("--out", type=Path, default=OUT, help=f"results folder (default {OUT})")
+    ap.add_argument("--set", choices=list(sets()), default="transformers", help="which models (default transformers)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for model, options in MODELS.items():
-        for frozen in (0, options["layers"] // 2):
-            rows.append(run(model, options, frozen, args.batch, args.device, args.out))
-            r = rows[-1]
-            print(f"{r['model']:<16} {r['stages']:>3} stages  peak {format_bytes(r['no_offload_peak_bytes']):>10}  floor "
-                  f"{100 * r['floor_share']:5.1f}%  budget {100 * r['budget_share']:4.0f}%  peak measured/predicted "
-                  f"{format_bytes(r['measured_peak_bytes'])}/{format_bytes(r['predicted_peak_bytes'])}  ops within "
-                  f"{r['max_op_difference_bytes']} B  step {format_seconds(r['measured_step_s'] or 0)}/"
-                  f"{format_seconds(r['predicted_step_s'])}  grads_match {r['grads_match']}", flush=True)
-    write_csv(args.out / "realmodels.csv", rows)
-    print(f"wrote {args.out / 'realmodels.csv'}")
+    for run_args in sets()[args.set]:
+        rows.append(run(*run_args, args.batch, args.device, args.out))
+        r = rows[-1]
+        print(f"{r['model']:<16} {r['stages']:>3} stages  peak {format_bytes(r['no_offload_peak_bytes']):>10}  floor "
+              f"{100 * r['floor_share']:5.1f}%  budget {100 * r['budget_share']:4.0f}%  peak measured/predicted "
+              f"{format_bytes(r['measured_peak_bytes'])}/{format_bytes(r['predicted_peak_bytes'])}  ops within "
+              f"{r['max_op_difference_bytes']} B  step {format_seconds(r['measured_step_s'] or 0)}/"
+              f"{format_seconds(r['predicted_step_s'])}  grads_match {r['grads_match']}", flush=True)
+    name = "realmodels.csv" if args.set == "transformers" else f"{args.set}.csv"
+    write_csv(args.out / name, rows)
+    print(f"wrote {args.out / name}")
     return 0
 
 

@@ -49,9 +49,11 @@ demo: $(INSTALL)
 reproduce: $(INSTALL)
 	$(PY) -m experiments.reproduce
 
-# Hugging Face models end to end: profile, solve at half the peak, train bit-exact (experiments/results/realmodels/).
+# Hugging Face models, and models that are not chains (T5, U-Net, MoE, frozen backbone), end to end: profile,
+# solve at half the peak, train bit-exact (experiments/results/realmodels/).
 realmodels: $(INSTALL)
 	$(PY) -m experiments.realmodels
+	$(PY) -m experiments.realmodels --set non-chains
 
 # Encoding + offloading vs offloading alone on the zoo CNNs (experiments/results/encodings/).
 encodings: $(INSTALL)

@@ -65,11 +65,36 @@ USER_MODEL = textwrap.dedent('''
                 h = torch.tanh(block(h)) + e
             return self.out(h)
 
+    class Stack(nn.Module):
+        """Layers that read a value made before them, inside one block: no cut between them."""
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+
+        def forward(self, h, e):
+            for layer in self.layers:
+                h = torch.tanh(layer(h)) + e
+            return h
+
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Linear(16, 32)
+            self.stacks = nn.ModuleList([Stack()])
+            self.out = nn.Linear(32, 4)
+
+        def forward(self, x):
+            e = self.emb(x)
+            return self.out(self.stacks[0](e, e))
+
     def build(batch):
         return Gated(), torch.randn(batch, 16)
 
     def shared(batch):
         return Shared(), torch.randn(batch, 16)
+
+    def nested(batch):
+        return Nested(), torch.randn(batch, 16)
 
     def frozen(batch, head=3):
         """A frozen backbone of six blocks, a trainable head of ``head`` layers."""
@@ -228,11 +253,19 @@ def test_keyword_inputs_and_dict_outputs(user_file):
     assert p.chain.L == 2
 
 
-def test_a_collapsed_chain_says_so_and_names_the_cause(user_file):
+def test_a_list_of_layers_is_cut_though_a_shared_value_crosses_it(user_file):
     p = profile(f"{user_file}:shared", ProfileOptions(batch=4, repeats=1, warmup=1))
-    assert p.chain.L <= 2
+    assert p.chain.recipe.cuts[:5] == ("emb", "blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    assert not any("no cut was found" in w for w in p.warnings)
+    assert all(values[1].startswith("linear in emb") for values in p.chain.source["crossing"].values())
+
+
+def test_a_collapsed_chain_says_so_and_names_the_cause(user_file):
+    """Layers inside a block are not cut where a shared value crosses them."""
+    p = profile(f"{user_file}:nested", ProfileOptions(batch=4, repeats=1, warmup=1))
+    assert p.chain.L <= 3
     warning = " ".join(p.warnings)
-    assert "4 blocks" in warning and "no cut was found" in warning and "linear in emb" in warning
+    assert "6 blocks" in warning and "no cut was found" in warning and "linear in emb" in warning
 
 
 @pytest.mark.parametrize("head", [1, 3])

@@ -19,7 +19,7 @@ produced by a node that every source-to-loss path of the graph passes through (a
 dominator of the loss, networkx): a boundary there splits the computation in two.  A
 *block* is a candidate too, whatever else crosses it: a call of a module with submodules
 held in an ``nn.ModuleList``/``nn.Sequential`` (a T5 or MoE layer, a U-Net's down or up
-block), not inside another block, that returned a value on the way to the loss (the one
+block) or of a layer held in a ``ModuleList``, not inside another block, that returned a value on the way to the loss (the one
 made last, when several).  Across a block boundary other values may cross (a U-Net's skip
 features, an encoder's output read by every decoder layer, an attention bias every layer
 reads): the stages on both sides share them as the model's code holds them, and their
@@ -206,9 +206,9 @@ def _dominators(g: nx.DiGraph) -> list[int]:
 
 def _blocks(root: nn.Module) -> set[str]:
     """The paths of the blocks (module docstring): modules with submodules, held in a
-    ``ModuleList`` or ``Sequential`` and not inside another such block, or children of the
-    model that hold no such block (a U-Net's middle block, beside its lists of down and up
-    blocks)."""
+    ``ModuleList`` or ``Sequential`` and not inside another such block (and a ModuleList's
+    single layers with parameters), or children of the model that hold no such block (a
+    U-Net's middle block, beside its lists of down and up blocks)."""
     found: set[str] = set()
     for name, container in root.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
@@ -216,7 +216,10 @@ def _blocks(root: nn.Module) -> set[str]:
         if any(name == b or name.startswith(b + ".") for b in found):
             continue
         for key, child in container.named_children():
-            if any(True for _ in child.children()):
+            # a ModuleList's layers are blocks too; a Sequential's single layers (a block's conv,
+            # norm and activation) are not
+            layer = isinstance(container, nn.ModuleList) and any(True for _ in child.parameters())
+            if layer or any(True for _ in child.children()):
                 found.add(f"{name}.{key}" if name else key)
     for key, child in root.named_children():
         if any(True for _ in child.children()) and not any(b == key or b.startswith(key + ".") for b in found):

@@ -270,8 +270,10 @@ def collapse_warnings(chain: Chain, cap: Capture, module: nn.Module) -> list[str
             trained = f"{len(spans)} blocks" + (" that compute with gradient" if len(spans) < count else "")
             out.append(f"the chain has {chain.L} stages but {name or 'the model'} has {trained}: no cut was found "
                        "between them" + (f"; the value of {cause} is read past them" if cause else "")
-                       + ". Cuts need one value that every later computation reads; inputs without gradient (masks, "
-                       "positions) do not block them, a differentiable value shared by every block does")
+                       + ". Inside a block, a cut needs one value that every later computation reads; inputs without "
+                       "gradient (masks, positions) do not block it, a differentiable value shared by the layers does. "
+                       "Blocks (modules held in a ModuleList or Sequential, not inside another block) are cut whatever "
+                       "crosses them, the layers inside one only there")
     peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
     if peak and floor > FLOOR_WARNING * peak:
         out.append(f"the smallest feasible budget is {100 * floor / peak:.0f}% of the no-offload peak: "

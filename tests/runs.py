@@ -19,6 +19,7 @@ from offload.solver.checkpointing import block_runs, sqrt_runs
 from offload.step.actions import Offload
 from offload.step.chain import EVERY_OTHER_MATMUL, MATMULS
 from offload.step.chainfile import save_chain
+from offload.step.recompute import later_held_bytes
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import save_schedule
 
@@ -68,8 +69,9 @@ def allowance(chain, sched, op):
     """How far below its prediction an op's measured memory may be: allocator slack, and what
     the checkpoints hold besides their own stage's storages, which the model counts once per
     checkpoint (a gradient-free tensor several stages read, such as a rotary table, is one
-    storage: docs/model.md, "Recomputation")."""
-    shared = sum(int(chain.x[r.first] - chain.xc[r.first]) for r in sched.recompute)
+    storage), and from the run's second forward op on while the model's code holds them too
+    (docs/model.md, "Recomputation")."""
+    shared = sum(int(chain.x[r.first] - chain.xc[r.first]) + later_held_bytes(chain, r) for r in sched.recompute)
     return TOLERANCE + shared
 
 

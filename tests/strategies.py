@@ -76,6 +76,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             st_["input_carried_bytes"] = draw(st.integers(0, min(st_["carry_bytes"], st_["input_bytes"])))
             if "held_bytes" in st_:
                 st_["input_held_bytes"] = draw(st.integers(0, min(st_["input_carried_bytes"], st_["held_bytes"])))
+        if inputs and stages[-1]["input_bytes"] and draw(st.integers(0, 3)) == 0:  # read by its re-run alone
+            stages[-1]["rerun_held_bytes"] = draw(st.integers(1, stages[-1]["input_bytes"]))
         if inputs and draw(st.integers(0, 4)) == 0:
             stages[-1]["recomputable"] = False
         if inputs and draw(st.integers(0, 2)) == 0:  # an in-stage option: part kept, the rest re-run

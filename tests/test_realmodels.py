@@ -180,3 +180,16 @@ def test_a_mixture_of_experts_routed_otherwise_stays_within_its_prediction():
             step(batch)
         assert len(peaks) == 2 * chain.L
         assert {op: b - start for op, b in peaks.items() if b - start > predicted[op]} == {}, token
+
+
+def test_a_run_from_the_embedding_holds_what_its_layers_re_runs_read():
+    """A run recomputed from the embedding through the layers (transformers' Mixtral): the
+    rotary table the model makes after its embedding is read by every layer's re-run, so the
+    executor holds it with the run's checkpoint until the rebuild (``rerun_held_bytes``);
+    every op within its prediction, gradients bit for bit."""
+    model = str(ROOT / "tests" / "models" / "moe.py")
+    chain = profile(f"{model}:build", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False)).chain
+    assert chain.stage(3).rerun_held_bytes > 0
+    run = Recompute(1, 3)
+    assert run.last < chain.L and all(i in chain.recomputable for i in run.stages)
+    check_run(chain, make_schedule(chain, [], recompute=[run]), "cpu-eager", "mixtral/1..3")

@@ -70,6 +70,7 @@ class StageMeasurement:
     bwd_host_s: float = 0.0
     cast_bytes: int = 0  # the weight casts the forward makes and the backward makes again
     recast_s: float = 0.0  # what making them again takes (timed on their own)
+    rerun_held_bytes: int = 0  # of input_bytes, what its re-run holds that the stage before's does not
 
 
 @dataclass
@@ -87,6 +88,7 @@ class MemoryPass:
     bwd_starts: list[int]  # the bytes live as each B_i starts (the gradient flowing in is new)
     inputs: list[int]  # input_bytes of each stage
     own: list[dict[int, int]]  # per stage, index -> bytes of its checkpoint's storages in its own unit
+    new_held: list[int]  # per stage, bytes its re-run holds that the stage before's does not
     rerun: list[str | None]  # per stage, why the executor cannot re-run it (None: it can)
     workspace: int = 0  # of m0, the bytes no tensor holds (CUDA: workspaces, the allocator's rounding)
     casts: list[list[casts.Recast]] = field(default_factory=list)  # per stage, the weight casts not saved
@@ -147,6 +149,8 @@ class _Recording(Boundaries):
         self.recorder: StageRecorder | None = None
         self.inputs, self.why = [0] * L, ["the last stage's backward follows its forward at once"] * L
         self.own: list[dict[int, int]] = [{} for _ in range(L)]  # per stage, its checkpoint's storages in its unit
+        self.new_held = [0] * L  # per stage, bytes its re-run holds that the stage before's does not
+        self.previous: set[int] = set()  # the storages the stage before's re-run holds
 
     def forward_start(self) -> None:
         self._start(1, None)
@@ -163,6 +167,9 @@ class _Recording(Boundaries):
                     self.own[k - 1][record.index] = record.nbytes
         except NotRerunnable as exc:
             self.why[k - 1] = str(exc)
+        held = {key: n for key, (_, _, n) in recorder.held.items() if key != recorder.input_key}
+        self.new_held[k - 1] = sum(n for key, n in held.items() if key not in self.previous)
+        self.previous = set(held)
         if k + 1 < self.L:
             self._start(k + 1, x)
 
@@ -315,7 +322,7 @@ class StepRunner:
         bwd_starts = [readings[2 * L - i - 1][1] for i in range(1, L + 1)]  # B_L starts at the turn
         return MemoryPass(m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
                           peak_ops[:L] if exact else None, lives if exact else None, starts, bwd_starts, listener.inputs, listener.own,
-                          listener.why, workspace, [list(r.values()) for r in recasts], made.shared)
+                          listener.new_held, listener.why, workspace, [list(r.values()) for r in recasts], made.shared)
 
     def recast_seconds(self, recasts: list[casts.Recast]) -> float:
         """What making a stage's weight casts again costs its backward: the casts, timed."""
@@ -556,7 +563,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        sum(b for n, b in mem.own[i].items() if n in held[i].held),
                                        statistics.median(t[2][i] for t in times),
                                        statistics.median(t[3][i] for t in times),
-                                       sum(r.nbytes for r in mem.casts[i]), recast_s[i]))
+                                       sum(r.nbytes for r in mem.casts[i]), recast_s[i], mem.new_held[i]))
     step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "

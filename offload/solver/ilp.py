@@ -63,7 +63,8 @@ from offload.step.chain import Chain, Encoding
 from offload.step.encoding import apply, encoded_bytes
 from offload.step.events import prefetch_order
 from offload.step.memory import forward_checkpoint, op_memory
-from offload.step.recompute import checkpoint_bytes, forward_peak, forward_seconds, rerun_peak, run_op, run_seconds
+from offload.step.recompute import (checkpoint_bytes, forward_peak, forward_seconds, rerun_checkpoint, rerun_peak, run_op,
+                                    run_seconds)
 from offload.step.simulate import simulate
 
 from .deadline import Deadline
@@ -465,7 +466,7 @@ class Model:
                         later.add(self.g[span], self.unbuilt[span])
                 for j in range(s, e + 1):
                     row = _Affine().add(self.bwd_rows[n]).add(later)
-                    row.const += (rerun_peak(self.chain, rerun, j) - int(sum(a[j:e + 1])) + (checkpoint_bytes(self.chain, rerun) if j == s else 0)
+                    row.const += (rerun_peak(self.chain, rerun, j) - int(sum(a[j:e + 1])) + rerun_checkpoint(self.chain, rerun, j)
                                   + int(bs[n])) / mu
                     big = sum(c for c in row.terms.values() if c > 0) + row.const - self.B
                     if big <= 0:

@@ -122,6 +122,7 @@ class Stage:
     recomputed_fwd_peak_bytes: int | None = None  # Fi's transient when autograd keeps none of Ui (None: fwd_peak_bytes)
     input_carried_bytes: int = 0  # of input_bytes, storages of Ui that carry_bytes counts too ...
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
+    rerun_held_bytes: int = 0  # of input_bytes, gradient-free tensors its re-run reads and the stage before's does not
     fwd_host_s: float = 0.0  # host time to issue Fi's kernels (CUDA; 0: the device is never waiting for the host)
     bwd_host_s: float = 0.0  # the same for Bi
     recording_host_s: float = 0.0  # host time Fi adds while the executor records it for a re-run (CUDA)
@@ -258,6 +259,8 @@ def _stage_document(s: Stage) -> dict:
         d["input_carried_bytes"] = s.input_carried_bytes
     if s.input_held_bytes:
         d["input_held_bytes"] = s.input_held_bytes
+    if s.rerun_held_bytes:  # absent otherwise: chains from before it keep their sha256
+        d["rerun_held_bytes"] = s.rerun_held_bytes
     return d
 
 
@@ -299,6 +302,7 @@ class Chain:
     rfp = _column("recomputed_fwd_peak")
     xc = _column("input_carried_bytes")
     xh = _column("input_held_bytes")
+    xn = _column("rerun_held_bytes")
     fh = _column("fwd_host_s", np.float64)
     bh = _column("bwd_host_s", np.float64)
     rech = _column("recording_host_s", np.float64)

@@ -25,7 +25,7 @@ import numpy as np
 
 from .actions import Offload, Recompute
 from .chain import Chain
-from .recompute import by_op, checkpoint_bytes, forward_peak, kept_bytes, rerun_peak
+from .recompute import by_op, checkpoint_bytes, forward_peak, kept_bytes, later_held_bytes, rerun_checkpoint, rerun_peak
 
 
 def op_name(chain: Chain, o: int) -> str:
@@ -41,13 +41,15 @@ def forward_checkpoint(chain: Chain, run: Recompute, j: int) -> int:
     """Bytes the checkpoint of ``run`` adds during ``Fj``: none through its first stage ``Fs``
     (the stage's own memory counts its input), then ``input_bytes`` less the storages of ``Us``
     that its carried part (``F(s+1)``) and held part (through ``F(held_until)``) count too,
-    plus what its option keeps (``recompute.kept_bytes``)."""
+    plus what its later stages' re-runs read (``recompute.later_held_bytes``) and what its
+    option keeps (``recompute.kept_bytes``)."""
     s = run.first
     if j <= s:
         return 0
     if j == s + 1:
-        return int(chain.x[s] - chain.xc[s]) + kept_bytes(chain, run)
-    return int(chain.x[s] - (chain.xh[s] if j <= chain.held_until[s] else 0)) + kept_bytes(chain, run)
+        return int(chain.x[s] - chain.xc[s]) + later_held_bytes(chain, run) + kept_bytes(chain, run)
+    return (int(chain.x[s] - (chain.xh[s] if j <= chain.held_until[s] else 0)) + later_held_bytes(chain, run)
+            + kept_bytes(chain, run))
 
 
 def forward_checkpoint_changes(chain: Chain, run: Recompute) -> list[tuple[int, int]]:
@@ -125,7 +127,7 @@ def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompu
             later = sum(pending[m + 1:])
             for j in run.stages:
                 missing = int(sum(a[l] for l in range(j, run.last + 1)))
-                checkpoint = checkpoint_bytes(chain, run) if j == run.first else 0  # R_s reads it
+                checkpoint = rerun_checkpoint(chain, run, j)  # R_s reads it
                 out.append((n, j, base - later - missing + rerun_peak(chain, run, j) + checkpoint + int(chain.bs[n])))
     return out
 

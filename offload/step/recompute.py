@@ -62,10 +62,24 @@ def kept_bytes(chain: Chain, run: Recompute) -> int:
     return chain.stage(run.first).option(run.option).kept_bytes if run.option else 0
 
 
+def later_held_bytes(chain: Chain, run: Recompute) -> int:
+    """What the re-runs of ``run``'s later stages read beside what the first one's checkpoint
+    holds (gradient-free tensors made inside the run, a rotary table): held from ``F(s+1)``
+    until the rebuild, like the checkpoint (an upper bound while the model's code holds them
+    too)."""
+    return int(chain.xn[run.first + 1:run.last + 1].sum())
+
+
 def checkpoint_bytes(chain: Chain, run: Recompute) -> int:
-    """All that ``run`` holds from its forward until its rebuild: its first stage's input and
-    what its option keeps."""
-    return int(chain.x[run.first]) + kept_bytes(chain, run)
+    """All that ``run`` holds from its forward until its rebuild: its first stage's input,
+    what its later stages' re-runs read besides, and what its option keeps."""
+    return int(chain.x[run.first]) + later_held_bytes(chain, run) + kept_bytes(chain, run)
+
+
+def rerun_checkpoint(chain: Chain, run: Recompute, j: int) -> int:
+    """What ``run``'s checkpoint still holds while ``Rj`` runs: all of it for ``Rs`` (which reads
+    it), what the later stages' re-runs read for the others."""
+    return checkpoint_bytes(chain, run) if j == run.first else later_held_bytes(chain, run)
 
 
 def forward_peak(chain: Chain, run: Recompute, j: int) -> int:

@@ -56,9 +56,10 @@ class Profiled(dict):
 
 
 def recomputing(chain):
-    """Every stage the executor can re-run recomputed on its own, the others offloaded at once;
-    and runs of about sqrt(L) stages, nothing offloaded."""
-    blocks = block_runs(chain)
+    """Every other stage the executor can re-run recomputed on its own, the others offloaded at
+    once (both, wherever two stages can be re-run); and runs of about sqrt(L) stages, nothing
+    offloaded."""
+    blocks = block_runs(chain)[::2]
     rebuilt = {i for r in blocks for i in r.stages}
     offloads = [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable if i not in rebuilt]
     return {"blocks+offload": make_schedule(chain, offloads, recompute=blocks),

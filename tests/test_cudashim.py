@@ -50,9 +50,10 @@ def schedules(chain):
             "solved": solve(chain, budget, "relax-lp", Options(heuristic_time_s=0.1)).schedule,
             "late-release": make_schedule(chain, [Offload(i, chain.L, chain.stage(i).need_from)
                                                   for i in chain.offloadable]),
-            # what cannot be recomputed offloaded, the rest re-run before its backward
+            # every other stage that can be re-run recomputed, the others offloaded
             "recompute": make_schedule(chain, [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable
-                                               if i not in chain.recomputable], recompute=block_runs(chain))}
+                                               if i not in sorted(chain.recomputable)[::2]],
+                                       recompute=block_runs(chain)[::2])}
 
 
 def checked(backend_class: type, cuda: FakeCuda) -> type:

@@ -45,6 +45,8 @@ def test_every_block_ends_a_stage_whatever_crosses_it(profiled, name):
     assert p.chain.L > blocks
     assert smallest_feasible_budget(p.chain) < most * no_offload_peak(p.chain)
     assert not any("no cut was found" in w for w in p.warnings)
+    if name == "t5":  # each block re-runs from what it reads: its input, the encoder's output, the attention bias
+        assert p.chain.recomputable == set(range(1, p.chain.L))
 
 
 def test_the_unets_blocks_are_its_cuts(profiled):
@@ -86,7 +88,7 @@ def test_the_ilp_is_brute_force_on_a_unet():
                                    options={"depth": 2, "image": 32})).chain
     assert chain.L == 5
     floor, peak = smallest_feasible_budget(chain, recompute=True), no_offload_peak(chain)
-    for share in (0.0, 0.5):
+    for share in (0.0, 0.4):
         budget = int(floor + share * (peak - floor))
         res = solve(chain, budget, "ilp", Options(gap=0.0, heuristic_time_s=0.02, recompute=True))
         assert res.status == "optimal"

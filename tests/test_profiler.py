@@ -87,8 +87,35 @@ USER_MODEL = textwrap.dedent('''
             e = self.emb(x)
             return self.out(self.stacks[0](e, e))
 
+    class Biased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, h, bias):
+            return torch.tanh(self.lin(h)) + bias
+
+    class Overwritten(nn.Module):
+        """Blocks read a tensor made before them that the forward writes in place after them."""
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Linear(16, 32)
+            self.blocks = nn.ModuleList(Biased() for _ in range(3))
+            self.out = nn.Linear(32, 4)
+
+        def forward(self, x):
+            h = self.emb(x)
+            bias = torch.ones(32)
+            for block in self.blocks:
+                h = block(h, bias)
+            bias.add_(1.0)
+            return self.out(h * 2)
+
     def build(batch):
         return Gated(), torch.randn(batch, 16)
+
+    def overwritten(batch):
+        return Overwritten(), torch.randn(batch, 16)
 
     def shared(batch):
         return Shared(), torch.randn(batch, 16)
@@ -258,6 +285,15 @@ def test_a_list_of_layers_is_cut_though_a_shared_value_crosses_it(user_file):
     assert p.chain.recipe.cuts[:5] == ("emb", "blocks.0", "blocks.1", "blocks.2", "blocks.3")
     assert not any("no cut was found" in w for w in p.warnings)
     assert all(values[1].startswith("linear in emb") for values in p.chain.source["crossing"].values())
+
+
+def test_a_stage_whose_held_tensor_the_forward_writes_later_is_not_re_run(user_file):
+    """The blocks read ``bias`` as an argument, which the forward writes in place after them:
+    a re-run would read other values, so they are not re-runnable, and the note says why."""
+    p = profile(f"{user_file}:overwritten", ProfileOptions(batch=4, repeats=1, warmup=1))
+    assert p.chain.recipe.cuts[:4] == ("emb", "blocks.0", "blocks.1", "blocks.2")
+    assert not {2, 3, 4} & p.chain.recomputable
+    assert any("writes in place, after the stage, a tensor its re-run reads" in n for n in p.chain.source["notes"])
 
 
 def test_a_collapsed_chain_says_so_and_names_the_cause(user_file):

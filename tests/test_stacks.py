@@ -477,7 +477,8 @@ def test_tensors_no_copy_engine_can_move_stay_where_they_are():
     check_train(chain, everything(chain))
 
 
-@pytest.mark.parametrize("name", ["everything", "blocks+offload"])
+@pytest.mark.parametrize("name", [pytest.param("everything", marks=pytest.mark.slow),  # blocks+offload offloads too
+                                  "blocks+offload"])
 def test_the_backward_on_another_thread(name):
     """On CUDA autograd runs the backward on its device thread, which shares no thread-local
     with the forward's: here each step's backward runs on a thread of its own, offloading

@@ -10,15 +10,19 @@ one count, in order).  The stage can be re-run exactly when
 * every tensor it saves for the backward is saved inside one of those calls, and
 * every tensor argument of a call is a parameter or buffer, part of the step's batch, the
   stage's input (the value that crossed the previous boundary, or a view of it), an output
-  of an earlier call of the stage (or a view of one), or a tensor that carries no gradient
-  (a mask, position ids, a rotary table: *held* until the re-run), and
+  of an earlier call of the stage (or a view of one), or any other tensor made before the
+  call, *held* as it is until the re-run: a mask, position ids, a rotary table, and the
+  other values that cross a block boundary (a U-Net's skip features, an encoder's output,
+  an attention bias: their gradients flow through the forward's own graph, which the re-run
+  only hands its saved tensors), and
 * every other argument is a value nothing can change (a number, a string, ``None``, a dtype,
   a device...): an object with state, such as a Hugging Face key/value cache that every
   attention call appends to, would be in another state when the stage runs again (so
   transformers itself turns the cache off under gradient checkpointing: train with
   ``use_cache=False``), and
-* the stage's output is an output of one of its calls (or a view of one), and it writes in
-  place neither its input nor a held tensor.
+* the stage's output is an output of one of its calls (or a view of one), and neither it
+  nor the rest of the forward writes in place its input or a held tensor (the profiler
+  checks the rest of the forward: ``written_later``).
 
 Then ``StageProgram.run`` replays the calls on a new input, under the stage's recorded
 random state and autocast state, with grad mode on and the modules' buffers (BatchNorm's
@@ -88,6 +92,12 @@ def _apply_view(base: torch.Tensor, view: View) -> torch.Tensor:
 
 class NotRerunnable(Exception):
     """The stage cannot be re-run; the message says why."""
+
+
+def written_later(versions: list[tuple[weakref.ref, int]]) -> bool:
+    """Whether a tensor of ``StageRecorder.versions`` that still lives was written in place
+    since: the re-run would read other values than the stage did (a dead one cannot be)."""
+    return any((t := ref()) is not None and t._version != version for ref, version in versions)
 
 
 @dataclass
@@ -215,6 +225,8 @@ class StageRecorder:
         self.calls: list[Call] = []  # completed calls not inside another completed call, in order
         # storage key -> (the held tensor, kept only with ``keep``; its version; its storage's bytes)
         self.held: dict[int, tuple[torch.Tensor | None, int, int]] = {}
+        self._held_storages: dict[int, weakref.ref] = {}  # the same keys -> their storages while they live
+        self._held_tensors: list[tuple[weakref.ref, int]] = []  # each held tensor while it lives, its version
         self.outputs: dict[int, list[tuple[weakref.ref, int, int]]] = {}  # storage key -> (tensor ref, call, leaf)
         # per level (the stage itself, then each call begun in it and still running): where its
         # completed calls begin in ``calls``, and why it cannot be re-run if it ends the stage open
@@ -286,11 +298,15 @@ class StageRecorder:
         made = self._source(t)
         if made is not None:
             return made
-        if self._input_storage is not None and self._input_storage() is not None and storage_key(t) == self.input_key:
+        if self.input_key is not None and self._input_storage() is None:
+            self.input_key = None  # the input died: its key may be this tensor's storage's now
+        if self.input_key is not None and storage_key(t) == self.input_key:
             return FromInput(_view_of(t, self.input) if t is not self.input else None)
-        if t.requires_grad:
-            raise NotRerunnable("a call reads an activation computed outside any module call of the stage")
-        self.held.setdefault(storage_key(t), (t if self.keep else None, t._version, t.untyped_storage().nbytes()))
+        key = storage_key(t)
+        if key not in self.held:
+            self.held[key] = (t if self.keep else None, t._version, t.untyped_storage().nbytes())
+            self._held_storages[key] = weakref.ref(t.untyped_storage())
+            self._held_tensors.append((weakref.ref(t), t._version))
         return t
 
     def finish(self, output: torch.Tensor) -> StageProgram:
@@ -318,8 +334,21 @@ class StageRecorder:
         self._handles.clear()
 
     def keys(self) -> set[int]:
-        """Storage keys of what the program keeps: the input and the held tensors."""
-        return set(self.held) | ({self.input_key} if self.input_key is not None else set())
+        """Storage keys of what the program keeps, the input and the held tensors, whose
+        storages live (without ``keep``, a dead one's key may be another storage's by now)."""
+        alive = {k for k, ref in self._held_storages.items() if ref() is not None}
+        if self.input_key is not None and self._input_storage() is not None:
+            alive.add(self.input_key)
+        return alive
+
+    def versions(self) -> list[tuple[weakref.ref, int]]:
+        """The input and the held tensors (weakly) with their versions when recorded: what
+        ``written_later`` checks once the forward ends."""
+        return ([(self._input_ref, self.input_version)] if self._input_ref is not None else []) + self._held_tensors
+
+    def held_storages(self) -> dict[int, tuple[Any, int]]:
+        """The held tensors' storages (while they live: ``None`` after) and bytes, by key (not the input)."""
+        return {k: (self._held_storages[k](), n) for k, (_, _, n) in self.held.items() if k != self.input_key}
 
     def held_bytes(self) -> int:
         """Bytes the program holds besides the stage's input (distinct storages)."""

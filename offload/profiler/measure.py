@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from offload.core import casts
 from offload.core.devices import deterministic_kernels, make_optimizer, persistent_tensors
 from offload.core.meters import Clock, CpuMeter, make_meter, timed
-from offload.core.rerun import NotRerunnable, StageRecorder
+from offload.core.rerun import NotRerunnable, StageRecorder, written_later
 from offload.core.selective import KeptOutputs
 from offload.core.staging import StageListener, Staging
 from offload.core.units import Saved, UnitTracker, storage_key
@@ -150,7 +150,8 @@ class _Recording(Boundaries):
         self.inputs, self.why = [0] * L, ["the last stage's backward follows its forward at once"] * L
         self.own: list[dict[int, int]] = [{} for _ in range(L)]  # per stage, its checkpoint's storages in its unit
         self.new_held = [0] * L  # per stage, bytes its re-run holds that the stage before's does not
-        self.previous: set[int] = set()  # the storages the stage before's re-run holds
+        self.writes = _Writes()  # enter it around the forward
+        self.previous: dict[int, weakref.ref] = {}  # the storages the stage before's re-run holds, by key
 
     def forward_start(self) -> None:
         self._start(1, None)
@@ -165,11 +166,14 @@ class _Recording(Boundaries):
                 record = self.tracker.record_of(key)
                 if record is not None and record.unit == k:
                     self.own[k - 1][record.index] = record.nbytes
+            self.writes.watch(k, recorder.versions())
         except NotRerunnable as exc:
             self.why[k - 1] = str(exc)
-        held = {key: n for key, (_, _, n) in recorder.held.items() if key != recorder.input_key}
-        self.new_held[k - 1] = sum(n for key, n in held.items() if key not in self.previous)
-        self.previous = set(held)
+        held = recorder.held_storages()  # compared by storage: a dead one's key may be reused
+        self.new_held[k - 1] = sum(n for key, (storage, n) in held.items()
+                                   if storage is None or key not in self.previous or self.previous[key]() is not storage)
+        self.previous = {key: weakref.ref(storage) for key, (storage, _) in held.items() if storage is not None}
+        del held
         if k + 1 < self.L:
             self._start(k + 1, x)
 
@@ -181,8 +185,49 @@ class _Recording(Boundaries):
             self.recorder.saved()
 
     def close(self) -> None:
+        """The forward ended: a stage whose input or held tensor the forward wrote in place
+        after it cannot be re-run."""
         if self.recorder is not None:
             self.recorder.close()
+        for k in self.writes.written:
+            if self.why[k - 1] is None:
+                self.why[k - 1] = (f"stage {k} cannot be re-run: the forward writes in place, after the stage, a tensor "
+                                   "its re-run reads")
+
+
+class _Writes(TorchDispatchMode):
+    """The stages whose re-run reads a tensor (its input, a held one) that the forward writes
+    in place after the stage ended (an op whose schema writes an argument): storages are
+    watched by identity from the stage's end, so one that dies before the forward ends is
+    judged too (the executor would have kept it, written, for the re-run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: dict[int, tuple[weakref.ref, set[int]]] = {}  # storage key -> (storage, stages)
+        self.written: set[int] = set()
+
+    def watch(self, stage: int, versions: list[tuple[weakref.ref, int]]) -> None:
+        if written_later(versions):  # written inside the stage, after it was read
+            self.written.add(stage)
+        for ref, _ in versions:
+            t = ref()
+            if t is not None:
+                key, storage = storage_key(t), t.untyped_storage()
+                entry = self.watched.get(key)
+                if entry is None or entry[0]() is not storage:  # new, or a dead one's key reused
+                    entry = self.watched[key] = (weakref.ref(storage), set())
+                entry[1].add(stage)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.watched and func._schema.is_mutable:
+            for i, arg in enumerate(func._schema.arguments):
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
+                    entry = self.watched.get(storage_key(value))
+                    if entry is not None and entry[0]() is value.untyped_storage():
+                        self.written.update(entry[1])
+        return func(*args, **kwargs)
 
 
 class _CastsMade(TorchDispatchMode):
@@ -305,7 +350,7 @@ class StepRunner:
                 if isinstance(meter, CpuMeter):
                     meter.trace = lives
                 try:
-                    with made:
+                    with made, listener.writes:
                         loss = self.forward(args, kwargs, listener, pack)
                 finally:
                     listener.close()

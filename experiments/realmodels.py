@@ -9,8 +9,8 @@ transformers (small configs, random weights, dropout on, keyword inputs, the los
 boundaries several values cross (``tests/models/``): a transformers T5 (encoder-decoder), a
 U-Net with skip connections, transformers' Mixtral (mixture of experts), and a frozen
 backbone under a trainable head.  Each is profiled (``offload profile``), solved by the ILP
-at 50% of its no-offload activation peak (halfway between its floor and its peak when its
-floor is higher), and trained 3 steps with ``--check-grads --op-memory`` on the lazy CPU
+(with recomputation for the non-chains, against offloading alone) at 50% of its no-offload
+activation peak (halfway between its floor and its peak when its floor is higher), and trained 3 steps with ``--check-grads --op-memory`` on the lazy CPU
 backend.  One row per model in ``experiments/results/realmodels/<set>.csv``: stages, the
 boundaries several values cross, the no-offload peak, the floor and its share (and with
 recomputation), predicted vs measured peak and step time, the largest difference of any
@@ -56,14 +56,15 @@ def sets() -> dict[str, list[tuple[str, str, dict, int, int]]]:
 
 
 def run(tag: str, model: str, options: dict, blocks: int, frozen: int, batch: int, device: str | None,
-        out: Path) -> dict:
+        out: Path, recompute: bool = False) -> dict:
     t0 = time.perf_counter()
     prof = profile(model, ProfileOptions(batch=batch, device=device, repeats=3, options=options))
     chain = prof.chain
     save_chain(chain, out / f"{tag}-chain.json")
     peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
     budget = int(0.5 * peak) if floor <= 0.5 * peak else floor + (peak - floor) // 2
-    res = solve(chain, budget, "ilp", Options(time_limit_s=60))
+    res = solve(chain, budget, "ilp", Options(time_limit_s=60, recompute=recompute))
+    offload_only = solve(chain, budget, "ilp", Options(time_limit_s=60)) if recompute else res
     save_schedule(res.schedule, chain, out / f"{tag}-schedule.json")
     backend = None if device == "cuda" else "cpu-lazy"
     report, error = train(None, chain, res.schedule, TrainOptions(steps=3, device=device, backend=backend,
@@ -74,7 +75,9 @@ def run(tag: str, model: str, options: dict, blocks: int, frozen: int, batch: in
             "boundaries_crossed_by_several": len(chain.source.get("crossing", {})),
             "no_offload_peak_bytes": peak, "floor_bytes": floor, "floor_share": floor / peak,
             "recompute_floor_share": smallest_feasible_budget(chain, recompute=True) / peak, "budget_bytes": budget,
-            "budget_share": budget / peak, "ilp_status": res.status, "predicted_peak_bytes": p.activation_peak_bytes,
+            "budget_share": budget / peak, "recompute": recompute, "ilp_status": res.status,
+            "recomputed_stages": sum(len(r.stages) for r in res.schedule.recompute),
+            "offload_only_predicted_step_s": offload_only.simulation.makespan_s, "predicted_peak_bytes": p.activation_peak_bytes,
             "measured_peak_bytes": m.activation_peak_bytes, "max_op_difference_bytes": op_diff,
             "predicted_step_s": p.step_s, "measured_step_s": m.step_s,
             "d2h_bytes": m.d2h_bytes_per_step, "grads_match": report.grads_match,
@@ -92,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for run_args in sets()[args.set]:
-        rows.append(run(*run_args, args.batch, args.device, args.out))
+    for run_args in sets()[args.set]:  # the models that are not chains with recomputation, the others without
+        rows.append(run(*run_args, args.batch, args.device, args.out, recompute=args.set == "non-chains"))
         r = rows[-1]
         print(f"{r['model']:<16} {r['stages']:>3} stages  peak {format_bytes(r['no_offload_peak_bytes']):>10}  floor "
               f"{100 * r['floor_share']:5.1f}%  budget {100 * r['budget_share']:4.0f}%  peak measured/predicted "

@@ -5,6 +5,7 @@ weights) equal bit for bit to the same stack without offloading, moving the pred
 and the guard rails that stop a run the schedule does not describe."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -162,6 +163,7 @@ def _grads_under(kind, chain, sched, backend, steps=2):
                          + [pytest.param(b, k, marks=pytest.mark.slow)  # make test-all: the other backends
                             for b, k in [("inductor", "outside"), ("inductor", "method"), ("aot_eager", "outside"), ("eager", "method"), ("aot_eager", "inside"),
                                          ("aot_eager", "method"), ("eager", "outside"), ("eager", "inside")]])
+@pytest.mark.filterwarnings("ignore:this module is compiled")  # an eager chain, as both runs share it
 def test_compiled(chains, backend, kind):
     """Gradients bit for bit those of the same compiled module under the schedule that moves
     nothing (the stage boundaries are graph breaks in both), the predicted bytes moved."""
@@ -183,6 +185,35 @@ def test_compiled(chains, backend, kind):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow  # make test checks the recipe's compile against the module below
+def test_a_chain_profiled_compiled_trains_compiled_as_predicted():
+    """``offload profile --compile aot_eager``: measured compiled (a graph break at each stage
+    boundary), trained compiled alike (``build_like_chain``): gradients bit for bit those of
+    the same compiled model, offloading and recomputing, every op's memory as predicted."""
+    torch._dynamo.reset()
+    chain = profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=GPT, compile="aot_eager")).chain
+    assert chain.recipe.compile == "aot_eager"
+    try:
+        for name, sched in {"everything": everything(chain), **runs.recomputing(chain)}.items():
+            runs.check_run(chain, sched, "cpu-eager", name)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_module_compiled_otherwise_than_its_chain_is_told(chains):
+    """A chain profiled compiled refuses a module that is not (its eager stages save other
+    tensors); a compiled module under a chain profiled eagerly is warned of."""
+    chain = chains["gpt"]
+    compiled_chain = dataclasses.replace(chain, recipe=dataclasses.replace(chain.recipe, compile="inductor"))
+    spec = resolve("gpt", 2, GPT)
+    with pytest.raises(ChainMismatch, match="profiled compiled .* this module is not"):
+        Offloaded(spec.module, compiled_chain, make_schedule(compiled_chain, []))
+    Offloaded(torch.compile(spec.module, backend="eager"), compiled_chain, make_schedule(compiled_chain, []))
+    with pytest.warns(UserWarning, match="profile with --compile BACKEND"):
+        Offloaded(torch.compile(spec.module, backend="eager"), chain, make_schedule(chain, []))
+
+
+@pytest.mark.filterwarnings("ignore:this module is compiled")
 def test_hooks_added_after_a_compiled_call_say_so(chains):
     chain = chains["gpt"]
     torch._dynamo.reset()

@@ -117,6 +117,15 @@ def unwrap(module: nn.Module) -> nn.Module:
             return module
 
 
+def compiled(module: nn.Module) -> bool:
+    """Whether ``module`` runs compiled: ``torch.compile(m)`` (inside a data-parallel wrapper or
+    not) or ``m.compile()``."""
+    while isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        module = module.module
+    return (isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+            or getattr(module, "_compiled_call_impl", None) is not None)
+
+
 def is_staged(module: nn.Module) -> bool:
     """Whether ``module`` (or the module inside its wrapper) has a ``Staging``'s boundaries on it."""
     return any(isinstance(getattr(hook, "__self__", None), Staging) for hook in unwrap(module)._forward_pre_hooks.values())

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 
 from offload.core.devices import persistent_tensors
 from offload.core.meters import make_meter
-from offload.core.staging import Site, Staging, unwrap
+from offload.core.staging import Site, Staging, compiled, unwrap
 from offload.errors import ChainMismatch
 from offload.models.spec import signature, uses_cache
 from offload.step.chain import Chain
@@ -82,6 +83,22 @@ def chain_and_schedule(chain: Chain | PathLike, schedule: Schedule | PathLike) -
     return chain, schedule
 
 
+def _check_compiled(module: nn.Module, chain: Chain) -> None:
+    """A chain profiled compiled is refused for a module that is not (its eager stages save more
+    than the compiled ones the chain counts); the other way round, a warning: the chain's
+    memory and times are the eager model's (the runtime still stops a stage that saves other
+    bytes than profiled)."""
+    backend = chain.recipe.compile if chain.recipe is not None else None
+    if backend and not compiled(module):
+        raise ChainMismatch(f"chain {chain.name!r} was profiled compiled (torch.compile, backend {backend!r}); this "
+                            "module is not", f"wrap torch.compile(model, backend={backend!r}) (before its first call), "
+                            "or profile without --compile")
+    if not backend and compiled(module):
+        warnings.warn(f"this module is compiled; chain {chain.name!r} was profiled from the eager model, so its "
+                      "memory and times are the eager model's: profile with --compile BACKEND to predict this run",
+                      stacklevel=3)
+
+
 def _device_of(module: nn.Module) -> torch.device:
     first = next(module.parameters(), None)
     return first.device if first is not None else torch.device("cpu")
@@ -105,6 +122,7 @@ class Offloaded(nn.Module):
                                 "profiled with it off: set model.config.use_cache = False before training",
                                 "a training step has no use for the cache, and it keeps every block from being "
                                 "recomputed (transformers turns it off under gradient checkpointing too)")
+        _check_compiled(module, self.chain)
         self.module = module
         self.freed_grads = 0  # forwards that found the gradients freed where the chain counts them allocated
         device = _device_of(module)

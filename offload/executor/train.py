@@ -96,6 +96,8 @@ def build_like_chain(chain: Chain, device: torch.device, model: str | None = Non
     spec = _recipe_model(chain, model)
     with running(f"running {chain.recipe.model}"):
         spec.place(device, DTYPES[chain.recipe.dtype])
+    if chain.recipe.compile:  # as profiled (a graph break at each stage boundary)
+        spec.module = torch.compile(spec.module, backend=chain.recipe.compile)
     return spec
 
 

@@ -9,7 +9,7 @@ from offload.errors import FormatError
 from offload.io.argtypes import integer
 from offload.io.files import model_input, output_path
 from offload.io.text import parse_rate, parse_seconds
-from offload.step.names import AUTOCAST, DTYPES, OPTIMIZERS
+from offload.step.names import AUTOCAST, COMPILE_BACKENDS, DTYPES, OPTIMIZERS
 
 
 def _platform(args: argparse.Namespace):
@@ -46,7 +46,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                           repeats=args.repeats, warmup=args.warmup, stages=args.stages,
                           options=parse_options(args.option), seed=args.seed, platform=_platform(args), name=args.name,
                           encodings=not args.no_encodings, autocast=args.autocast,
-                          set_to_none=args.set_to_none, keep_cache=args.keep_cache)
+                          set_to_none=args.set_to_none, keep_cache=args.keep_cache, compile=args.compile)
     per_measure = 2 + opts.repeats  # warm-up, memory pass, the timed steps (twice with --stages)
     with tqdm(total=4 + per_measure * (2 if opts.stages else 1) + opts.encodings, desc=f"profiling {args.model}",
               unit="step", file=sys.stderr, disable=args.quiet, leave=False) as bar:
@@ -93,6 +93,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--autocast", choices=AUTOCAST, default=None,
                    help="run forward and loss under torch.autocast to this dtype, as the training will (the "
                         "executor refuses a run under another autocast)")
+    p.add_argument("--compile", choices=COMPILE_BACKENDS, default=None, metavar="BACKEND",
+                   help="measure the model compiled with torch.compile(backend=BACKEND: inductor, aot_eager, eager), "
+                        "as the training will run it: a compiled stage saves other tensors than the eager code (a "
+                        "graph break at each stage boundary; the cuts come from the eager model). offload train "
+                        "compiles it alike; Offloaded refuses an uncompiled module for such a chain")
     p.add_argument("--set-to-none", action="store_true",
                    help="free the gradients between steps (optimizer.zero_grad(set_to_none=True), PyTorch's default) "
                         "as the training will: they are then allocated during the backward and counted there, not "

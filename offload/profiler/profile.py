@@ -30,7 +30,7 @@ from offload.models.spec import cache_off, signature, uses_cache
 from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage, StageOption
 from offload.step.chainfile import make_chain
 from offload.step.memory import floor_bound_memory, no_offload_peak, op_name, smallest_feasible_budget
-from offload.step.names import AUTOCAST
+from offload.step.names import AUTOCAST, COMPILE_BACKENDS
 
 from .bandwidth import measure_platform
 from .capture import Capture, capture
@@ -61,6 +61,7 @@ class ProfileOptions:
     autocast: str | None = None  # "bfloat16" | "float16": forward and loss under torch.autocast
     set_to_none: bool = False  # zero_grad(set_to_none=True) between steps, as the training will
     keep_cache: bool = False  # keep a transformers model's key/value cache on (its config's use_cache=True)
+    compile: str | None = None  # measure the model compiled (torch.compile backend), as the training will run it
 
 
 @dataclass
@@ -87,6 +88,8 @@ def _check(opts: ProfileOptions) -> None:
         raise ModelError(f"unknown autocast dtype {opts.autocast!r}", f"use one of {', '.join(AUTOCAST)}")
     if opts.stages is not None and opts.stages < 1:
         raise ModelError(f"--stages must be at least 1, got {opts.stages}")
+    if opts.compile is not None and opts.compile not in COMPILE_BACKENDS:
+        raise ModelError(f"unknown compile backend {opts.compile!r}", f"use one of {', '.join(COMPILE_BACKENDS)}")
 
 
 def _measured(cap: Capture, cuts: list, spec: ModelSpec, device: torch.device, opts: ProfileOptions,
@@ -123,6 +126,10 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
         cap = capture(spec.module, functools.partial(_forward_and_loss, spec, args, kwargs), (args, kwargs))
         del args, kwargs  # the batch is not kept through the measurements
         tick("capture")
+        user_module = spec.module
+        if opts.compile:  # cut where the eager model says (the capture), measured as it will run: compiled
+            torch._dynamo.reset()
+            spec.module = torch.compile(spec.module, backend=opts.compile)
         cuts = cap.candidates if opts.stages else default_cuts(cap)
         stages, runner, result = _measured(cap, cuts, spec, device, opts, tick)
         if opts.stages and opts.stages < stages.L:
@@ -153,7 +160,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     tick("platform")
     chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, options, turned_off,
                       rerun_host, recording_host)
-    return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, spec.module) + timing_warnings(result))
+    return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, user_module) + timing_warnings(result))
 
 
 def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: Stages, m: Measurement,
@@ -184,7 +191,8 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
     recipe = Recipe(model=model, batch=opts.batch, options=dict(spec.options), dtype=opts.dtype, seed=opts.seed,
                     optimizer=opts.optimizer, cuts=tuple(c.text for c in stages.cuts),
                     inputs=signature(spec.args, spec.kwargs), autocast=opts.autocast,
-                    set_to_none=opts.set_to_none, cache_off=turned_off, casts_cleared=m.casts_cleared)
+                    set_to_none=opts.set_to_none, cache_off=turned_off, casts_cleared=m.casts_cleared,
+                    compile=opts.compile)
     rows = [Stage(name=info.name, kind=info.kind, fwd_s=s.fwd_s, bwd_s=s.bwd_s, saved_bytes=s.saved_bytes,
                   fwd_peak_bytes=s.fwd_peak_bytes, bwd_peak_bytes=s.bwd_peak_bytes, need_from=s.need_from, encodings=enc,
                   held_bytes=s.held_bytes, held_until=s.held_until, input_bytes=s.input_bytes,

@@ -191,7 +191,9 @@ class Recipe:
     turned the model's key/value cache off (``cache_off``: its transformers config asked for
     one, ``use_cache=True``, which a training step has no use for and which keeps every block
     from being recomputed; training must turn it off too), and whether autocast's cache of
-    weight casts was cleared at every stage boundary (``casts_cleared``: training must too).
+    weight casts was cleared at every stage boundary (``casts_cleared``: training must too),
+    and the ``torch.compile`` backend the model was profiled under (``compile``: its compiled
+    stages save other tensors than its eager code, so training must compile it alike).
     Part of the chain's identity: a schedule made for one recipe is refused for another."""
 
     model: str
@@ -203,6 +205,7 @@ class Recipe:
     cuts: tuple[str, ...] = ()
     inputs: tuple[str, ...] = ()
     autocast: str | None = None  # "bfloat16" | "float16": profiled under torch.autocast to this dtype
+    compile: str | None = None  # profiled compiled (torch.compile with this backend; a graph break at each boundary)
     set_to_none: bool = False  # gradients freed between steps, allocated by the backward
     cache_off: bool = False  # the model's key/value cache (config.use_cache) turned off for training
     casts_cleared: bool = False  # autocast's cached weight casts forgotten at every stage boundary
@@ -403,6 +406,8 @@ class Chain:
                 doc["recipe"]["cache_off"] = True
             if r.casts_cleared:  # the same
                 doc["recipe"]["casts_cleared"] = True
+            if r.compile is not None:  # the same
+                doc["recipe"]["compile"] = r.compile
         return doc
 
     @cached_property

@@ -20,7 +20,7 @@ from offload.io import validate as v
 from offload.io.files import read_document, write_json
 
 from .chain import CHAIN_FORMAT, Chain, EncodedTensor, Encoding, Platform, Recipe, Stage, StageOption
-from .names import AUTOCAST, DTYPES, ENCODERS, OPTIMIZERS
+from .names import AUTOCAST, COMPILE_BACKENDS, DTYPES, ENCODERS, OPTIMIZERS
 
 OLD_FORMATS = ("offload-chain/1",)
 MAX_TOTAL_BYTES = 2 ** 62  # sums of per-op memory stay exact in int64
@@ -35,7 +35,7 @@ _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
 _RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none",
-                "cache_off", "casts_cleared"}
+                "cache_off", "casts_cleared", "compile"}
 _INPUT = re.compile(r"[^:]+:[a-z0-9]+\[[0-9,]*\]")
 
 
@@ -123,7 +123,8 @@ def recipe_from_dict(d: Any) -> Recipe:
                   autocast=v.choice(d, "autocast", "recipe", AUTOCAST),
                   set_to_none=v.flag(d, "set_to_none", "recipe", False),
                   cache_off=v.flag(d, "cache_off", "recipe", False),
-                  casts_cleared=v.flag(d, "casts_cleared", "recipe", False))
+                  casts_cleared=v.flag(d, "casts_cleared", "recipe", False),
+                  compile=v.choice(d, "compile", "recipe", COMPILE_BACKENDS))
 
 
 def _stage(s: Any, i: int, L: int) -> Stage:

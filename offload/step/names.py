@@ -11,6 +11,7 @@ AUTOCAST = ("bfloat16", "float16")  # torch.autocast dtypes
 OPTIMIZERS = ("adam", "adamw", "sgd", "none")  # their state is constant memory: base_bytes
 ENCODERS = ("sign-mask", "sparse", "bf16")  # byte formats of encoded storages (docs/encodings.md)
 BACKENDS = ("cuda", "cpu-eager", "cpu-lazy")  # where the executor's copies run
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # torch.compile backends a chain may be profiled under
 
 
 def table(names: tuple[str, ...], entries: dict, what: str) -> dict:

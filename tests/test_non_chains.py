@@ -93,3 +93,27 @@ def test_the_ilp_is_brute_force_on_a_unet():
         res = solve(chain, budget, "ilp", Options(gap=0.0, heuristic_time_s=0.02, recompute=True))
         assert res.status == "optimal"
         assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget, recompute=True), rel=1e-6)
+
+
+def _split_mixtral(split: bool):
+    return profile(str(ROOT / "tests" / "models" / "moe.py:build"),
+                   ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, split_blocks=split,
+                                  options={"seq": 64})).chain
+
+
+def test_split_blocks_cut_a_mixture_of_experts_layer_at_its_attention():
+    """``--split-blocks``: each Mixtral layer is cut after its attention too (the residual
+    crosses), so its MoE MLP is a stage of its own: the smallest budget falls from all of the
+    peak (one op of a whole layer holds it) to under 60%."""
+    whole, split = _split_mixtral(False), _split_mixtral(True)
+    assert "model.layers.0.self_attn" in split.recipe.cuts and "model.layers.0.self_attn" not in whole.recipe.cuts
+    assert split.L == whole.L + 2
+    assert smallest_feasible_budget(whole) > 0.95 * no_offload_peak(whole)
+    assert smallest_feasible_budget(split) < 0.6 * no_offload_peak(split)
+
+
+@pytest.mark.slow  # make test profiles the split Mixtral above
+def test_split_blocks_train_bit_exact_with_every_op_as_predicted():
+    chain = _split_mixtral(True)
+    for way, sched in {"everything": make_schedule(chain, floor_offloads(chain)), **recomputing(chain)}.items():
+        check_run(chain, sched, "cpu-eager", f"split mixtral/{way}")

@@ -227,9 +227,11 @@ def _blocks(root: nn.Module) -> set[str]:
     return found
 
 
-def capture(module: nn.Module, run: Callable[[], torch.Tensor], inputs: Any) -> Capture:
+def capture(module: nn.Module, run: Callable[[], torch.Tensor], inputs: Any, split_blocks: bool = False) -> Capture:
     """Run ``run()`` (the forward and the loss of ``module`` on ``inputs``) once and find the
-    cut candidates (module docstring).  ``run`` must return the scalar loss."""
+    cut candidates (module docstring).  ``run`` must return the scalar loss.  ``split_blocks``:
+    the calls of each block's submodules that hold submodules and parameters (a transformer
+    layer's attention and MLP) are candidates too, whatever crosses them (the residual)."""
     rec = _Recorder(module)
     rec.graph.add_node(SOURCE)
     handles = []
@@ -255,6 +257,10 @@ def capture(module: nn.Module, run: Callable[[], torch.Tensor], inputs: Any) -> 
     dominators = set(_dominators(rec.graph)) - {producer}
     ancestors = nx.ancestors(rec.graph, SINK)
     blocks = _blocks(module)
+    if split_blocks:
+        modules = dict(module.named_modules())
+        blocks |= {f"{b}.{key}" for b in blocks for key, child in modules[b].named_children()
+                   if any(True for _ in child.children()) and any(True for _ in child.parameters())}
     best: dict[int, CallRecord] = {}  # cut value's node -> its outermost call site
     for call in rec.calls:
         live = [(leaf, node) for leaf, node in call.outputs if node in ancestors and node != producer]

@@ -46,7 +46,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                           repeats=args.repeats, warmup=args.warmup, stages=args.stages,
                           options=parse_options(args.option), seed=args.seed, platform=_platform(args), name=args.name,
                           encodings=not args.no_encodings, autocast=args.autocast,
-                          set_to_none=args.set_to_none, keep_cache=args.keep_cache, compile=args.compile)
+                          set_to_none=args.set_to_none, keep_cache=args.keep_cache, compile=args.compile,
+                          split_blocks=args.split_blocks)
     per_measure = 2 + opts.repeats  # warm-up, memory pass, the timed steps (twice with --stages)
     with tqdm(total=4 + per_measure * (2 if opts.stages else 1) + opts.encodings, desc=f"profiling {args.model}",
               unit="step", file=sys.stderr, disable=args.quiet, leave=False) as bar:
@@ -98,6 +99,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "as the training will run it: a compiled stage saves other tensors than the eager code (a "
                         "graph break at each stage boundary; the cuts come from the eager model). offload train "
                         "compiles it alike; Offloaded refuses an uncompiled module for such a chain")
+    p.add_argument("--split-blocks", action="store_true",
+                   help="cut inside each block too, at the calls of its submodules that hold submodules and "
+                        "parameters (a transformer layer's attention | its MLP), whatever crosses them (the "
+                        "residual): smaller stages, a lower smallest budget (a Mixtral's MoE layer alone), more to "
+                        "solve; a stage that ends with code outside its submodules (the residual add) is not "
+                        "recomputed")
     p.add_argument("--set-to-none", action="store_true",
                    help="free the gradients between steps (optimizer.zero_grad(set_to_none=True), PyTorch's default) "
                         "as the training will: they are then allocated during the backward and counted there, not "

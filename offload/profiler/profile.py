@@ -62,6 +62,7 @@ class ProfileOptions:
     set_to_none: bool = False  # zero_grad(set_to_none=True) between steps, as the training will
     keep_cache: bool = False  # keep a transformers model's key/value cache on (its config's use_cache=True)
     compile: str | None = None  # measure the model compiled (torch.compile backend), as the training will run it
+    split_blocks: bool = False  # cut inside each block too, at its submodules' calls (attention | MLP)
 
 
 @dataclass
@@ -123,7 +124,8 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     with running(f"running {model}"):
         spec.place(device, DTYPES[opts.dtype])
         args, kwargs = spec.batch()
-        cap = capture(spec.module, functools.partial(_forward_and_loss, spec, args, kwargs), (args, kwargs))
+        cap = capture(spec.module, functools.partial(_forward_and_loss, spec, args, kwargs), (args, kwargs),
+                      split_blocks=opts.split_blocks)
         del args, kwargs  # the batch is not kept through the measurements
         tick("capture")
         user_module = spec.module

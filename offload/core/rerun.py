@@ -214,7 +214,7 @@ class StageRecorder:
         self.stage, self.device, self.excluded, self.keep = stage, device, excluded, keep
         if stage_input is not None and storage_key(stage_input) in excluded:
             stage_input = None  # the batch: the training loop holds it anyway
-        self._input = stage_input if keep else None
+        self._input = stage_input if keep else None  # held (``keep``): the executor re-runs from it
         self._input_ref = weakref.ref(stage_input) if stage_input is not None else None
         self.input_key = storage_key(stage_input) if stage_input is not None and plain(stage_input) else None
         # the input's storage while it lives (its key may be a later storage's once it died)
@@ -313,7 +313,7 @@ class StageRecorder:
         """The stage ended with ``output`` (the value crossing its boundary)."""
         self.close()
         why = next((w for w in self.whys if w is not None), None)
-        if why is None and self.input is not None and self.input._version != self.input_version:  # (if it lives)
+        if why is None and self.input is not None and self.input._version != self.input_version:
             why = "it writes its input in place"
         source = self._source(output) if why is None else None
         if why is None and source is None:

@@ -19,17 +19,18 @@ produced by a node that every source-to-loss path of the graph passes through (a
 dominator of the loss, networkx): a boundary there splits the computation in two.  A
 *block* is a candidate too, whatever else crosses it: a call of a module with submodules
 held in an ``nn.ModuleList``/``nn.Sequential`` (a T5 or MoE layer, a U-Net's down or up
-block) or of a layer held in a ``ModuleList``, not inside another block, that returned a value on the way to the loss (the one
-made last, when several).  Across a block boundary other values may cross (a U-Net's skip
-features, an encoder's output read by every decoder layer, an attention bias every layer
-reads): the stages on both sides share them as the model's code holds them, and their
-memory is measured where it is live.  The boundary still fires in the backward between the
-two stages' backward ops: autograd runs a backward's nodes in the reverse order of their
-creation (its ready queue pops the latest-created ready node first, and a node is ready
-once the later nodes that feed it ran), so every op after the boundary has its backward
-before the boundary's, every op before it after.  Where several nested calls return the
-same value (a block and its last layer), the outermost is kept.  Stage boundaries are then forward hooks at these
-call sites on the user's own module (``offload.core.staging``), so its forward, hooks,
+block) or of a layer held in a ``ModuleList``, not inside another block, that returned a
+value on the way to the loss (the one made last, when several).  Across a block boundary
+other values may cross (a U-Net's skip features, an encoder's output read by every decoder
+layer, an attention bias every layer reads): the stages on both sides share them as the
+model's code holds them, and their memory is measured where it is live.  The boundary
+still fires in the backward between the two stages' backward ops: autograd runs a
+backward's nodes in the reverse order of their creation (its ready queue pops the
+latest-created ready node first, and a node is ready once the later nodes that feed it
+ran), so every op after the boundary has its backward before the boundary's, every op
+before it after.  Where several nested calls return the same value (a block and its last
+layer), the outermost is kept.  Stage boundaries are then forward hooks at these call
+sites on the user's own module (``offload.core.staging``), so its forward, hooks,
 checkpointing and compilation run as written.
 """
 from __future__ import annotations

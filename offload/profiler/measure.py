@@ -169,13 +169,18 @@ class _Recording(Boundaries):
             self.writes.watch(k, recorder.versions())
         except NotRerunnable as exc:
             self.why[k - 1] = str(exc)
-        held = recorder.held_storages()  # compared by storage: a dead one's key may be reused
-        self.new_held[k - 1] = sum(n for key, (storage, n) in held.items()
-                                   if storage is None or key not in self.previous or self.previous[key]() is not storage)
-        self.previous = {key: weakref.ref(storage) for key, (storage, _) in held.items() if storage is not None}
-        del held
+        self.new_held[k - 1] = self._new_held(recorder)
         if k + 1 < self.L:
             self._start(k + 1, x)
+
+    def _new_held(self, recorder: StageRecorder) -> int:
+        """Bytes the stage's re-run holds that the stage before's does not (``rerun_held_bytes``),
+        storages compared by identity (a dead one's key may be another's by now)."""
+        held = recorder.held_storages()
+        new = sum(n for key, (storage, n) in held.items()
+                  if storage is None or key not in self.previous or self.previous[key]() is not storage)
+        self.previous = {key: weakref.ref(storage) for key, (storage, _) in held.items() if storage is not None}
+        return new
 
     def _start(self, k: int, x: torch.Tensor | None) -> None:
         self.recorder = StageRecorder(k, x, self.device, self.tracker.excluded, keep=False)
@@ -366,8 +371,9 @@ class StepRunner:
         starts = [m0] + [live for _, live in readings[:L - 1]]
         bwd_starts = [readings[2 * L - i - 1][1] for i in range(1, L + 1)]  # B_L starts at the turn
         return MemoryPass(m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
-                          peak_ops[:L] if exact else None, lives if exact else None, starts, bwd_starts, listener.inputs, listener.own,
-                          listener.new_held, listener.why, workspace, [list(r.values()) for r in recasts], made.shared)
+                          peak_ops[:L] if exact else None, lives if exact else None, starts, bwd_starts,
+                          listener.inputs, listener.own, listener.new_held, listener.why, workspace,
+                          [list(r.values()) for r in recasts], made.shared)
 
     def recast_seconds(self, recasts: list[casts.Recast]) -> float:
         """What making a stage's weight casts again costs its backward: the casts, timed."""

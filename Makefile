@@ -79,6 +79,7 @@ gpu: $(INSTALL)
 	$(PY) -m experiments.bench_executor
 	$(PY) -m experiments.compiled --model llama
 	$(PY) -m experiments.profile_zoo --device cuda
+	$(PY) -m experiments.realmodels --set non-chains --device cuda --out experiments/results/realmodels-cuda
 	$(PY) -m experiments.reproduce
 	$(PY) -m experiments.encodings
 	$(PY) -m pytest -q -m "gpu or cudashim" tests/test_executor_gpu.py tests/test_cudashim.py

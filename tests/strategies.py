@@ -80,6 +80,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             stages[-1]["rerun_held_bytes"] = draw(st.integers(1, stages[-1]["input_bytes"]))
         if inputs and draw(st.integers(0, 4)) == 0:
             stages[-1]["recomputable"] = False
+        elif inputs and draw(st.integers(0, 5)) == 0:  # its re-run can only end a run
+            stages[-1]["rerun_output"] = False
         if inputs and draw(st.integers(0, 2)) == 0:  # an in-stage option: part kept, the rest re-run
             st_ = stages[-1]
             st_["options"] = [{"name": "matmuls", "kept_bytes": draw(st.integers(0, saved)),

@@ -5,11 +5,15 @@ whatever crosses it; the smallest feasible budget then comes from the largest bl
 each trains bit-exact with every op's measured memory as predicted."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.errors import ScheduleRejected
+from offload.step.actions import Recompute
 from offload.step.schedule import make_schedule
 from offload.executor.train import TrainOptions, train
 from tests.brute import brute_force
@@ -95,6 +99,7 @@ def test_the_ilp_is_brute_force_on_a_unet():
         assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget, recompute=True), rel=1e-6)
 
 
+@functools.cache
 def _split_mixtral(split: bool):
     return profile(str(ROOT / "tests" / "models" / "moe.py:build"),
                    ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, split_blocks=split,
@@ -110,6 +115,19 @@ def test_split_blocks_cut_a_mixture_of_experts_layer_at_its_attention():
     assert split.L == whole.L + 2
     assert smallest_feasible_budget(whole) > 0.95 * no_offload_peak(whole)
     assert smallest_feasible_budget(split) < 0.6 * no_offload_peak(split)
+
+
+def test_a_stage_ending_in_the_blocks_own_code_can_only_end_a_run():
+    """The MLP half of a split layer ends with the residual add in the layer's own code: its
+    re-run rebuilds what it saves but not its output, so it may end a recomputed run and
+    not go on into the next stage's (refused, saying why)."""
+    chain = _split_mixtral(True)
+    ends = [i for i in chain.recomputable if not chain.stage(i).rerun_output]
+    assert ends and all(chain.stage(i - 1).rerun_output for i in ends)
+    i = ends[0]
+    make_schedule(chain, [], recompute=[Recompute(i - 1, i)]).simulate(chain)
+    with pytest.raises(ScheduleRejected, match="can only end a run"):
+        make_schedule(chain, [], recompute=[Recompute(i, i + 1)]).simulate(chain)
 
 
 @pytest.mark.slow  # make test profiles the split Mixtral above

@@ -20,9 +20,13 @@ one count, in order).  The stage can be re-run exactly when
   attention call appends to, would be in another state when the stage runs again (so
   transformers itself turns the cache off under gradient checkpointing: train with
   ``use_cache=False``), and
-* the stage's output is an output of one of its calls (or a view of one), and neither it
-  nor the rest of the forward writes in place its input or a held tensor (the profiler
-  checks the rest of the forward: ``written_later``).
+* neither it nor the rest of the forward writes in place its input or a held tensor (the
+  profiler checks the rest of the forward: ``written_later``).
+
+Its re-run rebuilds its output too when that is an output of one of its calls (or a view
+of one); otherwise (a transformer layer's MLP half, cut by ``--split-blocks``, ends with the
+residual add in the layer's own code) the stage can only end a recomputed run: the next
+stage's re-run would have no input (``StageProgram.output`` is ``None``).
 
 Then ``StageProgram.run`` replays the calls on a new input, under the stage's recorded
 random state and autocast state, with grad mode on and the modules' buffers (BatchNorm's
@@ -106,7 +110,7 @@ class StageProgram:
 
     stage: int
     calls: list[Call]
-    output: FromCall
+    output: FromCall | None  # None: the re-run does not rebuild the stage's output (it can only end a run)
     input_requires_grad: bool
     held: list[tuple[torch.Tensor, int]]  # tensors held for the re-run, their versions when recorded
     rng: tuple[torch.Tensor, torch.Tensor | None]  # CPU and device generator states at the stage's start
@@ -118,7 +122,8 @@ class StageProgram:
         ``saved`` sees every tensor saved for the backward, in the forward's order (the replay's
         own graph keeps none of them: it never runs backward, and an output saved as itself
         would make a reference cycle through autograd that Python's collector cannot free).
-        Returns the stage's output, detached (the next stage's input)."""
+        Returns the stage's output, detached (the next stage's input; ``None`` where the re-run
+        does not rebuild it)."""
         for t, version in self.held:
             if t._version != version:
                 raise NotRerunnable(f"stage {self.stage}: a tensor held to re-run it ({t.dtype} {list(t.shape)}) was "
@@ -161,7 +166,7 @@ class StageProgram:
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
-        return resolve(self.output).detach()
+        return resolve(self.output).detach() if self.output is not None else None
 
     def _last_reads(self) -> dict[int, list[int]]:
         """Per call ``n``, the calls whose outputs nothing reads after it (the stage's output is
@@ -171,7 +176,8 @@ class StageProgram:
             for ref in tree_flatten((call.args, call.kwargs))[0]:
                 if isinstance(ref, FromCall):
                     last[ref.call] = m
-        last[self.output.call] = len(self.calls)
+        if self.output is not None:
+            last[self.output.call] = len(self.calls)
         out: dict[int, list[int]] = {}
         for m, at in last.items():
             out.setdefault(at, []).append(m)
@@ -315,12 +321,9 @@ class StageRecorder:
         why = next((w for w in self.whys if w is not None), None)
         if why is None and self.input is not None and self.input._version != self.input_version:
             why = "it writes its input in place"
-        source = self._source(output) if why is None else None
-        if why is None and source is None:
-            why = "its output is not the output of one of its module calls"
         if why is not None:
             raise NotRerunnable(f"stage {self.stage} cannot be re-run: {why}")
-        return StageProgram(self.stage, self.calls, source, self.input_requires_grad,
+        return StageProgram(self.stage, self.calls, self._source(output), self.input_requires_grad,
                             [(t, version) for t, version, _ in self.held.values() if t is not None], self.rng,
                             self.autocast)
 

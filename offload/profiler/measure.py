@@ -71,6 +71,7 @@ class StageMeasurement:
     cast_bytes: int = 0  # the weight casts the forward makes and the backward makes again
     recast_s: float = 0.0  # what making them again takes (timed on their own)
     rerun_held_bytes: int = 0  # of input_bytes, what its re-run holds that the stage before's does not
+    rerun_output: bool = True  # its re-run rebuilds its output (else it can only end a recomputed run)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class MemoryPass:
     inputs: list[int]  # input_bytes of each stage
     own: list[dict[int, int]]  # per stage, index -> bytes of its checkpoint's storages in its own unit
     new_held: list[int]  # per stage, bytes its re-run holds that the stage before's does not
+    output_rebuilt: list[bool]  # per stage, whether its re-run rebuilds its output (else it can only end a run)
     rerun: list[str | None]  # per stage, why the executor cannot re-run it (None: it can)
     workspace: int = 0  # of m0, the bytes no tensor holds (CUDA: workspaces, the allocator's rounding)
     casts: list[list[casts.Recast]] = field(default_factory=list)  # per stage, the weight casts not saved
@@ -150,6 +152,7 @@ class _Recording(Boundaries):
         self.inputs, self.why = [0] * L, ["the last stage's backward follows its forward at once"] * L
         self.own: list[dict[int, int]] = [{} for _ in range(L)]  # per stage, its checkpoint's storages in its unit
         self.new_held = [0] * L  # per stage, bytes its re-run holds that the stage before's does not
+        self.output_rebuilt = [True] * L  # per stage, whether its re-run rebuilds its output
         self.writes = _Writes()  # enter it around the forward
         self.previous: dict[int, weakref.ref] = {}  # the storages the stage before's re-run holds, by key
 
@@ -159,7 +162,7 @@ class _Recording(Boundaries):
     def stage_output(self, k: int, x: torch.Tensor) -> None:
         recorder, self.recorder = self.recorder, None
         try:
-            recorder.finish(x)
+            self.output_rebuilt[k - 1] = recorder.finish(x).output is not None
             self.why[k - 1] = None
             self.inputs[k - 1] = recorder.input_bytes + recorder.held_bytes()
             for key in recorder.keys():
@@ -372,7 +375,8 @@ class StepRunner:
         bwd_starts = [readings[2 * L - i - 1][1] for i in range(1, L + 1)]  # B_L starts at the turn
         return MemoryPass(m0, [p for p, _ in readings[:L]], [p for p, _ in readings[L:]][::-1], saved, need,
                           peak_ops[:L] if exact else None, lives if exact else None, starts, bwd_starts,
-                          listener.inputs, listener.own, listener.new_held, listener.why, workspace,
+                          listener.inputs, listener.own, listener.new_held, listener.output_rebuilt, listener.why,
+                          workspace,
                           [list(r.values()) for r in recasts], made.shared)
 
     def recast_seconds(self, recasts: list[casts.Recast]) -> float:
@@ -614,7 +618,8 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        sum(b for n, b in mem.own[i].items() if n in held[i].held),
                                        statistics.median(t[2][i] for t in times),
                                        statistics.median(t[3][i] for t in times),
-                                       sum(r.nbytes for r in mem.casts[i]), recast_s[i], mem.new_held[i]))
+                                       sum(r.nbytes for r in mem.casts[i]), recast_s[i], mem.new_held[i],
+                                       mem.output_rebuilt[i]))
     step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "

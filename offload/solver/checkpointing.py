@@ -51,12 +51,16 @@ def option_runs(option: str) -> Callable[[Chain], list[Recompute]]:
 
 
 def recomputable_parts(chain: Chain, first: int, last: int) -> list[Recompute]:
-    """The maximal runs of recomputable stages within ``first..last``."""
+    """The maximal runs of recomputable stages within ``first..last`` (one ends at a stage whose
+    re-run does not rebuild its output)."""
     parts: list[Recompute] = []
     start = None
-    for i in range(first, last + 2):
-        if i <= last and i in chain.recomputable:
+    for i in range(first, last + 1):
+        if i in chain.recomputable:
             start = i if start is None else start
+            if not chain.stage(i).rerun_output or i == last:
+                parts.append(Recompute(start, i))
+                start = None
         elif start is not None:
             parts.append(Recompute(start, i - 1))
             start = None

@@ -144,10 +144,11 @@ class _Moves:
                            for name in ["", *(o.name for o in chain.stage(r.first).options)] if name != r.option]
             self.moves += [("shrink", r, i) for r in self.runs if r.last > r.first for i in (r.first, r.last)]
             self.moves += [("extend", r, i) for r in self.runs if len(r.stages) < max_run for i in (r.first - 1, r.last + 1)
-                           if i in chain.recomputable and i not in rebuilt and i not in self.choice]
+                           if i not in rebuilt and i not in self.choice and chain.can_recompute(min(r.first, i), max(r.last, i))]
             ends = {r.last: r for r in self.runs}
             self.moves += [("merge", ends[r.first - 1], r) for r in self.runs
-                           if r.first - 1 in ends and r.last - ends[r.first - 1].first < max_run]
+                           if r.first - 1 in ends and r.last - ends[r.first - 1].first < max_run
+                           and chain.can_recompute(ends[r.first - 1].first, r.last)]
 
     def __len__(self) -> int:
         return len(self.moves)
@@ -365,7 +366,7 @@ def _fit_runs(chain: Chain, budget: int, runs: list[Recompute], max_run: int, de
             return []
         options = [runs[:k] + runs[k + 1:] for k in range(len(runs))]
         options += [runs[:k] + [Recompute(a.first, b.last)] + runs[k + 2:] for k, (a, b) in enumerate(zip(runs, runs[1:]))
-                    if a.last + 1 == b.first and b.last - a.first < max_run]
+                    if a.last + 1 == b.first and b.last - a.first < max_run and chain.can_recompute(a.first, b.last)]
         runs = min(options, key=excess)
     return runs
 

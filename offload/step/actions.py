@@ -79,6 +79,10 @@ def check_recompute(chain: Chain, runs: Iterable[Recompute], offloads: Iterable[
                 raise ScheduleRejected(f"stage {i} ({chain.stage(i).name}) is recomputed, but the profiler found that "
                                        "the executor cannot re-run its forward (its chain stage says recomputable: "
                                        "false; docs/executor.md, \"Recomputation\")")
+            if i < run.last and not chain.stage(i).rerun_output:
+                raise ScheduleRejected(f"stage {i} ({chain.stage(i).name}) is recomputed within run {run.first}.."
+                                       f"{run.last}, but its re-run does not rebuild its output (its chain stage says "
+                                       "rerun_output: false): it can only end a run")
             if i in taken:
                 raise ScheduleRejected(f"stage {i} is in two recomputed runs" if taken[i] == "recomputed" else
                                        f"stage {i} is recomputed and {taken[i]}: a unit has one fate")

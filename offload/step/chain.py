@@ -117,6 +117,7 @@ class Stage:
     held_until: int = 0  # ... through the forward of this stage, even when the unit is released earlier
     input_bytes: int = 0  # the stage's input: what a recomputation from it keeps on the device until it runs
     recomputable: bool = True  # the executor can re-run this stage's forward (the profiler says when it cannot)
+    rerun_output: bool = True  # its re-run rebuilds its output too, so a recomputed run may go on past it
     carry_bytes: int | None = None  # of the unit, alive through F(i+1) when autograd holds none of it (None: all)
     bwd_start_bytes: int = 0  # of Bi's transient, live when it starts (the gradient flowing in): a rebuild there holds it
     recomputed_fwd_peak_bytes: int | None = None  # Fi's transient when autograd keeps none of Ui (None: fwd_peak_bytes)
@@ -244,6 +245,8 @@ def _stage_document(s: Stage) -> dict:
         d["input_bytes"] = s.input_bytes
     if not s.recomputable:  # likewise: written only where the profiler found a stage it cannot re-run
         d["recomputable"] = False
+    if not s.rerun_output:  # likewise: a stage that can only end a recomputed run
+        d["rerun_output"] = False
     if s.carry_bytes is not None:
         d["carry_bytes"] = s.carry_bytes
     if s.bwd_start_bytes:
@@ -325,8 +328,10 @@ class Chain:
         return frozenset(i for i in range(1, self.L) if self.stage(i).recomputable)
 
     def can_recompute(self, first: int, last: int) -> bool:
-        """Whether stages ``first..last`` may form a recomputed run."""
-        return all(i in self.recomputable for i in range(first, last + 1))
+        """Whether stages ``first..last`` may form a recomputed run: each re-runnable, each but
+        the last rebuilding its output (the next one's input)."""
+        return (all(i in self.recomputable for i in range(first, last + 1))
+                and all(self.stage(i).rerun_output for i in range(first, last)))
 
     @cached_property
     def optional(self) -> tuple[tuple[int, str], ...]:

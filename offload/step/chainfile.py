@@ -27,7 +27,7 @@ MAX_TOTAL_BYTES = 2 ** 62  # sums of per-op memory stay exact in int64
 _SITE = re.compile(r"[^@\[\]]*(@\d+)?(\[\d+\])?")
 _KEYS = {"format", "name", "source", "platform", "base_bytes", "workspace_bytes", "stages", "recipe"}
 _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from", "encodings",
-               "held_bytes", "held_until", "input_bytes", "recomputable",
+               "held_bytes", "held_until", "input_bytes", "recomputable", "rerun_output",
                "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes",
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
                "options", "recording_host_s", "rerun_host_s"}
@@ -155,7 +155,7 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                  encodings=_encodings(s.get("encodings", []), saved, ctx), held_bytes=held, held_until=until,
                  options=_options(s.get("options", []), saved, fwd_s, ctx),
                  input_bytes=checkpoint,
-                 recomputable=v.flag(s, "recomputable", ctx, True),
+                 recomputable=v.flag(s, "recomputable", ctx, True), rerun_output=v.flag(s, "rerun_output", ctx, True),
                  carry_bytes=carry, input_carried_bytes=carried,
                  input_held_bytes=v.whole(s, "input_held_bytes", ctx, 0, min(carried, held)) if "input_held_bytes" in s else 0,
                  rerun_held_bytes=v.whole(s, "rerun_held_bytes", ctx, 0, checkpoint) if "rerun_held_bytes" in s else 0,

@@ -10,8 +10,8 @@ boundaries several values cross (``tests/models/``): a transformers T5 (encoder-
 U-Net with skip connections, transformers' Mixtral (mixture of experts), and a frozen
 backbone under a trainable head.  Each is profiled (``offload profile``), solved by the ILP
 (with recomputation for the non-chains, against offloading alone) at 50% of its no-offload
-activation peak (halfway between its floor and its peak when its floor is higher), and trained 3 steps with ``--check-grads --op-memory`` on the lazy CPU
-backend.  One row per model in ``experiments/results/realmodels/<set>.csv``: stages, the
+activation peak (halfway between its floor and its peak when its floor is higher), and
+trained 3 steps with ``--check-grads --op-memory`` on the lazy CPU backend.  One row per model in ``experiments/results/realmodels/<set>.csv``: stages, the
 boundaries several values cross, the no-offload peak, the floor and its share (and with
 recomputation), predicted vs measured peak and step time, the largest difference of any
 op's measured memory from its prediction, and grads_match.  On a CPU the step times include
@@ -50,9 +50,9 @@ NON_CHAINS = {  # tag -> (model, options, blocks)
 
 def sets() -> dict[str, list[tuple[str, str, dict, int, int]]]:
     """Per set, its runs: (tag, model, options, blocks, frozen blocks)."""
-    chains = [(m, m, o, o["layers"], frozen) for m, o in TRANSFORMERS.items() for frozen in (0, o["layers"] // 2)]
-    return {"transformers": [(m + (f"-frozen{f}" if f else ""), m, {**o, "frozen": f}, n, f) for m, _, o, n, f in chains],
-            "non-chains": [(tag, m, o, n, 0) for tag, (m, o, n) in NON_CHAINS.items()]}
+    transformers = [(m + (f"-frozen{f}" if f else ""), m, {**o, "frozen": f}, o["layers"], f)
+                    for m, o in TRANSFORMERS.items() for f in (0, o["layers"] // 2)]
+    return {"transformers": transformers, "non-chains": [(tag, m, o, n, 0) for tag, (m, o, n) in NON_CHAINS.items()]}
 
 
 def run(tag: str, model: str, options: dict, blocks: int, frozen: int, batch: int, device: str | None,

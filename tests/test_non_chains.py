@@ -2,20 +2,21 @@
 encoder's output, every block the attention bias) and a U-Net (the encoder's features cross
 every boundary up to the decoder block that concatenates them) are cut at every block,
 whatever crosses it; the smallest feasible budget then comes from the largest block, and
-each trains bit-exact with every op's measured memory as predicted."""
+each trains bit-exact with every op's measured memory as predicted.  ``--split-blocks`` cuts
+a Mixtral's layers at their attention too, its MLP halves re-run only as the end of a run."""
 from __future__ import annotations
 
 import functools
 
 import pytest
 
+from offload.errors import ScheduleRejected
+from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
-from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
-from offload.errors import ScheduleRejected
 from offload.step.actions import Recompute
+from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
-from offload.executor.train import TrainOptions, train
 from tests.brute import brute_force
 from tests.runs import ROOT, TOLERANCE, check_run, recomputing
 
@@ -29,16 +30,11 @@ MODELS = {  # model, batch, options, blocks it has, the most its floor may be of
 
 @pytest.fixture(scope="module")
 def profiled():
-    cache = {}
-
-    def chain(name, **options):
-        key = (name, *sorted(options.items()))
-        if key not in cache:
-            model, batch, base, *_ = MODELS[name]
-            cache[key] = profile(str(ROOT / "tests" / "models" / model),
-                                 ProfileOptions(batch=batch, repeats=1, warmup=1, encodings=False,
-                                                options={**base, **options}))
-        return cache[key]
+    @functools.cache
+    def chain(name):
+        model, batch, options, *_ = MODELS[name]
+        return profile(str(ROOT / "tests" / "models" / model),
+                       ProfileOptions(batch=batch, repeats=1, warmup=1, encodings=False, options=options))
     return chain
 
 

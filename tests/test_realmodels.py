@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 
 MODELS = {
     "gpt2": {"layers": 6, "width": 64, "heads": 2, "seq": 128, "vocab": 128},
-    "llama": {"layers": 6, "width": 64, "heads": 4, "kv_heads": 2, "seq": 128, "vocab": 128},
+    "llama": {"layers": 6, "width": 64, "heads": 4, "kv_heads": 2, "seq": 64, "vocab": 128},
     "bert": {"layers": 3, "width": 64, "heads": 2, "seq": 128, "vocab": 128},
     "vit": {"layers": 6, "width": 48, "heads": 2, "image": 32, "patch": 4},
 }

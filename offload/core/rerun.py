@@ -44,7 +44,7 @@ import enum
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -193,6 +193,16 @@ def _autocast_state(device: torch.device) -> list[tuple[str, bool, torch.dtype]]
     return [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds]
 
 
+class _Held(NamedTuple):
+    """A tensor a stage's calls read that its re-run holds as it is."""
+
+    tensor: torch.Tensor | None  # kept only with ``keep`` (the executor)
+    ref: weakref.ref  # the tensor, while it lives
+    storage: weakref.ref  # its storage, while it lives (its key may be another's after)
+    version: int  # when recorded
+    nbytes: int  # its storage's
+
+
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
     """``method`` of an object, called while the object lives, through a weak reference."""
     ref = weakref.WeakMethod(method)
@@ -229,10 +239,7 @@ class StageRecorder:
         self.input_version = stage_input._version if stage_input is not None else 0
         self.input_requires_grad = bool(stage_input is not None and stage_input.requires_grad)
         self.calls: list[Call] = []  # completed calls not inside another completed call, in order
-        # storage key -> (the held tensor, kept only with ``keep``; its version; its storage's bytes)
-        self.held: dict[int, tuple[torch.Tensor | None, int, int]] = {}
-        self._held_storages: dict[int, weakref.ref] = {}  # the same keys -> their storages while they live
-        self._held_tensors: list[tuple[weakref.ref, int]] = []  # each held tensor while it lives, its version
+        self.held: dict[int, _Held] = {}  # storage key -> the tensor held for the re-run
         self.outputs: dict[int, list[tuple[weakref.ref, int, int]]] = {}  # storage key -> (tensor ref, call, leaf)
         # per level (the stage itself, then each call begun in it and still running): where its
         # completed calls begin in ``calls``, and why it cannot be re-run if it ends the stage open
@@ -310,9 +317,8 @@ class StageRecorder:
             return FromInput(_view_of(t, self.input) if t is not self.input else None)
         key = storage_key(t)
         if key not in self.held:
-            self.held[key] = (t if self.keep else None, t._version, t.untyped_storage().nbytes())
-            self._held_storages[key] = weakref.ref(t.untyped_storage())
-            self._held_tensors.append((weakref.ref(t), t._version))
+            self.held[key] = _Held(t if self.keep else None, weakref.ref(t), weakref.ref(t.untyped_storage()),
+                                   t._version, t.untyped_storage().nbytes())
         return t
 
     def finish(self, output: torch.Tensor) -> StageProgram:
@@ -324,7 +330,7 @@ class StageRecorder:
         if why is not None:
             raise NotRerunnable(f"stage {self.stage} cannot be re-run: {why}")
         return StageProgram(self.stage, self.calls, self._source(output), self.input_requires_grad,
-                            [(t, version) for t, version, _ in self.held.values() if t is not None], self.rng,
+                            [(h.tensor, h.version) for h in self.held.values() if h.tensor is not None], self.rng,
                             self.autocast)
 
     def close(self) -> None:
@@ -339,7 +345,7 @@ class StageRecorder:
     def keys(self) -> set[int]:
         """Storage keys of what the program keeps, the input and the held tensors, whose
         storages live (without ``keep``, a dead one's key may be another storage's by now)."""
-        alive = {k for k, ref in self._held_storages.items() if ref() is not None}
+        alive = {k for k, h in self.held.items() if h.storage() is not None}
         if self.input_key is not None and self._input_storage() is not None:
             alive.add(self.input_key)
         return alive
@@ -347,13 +353,14 @@ class StageRecorder:
     def versions(self) -> list[tuple[weakref.ref, int]]:
         """The input and the held tensors (weakly) with their versions when recorded: what
         ``written_later`` checks once the forward ends."""
-        return ([(self._input_ref, self.input_version)] if self._input_ref is not None else []) + self._held_tensors
+        return ([(self._input_ref, self.input_version)] if self._input_ref is not None else []) + [
+            (h.ref, h.version) for h in self.held.values()]
 
     def held_storages(self) -> dict[int, tuple[Any, int]]:
         """The held tensors' storages (while they live: ``None`` after) and bytes, by key (not the input)."""
-        return {k: (self._held_storages[k](), n) for k, (_, _, n) in self.held.items() if k != self.input_key}
+        return {k: (h.storage(), h.nbytes) for k, h in self.held.items() if k != self.input_key}
 
     def held_bytes(self) -> int:
         """Bytes the program holds besides the stage's input (distinct storages)."""
-        return sum(n for k, (_, _, n) in self.held.items() if k != self.input_key)
+        return sum(h.nbytes for k, h in self.held.items() if k != self.input_key)
 

@@ -205,11 +205,12 @@ def _dominators(g: nx.DiGraph) -> list[int]:
     return chain[::-1]
 
 
-def _blocks(root: nn.Module) -> set[str]:
+def _blocks(root: nn.Module, split: bool = False) -> set[str]:
     """The paths of the blocks (module docstring): modules with submodules, held in a
     ``ModuleList`` or ``Sequential`` and not inside another such block (and a ModuleList's
     single layers with parameters), or children of the model that hold no such block (a
-    U-Net's middle block, beside its lists of down and up blocks)."""
+    U-Net's middle block, beside its lists of down and up blocks); with ``split``, also each
+    block's children that hold submodules and parameters (its attention, its MLP)."""
     found: set[str] = set()
     for name, container in root.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
@@ -225,6 +226,10 @@ def _blocks(root: nn.Module) -> set[str]:
     for key, child in root.named_children():
         if any(True for _ in child.children()) and not any(b == key or b.startswith(key + ".") for b in found):
             found.add(key)
+    if split:
+        modules = dict(root.named_modules())
+        found |= {f"{b}.{key}" for b in found for key, child in modules[b].named_children()
+                  if any(True for _ in child.children()) and any(True for _ in child.parameters())}
     return found
 
 
@@ -257,11 +262,7 @@ def capture(module: nn.Module, run: Callable[[], torch.Tensor], inputs: Any, spl
     rec.graph.add_edge(producer, SINK)
     dominators = set(_dominators(rec.graph)) - {producer}
     ancestors = nx.ancestors(rec.graph, SINK)
-    blocks = _blocks(module)
-    if split_blocks:
-        modules = dict(module.named_modules())
-        blocks |= {f"{b}.{key}" for b in blocks for key, child in modules[b].named_children()
-                   if any(True for _ in child.children()) and any(True for _ in child.parameters())}
+    blocks = _blocks(module, split_blocks)
     best: dict[int, CallRecord] = {}  # cut value's node -> its outermost call site
     for call in rec.calls:
         live = [(leaf, node) for leaf, node in call.outputs if node in ancestors and node != producer]

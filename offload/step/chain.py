@@ -123,7 +123,7 @@ class Stage:
     recomputed_fwd_peak_bytes: int | None = None  # Fi's transient when autograd keeps none of Ui (None: fwd_peak_bytes)
     input_carried_bytes: int = 0  # of input_bytes, storages of Ui that carry_bytes counts too ...
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
-    rerun_held_bytes: int = 0  # of input_bytes, gradient-free tensors its re-run reads and the stage before's does not
+    rerun_held_bytes: int = 0  # of input_bytes, held tensors its re-run reads and the stage before's does not
     fwd_host_s: float = 0.0  # host time to issue Fi's kernels (CUDA; 0: the device is never waiting for the host)
     bwd_host_s: float = 0.0  # the same for Bi
     recording_host_s: float = 0.0  # host time Fi adds while the executor records it for a re-run (CUDA)

@@ -46,10 +46,10 @@ def forward_checkpoint(chain: Chain, run: Recompute, j: int) -> int:
     s = run.first
     if j <= s:
         return 0
+    beside = later_held_bytes(chain, run) + kept_bytes(chain, run)
     if j == s + 1:
-        return int(chain.x[s] - chain.xc[s]) + later_held_bytes(chain, run) + kept_bytes(chain, run)
-    return (int(chain.x[s] - (chain.xh[s] if j <= chain.held_until[s] else 0)) + later_held_bytes(chain, run)
-            + kept_bytes(chain, run))
+        return int(chain.x[s] - chain.xc[s]) + beside
+    return int(chain.x[s] - (chain.xh[s] if j <= chain.held_until[s] else 0)) + beside
 
 
 def forward_checkpoint_changes(chain: Chain, run: Recompute) -> list[tuple[int, int]]:
@@ -127,7 +127,7 @@ def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompu
             later = sum(pending[m + 1:])
             for j in run.stages:
                 missing = int(sum(a[l] for l in range(j, run.last + 1)))
-                checkpoint = rerun_checkpoint(chain, run, j)  # R_s reads it
+                checkpoint = rerun_checkpoint(chain, run, j)
                 out.append((n, j, base - later - missing + rerun_peak(chain, run, j) + checkpoint + int(chain.bs[n])))
     return out
 

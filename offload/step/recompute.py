@@ -64,7 +64,7 @@ def kept_bytes(chain: Chain, run: Recompute) -> int:
 
 def later_held_bytes(chain: Chain, run: Recompute) -> int:
     """What the re-runs of ``run``'s later stages read beside what the first one's checkpoint
-    holds (gradient-free tensors made inside the run, a rotary table): held from ``F(s+1)``
+    holds (tensors made inside the run before them, a rotary table): held from ``F(s+1)``
     until the rebuild, like the checkpoint (an upper bound while the model's code holds them
     too)."""
     return int(chain.xn[run.first + 1:run.last + 1].sum())

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Iterator
 
 import pytest
 
 from offload.errors import InfeasibleBudget
 from offload.solver.methods import Options, solve
-from offload.step.actions import Offload, Recompute
+from offload.step.actions import Offload, Recompute, first_checkpoint_release
 from offload.step.chain import Chain
+from offload.step.recompute import moved_checkpoint_bytes, run_op
 from offload.step.simulate import simulate
 
 
@@ -28,10 +30,23 @@ def all_runs(L: int) -> Iterator[list[Recompute]]:
 
 
 def with_options(chain: Chain, runs: list[Recompute]) -> Iterator[list[Recompute]]:
-    """``runs``, and each variant where runs of one stage re-run it in part (its in-stage options)."""
-    choices = [[r] + [Recompute(r.first, r.last, o.name) for o in chain.stage(r.first).options]
-               if r.first == r.last else [r] for r in runs]
+    """``runs``, and each variant where runs of one stage re-run it in part (its in-stage
+    options) or offload their checkpoint (every release and prefetch point)."""
+    choices = [list(_variants(chain, r)) for r in runs]
     return (list(c) for c in itertools.product(*choices))
+
+
+def _variants(chain: Chain, run: Recompute) -> Iterator[Recompute]:
+    if run.first != run.last:
+        yield run
+        return
+    n = run_op(chain, run)
+    for r in [run] + [Recompute(run.first, run.last, o.name) for o in chain.stage(run.first).options]:
+        yield r
+        if moved_checkpoint_bytes(chain, r):
+            for release in range(first_checkpoint_release(chain, r), chain.L + 1):
+                for prefetch in range(n, chain.L + 1):
+                    yield replace(r, release=release, prefetch=prefetch)
 
 
 def kept_casts(chain: Chain, rebuilt: set[int]) -> Iterator[tuple[int, ...]]:
@@ -42,7 +57,12 @@ def kept_casts(chain: Chain, rebuilt: set[int]) -> Iterator[tuple[int, ...]]:
 
 def brute_force(chain: Chain, budget: int, recompute: bool = False) -> float | None:
     """Best makespan over every schedule (offloads, kept weight casts, and with ``recompute``
-    every set of runs, in-stage options included)."""
+    every set of runs, in-stage options and offloaded checkpoints included)."""
+    return brute_force_each(chain, [budget], recompute)[0]
+
+
+def brute_force_each(chain: Chain, budgets: list[int], recompute: bool = False) -> list[float | None]:
+    """``brute_force`` for each budget, every schedule replayed once."""
     def options(i: int, rebuilt: set[int]) -> Iterator[Offload | None]:
         yield None
         if i in rebuilt:
@@ -50,7 +70,7 @@ def brute_force(chain: Chain, budget: int, recompute: bool = False) -> float | N
         for r in range(i + 1, chain.L + 1):
             for k in range(int(chain.need[i]), chain.L + 1):
                 yield Offload(i, r, k)
-    best = None
+    best: list[float | None] = [None] * len(budgets)
     every = (v for runs in all_runs(chain.L) for v in with_options(chain, runs)) if recompute else [[]]
     for runs in every:
         if not all(chain.can_recompute(r.first, r.last) for r in runs):
@@ -59,8 +79,9 @@ def brute_force(chain: Chain, budget: int, recompute: bool = False) -> float | N
         for combo in itertools.product(*[list(options(i, rebuilt)) for i in chain.offloadable]):
             for kept in kept_casts(chain, rebuilt):
                 sim = simulate(chain, [o for o in combo if o], recompute=runs, casts_kept=kept)
-                if sim.peak_bytes <= budget and (best is None or sim.makespan_s < best):
-                    best = sim.makespan_s
+                for n, budget in enumerate(budgets):
+                    if sim.peak_bytes <= budget and (best[n] is None or sim.makespan_s < best[n]):
+                        best[n] = sim.makespan_s
     return best
 
 

@@ -34,7 +34,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
     """``inputs``: stages carry what recomputation needs: ``input_bytes`` (a checkpoint),
     sometimes ``carry_bytes`` (less than the unit alive in the next forward) with part of the
     checkpoint in it (and in the held part), a smaller forward transient when recomputed, the
-    gradient live as the backward starts, sometimes ``recomputable: false``, and in a third of
+    gradient live as the backward starts, sometimes ``recomputable: false``, in half of the
+    stages the input's own storage (what an offloaded checkpoint moves), and in a third of
     the stages an in-stage option.  ``casts``:
     stages make weight casts (``None``: a third of the chains, some of their stages)."""
     L = draw(st.integers(min_stages, max_stages))
@@ -76,6 +77,9 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             st_["input_carried_bytes"] = draw(st.integers(0, min(st_["carry_bytes"], st_["input_bytes"])))
             if "held_bytes" in st_:
                 st_["input_held_bytes"] = draw(st.integers(0, min(st_["input_carried_bytes"], st_["held_bytes"])))
+        st_ = stages[-1]
+        if inputs and st_["input_bytes"] and draw(st.booleans()):
+            st_["input_own_bytes"] = draw(st.integers(1, st_["input_bytes"]))  # its checkpoint may move
         if inputs and stages[-1]["input_bytes"] and draw(st.integers(0, 3)) == 0:  # read by its re-run alone
             stages[-1]["rerun_held_bytes"] = draw(st.integers(1, stages[-1]["input_bytes"]))
         if inputs and draw(st.integers(0, 4)) == 0:

@@ -26,8 +26,9 @@ from offload.profiler import encodable
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.checkpointing import block_runs
 from offload.solver.methods import Options, solve
-from offload.step.actions import Offload
+from offload.step.actions import Offload, first_checkpoint_release
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.step.recompute import moved_checkpoint_bytes, run_op
 from offload.step.schedule import make_schedule
 from offload.step.simulate import simulate
 
@@ -53,7 +54,11 @@ def schedules(chain):
             # every other stage that can be re-run recomputed, the others offloaded
             "recompute": make_schedule(chain, [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable
                                                if i not in sorted(chain.recomputable)[::2]],
-                                       recompute=block_runs(chain)[::2])}
+                                       recompute=block_runs(chain)[::2]),
+            # every stage that can be re-run recomputed, its checkpoint offloaded at once
+            "moved-checkpoints": make_schedule(chain, [], recompute=[
+                dataclasses.replace(r, release=first_checkpoint_release(chain, r), prefetch=run_op(chain, r))
+                for r in block_runs(chain) if moved_checkpoint_bytes(chain, r)])}
 
 
 def checked(backend_class: type, cuda: FakeCuda) -> type:
@@ -120,13 +125,13 @@ def test_the_protocol_round_trip_is_race_free(monkeypatch):
     assert cuda.races == [] and same
 
 
-@pytest.mark.parametrize("name", ["everything", "solved", "late-release", "recompute"])
+@pytest.mark.parametrize("name", ["everything", "solved", "late-release", "recompute", "moved-checkpoints"])
 def test_the_cuda_backend_is_race_free_and_bit_exact(chain, name, monkeypatch):
     sched = schedules(chain)[name]
     cuda, equal, moved = train_steps(chain, sched, backends.CudaBackend, monkeypatch)
     assert cuda.races == [] and cuda.host_waits == []  # nor a device value read back
     assert equal
-    sim = simulate(chain, sched.offloads)
+    sim = simulate(chain, sched.offloads, recompute=sched.recompute)
     assert moved == (2 * sim.d2h_bytes, 2 * sim.h2d_bytes) != (0, 0)
     assert cuda.copies_issued == cuda.copies_run > 0
 

@@ -4,6 +4,8 @@ forward to the re-run, which reads them instead of running those ops, replaying 
 dropout masks; gradients bit for bit, no op above its prediction."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,8 +14,9 @@ from offload.errors import ScheduleRejected
 from offload.executor import Offloaded
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
-from offload.step.actions import Offload, Recompute
+from offload.step.actions import Offload, Recompute, first_checkpoint_release
 from offload.step.memory import no_offload_peak
+from offload.step.recompute import moved_checkpoint_bytes
 from offload.step.schedule import make_schedule
 from tests.runs import check_run, options_paying
 
@@ -49,6 +52,24 @@ def test_options_train_bit_exact_and_as_predicted(llama, backend):
     mixed = make_schedule(llama, [Offload(i, i + 1, int(llama.need[i])) for i in blocks[1::2]],
                           [Recompute(i, i, "every-other-matmul") for i in blocks[::2]])
     check_run(llama, mixed, backend, "every other matmul kept, the rest offloaded")
+
+
+def test_offloaded_checkpoints_train_bit_exact_and_as_predicted(llama):
+    """Every block re-run in part with its checkpoint (input and kept outputs) offloaded as
+    early as it frees anything; then whole blocks and the final norm, checkpoints released at
+    once or at the turn and fetched on demand or at once: gradients bit for bit, each op's
+    memory and the bytes moved as predicted."""
+    blocks = sorted({i for i, _ in llama.optional})
+    runs = [Recompute(i, i, "matmuls") for i in blocks]
+    runs = [replace(r, release=first_checkpoint_release(llama, r), prefetch=int(llama.need[i])) for i, r in zip(blocks, runs)]
+    assert all(moved_checkpoint_bytes(llama, r) > llama.stage(r.first).input_own_bytes for r in runs)
+    check_run(llama, make_schedule(llama, [], runs), "cpu-lazy", "every block in part, checkpoints moved")
+    whole = [Recompute(i, i) for i in sorted(llama.recomputable) if llama.stage(i).input_own_bytes]
+    assert len(whole) >= 3
+    moved = [replace(r, release=llama.L, prefetch=llama.L) if n % 2 else
+             replace(r, release=first_checkpoint_release(llama, r), prefetch=int(llama.need[r.first]))
+             for n, r in enumerate(whole)]
+    check_run(llama, make_schedule(llama, [], moved), "cpu-lazy", "whole stages, checkpoints moved")
 
 
 def test_a_reordered_rerun_is_refused(llama, monkeypatch):

@@ -175,11 +175,12 @@ def test_joint_is_never_worse_than_either_family_and_every_method_replays(cb):
     chain, budget = cb
     joint = solve(chain, budget, "ilp", JOINT)
     assert joint.simulation.makespan_s <= solve(chain, budget, "ilp", EXACT).simulation.makespan_s * (1 + REL)
-    for method in ("recompute-only", "checkpoint-sqrt", "checkpoint-blocks", "relax-lp", "relax-bw"):
+    for method in ("recompute-only", "checkpoint-sqrt", "checkpoint-blocks", "checkpoint-blocks-offload", "relax-lp",
+                   "relax-bw"):
         try:
             res = solve(chain, budget, method, JOINT)
         except Exception as exc:  # a recompute-only policy may not fit this budget
-            assert method in ("recompute-only", "checkpoint-sqrt", "checkpoint-blocks"), exc
+            assert method in ("recompute-only", "checkpoint-sqrt", "checkpoint-blocks", "checkpoint-blocks-offload"), exc
             continue
         s = res.schedule
         replay = s.simulate(chain, budget)

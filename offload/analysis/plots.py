@@ -32,6 +32,8 @@ _STYLE = {
     "recompute-only": ("darkgoldenrod", (0, (1, 1)), "8"), "checkpoint-sqrt": ("firebrick", (0, (1, 2)), "v"),
     "checkpoint-blocks": ("darkgreen", (0, (1, 2)), "^"), "checkpoint-matmuls": ("limegreen", (0, (1, 2)), "H"),
     "checkpoint-every-other-matmul": ("yellowgreen", (0, (1, 2)), "<"),
+    "checkpoint-blocks-offload": ("seagreen", (0, (3, 1, 1, 1)), ">"),
+    "checkpoint-matmuls-offload": ("mediumseagreen", (0, (3, 1, 1, 1)), "D"),
 }
 
 

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from offload.step.chain import EVERY_OTHER_MATMUL, MATMULS
@@ -109,6 +109,22 @@ class KeptOutputs(TorchDispatchMode):
         out = self.outputs[n][1]
         self.outputs[n], self.served = None, n + 1
         return out
+
+    def hand_over(self) -> list[torch.Tensor]:
+        """The kept outputs' tensors, in order, let go of (an offloaded checkpoint moves them);
+        ``take_back`` puts them (or copies) back in their places."""
+        out = []
+        for n, (func, value) in enumerate(self.outputs):
+            leaves, spec = tree_flatten(value)
+            out += [t for t in leaves if isinstance(t, torch.Tensor)]
+            self.outputs[n] = (func, (spec, [None if isinstance(t, torch.Tensor) else (t,) for t in leaves]))
+        return out
+
+    def take_back(self, tensors: list[torch.Tensor]) -> None:
+        """Undo ``hand_over`` with ``tensors`` in the same order."""
+        given = iter(tensors)
+        for n, (func, (spec, leaves)) in enumerate(self.outputs):
+            self.outputs[n] = (func, tree_unflatten([next(given) if t is None else t[0] for t in leaves], spec))
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:

@@ -16,13 +16,14 @@ from functools import cached_property
 from offload.step.chain import Chain, EncodedTensor
 from offload.step.encoding import encoded_bytes
 from offload.step.events import D2H, ENCODE, RECOMPUTE, StepEvents, step_events
+from offload.step.recompute import moved_checkpoint_bytes
 from offload.step.schedule import Schedule
 
 
 @dataclass(frozen=True)
 class StepPlan:
     events: StepEvents
-    planned_bytes: int  # all offloaded units' bytes, encoded ones as encoded (the host arena's size)
+    planned_bytes: int  # all offloaded units' and checkpoints' bytes, encoded ones as encoded (the host arena's size)
     encoders: dict[int, dict[int, EncodedTensor]]  # encoded unit -> storage index -> its encoding, as profiled
     unit_bytes: tuple[int, ...]  # per stage 0..L, the bytes its unit saves, as profiled
     casts_kept: frozenset[int] = frozenset()
@@ -34,7 +35,7 @@ class StepPlan:
     @cached_property
     def offloaded(self) -> frozenset[int]:
         """Stages whose units are copied to the host and back."""
-        return frozenset(e.stage for e in self.events.of(D2H))
+        return frozenset(e.stage for e in self.events.of(D2H) if e.run is None)
 
     @cached_property
     def recomputed(self) -> frozenset[int]:
@@ -55,11 +56,12 @@ class StepPlan:
     def from_schedule(cls, chain: Chain, schedule: Schedule) -> "StepPlan":
         events = step_events(chain, schedule.offloads, schedule.recompute, schedule.encode)
         chosen = {e.stage: chain.stage(e.stage).encoding(e.encoding) for e in events.of(ENCODE)}
-        moved = [e.stage for e in events.of(D2H)]
+        moved = [e.stage for e in events.of(D2H) if e.run is None]
+        checkpoints = [e.run for e in events.of(D2H) if e.run is not None]
         return cls(
             events=events,
             planned_bytes=sum(encoded_bytes(chain, i, chosen[i]) if i in chosen else chain.stage(i).saved_bytes
-                              for i in moved),
+                              for i in moved) + sum(moved_checkpoint_bytes(chain, r) for r in checkpoints),
             encoders={i: {t.index: t for t in e.tensors} for i, e in chosen.items()},
             unit_bytes=tuple(int(a) for a in chain.a),
             casts_kept=frozenset(schedule.casts_kept),

@@ -32,7 +32,11 @@ are replayed one after another from the checkpoint; each storage the replay save
 the buffer of the handle with the same place in the stage's saves.  A stage re-run in part
 (its in-stage option) also records, while its forward runs, what its kept ops output
 (``offload.core.selective.KeptOutputs``), holds it until the replay and hands it back
-there instead of running those ops again.
+there instead of running those ops again.  A run of one stage that offloads its checkpoint
+(docs/executor.md, "Offloaded checkpoints") takes the input and the kept outputs apart into
+their storages (``_Parts``) as the stage's forward ends, copies those like a unit's, drops
+them at the release, fetches them into fresh buffers and, once the rebuild has waited for
+that copy, puts the tensors together again as views of the buffers.
 
 A handle points at its own step, so a step's backward may run after later forwards have
 started; but a forward while an earlier step's graph is alive and its backward unfinished
@@ -54,7 +58,7 @@ from offload.core.encoders import ENCODERS, Encoder, flat_storage, usable_on
 from offload.core.rerun import NotRerunnable, StageProgram, StageRecorder
 from offload.core.selective import KeptOutputs
 from offload.core.staging import StageListener, Staging
-from offload.core.units import UnitTracker
+from offload.core.units import UnitTracker, storage_key
 from offload.errors import ChainMismatch
 from offload.models.spec import tensors_in
 from offload.step.actions import Recompute
@@ -117,6 +121,25 @@ class _Stored:
         self.aliases = {}
 
 
+class _Parts:
+    """Tensors that are views of a few storages (a checkpoint: the stage's input and what its
+    option keeps) taken apart: each distinct storage's bytes, and each tensor's place in them,
+    to put them together again as views of other buffers holding the same bytes."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.storages: list[torch.Tensor] = []
+        self.places: list[tuple[int, torch.dtype, torch.Size, tuple[int, ...], int]] = []
+        index: dict[int, int] = {}
+        for t in tensors:
+            n = index.setdefault(storage_key(t), len(self.storages))
+            if n == len(self.storages):
+                self.storages.append(_bytes_of(t))
+            self.places.append((n, t.dtype, t.size(), t.stride(), t.storage_offset()))
+
+    def rebuild(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [buffers[n].view(dtype).as_strided(size, stride, offset) for n, dtype, size, stride, offset in self.places]
+
+
 @dataclass(frozen=True)
 class _Handle:
     step: "_Step"
@@ -144,6 +167,7 @@ class _Step(StageListener):
         self.checkpoints: dict[int, torch.Tensor] = {}  # first stage of a run -> its input, until the rebuild
         self.kept: dict[int, KeptOutputs] = {}  # stage re-run in part -> its kept ops' outputs, until the rebuild
         self.keeping: KeptOutputs | None = None  # entered while such a stage's forward runs
+        self.moved: dict[int, tuple[_Parts, list[int]]] = {}  # stage -> its offloaded checkpoint's parts, held storages
 
     # ------------------------------------------------------------------ hooks (never traced by torch.compile)
     @torch.compiler.disable
@@ -252,6 +276,28 @@ class _Step(StageListener):
             self.keeping.__exit__(None, None, None)
             self.keeping = None
 
+    def _offload_checkpoint(self, k: int) -> None:
+        """Stage ``k``'s forward ended: its checkpoint (input, kept outputs) goes to the host."""
+        kept = self.kept.get(k)
+        parts = _Parts([self.checkpoints.pop(k)] + (kept.hand_over() if kept is not None else []))
+        sids = list(range(len(self.stored), len(self.stored) + len(parts.storages)))
+        self.stored += [_Stored(k, b, b.numel()) for b in parts.storages]
+        parts.storages = []  # held by the step's storages until the release
+        self.moved[k] = (parts, sids)
+        self._offload(sids)
+
+    def _checkpoint_back(self, k: int) -> None:
+        """The rebuild of stage ``k`` waits for its checkpoint's copy, then reads it from the buffers."""
+        parts, sids = self.moved.pop(k)
+        for sid in sids:
+            self.backend.wait(self.stored[sid].h2d)
+        x, *kept = parts.rebuild([self.stored[sid].buffer for sid in sids])
+        for sid in sids:
+            self.stored[sid].buffer = None  # the tensors hold the buffers now
+        self.checkpoints[k] = x
+        if kept:
+            self.kept[k].take_back(kept)
+
     def _rebuild(self, run: Recompute) -> None:
         """Replay ``run`` from its checkpoint (docs/model.md, "Recomputation")."""
         x = self.checkpoints.pop(run.first, None)
@@ -288,34 +334,41 @@ class _Step(StageListener):
 
     def _run(self, e: Event) -> None:
         """Do what event ``e`` of the step says (``ENCODE`` and ``DECODE`` happen in the pack and
-        unpack hooks, as the saved tensors pass)."""
-        if e.kind == D2H:
-            self._offload(e.stage)
-        elif e.kind == RELEASE:
-            self._release(e.stage)
+        unpack hooks, as the saved tensors pass); a run's copies, release and wait act on its
+        offloaded checkpoint."""
+        if e.kind == RECOMPUTE:
+            self._rebuild(e.run)
+        elif e.run is not None and e.kind == D2H:
+            self._offload_checkpoint(e.stage)
+        elif e.run is not None and e.kind == WAIT:
+            self._checkpoint_back(e.stage)
         elif e.kind == FREE:
             self._free(e.stage)
-        elif e.kind == H2D:
-            self._prefetch(e.stage)
-        elif e.kind == RECOMPUTE:
-            self._rebuild(e.run)
-        elif e.kind == WAIT:
-            for sid in self.units[e.stage]:
-                self.backend.wait(self.stored[sid].h2d)
+        elif e.kind in (D2H, RELEASE, H2D, WAIT):
+            sids = self.moved[e.stage][1] if e.run is not None else self.units[e.stage]
+            if e.kind == D2H:
+                self._offload(sids)
+            elif e.kind == RELEASE:
+                self._release(sids)
+            elif e.kind == H2D:
+                self._prefetch(sids)
+            elif e.kind == WAIT:
+                for sid in sids:
+                    self.backend.wait(self.stored[sid].h2d)
 
-    def _offload(self, unit: int) -> None:
-        """The D2H copies of ``unit``'s storages into host slots."""
+    def _offload(self, sids: list[int]) -> None:
+        """The D2H copies of these held storages into host slots."""
         arena = self.runtime.arena
-        for sid in self.units[unit]:
+        for sid in sids:
             s = self.stored[sid]
             spare = s.nbytes // 8 if s.codec is not None and s.codec[0].variable_size else 0
             s.slot_index, s.slot = arena.slot(s.nbytes, spare=spare)
             s.d2h = self.backend.d2h(s.device, s.slot, arena.guard(s.slot_index))
             self.runtime.d2h_bytes += s.nbytes
 
-    def _release(self, unit: int) -> None:
-        """Wait for ``unit``'s D2H copies, then drop the step's references to its device storages."""
-        for sid in self.units[unit]:
+    def _release(self, sids: list[int]) -> None:
+        """Wait for these storages' D2H copies, then drop the step's references to them."""
+        for sid in sids:
             s = self.stored[sid]
             self.backend.wait(s.d2h)
             s.drop_aliases()
@@ -323,9 +376,9 @@ class _Step(StageListener):
             s.device = None
             s.d2h.keep.clear()
 
-    def _prefetch(self, unit: int) -> None:
-        """The H2D copies of ``unit``'s storages into fresh device buffers."""
-        for sid in self.units[unit]:
+    def _prefetch(self, sids: list[int]) -> None:
+        """The H2D copies of these held storages into fresh device buffers."""
+        for sid in sids:
             s = self.stored[sid]
             s.buffer = self.backend.empty(s.nbytes)
             s.h2d = self.backend.h2d(s.slot, s.buffer, s.d2h)

@@ -72,6 +72,7 @@ class StageMeasurement:
     recast_s: float = 0.0  # what making them again takes (timed on their own)
     rerun_held_bytes: int = 0  # of input_bytes, what its re-run holds that the stage before's does not
     rerun_output: bool = True  # its re-run rebuilds its output (else it can only end a recomputed run)
+    input_own_bytes: int = 0  # of input_bytes, the input's own storage (what an offloaded checkpoint moves)
 
 
 @dataclass
@@ -87,7 +88,7 @@ class MemoryPass:
     op_lives: list[int] | None  # the bytes live as each forward op (1, 2, ...: index 0, 1, ...) made its outputs (CPU only)
     starts: list[int]  # the bytes live as each F_i starts
     bwd_starts: list[int]  # the bytes live as each B_i starts (the gradient flowing in is new)
-    inputs: list[int]  # input_bytes of each stage
+    inputs: list[tuple[int, int]]  # input_bytes of each stage, and of it the input's own storage
     own: list[dict[int, int]]  # per stage, index -> bytes of its checkpoint's storages in its own unit
     new_held: list[int]  # per stage, bytes its re-run holds that the stage before's does not
     output_rebuilt: list[bool]  # per stage, whether its re-run rebuilds its output (else it can only end a run)
@@ -149,7 +150,7 @@ class _Recording(Boundaries):
         super().__init__(L, on_boundary, tracker)
         self.device = device
         self.recorder: StageRecorder | None = None
-        self.inputs, self.why = [0] * L, ["the last stage's backward follows its forward at once"] * L
+        self.inputs, self.why = [(0, 0)] * L, ["the last stage's backward follows its forward at once"] * L
         self.own: list[dict[int, int]] = [{} for _ in range(L)]  # per stage, its checkpoint's storages in its unit
         self.new_held = [0] * L  # per stage, bytes its re-run holds that the stage before's does not
         self.output_rebuilt = [True] * L  # per stage, whether its re-run rebuilds its output
@@ -164,7 +165,7 @@ class _Recording(Boundaries):
         try:
             self.output_rebuilt[k - 1] = recorder.finish(x).output is not None
             self.why[k - 1] = None
-            self.inputs[k - 1] = recorder.input_bytes + recorder.held_bytes()
+            self.inputs[k - 1] = (recorder.input_bytes + recorder.held_bytes(), recorder.input_bytes)
             for key in recorder.keys():
                 record = self.tracker.record_of(key)
                 if record is not None and record.unit == k:
@@ -612,14 +613,14 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
         resident += saved[i]
         stages.append(StageMeasurement(statistics.median(t[0][i] for t in times), statistics.median(t[1][i] for t in times),
                                        saved[i], fwd_peak, bwd_peak, need[i], held[i].held_bytes,
-                                       held[i].held_until, held[i].carry_bytes, mem.inputs[i], mem.rerun[i] is None,
+                                       held[i].held_until, held[i].carry_bytes, mem.inputs[i][0], mem.rerun[i] is None,
                                        bwd_start, min(fwd_peak, held[i].recomputed_fwd_peak_bytes),
                                        sum(b for n, b in mem.own[i].items() if n in held[i].carried),
                                        sum(b for n, b in mem.own[i].items() if n in held[i].held),
                                        statistics.median(t[2][i] for t in times),
                                        statistics.median(t[3][i] for t in times),
                                        sum(r.nbytes for r in mem.casts[i]), recast_s[i], mem.new_held[i],
-                                       mem.output_rebuilt[i]))
+                                       mem.output_rebuilt[i], mem.inputs[i][1]))
     step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "

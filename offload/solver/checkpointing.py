@@ -14,14 +14,21 @@ in-stage option (docs/model.md, "In-stage options"); a stage without that option
 profiler offers it where it keeps less than the unit and re-runs less than the forward)
 is recomputed whole.  ``checkpoint-every-other-matmul`` is torchtitan's default "op" policy:
 the same with each block's ``every-other-matmul`` option (every second matmul re-run too).
+``checkpoint-blocks-offload`` and ``checkpoint-matmuls-offload`` are what users combine with
+them today, torchtune's ``OffloadActivations`` around checkpointed blocks: each block's
+checkpoint (its input, and what its option keeps) offloaded as its forward ends, released
+as soon as that frees it and fetched one op ahead of its rebuild (docs/model.md,
+"Offloaded checkpoints").
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable
 
-from offload.step.actions import Recompute
+from offload.step.actions import Recompute, first_checkpoint_release
 from offload.step.chain import EVERY_OTHER_MATMUL, MATMULS, Chain
+from offload.step.recompute import moved_checkpoint_bytes, run_op
 
 
 def sqrt_runs(chain: Chain) -> list[Recompute]:
@@ -67,6 +74,17 @@ def recomputable_parts(chain: Chain, first: int, last: int) -> list[Recompute]:
     return parts
 
 
+def checkpoints_offloaded(policy: Callable[[Chain], list[Recompute]]) -> Callable[[Chain], list[Recompute]]:
+    """``policy``'s runs, each run of one stage offloading its checkpoint (torchtune's
+    ``OffloadActivations``): released as soon as that frees it, fetched one op ahead."""
+    def runs(chain: Chain) -> list[Recompute]:
+        return [replace(r, release=first_checkpoint_release(chain, r), prefetch=min(chain.L, run_op(chain, r) + 1))
+                if moved_checkpoint_bytes(chain, r) else r for r in policy(chain)]
+    return runs
+
+
 IN_STAGE = {"checkpoint-matmuls": MATMULS, "checkpoint-every-other-matmul": EVERY_OTHER_MATMUL}  # policy -> its option
 POLICIES = {"checkpoint-sqrt": sqrt_runs, "checkpoint-blocks": block_runs,
             **{name: option_runs(option) for name, option in IN_STAGE.items()}}
+POLICIES.update({"checkpoint-blocks-offload": checkpoints_offloaded(block_runs),
+                 "checkpoint-matmuls-offload": checkpoints_offloaded(option_runs(MATMULS))})

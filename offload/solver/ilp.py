@@ -32,7 +32,12 @@ valid cuts leaves the model exact, and the build stays O(L^2).
 With ``max_run > 0`` the model also chooses recomputation (docs/model.md, "Recomputation"):
 one binary ``g_{s,e}`` per run ``s..e`` of at most ``max_run`` stages, and one per in-stage
 option of a stage (a run of that stage re-run in part), a stage in at most one run and
-never also offloaded or encoded.  A run's memory terms (its units gone from
+never also offloaded or encoded.  A run of one stage whose checkpoint can move may offload
+it (docs/model.md, "Offloaded checkpoints"): the checkpoint is another *form* of the
+stage's slot, beside its encodings (``x``, ``z``, ``y`` for it, ``x <= g``), so its copies
+take the unit's places in the D2H and H2D clocks; its memory terms are the checkpoint's, and
+its H2D wait delays the rebuild (that run's and the ones rebuilt after it) rather than
+``Bn``'s own start.  A run's memory terms (its units gone from
 the boundary after ``F(i+1)`` to its rebuild, its checkpoint meanwhile) are linear in
 ``g``; each re-run forward op gets a budget row that binds only when its run is chosen
 (a big-M row); the rebuild delays ``Bn``'s start after its prefetches are issued.
@@ -58,19 +63,20 @@ from typing import Mapping, Sequence
 import numpy as np
 import pulp
 
-from offload.step.actions import Choice, Offload, Recompute
+from offload.step.actions import Choice, Offload, Recompute, first_checkpoint_release
 from offload.step.chain import Chain, Encoding
 from offload.step.encoding import apply, encoded_bytes
 from offload.step.events import prefetch_order
 from offload.step.memory import forward_checkpoint, op_memory
-from offload.step.recompute import (checkpoint_bytes, forward_peak, forward_seconds, rerun_checkpoint, rerun_peak, run_op,
-                                    run_seconds)
+from offload.step.recompute import (checkpoint_bytes, forward_peak, forward_seconds,
+                                    moved_checkpoint_bytes, rerun_checkpoint, rerun_peak, run_op, run_seconds)
 from offload.step.simulate import simulate
 
 from .deadline import Deadline
 from .pulp_backend import SolveOutcome, run
 
 RAW = ""  # the option "not encoded"
+CHECKPOINT = "@"  # a slot's form that moves a recomputed run's checkpoint ("@" + its in-stage option)
 CUT_NONZEROS = 400_000  # per cut family, beyond which only the closest (k, j) pairs are kept
 
 
@@ -123,6 +129,11 @@ class _Affine:
 _Form = _Affine | pulp.LpVariable | float | int
 
 
+def _value(form: pulp.LpVariable | float) -> float:
+    """A variable's value in the solver's incumbent, or a constant."""
+    return (form.varValue or 0.0) if isinstance(form, pulp.LpVariable) else float(form)
+
+
 def _affine(*parts: tuple[_Form, float]) -> _Affine:
     out = _Affine()
     for form, coef in parts:
@@ -154,10 +165,11 @@ class Model:
         self.B = budget / self.mu
         self.lp = pulp.LpProblem("offload", pulp.LpMinimize)
         self._rows = 0
+        self.run_list = self._candidate_runs(max_run)
         self._options(dict(options or {}))
         self._release_windows()
         self._decisions()
-        self._runs(max_run)
+        self._runs()
         self._casts()
         self._memory_rows()
         self._durations()
@@ -213,8 +225,17 @@ class Model:
             self.opts[i] = [d.encoding]
         self.size = {(i, o): (chain.a[i] if o == RAW else encoded_bytes(chain, i, enc[i, o])) / self.mu
                      for i in range(1, L + 1) for o in self.opts[i]}
-        self.dd = {(i, o): p.d2h_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.opts[i]}
-        self.hd = {(i, o): p.h2d_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.opts[i]}
+        self.moving: dict[tuple[int, str], Recompute] = {}  # (stage, form) -> the run whose checkpoint it moves
+        self.forms = {i: list(o) for i, o in self.opts.items()}  # what may move in a stage's slot
+        for r in self.run_list:
+            moved = moved_checkpoint_bytes(chain, r)
+            if moved and r.first in self.U:
+                form = CHECKPOINT + r.option
+                self.moving[r.first, form] = r
+                self.forms[r.first].append(form)
+                self.size[r.first, form] = moved / self.mu
+        self.dd = {(i, o): p.d2h_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.forms[i]}
+        self.hd = {(i, o): p.h2d_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.forms[i]}
         self.f = self.chain.f / self.tau
         self.b = (self.chain.b - self.chain.rc) / self.tau  # each backward op at its shortest (casts kept)
 
@@ -224,10 +245,10 @@ class Model:
         return i in self.U and (d is None or d.offload is not None)
 
     def _max_d2h(self, i: int) -> float:
-        return max(self.dd[i, o] for o in self.opts[i]) if self._moves(i) else 0.0
+        return max(self.dd[i, o] for o in self.forms[i]) if self._moves(i) else 0.0
 
     def _max_h2d(self, i: int) -> float:
-        return max(self.hd[i, o] for o in self.opts[i]) if self._moves(i) else 0.0
+        return max(self.hd[i, o] for o in self.forms[i]) if self._moves(i) else 0.0
 
     def _release_windows(self) -> None:
         """``R_i``: the first boundary by which ``Ui``'s copy has surely ended (later releases are
@@ -263,31 +284,41 @@ class Model:
             if len(self.opts[i]) > 1:
                 self._row(f"one_encoding_{i}", _affine(*((self.c[i, o], 1.0) for o in self.opts[i][1:])), "<=", 1)
         movable = [i for i in self.free if i in self.U]
-        self.x = {(i, o): self._var(f"offload_{i}_{n}", True) for i in movable for n, o in enumerate(self.opts[i])}
+        self.x = {(i, o): self._var(f"offload_{i}_{n}", True) for i in movable for n, o in enumerate(self.forms[i])}
         for (i, o), v in self.x.items():
-            if len(self.opts[i]) > 1:
-                self._row(f"offload_needs_choice_{i}_{self.opts[i].index(o)}",
+            if len(self.opts[i]) > 1 and (i, o) not in self.moving:  # a checkpoint's: x <= g (``_runs``)
+                self._row(f"offload_needs_choice_{i}_{self.forms[i].index(o)}",
                           _affine((v, 1.0)).add(self.chosen(i, o), -1.0), "<=")
-        self.z = {(i, o, j): self._var(f"released_{i}_{self.opts[i].index(o)}_{j}", True)
-                  for i in movable for o in self.opts[i] for j in range(i + 1, self.R[i])}
-        self.y = {(i, o, j): self._var(f"fetched_{i}_{self.opts[i].index(o)}_{j}", True)
-                  for i in movable for o in self.opts[i] for j in range(self.need[i] + 1, self.cap[i] + 1)}
+        self.z = {(i, o, j): self._var(f"released_{i}_{self.forms[i].index(o)}_{j}", True)
+                  for i in movable for o in self.forms[i] for j in range(self.first_release(i, o), self.R[i])}
+        self.y = {(i, o, j): self._var(f"fetched_{i}_{self.forms[i].index(o)}_{j}", True)
+                  for i in movable for o in self.forms[i] for j in range(self.need[i] + 1, self.cap[i] + 1)}
         for (i, o, j), v in self.z.items():
-            self._row(f"release_monotone_{i}_{self.opts[i].index(o)}_{j}",
+            self._row(f"release_monotone_{i}_{self.forms[i].index(o)}_{j}",
                       _affine((v, 1.0)).add(self.released(i, o, j + 1), -1.0), "<=")
         for (i, o, j), v in self.y.items():
-            self._row(f"fetch_monotone_{i}_{self.opts[i].index(o)}_{j}",
+            self._row(f"fetch_monotone_{i}_{self.forms[i].index(o)}_{j}",
                       _affine((v, 1.0)).add(self.fetched(i, o, j - 1), -1.0), "<=")
 
-    def _runs(self, max_run: int) -> None:
-        """``g_{s,e}``: stages ``s..e`` recomputed as one run; a stage in one run at most, and
-        then neither offloaded nor encoded."""
+    def _candidate_runs(self, max_run: int) -> list[Recompute]:
+        """The runs this model may choose: of at most ``max_run`` stages, and the in-stage options."""
         L = self.chain.L
+        if not max_run:
+            return []
         runs = [Recompute(s, e) for s in range(1, L) for e in range(s, min(L - 1, s + max_run - 1) + 1)
-                if self.chain.can_recompute(s, e)] if max_run else []
-        runs += [Recompute(i, i, name) for i, name in self.chain.optional] if max_run else []
+                if self.chain.can_recompute(s, e)]
+        return runs + [Recompute(i, i, name) for i, name in self.chain.optional]
+
+    def _runs(self) -> None:
+        """``g_{s,e}``: stages ``s..e`` recomputed as one run; a stage in one run at most, and
+        then neither offloaded nor encoded; its checkpoint offloaded only when it runs."""
+        L = self.chain.L
         self.g = {r: self._var(f"recompute_{r.first}_{r.last}" + (f"_{r.option}" if r.option else ""), True)
-                  for r in runs}
+                  for r in self.run_list}
+        for (i, o), r in self.moving.items():
+            if (i, o) in self.x:
+                self._row(f"checkpoint_needs_run_{i}_{self.forms[i].index(o)}",
+                          _affine((self.x[i, o], 1.0), (self.g[r], -1.0)), "<=")
         self.run_at: dict[int, list[Recompute]] = {}  # n -> runs rebuilt at the start of B_n
         self.run_of_option: dict[int, list[Recompute]] = {}  # stage -> its runs in part
         a = self.chain.a
@@ -346,9 +377,15 @@ class Model:
             return float(self._moves(i))
         return self.x.get((i, o), 0.0)
 
+    def first_release(self, i: int, o: str) -> int:
+        """The earliest release point of what moves in stage ``i``'s slot in form ``o``."""
+        run = self.moving.get((i, o))
+        return i + 1 if run is None else first_checkpoint_release(self.chain, run)
+
     def released(self, i: int, o: str, j: int) -> _Form:
-        """1 if ``Ui`` (option ``o``) is released at or before boundary ``j``."""
-        if j <= i or not self._moves(i):
+        """1 if ``Ui`` (option ``o``: an encoding, or a checkpoint's form) is released at or
+        before boundary ``j``."""
+        if j <= i or not self._moves(i) or j < self.first_release(i, o):
             return 0.0
         d = self.decided.get(i)
         if d is not None:
@@ -404,6 +441,8 @@ class Model:
                     for opt in self.opts[i]:
                         row.add(self.chosen(i, opt), self.size[i, opt])
                         row.add(self.released(i, opt, j - 1), -max(0.0, self.size[i, opt] - held))
+                    for opt in self.forms[i][len(self.opts[i]):]:  # an offloaded checkpoint, once released
+                        row.add(self.released(i, opt, j - 1), -self.size[i, opt])
                 if j not in self.decided:
                     row.add(self._extra(j, "fwd_extra_bytes"))
                 if j > 1 and j - 1 not in self.decided:
@@ -428,9 +467,10 @@ class Model:
                 for i in self.free:
                     if i > j:
                         break
-                    for opt in self.opts[i]:
-                        row.add(self.chosen(i, opt), self.size[i, opt])
-                        if self._moves(i) and j > need[i]:
+                    for opt in self.forms[i]:
+                        if opt in self.opts[i]:
+                            row.add(self.chosen(i, opt), self.size[i, opt])
+                        if self._moves(i) and j > need[i]:  # a unit, or a checkpoint not rebuilt yet
                             row.add(self.offloaded(i, opt), -self.size[i, opt])
                             row.add(self.fetched(i, opt, j), self.size[i, opt])
                     if j <= need[i]:
@@ -505,9 +545,9 @@ class Model:
                     self.bdur[self.need[i]].add(self.c[i, o], self.enc[i, o].decode_s / self.tau)
 
     def moved_d2h(self, i: int) -> _Affine:
-        """Duration of ``Ui``'s D2H copy (0 when kept)."""
+        """Duration of the D2H copy in stage ``i``'s slot (0 when nothing moves)."""
         out = _Affine()
-        for o in self.opts[i]:
+        for o in self.forms[i]:
             out.add(self.offloaded(i, o), self.dd[i, o])
         return out
 
@@ -540,7 +580,7 @@ class Model:
         for (i, j), M in self.M_rel.items():  # release waits that can bind
             # w_j >= d_i - M (1 - released_by_j)
             row = _affine((self.w[j], 1.0), (self.d[i], -1.0), (M, 1.0))
-            for o in self.opts[i]:
+            for o in self.forms[i]:
                 row.add(self.released(i, o, j), -M)
             self._row(f"release_wait_{i}_{j}", row, ">=")
 
@@ -590,9 +630,17 @@ class Model:
                     continue
                 # s_need >= clock - M (1 - prefetched at k)
                 row = _affine((self.s[need[i]], 1.0), (v, -1.0), (M, 1.0))
-                for m in moved.values():
-                    row.add(m, -M)
+                for o in self.opts[i]:
+                    row.add(moved[o], -M)
                 self._row(f"h2d_wait_{i}_{k}", row, ">=")
+                for o in self.forms[i][len(self.opts[i]):]:
+                    # the rebuild waits: s_need >= clock + (this run's and later rebuilds) - M (1 - prefetched at k)
+                    run = self.moving[i, o]
+                    row = _affine((self.s[need[i]], 1.0), (v, -1.0), (M, 1.0), (moved[o], -M))
+                    for r in self.run_at[need[i]]:
+                        if r.first <= run.first:
+                            row.add(self.g[r], -run_seconds(self.chain, r) / self.tau)
+                    self._row(f"rebuild_wait_{i}_{self.forms[i].index(o)}_{k}", row, ">=")
 
     def _slots(self) -> dict[int, list[int]]:
         """Per prefetch point ``k``, the units that can be prefetched there in this model (each
@@ -608,8 +656,8 @@ class Model:
         return slots
 
     def _prefetched_at(self, i: int, k: int) -> dict[str, _Form]:
-        """Per option, 1 if ``Ui``'s prefetch point is exactly ``k``."""
-        return {o: _affine((self.fetched(i, o, k), 1.0), (self.fetched(i, o, k + 1), -1.0)) for o in self.opts[i]}
+        """Per form of stage ``i``'s slot, 1 if its prefetch point is exactly ``k``."""
+        return {o: _affine((self.fetched(i, o, k), 1.0), (self.fetched(i, o, k + 1), -1.0)) for o in self.forms[i]}
 
     # ------------------------------------------------------------------ cuts
     @staticmethod
@@ -643,7 +691,7 @@ class Model:
             row = _affine((self.w[j], 1.0), (self.w[k - 1], -1.0)).add(self.fdur[k], -1.0)
             for i in range(k, j):
                 if self._moves(i):
-                    for o in self.opts[i]:
+                    for o in self.forms[i]:
                         row.add(self.released(i, o, j), -self.dd[i, o])
             self._row(f"cut_d2h_{k}_{j}", row, ">=")
 
@@ -660,7 +708,7 @@ class Model:
                 continue
             row = _affine((self.s[j], 1.0)).add(self.issue[k], -1.0)
             for i in units:
-                for o in self.opts[i]:
+                for o in self.forms[i]:
                     row.add(self.offloaded(i, o), -self.hd[i, o])
                     row.add(self.fetched(i, o, k + 1), self.hd[i, o])
             self._row(f"cut_h2d_{j}_{k}", row, ">=")
@@ -672,7 +720,7 @@ class Model:
         recomputed ``runs`` and the kept casts (decided units as decided); returns its
         makespan (s)."""
         encode = dict(encode or {})
-        chosen_runs = set(runs)
+        chosen_runs = {r.kept_on_device() for r in runs}
         if not chosen_runs <= set(self.g):
             raise ValueError(f"runs {sorted(chosen_runs - set(self.g))} are not in this model")
         for key, v in self.g.items():
@@ -682,12 +730,16 @@ class Model:
             v.setInitialValue(1 if i in kept else 0)
         L, tau = self.chain.L, self.tau
         offloads = [Offload(o.stage, min(o.release, self.R.get(o.stage, o.release)), o.prefetch) for o in offloads]
-        by = {o.stage: o for o in offloads}
+        runs = [replace(r, release=min(r.release, max(self.R[r.first], self.first_release(r.first, CHECKPOINT + r.option))))
+                if r.moves else r for r in runs]
+        by = {o.stage: o for o in offloads}  # per slot what moves in it: (release, prefetch) and its form
+        by.update({r.first: Offload(r.first, r.release, r.prefetch) for r in runs if r.moves})
+        form = {r.first: CHECKPOINT + r.option for r in runs if r.moves}
         for (i, o), v in self.c.items():
             v.setInitialValue(1 if encode.get(i) == o else 0)
 
         def mine(i: int, o: str) -> bool:
-            return i in by and encode.get(i, RAW) == o
+            return i in by and form.get(i, encode.get(i, RAW)) == o
 
         for (i, o), v in self.x.items():
             v.setInitialValue(1 if mine(i, o) else 0)
@@ -696,15 +748,15 @@ class Model:
         for (i, o, j), v in self.y.items():
             v.setInitialValue(1 if mine(i, o) and by[i].prefetch >= j else 0)
         sim = simulate(self.chain, offloads, encode=encode, recompute=runs, casts_kept=kept)
-        derived = sim.chain
         for j in range(1, L):  # w_j is the start of F_{j+1}; w_L the start of B_L before prefetch waits
             self.w[j].setInitialValue(sim.start[j] / tau)
         last_release = max([sim.end[L - 1]] + [c.end for c in sim.copies if c.direction == "D2H"
                                                 and by[c.stage].release == L])
         self.w[L].setInitialValue(last_release / tau)
+        d2h = {c.stage: (c.end - c.start) / tau for c in sim.copies if c.direction == "D2H"}
         clock = 0.0
         for i, v in self.d.items():
-            clock = max(clock, sim.end[i - 1] / tau) + (derived.d2h_s(i) / tau if i in by else 0.0)
+            clock = max(clock, sim.end[i - 1] / tau) + d2h.get(i, 0.0)
             v.setInitialValue(clock)
         for j in range(1, L + 1):  # s_j ends B_j at its end, a wait for the host included
             self.s[j].setInitialValue((sim.start[2 * L - j] + sim.host_wait[2 * L - j]) / tau)
@@ -723,21 +775,28 @@ class Model:
         return sorted({i for i, v in self.k.items() if (v.varValue or 0) > 0.5} | set(self.casts_fixed))
 
     def read_runs(self) -> list[Recompute]:
-        """The recomputed runs in the solver's incumbent."""
-        return sorted(r for r, v in self.g.items() if (v.varValue or 0) > 0.5)
+        """The recomputed runs in the solver's incumbent, with their checkpoints' points where moved."""
+        out = {r: r for r, v in self.g.items() if (v.varValue or 0) > 0.5}
+        for (i, o), r in self.moving.items():
+            if r in out and (self.x[i, o].varValue or 0) > 0.5:
+                out[r] = replace(r, **dict(zip(("release", "prefetch"), self._points(i, o))))
+        return sorted(out.values())
+
+    def _points(self, i: int, o: str) -> tuple[int, int]:
+        """The release and prefetch points of what moves in stage ``i``'s slot in form ``o``."""
+        L = self.chain.L
+        r = next(j for j in range(i + 1, L + 1) if _value(self.released(i, o, j)) > 0.5)
+        k = max([self.need[i]] + [j for j in range(self.need[i] + 1, self.cap[i] + 1)
+                                  if (self.y[i, o, j].varValue or 0) > 0.5])
+        return r, k
 
     def read(self) -> tuple[list[Offload], dict[int, str]]:
         """The schedule in the solver's incumbent (binaries rounded), decided units included."""
         encode = {i: o for (i, o), v in self.c.items() if (v.varValue or 0) > 0.5}
         out = []
-        L = self.chain.L
         for (i, o), v in self.x.items():
-            if (v.varValue or 0) < 0.5:
-                continue
-            r = next(j for j in range(i + 1, L + 1) if j >= self.R[i] or (self.z[i, o, j].varValue or 0) > 0.5)
-            k = max([self.need[i]] + [j for j in range(self.need[i] + 1, self.cap[i] + 1)
-                                      if (self.y[i, o, j].varValue or 0) > 0.5])
-            out.append(Offload(i, r, k))
+            if (v.varValue or 0) > 0.5 and (i, o) not in self.moving:
+                out.append(Offload(i, *self._points(i, o)))
         for i, d in self.decided.items():
             if d.encoding != RAW:
                 encode[i] = d.encoding

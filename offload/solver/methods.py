@@ -289,8 +289,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("checkpoint-blocks", "per-block activation checkpointing: every stage but the last recomputed from its own input", _checkpointing("checkpoint-blocks")),
     Method("checkpoint-matmuls", "op-level selective checkpointing (torchtitan's \"save the matmuls\"): checkpoint-blocks, each block keeping its matmul and attention outputs", _checkpointing("checkpoint-matmuls")),
     Method("checkpoint-every-other-matmul", "torchtitan's default op-level policy: checkpoint-matmuls, every second matmul of a block re-run too", _checkpointing("checkpoint-every-other-matmul")),
+    Method("checkpoint-blocks-offload", "torchtune's OffloadActivations with per-block checkpointing: checkpoint-blocks, each block's input offloaded as soon as that frees it, fetched one op ahead of its rebuild", _checkpointing("checkpoint-blocks-offload")),
+    Method("checkpoint-matmuls-offload", "torchtune's OffloadActivations with op-level selective checkpointing: checkpoint-matmuls, each block's input and kept outputs offloaded alike", _checkpointing("checkpoint-matmuls-offload")),
 ]}
-RECOMPUTING = {"recompute-only", "checkpoint-sqrt", "checkpoint-blocks", *checkpointing.IN_STAGE}  # methods that recompute whatever the options
+RECOMPUTING = {"recompute-only", *checkpointing.POLICIES}  # methods that recompute whatever the options
 RETIMED = {"torch-offload"}  # methods that solve the ILP first and time its choice their own way
 
 

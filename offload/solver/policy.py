@@ -30,7 +30,7 @@ from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain
 from offload.step.events import prefetch_order
 from offload.step.memory import floor_savings, forward_checkpoint_changes, op_memory
-from offload.step.recompute import forward_peak
+from offload.step.recompute import forward_peak, moved_checkpoint_bytes
 
 Points = dict[int, int]
 
@@ -145,11 +145,13 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
 
 def _checkpoint_changes(chain: Chain, runs: Iterable[Recompute]) -> np.ndarray:
     """Per forward op ``Fj``, how much the checkpoints of ``runs`` hold more than during
-    ``F(j-1)``: O(L + runs), not O(L x runs)."""
+    ``F(j-1)`` (an offloaded one less from the op after its release): O(L + runs), not O(L x runs)."""
     change = np.zeros(chain.L + 2, dtype=np.int64)
     for run in runs:
         for j, delta in forward_checkpoint_changes(chain, run):
             change[j] += delta
+        if run.moves:
+            change[run.release + 1] -= moved_checkpoint_bytes(chain, run)
     return change
 
 

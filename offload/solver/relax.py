@@ -40,14 +40,16 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
 
 from offload.step import encoding
-from offload.step.actions import Offload, Recompute
+from offload.step.actions import Offload, Recompute, first_checkpoint_release
 from offload.step.chain import Chain
 from offload.step.memory import floor_offloads, floor_savings, smallest_feasible_budget
+from offload.step.recompute import moved_checkpoint_bytes, run_op
 from offload.step.simulate import simulate
 
 from . import encoded_floor
@@ -117,7 +119,9 @@ class _Moves:
     long chains, so that a pass fits the time budget), change one unit's encoding, and with
     ``max_run``: recompute one more stage (a run of one, the unit no longer offloaded),
     undo a run (its units kept, or offloaded), merge two adjacent runs (up to ``max_run``
-    stages) or split one, re-run a run of one stage whole or in part (its in-stage options).
+    stages) or split one, re-run a run of one stage whole or in part (its in-stage options),
+    offload its checkpoint (released as early as that frees it, fetched on demand or one op
+    ahead) or keep it.
 
     Held as small descriptions and built into states one at a time when read: on a chain of
     10,000 stages there are ~10^5 moves, each a set of thousands of units once built."""
@@ -142,6 +146,7 @@ class _Moves:
             self.moves += [("split", r) for r in self.runs if r.last > r.first]
             self.moves += [("option", r, name) for r in self.runs if r.last == r.first
                            for name in ["", *(o.name for o in chain.stage(r.first).options)] if name != r.option]
+            self.moves += [("checkpoint", r, moved) for r in self.runs for moved in _checkpoint_places(chain, r)]
             self.moves += [("shrink", r, i) for r in self.runs if r.last > r.first for i in (r.first, r.last)]
             self.moves += [("extend", r, i) for r in self.runs if len(r.stages) < max_run for i in (r.first - 1, r.last + 1)
                            if i not in rebuilt and i not in self.choice and chain.can_recompute(min(r.first, i), max(r.last, i))]
@@ -180,11 +185,24 @@ class _Moves:
         elif kind == "option":  # a run of one stage re-run whole or in part (an in-stage option)
             r, name = args
             runs = (runs - {r}) | {Recompute(r.first, r.last, name)}
+        elif kind == "checkpoint":  # the run's checkpoint kept or offloaded at other points
+            runs = (runs - {args[0]}) | {args[1]}
         elif kind == "split":
             runs = (runs - {args[0]}) | {Recompute(i, i) for i in args[0].stages}
         else:  # merge
             runs = (runs - set(args)) | {Recompute(args[0].first, args[1].last)}
         return _state(units, choice, runs)
+
+
+def _checkpoint_places(chain: Chain, run: Recompute) -> list[Recompute]:
+    """``run`` with its checkpoint kept, or offloaded (released as soon as that frees it,
+    fetched on demand or one op ahead), less ``run`` itself: none for a checkpoint that
+    cannot move."""
+    if not moved_checkpoint_bytes(chain, run):
+        return []
+    first, need = first_checkpoint_release(chain, run), run_op(chain, run)
+    places = {run.kept_on_device()} | {replace(run, release=first, prefetch=k) for k in {need, min(chain.L, need + 1)}}
+    return sorted(places - {run})
 
 
 def local_search(chain: Chain, score: _Scorer, start: State, deadline: float, opts: dict[int, tuple],

@@ -7,7 +7,10 @@ of ``Fr`` the next op waits for the D2H copy, then ``Ui`` is freed) and a prefet
 recomputed *run* of stages ``s..e`` (``e < L``), a ``Recompute``: their units are dropped at
 the end of the next forward op and rebuilt by re-running ``Fs..Fe`` from ``Fs``'s input at
 the start of ``B(max need_from)``; a run of one stage may re-run it *in part*, keeping what
-its in-stage option keeps (``Recompute.option``, docs/model.md, "In-stage options"); a ``Choice`` names, per encoded unit (kept or
+its in-stage option keeps (``Recompute.option``, docs/model.md, "In-stage options"), and
+may offload its checkpoint (``Recompute.release``/``prefetch``: copied after ``Fs``, freed
+at the end of ``F(release)``, copied back from the start of ``B(prefetch)``; "Offloaded
+checkpoints"); a ``Choice`` names, per encoded unit (kept or
 offloaded), the stage's encoding it uses; the stages whose weight casts are *kept* (saved
 as autograd would, not made again by ``Bi``) are a set of their own (``check_casts``).
 ``check_*`` refuse what lies outside the class, naming the unit and the rule.  When each
@@ -40,11 +43,25 @@ class Recompute:
     from ``first``'s input (its *checkpoint*, kept on the device until then).  With an
     ``option`` (one of the stage's ``StageOption`` names; runs of one stage only) the stage
     is re-run in part: the option's kept outputs join the checkpoint and the re-run serves
-    them instead of computing them again."""
+    them instead of computing them again.  With ``release`` (> 0) a run of one stage offloads
+    its checkpoint: the D2H copy is issued as ``Fs`` ends, the checkpoint freed at the end of
+    ``F(release)``, copied back from the start of ``B(prefetch)``, and the rebuild waits for
+    that copy."""
 
     first: int
     last: int
     option: str = ""
+    release: int = 0  # 0: the checkpoint stays on the device
+    prefetch: int = 0
+
+    @property
+    def moves(self) -> bool:
+        """Whether the run offloads its checkpoint."""
+        return self.release > 0
+
+    def kept_on_device(self) -> "Recompute":
+        """The same run with its checkpoint kept on the device."""
+        return Recompute(self.first, self.last, self.option)
 
     @property
     def stages(self) -> range:
@@ -52,10 +69,11 @@ class Recompute:
 
     @property
     def text(self) -> str:
-        """``3`` for a run of one stage, ``3..5`` otherwise, ``3:matmuls`` for an in-stage option."""
-        if self.option:
-            return f"{self.first}:{self.option}"
-        return f"{self.first}..{self.last}" if self.last > self.first else str(self.first)
+        """``3`` for a run of one stage, ``3..5`` otherwise, ``3:matmuls`` for an in-stage option;
+        ``3 (checkpoint 4>3)`` when the checkpoint is offloaded (released at 4, fetched at 3)."""
+        text = f"{self.first}:{self.option}" if self.option else (
+            f"{self.first}..{self.last}" if self.last > self.first else str(self.first))
+        return f"{text} (checkpoint {self.release}>{self.prefetch})" if self.moves else text
 
 
 def check_recompute(chain: Chain, runs: Iterable[Recompute], offloads: Iterable[Offload] = (),
@@ -74,6 +92,8 @@ def check_recompute(chain: Chain, runs: Iterable[Recompute], offloads: Iterable[
                                    f"(stage {L}'s backward runs right after its forward)")
         if run.option:
             _check_option(chain, run)
+        if run.moves or run.prefetch:
+            _check_moved_checkpoint(chain, run)
         for i in run.stages:
             if i not in chain.recomputable:
                 raise ScheduleRejected(f"stage {i} ({chain.stage(i).name}) is recomputed, but the profiler found that "
@@ -99,6 +119,41 @@ def _check_option(chain: Chain, run: Recompute) -> None:
     except KeyError:
         offered = ", ".join(o.name for o in chain.stage(run.first).options) or "none"
         raise ScheduleRejected(f"stage {run.first} has no in-stage option {run.option!r} (it offers: {offered})") from None
+
+
+def first_checkpoint_release(chain: Chain, run: Recompute) -> int:
+    """The earliest release point of ``run``'s offloaded checkpoint: the end of the next
+    forward (the model's code still holds the input as it starts: ``input_carried_bytes``),
+    or, where the model's code holds part of the input longer (``input_held_bytes``), the
+    last forward that holds it (``held_until``): an earlier release would free nothing."""
+    s = run.first
+    return max(s + 1, int(chain.held_until[s])) if chain.xh[s] else s + 1
+
+
+def checkpoint_moves(chain: Chain, run: Recompute) -> bool:
+    """Whether ``run`` may offload its checkpoint: a run of one stage whose input's own
+    storage the profile knows (``input_own_bytes``; what it moves: ``recompute.moved_checkpoint_bytes``)."""
+    return run.last == run.first and bool(chain.xo[run.first])
+
+
+def _check_moved_checkpoint(chain: Chain, run: Recompute) -> None:
+    """An offloaded checkpoint belongs to a run whose checkpoint can move, with a release point
+    after its forward and a prefetch point no earlier than its rebuild (at ``B(need_from)``:
+    the run has one stage)."""
+    s, L = run.first, chain.L
+    if not checkpoint_moves(chain, run):
+        why = ("a run of several stages keeps its checkpoint on the device" if run.last > s else
+               "its chain stage has no input_own_bytes (profile it again)")
+        raise ScheduleRejected(f"recomputed run {run.text} offloads its checkpoint, but it cannot: {why}")
+    first = first_checkpoint_release(chain, run)
+    if not first <= run.release <= L:
+        held = f" (the model's code holds its input through F{first})" if first > s + 1 else ""
+        raise ScheduleRejected(f"recomputed run {run.text}: checkpoint release point {run.release} not in "
+                               f"[{first}, {L}]{held}")
+    n = int(chain.need[s])
+    if not n <= run.prefetch <= L:
+        raise ScheduleRejected(f"recomputed run {run.text}: checkpoint prefetch point {run.prefetch} not in [{n}, {L}] "
+                               f"(it is rebuilt at B{n})")
 
 
 def check_offloads(chain: Chain, offloads: Iterable[Offload]) -> None:

@@ -124,6 +124,7 @@ class Stage:
     input_carried_bytes: int = 0  # of input_bytes, storages of Ui that carry_bytes counts too ...
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
     rerun_held_bytes: int = 0  # of input_bytes, held tensors its re-run reads and the stage before's does not
+    input_own_bytes: int = 0  # of input_bytes, the input's own storage: what an offloaded checkpoint moves (0: unknown)
     fwd_host_s: float = 0.0  # host time to issue Fi's kernels (CUDA; 0: the device is never waiting for the host)
     bwd_host_s: float = 0.0  # the same for Bi
     recording_host_s: float = 0.0  # host time Fi adds while the executor records it for a re-run (CUDA)
@@ -267,6 +268,8 @@ def _stage_document(s: Stage) -> dict:
         d["input_held_bytes"] = s.input_held_bytes
     if s.rerun_held_bytes:  # absent otherwise: chains from before it keep their sha256
         d["rerun_held_bytes"] = s.rerun_held_bytes
+    if s.input_own_bytes:  # likewise
+        d["input_own_bytes"] = s.input_own_bytes
     return d
 
 
@@ -309,6 +312,7 @@ class Chain:
     xc = _column("input_carried_bytes")
     xh = _column("input_held_bytes")
     xn = _column("rerun_held_bytes")
+    xo = _column("input_own_bytes")
     fh = _column("fwd_host_s", np.float64)
     bh = _column("bwd_host_s", np.float64)
     rech = _column("recording_host_s", np.float64)

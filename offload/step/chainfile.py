@@ -30,7 +30,7 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "held_bytes", "held_until", "input_bytes", "recomputable", "rerun_output",
                "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes",
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
-               "options", "recording_host_s", "rerun_host_s"}
+               "options", "recording_host_s", "rerun_host_s", "input_own_bytes"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
@@ -159,6 +159,7 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                  carry_bytes=carry, input_carried_bytes=carried,
                  input_held_bytes=v.whole(s, "input_held_bytes", ctx, 0, min(carried, held)) if "input_held_bytes" in s else 0,
                  rerun_held_bytes=v.whole(s, "rerun_held_bytes", ctx, 0, checkpoint) if "rerun_held_bytes" in s else 0,
+                 input_own_bytes=v.whole(s, "input_own_bytes", ctx, 0, checkpoint) if "input_own_bytes" in s else 0,
                  bwd_start_bytes=v.whole(s, "bwd_start_bytes", ctx, 0, bwd_peak) if "bwd_start_bytes" in s else 0,
                  recomputed_fwd_peak_bytes=(v.whole(s, "recomputed_fwd_peak_bytes", ctx, 0, fwd_peak)
                                             if "recomputed_fwd_peak_bytes" in s else None),

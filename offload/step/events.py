@@ -6,7 +6,9 @@ happens, by these rules:
 
 * ``Fi`` runs (``FORWARD``), ends by encoding its unit when the schedule stores it encoded
   (``ENCODE``: the encoders run at the end of ``Fi``), then issues the D2H copy of its unit
-  when it is offloaded (``D2H``);
+  when it is offloaded (``D2H``), or of its checkpoint when a recomputed run of that one
+  stage offloads it (``D2H`` of the run: the run's events carry it, ``stage`` its stage, and
+  its checkpoint takes the place of the unit in every rule below but the ``WAIT``);
 * then each unit whose release point is ``i`` is released (``RELEASE``, in stage order: the
   next op waits for its D2H copy, then the unit is freed); the releases at ``L`` ("turn")
   come before ``BL``;
@@ -15,7 +17,8 @@ happens, by these rules:
 * then the prefetches whose point is ``k`` are issued (``H2D``) in ``prefetch_key`` order:
   the unit needed latest first (larger ``need_from``), ties the larger stage;
 * then the recomputed runs due at ``Bk`` re-run their forward ops (``RECOMPUTE``, later runs
-  first: ``recompute.by_op``);
+  first: ``recompute.by_op``), each after waiting for the H2D copy of its checkpoint when it
+  offloads it (``WAIT`` of the run);
 * then ``Bk`` waits for the H2D copies of the units it is the first to read (``WAIT``, those
   whose ``need_from`` is ``k``, in stage order) and decodes the encoded units it is the first
   to read (``DECODE``), and runs (``BACKWARD``).
@@ -45,7 +48,8 @@ CLOSING = frozenset({RELEASE, FREE})  # the backward boundary's events that end 
 @dataclass(frozen=True)
 class Event:
     """One thing that happens in a step: an op's compute (``stage``: the op's), an action on
-    a unit (``stage``: the unit's), or a run's recomputation (``run``; ``stage``: its first)."""
+    a unit (``stage``: the unit's), a run's recomputation (``run``; ``stage``: its first), or
+    an action on a run's offloaded checkpoint (``run``; ``stage``: its stage)."""
 
     kind: str
     stage: int
@@ -109,14 +113,18 @@ def step_events(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomp
     rebuilt = by_op(chain, runs)
     moved = {o.stage for o in offloads}
     held = moved | set(encode) | {i for at in rebuilt.values() for r in at for i in r.stages}
-    released: dict[int, list[int]] = {}
-    fetched: dict[int, list[int]] = {}
+    copied = {r.first: r for at in rebuilt.values() for r in at if r.moves}  # stage -> run offloading its checkpoint
+    released: dict[int, list[Event]] = {}
+    fetched: dict[int, list[Event]] = {}
     waited: dict[int, list[int]] = {}
     decoded: dict[int, list[int]] = {}
     for o in offloads:
-        released.setdefault(o.release, []).append(o.stage)
-        fetched.setdefault(o.prefetch, []).append(o.stage)
+        released.setdefault(o.release, []).append(Event(RELEASE, o.stage))
+        fetched.setdefault(o.prefetch, []).append(Event(H2D, o.stage))
         waited.setdefault(int(chain.need[o.stage]), []).append(o.stage)
+    for i, r in copied.items():
+        released.setdefault(r.release, []).append(Event(RELEASE, i, run=r))
+        fetched.setdefault(r.prefetch, []).append(Event(H2D, i, run=r))
     for i in sorted(encode):
         decoded.setdefault(int(chain.need[i]), []).append(i)
     seq: list[Event] = []
@@ -124,17 +132,20 @@ def step_events(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomp
         seq.append(Event(FORWARD, j))
         if j in encode:
             seq.append(Event(ENCODE, j, encoding=encode[j]))
-        if j in moved:
-            seq.append(Event(D2H, j))
+        if j in moved or j in copied:
+            seq.append(Event(D2H, j, run=copied.get(j)))
         if j < L:
-            seq += [Event(RELEASE, i) for i in released.get(j, ())]
+            seq += sorted(released.get(j, ()), key=lambda e: e.stage)
     for k in range(L, 0, -1):
         if k == L:
-            seq += [Event(RELEASE, i) for i in released.get(L, ())]
+            seq += sorted(released.get(L, ()), key=lambda e: e.stage)
         elif k + 1 in held:
             seq.append(Event(FREE, k + 1))
-        seq += [Event(H2D, i) for i in prefetch_order(chain, fetched.get(k, ()))]
-        seq += [Event(RECOMPUTE, r.first, run=r) for r in rebuilt.get(k, ())]
+        seq += sorted(fetched.get(k, ()), key=lambda e: prefetch_key(chain, e.stage))
+        for r in rebuilt.get(k, ()):
+            if r.moves:
+                seq.append(Event(WAIT, r.first, run=r))
+            seq.append(Event(RECOMPUTE, r.first, run=r))
         seq += [Event(WAIT, i) for i in waited.get(k, ())]
         seq += [Event(DECODE, i, encoding=encode[i]) for i in decoded.get(k, ())]
         seq.append(Event(BACKWARD, k))

@@ -7,7 +7,7 @@ keeping none of it, and an in-stage option's kept outputs on top: ``recompute.fo
 ``bwd_peak_bytes``.  A recomputed unit counts its carried part during the next forward op
 (its held part after); a run's checkpoint (with what its option keeps:
 ``recompute.checkpoint_bytes``) counts from the op after its first forward op until it is
-rebuilt; each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its
+rebuilt, less what an offloaded one moves between its release and its prefetch point; each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its
 own transient (units and the gradient flowing in, ``bwd_start_bytes``), less the units not
 rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (an option's measured re-run transient:
 ``recompute.rerun_peak``; and ``Rs`` the checkpoint it reads), and
@@ -25,7 +25,8 @@ import numpy as np
 
 from .actions import Offload, Recompute
 from .chain import Chain
-from .recompute import by_op, checkpoint_bytes, forward_peak, kept_bytes, later_held_bytes, rerun_checkpoint, rerun_peak
+from .recompute import (by_op, checkpoint_bytes, forward_peak, kept_bytes, later_held_bytes, moved_checkpoint_bytes,
+                        rerun_checkpoint, rerun_peak)
 
 
 def op_name(chain: Chain, o: int) -> str:
@@ -90,13 +91,18 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
 
     def checkpoint(run: Recompute, n: int) -> None:
         """``run``'s checkpoint until its rebuild at ``Bn``: ``forward_checkpoint`` in the
-        forward, then ``checkpoint_bytes``."""
+        forward, then ``checkpoint_bytes``; an offloaded one less what it moves from the op
+        after its release to its prefetch point."""
         counted, whole = 0, checkpoint_bytes(chain, run)
         for j, change in forward_checkpoint_changes(chain, run):
             diff[j - 1] += change
             counted += change
         diff[L] += whole - counted
         diff[2 * L - n] -= whole
+        if run.moves:
+            moved = moved_checkpoint_bytes(chain, run)
+            diff[run.release] -= moved  # F(release+1), or B_L for a release at the turn
+            diff[2 * L - run.prefetch] += moved
 
     for o in offloads:
         away(o.stage, o.release, o.prefetch, chain.a[o.stage])

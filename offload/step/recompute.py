@@ -10,6 +10,12 @@ re-runs its one stage in ``recompute_s``: what the option keeps (``kept_bytes``)
 the device with the checkpoint from the end of the stage's forward until the rebuild, and
 the forward takes the option's ``fwd_s`` (recording what it keeps) where measured.
 
+A run of one stage may *offload* its checkpoint (``Recompute.release``/``prefetch``,
+docs/model.md, "Offloaded checkpoints"): the input's own storage and what an option keeps
+(``moved_checkpoint_bytes``) are copied to the host after the stage's forward, freed at the
+release point and copied back from the prefetch point; the rebuild waits for that copy.  The
+held tensors its re-run reads stay on the device.
+
 On a GPU the host's share (docs/model.md, "The host's share"): a recomputed stage's forward
 costs the host ``recording_host_s`` more (the executor records its calls), and its re-run
 ``rerun_host_s`` (the executor's replay, measured; the forward's ``fwd_host_s`` where not).
@@ -20,7 +26,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .actions import Recompute
+from .actions import Recompute, checkpoint_moves
 from .chain import Chain
 
 
@@ -74,6 +80,12 @@ def checkpoint_bytes(chain: Chain, run: Recompute) -> int:
     """All that ``run`` holds from its forward until its rebuild: its first stage's input,
     what its later stages' re-runs read besides, and what its option keeps."""
     return int(chain.x[run.first]) + later_held_bytes(chain, run) + kept_bytes(chain, run)
+
+
+def moved_checkpoint_bytes(chain: Chain, run: Recompute) -> int:
+    """What offloading ``run``'s checkpoint moves: the input's own storage and the option's
+    kept outputs; 0 where it cannot be offloaded (``actions.checkpoint_moves``)."""
+    return int(chain.xo[run.first]) + kept_bytes(chain, run) if checkpoint_moves(chain, run) else 0
 
 
 def rerun_checkpoint(chain: Chain, run: Recompute, j: int) -> int:

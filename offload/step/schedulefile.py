@@ -1,7 +1,8 @@
 """The schedule file format, ``offload-schedule/2`` (docs/formats.md).
 
 ``/2`` adds ``recompute``, the recomputed runs (each with an optional ``option``: an
-in-stage option of its one stage), and ``casts_kept``, the stages whose weight casts are
+in-stage option of its one stage, and an optional ``checkpoint``: the release and prefetch
+points of its offloaded checkpoint), and ``casts_kept``, the stages whose weight casts are
 kept (optional: absent means none); ``/1`` files (offloads and encodings only) still load.
 
 ``"turn"`` in a file means ``L``: the boundary between the last forward and the first
@@ -43,6 +44,27 @@ def _option(run: Mapping, ctx: str) -> str:
     return option
 
 
+def _run(r: Mapping, ctx: str, L: int) -> Recompute:
+    first, last = v.whole(r, "first", ctx, 1, 2 ** 31), v.whole(r, "last", ctx, 1, 2 ** 31)
+    if "checkpoint" not in r:
+        return Recompute(first, last, _option(r, ctx))
+    moved = v.obj(r["checkpoint"], f"{ctx}.checkpoint")
+    if set(moved) != {"release", "prefetch"}:
+        raise FormatError(f"{ctx}.checkpoint must have exactly 'release' and 'prefetch'")
+    return Recompute(first, last, _option(r, ctx), _point(moved["release"], L, f"{ctx}.checkpoint.release"),
+                     _point(moved["prefetch"], L, f"{ctx}.checkpoint.prefetch"))
+
+
+def _run_document(r: Recompute, L: int) -> dict:
+    doc: dict[str, Any] = {"first": r.first, "last": r.last}
+    if r.option:
+        doc["option"] = r.option
+    if r.moves:
+        doc["checkpoint"] = {"release": "turn" if r.release == L else r.release,
+                             "prefetch": "turn" if r.prefetch == L else r.prefetch}
+    return doc
+
+
 def _check_chain(d: Mapping, chain: Chain) -> Mapping:
     ref = d.get("chain")
     if not isinstance(ref, Mapping) or not isinstance(ref.get("sha256"), str):
@@ -81,8 +103,8 @@ def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
         offloads.append(Offload(v.whole(o, "stage", ctx, 1, 2 ** 31), _point(o["release"], chain.L, f"{ctx}.release"),
                                 _point(o["prefetch"], chain.L, f"{ctx}.prefetch")))
     check_offloads(chain, offloads)
-    runs = [Recompute(v.whole(r, "first", ctx, 1, 2 ** 31), v.whole(r, "last", ctx, 1, 2 ** 31), _option(r, ctx))
-            for ctx, r in v.objects(d.get("recompute", []), "recompute", {"first", "last", "option"})]
+    runs = [_run(r, ctx, chain.L)
+            for ctx, r in v.objects(d.get("recompute", []), "recompute", {"first", "last", "option", "checkpoint"})]
     check_recompute(chain, runs, offloads, encode)
     kept = d.get("casts_kept", [])
     if not isinstance(kept, list) or len(set(map(repr, kept))) != len(kept):
@@ -119,8 +141,7 @@ def schedule_to_dict(s: Schedule, chain: Chain) -> dict:
         "offload": [{"stage": o.stage, "release": "turn" if o.release == L else o.release,
                      "prefetch": "turn" if o.prefetch == L else o.prefetch} for o in s.offloads],
         "encode": [{"stage": i, "encoding": name} for i, name in sorted(s.encode.items())],
-        "recompute": [{"first": r.first, "last": r.last, **({"option": r.option} if r.option else {})}
-                      for r in s.recompute],
+        "recompute": [_run_document(r, L) for r in s.recompute],
     }
     if s.casts_kept:  # absent otherwise: a schedule that keeps none reads as before
         doc["casts_kept"] = list(s.casts_kept)

@@ -5,6 +5,8 @@ events (``events.step_events``: what happens, in order) with times: each op is r
 the previous one ends and starts once the events before it are done: a ``RELEASE`` waits
 for that unit's D2H copy, an ``H2D`` is issued then (no earlier than its own D2H ended),
 a ``RECOMPUTE`` re-runs its run's forward ops (an in-stage option the ops it re-runs), a ``WAIT`` waits for that unit's H2D copy.
+An offloaded checkpoint's copies (the events of a run) take its unit's place, with its
+moved bytes (``recompute.moved_checkpoint_bytes``), and its ``WAIT`` delays the rebuild.
 A ``D2H`` is issued as its forward op ends.  Copies run one at a time per direction, in
 issue order.  On a GPU the host issues the kernels: a second clock adds up each op's host
 time (``fwd_host_s``/``bwd_host_s``; a recomputed stage's ``Fi`` adds what recording it
@@ -31,7 +33,7 @@ from .encoding import apply
 from .events import BACKWARD, D2H, FORWARD, H2D, RECOMPUTE, RELEASE, WAIT, StepEvents, step_events
 from .intervals import hidden
 from .memory import memory_profile, op_name
-from .recompute import forward_seconds, recording_host, run_seconds
+from .recompute import forward_seconds, moved_checkpoint_bytes, recording_host, run_seconds
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class CopyRecord:
     start: float
     end: float
     nbytes: int
+    checkpoint: bool = False  # a recomputed run's checkpoint, not the stage's unit
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,7 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     h = 0.0  # when the host has issued everything so far
     for e in events.sequence:
         i = e.stage
+        moved = moved_checkpoint_bytes(chain, e.run) if e.run is not None and e.kind != RECOMPUTE else int(a[i])
         if e.kind in (FORWARD, BACKWARD):
             ready[o], start[o] = t, s
             forward = e.kind == FORWARD
@@ -210,14 +214,14 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
             o += 1
         elif e.kind == D2H:
             c0 = max(t, d2h_free)
-            d2h_end[i] = d2h_free = c0 + p.d2h_s(float(a[i]))
-            copies.append(CopyRecord(i, "D2H", float(t), float(c0), float(d2h_end[i]), int(a[i])))
+            d2h_end[i] = d2h_free = c0 + p.d2h_s(float(moved))
+            copies.append(CopyRecord(i, "D2H", float(t), float(c0), float(d2h_end[i]), moved, e.run is not None))
         elif e.kind == RELEASE:
             s = max(s, d2h_end[i])
         elif e.kind == H2D:
             c0 = max(s, h2d_free, d2h_end[i])
-            h2d_end[i] = h2d_free = c0 + p.h2d_s(float(a[i]))
-            copies.append(CopyRecord(i, "H2D", float(s), float(c0), float(h2d_end[i]), int(a[i])))
+            h2d_end[i] = h2d_free = c0 + p.h2d_s(float(moved))
+            copies.append(CopyRecord(i, "H2D", float(s), float(c0), float(h2d_end[i]), moved, e.run is not None))
         elif e.kind == RECOMPUTE:
             for j in e.run.stages:
                 took = run_seconds(chain, e.run) if e.run.option else float(chain.f[j])

@@ -19,12 +19,17 @@ measured step and activation peak printed beside the prediction:
   so their peaks hold the casts (21 MiB a block at width 1024) and ours do not;
 * ``checkpoint-every-other-matmul``: torchtitan's default op policy, each block's
   ``every-other-matmul`` option (every second matmul re-run too), on our executor;
+* ``checkpoint-blocks-offload`` and ``checkpoint-matmuls-offload``: the same two policies
+  with torchtune's ``OffloadActivations`` around them, as users combine them today: each
+  block's checkpoint (its input, and the kept matmul outputs) offloaded as soon as that
+  frees it, fetched one op ahead of its rebuild (docs/model.md, "Offloaded checkpoints");
 * ``recompute-only``: the optimal schedule that only recomputes (``--no-in-stage``: whole
   stages), and ``recompute-only + options``, which may also re-run a stage in part; no
   copies, so a CPU measures them as a GPU would order them;
 * ``joint per-block``: ``ilp --recompute --no-in-stage``, each stage kept, offloaded or
-  recomputed whole;
-* ``joint + options``: ``ilp --recompute``, which may also re-run a stage in part.
+  recomputed whole (its checkpoint kept or offloaded);
+* ``joint + options``: ``ilp --recompute``, which may also re-run a stage in part and
+  offload what the option keeps with its checkpoint.
 
 The fixed policies have one peak whatever the budget: they are listed at every budget
 their peak fits.  A step's noise is the spread (largest less smallest over the median) of
@@ -33,10 +38,6 @@ larger of the two spreads.  On a CPU the copies are memcpy on the cores that com
 schedules that offload are measured on a stand-in link; the recompute-only rows are what
 this machine can judge.
 
-Not here: op-level SAC *with its kept outputs offloaded* (torchtune's OffloadActivations
-with checkpointing): our schedule class keeps an option's outputs on the device until its
-re-run (docs/model.md, "In-stage options"), so neither that baseline nor our joint schedule
-can offload them yet.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ from offload.solver.methods import Options, Result, solve
 from offload.step.chain import Chain
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
 
-FIXED = ("checkpoint-blocks", "checkpoint-matmuls", "checkpoint-every-other-matmul")
+FIXED = ("checkpoint-blocks", "checkpoint-matmuls", "checkpoint-every-other-matmul", "checkpoint-blocks-offload",
+         "checkpoint-matmuls-offload")
 SEARCHED = (("recompute-only", "recompute-only", False), ("recompute-only + options", "recompute-only", True),
             ("joint per-block", "ilp", False), ("joint + options", "ilp", True))  # (row, method, in-stage options)
 
@@ -95,9 +97,10 @@ def line(peak: int, budget: str, row: Row, planned_link: bool) -> str:
                 f"({100 * row.peak / peak:.0f}%) | {100 * (row.step_s / row.predicted_s - 1):+.1f}% | {row.grads}"
                 if row.step_s else "| | | " if row.error is None else f"failed: {row.error} | | |")
     runs = pred.recompute
-    what = (f"{sum(1 for r in runs if r.option)} in part, {sum(1 for r in runs if not r.option)} whole, "
-            f"{len(pred.offloads)} offloaded; {row.result.status}"
-            + ("; link planned, copies measured at memcpy speed" if planned_link and pred.offloads else ""))
+    what = (f"{sum(1 for r in runs if r.option)} in part, {sum(1 for r in runs if not r.option)} whole "
+            f"({sum(1 for r in runs if r.moves)} checkpoints offloaded), {len(pred.offloads)} offloaded; "
+            f"{row.result.status}"
+            + ("; link planned, copies measured at memcpy speed" if planned_link and pred.copies else ""))
     return (f"| {budget} | {row.method} | {format_seconds(row.predicted_s)} | {format_bytes(pred.peak_bytes)} "
             f"({100 * pred.peak_bytes / peak:.0f}%) | {measured} | {what} |")
 

@@ -86,7 +86,7 @@ def _floors(chain: Chain, time_limit: float) -> dict:
     peak = no_offload_peak(chain)
     lower, offload_floor = smallest_feasible_budget(chain, recompute=True), smallest_feasible_budget(chain)
     policies = {name: simulate(chain, [], recompute=policy(chain)).peak_bytes
-                for name, policy in checkpointing.POLICIES.items()}
+                for name, policy in checkpointing.RECOMPUTE_ONLY.items()}
 
     # below ``lower`` no schedule of any class fits
     recompute_only = bisect_budget(chain, "recompute-only", Options(time_limit_s=time_limit, heuristic_time_s=1.0),

@@ -119,6 +119,10 @@ def test_what_a_compiled_graph_cannot_run_is_refused(chain):
     encoded = replace(make_schedule(chain, []), encode={2: "lossless"})
     with pytest.raises(ChainMismatch, match="runs no encoder, and this schedule encodes U2"):
         SchedulePartitioner(chain, encoded)
+    i = next(i for i in sorted(chain.recomputable) if chain.stage(i).input_own_bytes)
+    moved = make_schedule(chain, [], [Recompute(i, i, release=chain.L, prefetch=chain.L)])
+    with pytest.raises(ChainMismatch, match=rf"offloads the checkpoints of {i} \(checkpoint"):
+        SchedulePartitioner(chain, moved)
     wrapped = resolve("gpt", 2, GPT).module
     Offloaded(wrapped, chain, make_schedule(chain, []))
     with pytest.raises(ChainMismatch, match="inside an Offloaded: its stage boundaries break a compiled graph"):

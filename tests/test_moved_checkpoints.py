@@ -105,7 +105,7 @@ def test_the_milp_moves_checkpoints_where_that_pays(movable):
     assert any(r.moves for r in res.schedule.recompute)
 
 
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=15, **SETTINGS)
 @given(chain_and_budget(min_stages=2, max_stages=6, inputs=True), st.randoms(use_true_random=False))
 def test_every_schedule_moving_checkpoints_is_a_point_of_the_milp(cb, rnd):
     """Runs of one stage (some in part) that move their checkpoints, at random points, beside kept ones:
@@ -134,3 +134,12 @@ def test_torchtunes_offloaded_checkpointing(movable, method, option):
     res = solve(chain, 10_000, method, JOINT)
     assert res.schedule.recompute == tuple(Recompute(i, i, option, release=i + 1, prefetch=i + 1) for i in (1, 2, 3))
     assert res.simulation.d2h_bytes == 3 * (30 + (40 if option else 0))
+
+
+def test_recompute_only_is_not_warm_started_from_a_policy_that_moves(movable):
+    """The offloading policies fit where recompute-only is solved; its MILP moves nothing, and
+    a warm start that does is refused by name, not a KeyError deep in the model."""
+    res = solve(movable, 10_000, "recompute-only", JOINT)
+    assert res.simulation.d2h_bytes == 0
+    with pytest.raises(ValueError, match="offload checkpoints, which this model does not"):
+        Model(movable, 10_000, max_run=8, offload=False).load([], runs=[Recompute(1, 1, release=2, prefetch=1)])

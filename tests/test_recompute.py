@@ -127,11 +127,21 @@ def test_joint_ilp_equals_brute_force_on_five_stages(cb):
     assert res.simulation.makespan_s == pytest.approx(brute_force(chain, budget, recompute=True), rel=REL)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(chain_and_budget(min_stages=2, max_stages=5, inputs=True, below=True, casts=False))  # casts: test_casts.py
+BELOW = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+@settings(max_examples=10, **BELOW)
+@given(chain_and_budget(min_stages=2, max_stages=4, inputs=True, below=True, casts=False))  # casts: test_casts.py
 def test_joint_ilp_equals_brute_force_below_the_offload_floor(cb):
     """Under the offloading floor: the MILP's optimum is the brute force's, and where nothing
     fits both say so."""
+    assert_joint_ilp_is_brute_force(*cb, JOINT)
+
+
+@pytest.mark.slow  # make test-all: five stages' every run, option and offloaded checkpoint take seconds a chain
+@settings(max_examples=10, **BELOW)
+@given(chain_and_budget(min_stages=5, max_stages=5, inputs=True, below=True, casts=False))
+def test_joint_ilp_equals_brute_force_below_the_offload_floor_on_five_stages(cb):
     assert_joint_ilp_is_brute_force(*cb, JOINT)
 
 

@@ -23,7 +23,7 @@ LANES = ("compute", "D2H", "H2D", "codec")  # the trace's threads, in this order
 @dataclass(frozen=True)
 class Span:
     lane: str  # compute | codec | D2H | H2D
-    name: str  # F3, B3, R3 (F3 re-run), stall; E3, D3 (U3 encoded, decoded); U3 (a copy of unit 3)
+    name: str  # F3, B3, R3 (F3 re-run), stall; E3, D3 (U3 encoded, decoded); U3 (a copy of unit 3), C3 (of its checkpoint)
     start: float
     end: float
     nbytes: int = 0
@@ -60,7 +60,7 @@ def timeline(chain: Chain, schedule: Schedule) -> Timeline:
             o += 1
         elif e.kind in (D2H, H2D):
             c = next(copies)
-            spans.append(Span(c.direction, f"U{c.stage}", c.start, c.end, c.nbytes))
+            spans.append(Span(c.direction, f"{'C' if c.checkpoint else 'U'}{c.stage}", c.start, c.end, c.nbytes))
         elif e.kind == RECOMPUTE:
             spans += [Span("compute", f"R{r.stage}", r.start, r.end) for r in (next(reruns) for _ in e.run.stages)]
         elif e.kind == ENCODE:  # the end of the op that just ran

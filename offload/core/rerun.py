@@ -201,6 +201,7 @@ class _Held(NamedTuple):
     storage: weakref.ref  # its storage, while it lives (its key may be another's after)
     version: int  # when recorded
     nbytes: int  # its storage's
+    call: int  # the index in ``StageRecorder.calls`` of the call that first read it
 
 
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
@@ -278,6 +279,9 @@ class StageRecorder:
         self.whys.pop()  # what happened inside it is re-run with it
         del self.calls[start:]
         self.outputs = {k: kept for k, v in self.outputs.items() if (kept := [o for o in v if o[1] < start])}
+        # what only the calls inside it read is made again by its re-run (a decoder layer's
+        # residual sum, read by its MLP's norm): held, it would double the checkpoint
+        self.held = {k: h for k, h in self.held.items() if h.call < start}
         try:
             call = Call(module, tree_map(self._reference, args), tree_map(self._reference, kwargs))
         except NotRerunnable as exc:
@@ -318,7 +322,7 @@ class StageRecorder:
         key = storage_key(t)
         if key not in self.held:
             self.held[key] = _Held(t if self.keep else None, weakref.ref(t), weakref.ref(t.untyped_storage()),
-                                   t._version, t.untyped_storage().nbytes())
+                                   t._version, t.untyped_storage().nbytes(), len(self.calls))
         return t
 
     def finish(self, output: torch.Tensor) -> StageProgram:

@@ -32,7 +32,7 @@ one graph instead and hands AOTAutograd a partitioner built from (chain, schedul
   (``SchedulePartitioner.moved``).
 
 Not here yet (issue #35): our own copy ops at the schedule's events (the same backends and
-pinned arena as ``Offloaded``), encodings (refused), and a chain profiled from the compiled
+pinned arena as ``Offloaded``), encodings and offloaded checkpoints (refused), and a chain profiled from the compiled
 graph (the compiled forward saves other, fewer tensors than the eager one the chain
 measured, so the chain's predicted memory and times are the eager model's, not this
 graph's).
@@ -150,6 +150,12 @@ class SchedulePartitioner(CustomPartitionerFn):
                                 f"{', '.join(f'U{i}' for i in sorted(schedule.encode))}",
                                 "train it with Offloaded(torch.compile(model), chain, schedule) (a graph break at each "
                                 "stage boundary), or solve without --encodings")
+        moving = [r.text for r in schedule.recompute if r.moves]
+        if moving:
+            raise ChainMismatch(f"a compiled graph keeps each recomputed run's input, and this schedule offloads the "
+                                f"checkpoints of {', '.join(moving)}",
+                                "train it with Offloaded(torch.compile(model), chain, schedule) (a graph break at each "
+                                "stage boundary), or solve for the compiled path with those checkpoints kept")
         self.offloaded = sorted(o.stage for o in schedule.offloads)
         self.bandwidth = chain.platform.h2d_bytes_per_s
         self.cuts = cut_sites(chain)

@@ -84,7 +84,7 @@ def checkpoints_offloaded(policy: Callable[[Chain], list[Recompute]]) -> Callabl
 
 
 IN_STAGE = {"checkpoint-matmuls": MATMULS, "checkpoint-every-other-matmul": EVERY_OTHER_MATMUL}  # policy -> its option
-POLICIES = {"checkpoint-sqrt": sqrt_runs, "checkpoint-blocks": block_runs,
-            **{name: option_runs(option) for name, option in IN_STAGE.items()}}
-POLICIES.update({"checkpoint-blocks-offload": checkpoints_offloaded(block_runs),
-                 "checkpoint-matmuls-offload": checkpoints_offloaded(option_runs(MATMULS))})
+RECOMPUTE_ONLY = {"checkpoint-sqrt": sqrt_runs, "checkpoint-blocks": block_runs,
+                  **{name: option_runs(option) for name, option in IN_STAGE.items()}}  # they move nothing
+POLICIES = {**RECOMPUTE_ONLY, "checkpoint-blocks-offload": checkpoints_offloaded(block_runs),
+            "checkpoint-matmuls-offload": checkpoints_offloaded(option_runs(MATMULS))}

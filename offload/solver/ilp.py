@@ -377,6 +377,10 @@ class Model:
             return float(self._moves(i))
         return self.x.get((i, o), 0.0)
 
+    def checkpoint_forms(self, i: int) -> list[str]:
+        """The forms of stage ``i``'s slot that move a recomputed run's checkpoint."""
+        return self.forms[i][len(self.opts[i]):]
+
     def first_release(self, i: int, o: str) -> int:
         """The earliest release point of what moves in stage ``i``'s slot in form ``o``."""
         run = self.moving.get((i, o))
@@ -441,7 +445,7 @@ class Model:
                     for opt in self.opts[i]:
                         row.add(self.chosen(i, opt), self.size[i, opt])
                         row.add(self.released(i, opt, j - 1), -max(0.0, self.size[i, opt] - held))
-                    for opt in self.forms[i][len(self.opts[i]):]:  # an offloaded checkpoint, once released
+                    for opt in self.checkpoint_forms(i):  # an offloaded checkpoint, once released
                         row.add(self.released(i, opt, j - 1), -self.size[i, opt])
                 if j not in self.decided:
                     row.add(self._extra(j, "fwd_extra_bytes"))
@@ -633,7 +637,7 @@ class Model:
                 for o in self.opts[i]:
                     row.add(moved[o], -M)
                 self._row(f"h2d_wait_{i}_{k}", row, ">=")
-                for o in self.forms[i][len(self.opts[i]):]:
+                for o in self.checkpoint_forms(i):
                     # the rebuild waits: s_need >= clock + (this run's and later rebuilds) - M (1 - prefetched at k)
                     run = self.moving[i, o]
                     row = _affine((self.s[need[i]], 1.0), (v, -1.0), (M, 1.0), (moved[o], -M))
@@ -723,6 +727,9 @@ class Model:
         chosen_runs = {r.kept_on_device() for r in runs}
         if not chosen_runs <= set(self.g):
             raise ValueError(f"runs {sorted(chosen_runs - set(self.g))} are not in this model")
+        stuck = [r for r in runs if r.moves and (r.first, CHECKPOINT + r.option) not in self.x]
+        if stuck:
+            raise ValueError(f"runs {stuck} offload checkpoints, which this model does not")
         for key, v in self.g.items():
             v.setInitialValue(1 if key in chosen_runs else 0)
         kept = self.casts_fixed if self.decided else tuple(casts_kept)

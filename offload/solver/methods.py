@@ -230,7 +230,7 @@ def _recompute_only(ctx: _Context) -> Planned | None:
     """The best recompute-only schedule: the MILP with offloading turned off, warm-started
     from the checkpointing policy that fits, if one does."""
     chain, opt = ctx.chain, ctx.options
-    fitting = [p for p in (_checkpointing(n)(ctx) for n in checkpointing.POLICIES)
+    fitting = [p for p in (_checkpointing(n)(ctx) for n in checkpointing.RECOMPUTE_ONLY)
                if p is not None and all(len(r.stages) <= opt.max_run for r in p.recompute)]
     return _milp(ctx, min(fitting, key=lambda p: _span(chain, p), default=None), offload=False)
 

@@ -131,9 +131,11 @@ def first_checkpoint_release(chain: Chain, run: Recompute) -> int:
 
 
 def checkpoint_moves(chain: Chain, run: Recompute) -> bool:
-    """Whether ``run`` may offload its checkpoint: a run of one stage whose input's own
-    storage the profile knows (``input_own_bytes``; what it moves: ``recompute.moved_checkpoint_bytes``)."""
-    return run.last == run.first and bool(chain.xo[run.first])
+    """Whether ``run`` may offload its checkpoint: a run of one stage that saves something (its
+    copies take its unit's place) and whose input's own storage the profile knows
+    (``input_own_bytes``; what it moves: ``recompute.moved_checkpoint_bytes``)."""
+    s = run.first
+    return run.last == s and bool(chain.xo[s]) and s in chain.offloadable
 
 
 def _check_moved_checkpoint(chain: Chain, run: Recompute) -> None:
@@ -143,7 +145,8 @@ def _check_moved_checkpoint(chain: Chain, run: Recompute) -> None:
     s, L = run.first, chain.L
     if not checkpoint_moves(chain, run):
         why = ("a run of several stages keeps its checkpoint on the device" if run.last > s else
-               "its chain stage has no input_own_bytes (profile it again)")
+               "its chain stage has no input_own_bytes (profile it again)" if not chain.xo[s] else
+               "the stage saves nothing (its copies would take its unit's place)")
         raise ScheduleRejected(f"recomputed run {run.text} offloads its checkpoint, but it cannot: {why}")
     first = first_checkpoint_release(chain, run)
     if not first <= run.release <= L:

@@ -31,7 +31,8 @@ measured step and activation peak printed beside the prediction:
 * ``joint + options``: ``ilp --recompute``, which may also re-run a stage in part and
   offload what the option keeps with its checkpoint.
 
-The fixed policies have one peak whatever the budget: they are listed at every budget
+It prints the smallest budget the joint ILP meets with the options and per block (each
+bisected to 0.5% of the peak). The fixed policies have one peak whatever the budget: they are listed at every budget
 their peak fits.  A step's noise is the spread (largest less smallest over the median) of
 its timed steps, printed per row; "ours ≤ baseline within noise" is judged against the
 larger of the two spreads.  On a CPU the copies are memcpy on the cores that compute, so
@@ -51,6 +52,7 @@ from offload.executor.train import TrainOptions, train
 from offload.io.text import format_bytes, format_seconds, parse_rate
 from offload.profiler.bandwidth import given_platform
 from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.floors import joint_floor
 from offload.solver.methods import Options, Result, solve
 from offload.step.chain import Chain
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
@@ -131,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{chain.platform.d2h_bytes_per_s / 1e9:.3g} GB/s" + (" (planned for, not this machine's)" if platform else ""))
     print(f"no-offload activation peak {format_bytes(peak)}; smallest budget with recomputation no lower than "
           f"{100 * smallest_feasible_budget(chain, recompute=True) / peak:.1f}% (a bound, options or not)")
+    floors = {name: joint_floor(c, args.time_limit) for name, c in (("options", chain),
+                                                                    ("per block", chain.without_options()))}
+    print("smallest budget the joint ILP meets (bisected to 0.5%): " + ", ".join(
+        f"{100 * b / peak:.1f}% {name}" for name, b in floors.items()))
     for i, name in chain.optional:
         s, o = chain.stage(i), chain.stage(i).option(name)
         print(f"  stage {i} {s.name}: {name} keeps {format_bytes(o.kept_bytes)} of {format_bytes(s.saved_bytes)}, "

@@ -7,7 +7,8 @@
 transformers (small configs, random weights, dropout on, keyword inputs, the loss from
 ``output.loss``), and each with half its blocks frozen.  ``non-chains``: models whose block
 boundaries several values cross (``tests/models/``): a transformers T5 (encoder-decoder), a
-U-Net with skip connections, transformers' Mixtral (mixture of experts), and a frozen
+U-Net with skip connections, transformers' Mixtral (mixture of experts; and profiled with
+``--split-blocks``, each layer's attention and sparse MoE block a stage), and a frozen
 backbone under a trainable head.  Each is profiled (``offload profile``), solved by the ILP
 (with recomputation for the non-chains, against offloading alone) at 50% of its no-offload
 activation peak (halfway between its floor and its peak when its floor is higher), and
@@ -40,25 +41,27 @@ TRANSFORMERS = {
     "vit": {"layers": 8, "width": 96, "heads": 3, "image": 64, "patch": 4},
 }
 _MODELS = Path(__file__).resolve().parent.parent / "tests" / "models"
-NON_CHAINS = {  # tag -> (model, options, blocks)
-    "t5": (f"{_MODELS / 't5.py'}:build", {"layers": 4, "width": 128, "seq": 128, "dropout": 0.1}, 8),
-    "unet": (f"{_MODELS / 'unet.py'}:build", {"width": 16, "depth": 3, "image": 64}, 7),
-    "mixtral": (f"{_MODELS / 'moe.py'}:build", {"layers": 4, "seq": 128}, 4),
-    "frozen-backbone": (f"{_MODELS / 'frozen.py'}:build", {}, 3),
+NON_CHAINS = {  # tag -> (model, options, blocks, --split-blocks)
+    "t5": (f"{_MODELS / 't5.py'}:build", {"layers": 4, "width": 128, "seq": 128, "dropout": 0.1}, 8, False),
+    "unet": (f"{_MODELS / 'unet.py'}:build", {"width": 16, "depth": 3, "image": 64}, 7, False),
+    "mixtral": (f"{_MODELS / 'moe.py'}:build", {"layers": 4, "seq": 128}, 4, False),
+    "mixtral-split": (f"{_MODELS / 'moe.py'}:build", {"layers": 4, "seq": 128}, 4, True),
+    "frozen-backbone": (f"{_MODELS / 'frozen.py'}:build", {}, 3, False),
 }
 
 
-def sets() -> dict[str, list[tuple[str, str, dict, int, int]]]:
-    """Per set, its runs: (tag, model, options, blocks, frozen blocks)."""
-    transformers = [(m + (f"-frozen{f}" if f else ""), m, {**o, "frozen": f}, o["layers"], f)
+def sets() -> dict[str, list[tuple[str, str, dict, int, int, bool]]]:
+    """Per set, its runs: (tag, model, options, blocks, frozen blocks, --split-blocks)."""
+    transformers = [(m + (f"-frozen{f}" if f else ""), m, {**o, "frozen": f}, o["layers"], f, False)
                     for m, o in TRANSFORMERS.items() for f in (0, o["layers"] // 2)]
-    return {"transformers": transformers, "non-chains": [(tag, m, o, n, 0) for tag, (m, o, n) in NON_CHAINS.items()]}
+    return {"transformers": transformers,
+            "non-chains": [(tag, m, o, n, 0, split) for tag, (m, o, n, split) in NON_CHAINS.items()]}
 
 
-def run(tag: str, model: str, options: dict, blocks: int, frozen: int, batch: int, device: str | None,
+def run(tag: str, model: str, options: dict, blocks: int, frozen: int, split: bool, batch: int, device: str | None,
         out: Path, recompute: bool = False) -> dict:
     t0 = time.perf_counter()
-    prof = profile(model, ProfileOptions(batch=batch, device=device, repeats=3, options=options))
+    prof = profile(model, ProfileOptions(batch=batch, device=device, repeats=3, options=options, split_blocks=split))
     chain = prof.chain
     save_chain(chain, out / f"{tag}-chain.json")
     peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_executor, bench_overhead, casts, compiled, demo, options
+from experiments import bench_executor, bench_overhead, casts, compiled, demo, moved_checkpoints, options
 from offload.io.text import parse_budget
 from tests.runs import ROOT, options_paying
 
@@ -37,6 +37,13 @@ def test_the_options_table_at_a_tiny_size(capsys):
     out = capsys.readouterr().out
     assert "keeps" in out and "| 80% | checkpoint-matmuls |" in out and "| 80% | recompute-only + options |" in out
     assert "80%: predicted ≤ every other: True" in out
+
+
+@pytest.mark.slow  # a profile and eight solves: make test-all
+def test_the_moved_checkpoints_table_at_a_tiny_size(capsys):
+    assert moved_checkpoints.main(["--layers", "2", "--width", "64", "--budgets", "60", "--time-limit", "5"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 60% |"))
+    assert row.count("recomputed") == 2 and float(row.split("|")[-2]) <= 1 + 1e-9  # moving never hurts
 
 
 @pytest.mark.slow  # three profiles and six trainings: make test-all

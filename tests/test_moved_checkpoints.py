@@ -131,9 +131,10 @@ def test_torchtunes_offloaded_checkpointing(movable, method, option):
     one op ahead of its rebuild; the kept outputs of an option move with it."""
     chain = replace(movable, stages=tuple(
         replace(s, options=(StageOption("matmuls", 40, 0.0005),)) for s in movable.stages))
-    res = solve(chain, 10_000, method, JOINT)
-    assert res.schedule.recompute == tuple(Recompute(i, i, option, release=i + 1, prefetch=i + 1) for i in (1, 2, 3))
-    assert res.simulation.d2h_bytes == 3 * (30 + (40 if option else 0))
+    for options in (JOINT, replace(JOINT, in_stage=False)):  # the policy's own option, whatever the search may use
+        res = solve(chain, 10_000, method, options)
+        assert res.schedule.recompute == tuple(Recompute(i, i, option, release=i + 1, prefetch=i + 1) for i in (1, 2, 3))
+        assert res.simulation.d2h_bytes == 3 * (30 + (40 if option else 0))
 
 
 def test_recompute_only_is_not_warm_started_from_a_policy_that_moves(movable):

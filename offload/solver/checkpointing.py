@@ -88,3 +88,4 @@ RECOMPUTE_ONLY = {"checkpoint-sqrt": sqrt_runs, "checkpoint-blocks": block_runs,
                   **{name: option_runs(option) for name, option in IN_STAGE.items()}}  # they move nothing
 POLICIES = {**RECOMPUTE_ONLY, "checkpoint-blocks-offload": checkpoints_offloaded(block_runs),
             "checkpoint-matmuls-offload": checkpoints_offloaded(option_runs(MATMULS))}
+WITH_OPTIONS = {*IN_STAGE, "checkpoint-matmuls-offload"}  # policies that re-run blocks in part

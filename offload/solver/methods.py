@@ -179,6 +179,13 @@ def _ilp(ctx: _Context) -> Planned:
     if not fitting:  # below the offloading floor with no recomputation found that fits: the MILP decides
         return _milp(ctx, None, offload=True)
     warm = min(fitting, key=lambda p: _span(chain, p))
+    if ctx.max_run and chain.optional and chain.L <= FULL_MILP_MAX_STAGES:
+        # the per-block optimum, a smaller MILP, is a point of the options' class: the larger
+        # MILP starts from it, so its schedule is never worse than deciding per block
+        alone = replace(ctx, chain=chain.without_options(), deadline=Deadline(ctx.deadline.share(0.3)))
+        per_block = _milp(alone, None if any(r.option for r in warm.recompute) else warm, offload=True)
+        if per_block is not None and _span(chain, per_block) < _span(chain, warm):
+            warm = per_block
     warm_span = _span(chain, warm)
     options = encoding.allowed(chain, ctx.mode)
     base = {"backend": opt.solver, "time_limit_s": opt.time_limit_s, "gap_limit": opt.gap, "warm_start_s": warm_span}
@@ -350,7 +357,7 @@ def solve(chain: Chain, budget: Budget | int, method: str = "ilp", options: Opti
     unbounded = encoded or options.recompute or method in RECOMPUTING
     lp_bound = lp.makespan_s if lp is not None and lp.proven and not unbounded else chain.ideal_makespan_s
     # without in-stage options the methods search the chain without them (their schedules are the chain's)
-    searched = chain if options.in_stage or method in checkpointing.IN_STAGE else chain.without_options()
+    searched = chain if options.in_stage or method in checkpointing.WITH_OPTIONS else chain.without_options()
     ctx = _Context(searched, act, options, lp_bound, lp, deadline)
     planned = METHODS[method].run(ctx)
     if planned is None:

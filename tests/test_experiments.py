@@ -41,9 +41,9 @@ def test_the_options_table_at_a_tiny_size(capsys):
 
 @pytest.mark.slow  # a profile and eight solves: make test-all
 def test_the_moved_checkpoints_table_at_a_tiny_size(capsys):
-    assert moved_checkpoints.main(["--layers", "2", "--width", "64", "--budgets", "60", "--time-limit", "5"]) == 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 60% |"))
-    assert row.count("recomputed") == 2 and float(row.split("|")[-2]) <= 1 + 1e-9  # moving never hurts
+    assert moved_checkpoints.main(["--layers", "3", "--width", "128", "--budgets", "70", "--time-limit", "5"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 70% |"))
+    assert row.count("recomputed") == 2 and float(row.split("|")[-2]) <= 1 + 1e-3  # moving never hurts (to the gap)
 
 
 @pytest.mark.slow  # three profiles and six trainings: make test-all

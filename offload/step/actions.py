@@ -70,10 +70,11 @@ class Recompute:
     @property
     def text(self) -> str:
         """``3`` for a run of one stage, ``3..5`` otherwise, ``3:matmuls`` for an in-stage option;
-        ``3 (checkpoint 4>3)`` when the checkpoint is offloaded (released at 4, fetched at 3)."""
+        ``3 (checkpoint offloaded F4->B3)`` when the checkpoint is offloaded (released at the end
+        of ``F4``, fetched from the start of ``B3``)."""
         text = f"{self.first}:{self.option}" if self.option else (
             f"{self.first}..{self.last}" if self.last > self.first else str(self.first))
-        return f"{text} (checkpoint {self.release}>{self.prefetch})" if self.moves else text
+        return f"{text} (checkpoint offloaded F{self.release}->B{self.prefetch})" if self.moves else text
 
 
 def check_recompute(chain: Chain, runs: Iterable[Recompute], offloads: Iterable[Offload] = (),

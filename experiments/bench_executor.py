@@ -2,10 +2,11 @@
 
 A conv net, an fp32 transformer and a bf16-autocast transformer, each profiled on the
 device, then solved and trained at 30%, 50% and 70% of its no-offload activation peak in
-four ways: offloading only (``ilp``), recomputation and offloading jointly (``ilp
---recompute``), per-block activation checkpointing (``checkpoint-blocks``) and our op-level
-checkpointing (``checkpoint-matmuls``: each block keeps its matmul outputs where the profile
-measured that option to pay); and once per
+five ways: offloading only (``ilp``), recomputation and offloading jointly (``ilp
+--recompute``), per-block activation checkpointing (``checkpoint-blocks``), the same with
+each block's input offloaded as torchtune's ``OffloadActivations`` does
+(``checkpoint-blocks-offload``) and our op-level checkpointing (``checkpoint-matmuls``: each
+block keeps its matmul outputs where the profile measured that option to pay); and once per
 model the same steps without offloading, under ``torch.autograd.graph.save_on_cpu`` and
 with op-level selective checkpointing of the blocks (matmul outputs saved, the rest
 recomputed: ``offload.core.selective``) (the user's alternatives: no budget, their peak is
@@ -90,7 +91,7 @@ SETS = {
 }
 SHARES = (0.3, 0.5, 0.7)
 WAYS = {"offload": ("ilp", False), "joint": ("ilp", True), "checkpoint": ("checkpoint-blocks", False),
-        "matmuls": ("checkpoint-matmuls", False)}
+        "checkpoint_offload": ("checkpoint-blocks-offload", False), "matmuls": ("checkpoint-matmuls", False)}
 FIELDS = ["model", "share", "way", "solver_status", "budget_bytes", "predicted_step_s", "measured_step_s", "step_error",
           "predicted_peak_bytes", "measured_peak_bytes", "within_budget", "copy_overlap", "predicted_overlap",
           "grads_match", "grads_within_noise", "exit", "d2h_bytes_per_step", "busy_s", "host_wait_s",

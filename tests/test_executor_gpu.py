@@ -73,22 +73,25 @@ def test_cuda_lossless_encodings_keep_gradients_bit_exact():
 def test_a_step_never_makes_the_host_wait():
     """No pack, unpack, copy, encoder or re-run blocks the thread that launches the step's
     kernels: steps with every encoder a GPU runs (kept, then offloaded) and with recomputed
-    stages, under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any call that
+    stages (their checkpoints kept, then offloaded), under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any call that
     waits for the device (``nonzero``, ``.item()``, a copy to pageable memory, ...).  Step 1
     of each warms up outside it (the pinned arena, the kernels' choices)."""
     from offload.core.encoders import usable_on
     from offload.models import resolve
     from offload.step import encoding
-    from offload.step.actions import Recompute
+    from offload.step.actions import Recompute, first_checkpoint_release
+    from offload.step.recompute import moved_checkpoint_bytes, run_op
 
     chain = profile("resnet18", ProfileOptions(batch=4, device="cuda", repeats=1, options={"image": 64})).chain
     lossy = encoding.smallest(chain, "lossy")
     assert {t.encoder for i, name in lossy.items() for t in chain.stage(i).encoding(name).tensors} == set(usable_on(gpu=True))
     again = [Recompute(j, j) for j in sorted(chain.recomputable)[::2]]
+    moved = [Recompute(r.first, r.last, release=first_checkpoint_release(chain, r), prefetch=run_op(chain, r))
+             for r in again if moved_checkpoint_bytes(chain, r)]
     spec = resolve(chain.recipe.model, chain.recipe.batch, dict(chain.recipe.options))
     spec.place(torch.device("cuda"), torch.float32)
     for sched in (make_schedule(chain, [], encode=lossy), make_schedule(chain, floor_offloads(chain), encode=lossy),
-                  make_schedule(chain, [], recompute=again)):
+                  make_schedule(chain, [], recompute=again), make_schedule(chain, [], recompute=moved)):
         run = Offloaded(spec.module, chain, sched)
         for step in range(3):
             args, kwargs = spec.batch()
@@ -102,7 +105,7 @@ def test_a_step_never_makes_the_host_wait():
         assert run.moved_bytes != (0, 0) or not sched.offloads
 
 
-@pytest.mark.parametrize("name", ["everything", "solved", "late-release", "recompute"])
+@pytest.mark.parametrize("name", ["everything", "solved", "late-release", "recompute", "moved-checkpoints"])
 def test_the_fake_cuda_schedules_on_real_cuda(name):
     """The schedules ``tests/test_cudashim.py`` runs on the fake CUDA, on the real one."""
     from test_cudashim import GPT, schedules

@@ -63,7 +63,8 @@ def test_bench_executor_smoke_on_the_cpu(tmp_path, capsys):
     rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
     assert [(r["model"], r["way"]) for r in rows] == [
         (m, w) for m in ("llama", "llama-bfloat16")
-        for w in ("offload", "joint", "checkpoint", "matmuls", "no_offload", "save_on_cpu", "selective_checkpoint")]
+        for w in ("offload", "joint", "checkpoint", "checkpoint_offload", "matmuls", "no_offload", "save_on_cpu",
+                  "selective_checkpoint")]
     trained = [r for r in rows if r["share"] != "-" and r["solver_status"] != "infeasible"]
     assert len(trained) >= 4 and all(r["exit"] == "0" and r["grads_match"] == "True" and r["within_budget"] == "True"
                                      for r in trained)

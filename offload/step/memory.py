@@ -7,9 +7,9 @@ keeping none of it, and an in-stage option's kept outputs on top: ``recompute.fo
 ``bwd_peak_bytes``.  A recomputed unit counts its carried part during the next forward op
 (its held part after); a run's checkpoint (with what its option keeps:
 ``recompute.checkpoint_bytes``) counts from the op after its first forward op until it is
-rebuilt, less what an offloaded one moves between its release and its prefetch point; each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its
-own transient (units and the gradient flowing in, ``bwd_start_bytes``), less the units not
-rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (an option's measured re-run transient:
+rebuilt, less what an offloaded one moves between its release and its prefetch point;
+each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its own transient
+(units and the gradient flowing in, ``bwd_start_bytes``), less the units not rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (an option's measured re-run transient:
 ``recompute.rerun_peak``; and ``Rs`` the checkpoint it reads), and
 ``Bn``'s memory is the largest of those and its own.  A stage whose weight casts are kept
 counts them from ``Fi`` through ``Bi``: an upper bound during ``Fi`` (whose transient holds

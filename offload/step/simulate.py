@@ -30,7 +30,7 @@ from .actions import Offload, Recompute, check_casts, check_offloads, check_reco
 from .budget import Budget
 from .chain import Chain
 from .encoding import apply
-from .events import BACKWARD, D2H, FORWARD, H2D, RECOMPUTE, RELEASE, WAIT, StepEvents, step_events
+from .events import BACKWARD, D2H, FORWARD, H2D, RECOMPUTE, RELEASE, WAIT, Event, StepEvents, step_events
 from .intervals import hidden
 from .memory import memory_profile, op_name
 from .recompute import forward_seconds, moved_checkpoint_bytes, recording_host, run_seconds
@@ -201,9 +201,12 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     o = 0  # the next op, in execution order
     t = s = 0.0  # t: when the last op ended; s: when the next one can start
     h = 0.0  # when the host has issued everything so far
+    def moved(e: Event) -> int:
+        """The bytes a copy moves: the unit's, or the offloaded checkpoint's of a run."""
+        return moved_checkpoint_bytes(chain, e.run) if e.run is not None else int(a[e.stage])
+
     for e in events.sequence:
         i = e.stage
-        moved = moved_checkpoint_bytes(chain, e.run) if e.run is not None and e.kind != RECOMPUTE else int(a[i])
         if e.kind in (FORWARD, BACKWARD):
             ready[o], start[o] = t, s
             forward = e.kind == FORWARD
@@ -213,15 +216,15 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
             t = s = end[o] = max(done, h)
             o += 1
         elif e.kind == D2H:
-            c0 = max(t, d2h_free)
-            d2h_end[i] = d2h_free = c0 + p.d2h_s(float(moved))
-            copies.append(CopyRecord(i, "D2H", float(t), float(c0), float(d2h_end[i]), moved, e.run is not None))
+            c0, nbytes = max(t, d2h_free), moved(e)
+            d2h_end[i] = d2h_free = c0 + p.d2h_s(float(nbytes))
+            copies.append(CopyRecord(i, "D2H", float(t), float(c0), float(d2h_end[i]), nbytes, e.run is not None))
         elif e.kind == RELEASE:
             s = max(s, d2h_end[i])
         elif e.kind == H2D:
-            c0 = max(s, h2d_free, d2h_end[i])
-            h2d_end[i] = h2d_free = c0 + p.h2d_s(float(moved))
-            copies.append(CopyRecord(i, "H2D", float(s), float(c0), float(h2d_end[i]), moved, e.run is not None))
+            c0, nbytes = max(s, h2d_free, d2h_end[i]), moved(e)
+            h2d_end[i] = h2d_free = c0 + p.h2d_s(float(nbytes))
+            copies.append(CopyRecord(i, "H2D", float(s), float(c0), float(h2d_end[i]), nbytes, e.run is not None))
         elif e.kind == RECOMPUTE:
             for j in e.run.stages:
                 took = run_seconds(chain, e.run) if e.run.option else float(chain.f[j])

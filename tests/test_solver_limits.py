@@ -318,6 +318,7 @@ def test_a_solve_still_running_elsewhere_does_not_stop_the_next():
         busy.wait()
 
 
+@pytest.mark.slow  # 3 s; make test-all
 def test_a_bound_above_a_replayed_schedule_is_reported_not_believed(monkeypatch):
     """A lower bound above the makespan the simulator replays can only come from a defect in
     that bound's model (two such in the joint MILP made it print "optimal" above schedules

@@ -103,6 +103,7 @@ def test_optimum_never_worse_with_more_budget_or_bandwidth(cb):
     assert more_bw <= base * (1 + REL)
 
 
+@pytest.mark.slow  # make test-all; make test solves with CBC in tests/test_solver_limits.py
 @settings(max_examples=25, **SETTINGS)
 @given(chain_and_budget(min_stages=3, max_stages=6))
 def test_cbc_agrees_with_highs(cb):

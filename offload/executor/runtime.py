@@ -289,8 +289,7 @@ class _Step(StageListener):
     def _checkpoint_back(self, k: int) -> None:
         """The rebuild of stage ``k`` waits for its checkpoint's copy, then reads it from the buffers."""
         parts, sids = self.moved.pop(k)
-        for sid in sids:
-            self.backend.wait(self.stored[sid].h2d)
+        self._wait(sids)
         x, *kept = parts.rebuild([self.stored[sid].buffer for sid in sids])
         for sid in sids:
             self.stored[sid].buffer = None  # the tensors hold the buffers now
@@ -353,8 +352,7 @@ class _Step(StageListener):
             elif e.kind == H2D:
                 self._prefetch(sids)
             elif e.kind == WAIT:
-                for sid in sids:
-                    self.backend.wait(self.stored[sid].h2d)
+                self._wait(sids)
 
     def _offload(self, sids: list[int]) -> None:
         """The D2H copies of these held storages into host slots."""
@@ -375,6 +373,11 @@ class _Step(StageListener):
             self.backend.released(s.device)
             s.device = None
             s.d2h.keep.clear()
+
+    def _wait(self, sids: list[int]) -> None:
+        """The compute stream waits for these storages' H2D copies."""
+        for sid in sids:
+            self.backend.wait(self.stored[sid].h2d)
 
     def _prefetch(self, sids: list[int]) -> None:
         """The H2D copies of these held storages into fresh device buffers."""

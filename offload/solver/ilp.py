@@ -77,6 +77,11 @@ from .pulp_backend import SolveOutcome, run
 
 RAW = ""  # the option "not encoded"
 CHECKPOINT = "@"  # a slot's form that moves a recomputed run's checkpoint ("@" + its in-stage option)
+
+
+def _checkpoint_form(run: Recompute) -> str:
+    """The form of ``run``'s first stage's slot that moves its checkpoint."""
+    return CHECKPOINT + run.option
 CUT_NONZEROS = 400_000  # per cut family, beyond which only the closest (k, j) pairs are kept
 
 
@@ -230,7 +235,7 @@ class Model:
         for r in self.run_list:
             moved = moved_checkpoint_bytes(chain, r)
             if moved and r.first in self.U:
-                form = CHECKPOINT + r.option
+                form = _checkpoint_form(r)
                 self.moving[r.first, form] = r
                 self.forms[r.first].append(form)
                 self.size[r.first, form] = moved / self.mu
@@ -727,7 +732,7 @@ class Model:
         chosen_runs = {r.kept_on_device() for r in runs}
         if not chosen_runs <= set(self.g):
             raise ValueError(f"runs {sorted(chosen_runs - set(self.g))} are not in this model")
-        stuck = [r for r in runs if r.moves and (r.first, CHECKPOINT + r.option) not in self.x]
+        stuck = [r for r in runs if r.moves and (r.first, _checkpoint_form(r)) not in self.x]
         if stuck:
             raise ValueError(f"runs {stuck} offload checkpoints, which this model does not")
         for key, v in self.g.items():
@@ -737,11 +742,11 @@ class Model:
             v.setInitialValue(1 if i in kept else 0)
         L, tau = self.chain.L, self.tau
         offloads = [Offload(o.stage, min(o.release, self.R.get(o.stage, o.release)), o.prefetch) for o in offloads]
-        runs = [replace(r, release=min(r.release, max(self.R[r.first], self.first_release(r.first, CHECKPOINT + r.option))))
+        runs = [replace(r, release=min(r.release, max(self.R[r.first], self.first_release(r.first, _checkpoint_form(r)))))
                 if r.moves else r for r in runs]
         by = {o.stage: o for o in offloads}  # per slot what moves in it: (release, prefetch) and its form
         by.update({r.first: Offload(r.first, r.release, r.prefetch) for r in runs if r.moves})
-        form = {r.first: CHECKPOINT + r.option for r in runs if r.moves}
+        form = {r.first: _checkpoint_form(r) for r in runs if r.moves}
         for (i, o), v in self.c.items():
             v.setInitialValue(1 if encode.get(i) == o else 0)
 

@@ -16,7 +16,10 @@ ways interleaved so that a loaded machine slows all alike (medians over ``--step
   it says 8.94 MB for the GPT's first block, and the executor stops at that stage, as it
   must; it needs a chain profiled under compile, issue #35's item 2);
 * ``compile_scheduled, empty``, ``, recompute`` and ``, offload``: one graph with the same
-  schedules in it (``offload.executor.compiled``; the offloads placed by PyTorch's own pass).
+  schedules in it (``offload.executor.compiled``; the offloads our own copy ops at the
+  schedule's events, run by the CPU backend and host arena ``Offloaded`` uses);
+* ``compile_scheduled, offload by PyTorch``: the same offloads placed by PyTorch's own
+  activation offloading pass (``copies="pytorch"``), the baseline.
 
 Beside each: how many graphs Dynamo compiled for it (a graph break makes one more), its
 step, the most bytes the allocator held during a step beyond what it held before (every
@@ -26,9 +29,9 @@ the eager chain saves for the backward against the bytes the compiled forward gr
 (its partitioner's ``saved_bytes``): what a chain of the compiled graph would have to
 measure (issue #35, item 2).  On a CPU Inductor's code is C++ on the cores, there are no
 copies to hide, and the host is the device: the times compare the ways' work only; a copy
-"to the host" stays in the same memory (our executor's host arena is allocated before the
-step, so its offloads show as freed; PyTorch's ``device_put`` to the CPU is a no-op that
-Inductor removes).
+"to the host" stays in the same memory (our host arena, eager or compiled, is allocated
+before the step, so its offloads show as freed; PyTorch's ``device_put`` to the CPU is a
+no-op that Inductor removes).
 Writes ``experiments/results/compiled/<model>.md`` (``<model>-cuda.md`` on a GPU, whose
 peaks are the caching allocator's).
 """
@@ -112,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             "compile": (own(torch.compile), None),
             "compile_scheduled, empty": (own(lambda m: compile_scheduled(m, chain, empty)), None),
             "compile_scheduled, recompute": (own(lambda m: compile_scheduled(m, chain, again)), None),
-            "compile_scheduled, offload": (own(lambda m: compile_scheduled(m, chain, moving)), None)}
+            "compile_scheduled, offload": (own(lambda m: compile_scheduled(m, chain, moving)), None),
+            "compile_scheduled, offload by PyTorch": (own(lambda m: compile_scheduled(m, chain, moving,
+                                                                                      copies="pytorch")), None)}
 
     def step(way) -> None:
         run, params = way
@@ -149,10 +154,20 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {name} | {graphs[name]} | {med * 1e3:.1f} ms | {med / eager:.2f} | "
                      f"{f'{sim.makespan_s * 1e3:.1f} ms' if sim else '-'} | {format_bytes(peaks[name])} | "
                      f"{format_bytes(sim.peak_bytes) if sim else '-'} |")
+    ours, theirs = (ways[n][0][0].partitioner for n in ("compile_scheduled, offload",
+                                                          "compile_scheduled, offload by PyTorch"))
+    per_step = ours.runtime.d2h_bytes // (args.steps + 3)  # warm-up, peak and timed steps
+    lines += ["", f"Moved per step by the offload ways: `Offloaded` {format_bytes(moving.simulate(chain).d2h_bytes)} "
+              f"(predicted), `compile_scheduled` {format_bytes(per_step)} each way (its units: "
+              f"{format_bytes(sum(m for m, _ in ours.moved.values()))}, "
+              f"{format_bytes(sum(left for _, left in ours.moved.values()))} left on the device), PyTorch's pass "
+              f"{format_bytes(sum(m for m, _ in theirs.moved.values()))} "
+              f"({format_bytes(sum(left for _, left in theirs.moved.values()))} of the units left on the device: "
+              "views, getitems, non-contiguous tensors)."]
     kept, recomputing = (ways[n][0][0].partitioner.saved_bytes() for n in
                          ("compile_scheduled, empty", "compile_scheduled, recompute"))
     lines += ["", "Saved for the backward, per stage: the eager chain's unit, and the compiled forward graph's "
-              "values by the stage that made them (stage 0: its inputs, weights and batch).", "",
+              "storages by unit (the first stage whose backward reads them; 0: its inputs, weights and batch).", "",
               "| stage | eager chain | compiled | compiled, recompute |", "|---|---|---|---|"]
     for k in range(0, chain.L + 1):
         eager_bytes = format_bytes(chain.stage(k).saved_bytes) if k else "-"

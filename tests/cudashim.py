@@ -153,7 +153,9 @@ class _SideCopies(TorchFunctionMode):
 
 
 class _ComputeAccesses(TorchDispatchMode):
-    """Every op of the compute stream: its reads and writes, checked and recorded."""
+    """Every op of the compute stream: its reads and writes, checked and recorded.  The ops of
+    the ``offload`` namespace (the copies of a compiled graph) are the runtime's own calls,
+    as the eager runtime's Python is: what they issue on the streams is seen, not the ops."""
 
     def __init__(self, cuda: "FakeCuda") -> None:
         super().__init__()
@@ -161,6 +163,8 @@ class _ComputeAccesses(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "offload":
+            return func(*args, **kwargs)
         if not self.cuda.unrecorded and waits_for_device(func, args, kwargs):
             self.cuda.host_waits.append(func.overloadpacket.__name__)
         out = func(*args, **kwargs)
@@ -190,8 +194,9 @@ class _ComputeAccesses(TorchDispatchMode):
 class FakeCuda:
     """Install with ``with FakeCuda(monkeypatch) as cuda:``; run steps; read ``cuda.races``."""
 
-    def __init__(self, monkeypatch: Any) -> None:
+    def __init__(self, monkeypatch: Any, everywhere: bool = True) -> None:
         self.monkeypatch = monkeypatch
+        self.everywhere = everywhere  # False: the compute stream's accesses are seen in ``tracked`` blocks only
         self.streams: list[FakeStream] = []
         self.compute = FakeStream(self, "compute", immediate=True)
         self.current = self.compute
@@ -235,11 +240,20 @@ class FakeCuda:
         mp.setattr(torch.cuda, "stream", self._use)
         mp.setattr(torch.cuda, "synchronize", self._synchronize)
         self._mode = _ComputeAccesses(self)
-        self._mode.__enter__()
+        if self.everywhere:
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)
+        if self.everywhere:
+            self._mode.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def tracked(self) -> Iterator[None]:
+        """The compute stream's accesses seen in this block (``everywhere=False``: Dynamo runs no
+        compiled frame under a dispatch mode, so a compiled graph is tracked from inside)."""
+        with _ComputeAccesses(self):
+            yield
 
     @contextlib.contextmanager
     def outside(self) -> Iterator[None]:

@@ -1,6 +1,7 @@
 """The schedule inside ``torch.compile`` (``offload.executor.compiled``): the compiled graph's
 forward nodes in the chain's stages, the recomputed stages' ops run again in its backward,
 gradients bit for bit those of plain ``torch.compile`` (dropout on)."""
+import re
 from dataclasses import replace
 
 import pytest
@@ -10,9 +11,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 from offload.errors import ChainMismatch
 from offload.executor import Offloaded
 from offload.executor.compiled import SchedulePartitioner, compile_scheduled, module_path
+from offload.executor.graph_copies import D2H_OP, H2D_OP, OPS, RELEASE_OP, WAIT_OP
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
-from offload.step.actions import Recompute
+from offload.step.actions import Offload, Recompute
 from offload.step.chain import MATMULS, StageOption
 from offload.step.memory import floor_offloads
 from offload.step.schedule import make_schedule
@@ -97,22 +99,148 @@ def test_an_in_stage_option_keeps_its_matmuls_in_the_graph(chain):
     assert matmuls(p.graphs[1]) < matmuls(whole.partitioner.graphs[1])  # fewer matmuls run again
 
 
+@pytest.mark.slow
 def test_offloaded_units_go_to_the_host_where_pytorch_places_them(chain):
-    """The units the schedule offloads, marked in the joint graph: PyTorch's offloading puts
-    their saved tensors' copies in the forward graph and the reloads in the backward one
-    (``device_put``: on the CPU a copy to the CPU), gradients bit for bit, and what it moved
-    of each unit is said."""
+    """``copies="pytorch"``, the baseline: the units the schedule offloads, marked in the joint
+    graph, PyTorch's offloading puts their saved tensors' copies in the forward graph and the
+    reloads in the backward one (``device_put``: on the CPU a copy to the CPU), gradients bit
+    for bit, and what it moved of each unit is said."""
     offloads = floor_offloads(chain)[1::2]
     _, plain = step(lambda m: torch.compile(m, backend="aot_eager"))
     with pytest.warns(UserWarning, match=r"moves U\d+ \(.* stay\).* only in part"):  # the getitems and views it skips
-        ours, grads = step(lambda m: compile_scheduled(m, chain, make_schedule(chain, offloads), backend="aot_eager"))
+        ours, grads = step(lambda m: compile_scheduled(m, chain, make_schedule(chain, offloads), backend="aot_eager",
+                                                       copies="pytorch"))
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
     p = ours.partitioner
     fw, bw = p.graphs
     puts = [n for n in fw.graph.nodes if n.target == torch.ops.prims.device_put.default]
-    assert puts and {p.stages[n.args[0].name] for n in puts} == {o.stage for o in offloads}
+    assert puts and {p.units[n.args[0].name] for n in puts} == {o.stage for o in offloads}
     assert sum(1 for n in bw.graph.nodes if n.target == torch.ops.prims.device_put.default) == len(puts)
     assert set(p.moved) == {o.stage for o in offloads} and all(moved > 0 for moved, _ in p.moved.values())
+
+
+def spread(chain):
+    """Offloads released and fetched at several points: every other unit kept on the device
+    until the turn and fetched at once, the others released at once and fetched just in time."""
+    return [Offload(i, chain.L, chain.L) if n % 2 else Offload(i, i + 1, int(chain.need[i]))
+            for n, i in enumerate(sorted(chain.offloadable))]
+
+
+def positions(graph):
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def test_our_copies_sit_at_the_schedules_events(chain):
+    """``copies="schedule"``: in the forward graph each unit's D2H ops come after the last node of
+    its stage and before the next stage's first, the releases after the last node of their
+    point's stage (at ``L``: before the output); in the backward graph the H2D ops of point
+    ``k`` after ``B(k+1)``'s last node and before ``Bk``'s first, the waits before the first
+    node of ``B(need)``, after every prefetch of their point; each unit moved whole, read
+    nowhere before its point, and the ops in the events' order."""
+    offloads = spread(chain)
+    ours, _ = step(lambda m: compile_scheduled(m, chain, make_schedule(chain, offloads), backend="aot_eager"))
+    p = ours.partitioner
+    fw, bw = p.graphs
+    assert p.placed.late == [] and all(not stay for stay in p.placed.stay.values())
+    assert set(p.moved) == {o.stage for o in offloads} and all(left == 0 for _, left in p.moved.values())
+    at = positions(fw.graph)
+    staged = [n for n in fw.graph.nodes if n.name in p.stages]
+    first = {k: min(at[n] for n in staged if p.stages[n.name] == k) for k in range(1, chain.L + 1)}
+    last = {k: max(at[n] for n in staged if p.stages[n.name] == k) for k in range(1, chain.L + 1)}
+    output = at[fw.graph.find_nodes(op="output")[0]]
+    ops = {op: [n for n in fw.graph.nodes if n.target is op] for op in (D2H_OP, RELEASE_OP)}
+    for o in offloads:
+        copies = [n for n in ops[D2H_OP] if p.units[n.args[0].name] == o.stage]
+        releases = [n for n in ops[RELEASE_OP] if p.units[n.args[1].name] == o.stage]
+        assert copies and len(copies) == len(releases) == len(p.placed.moved[o.stage])
+        assert all(last[o.stage] < at[n] < first[o.stage + 1] for n in copies)
+        end = output if o.release == chain.L else first[o.release + 1]
+        assert all(last[o.release] < at[n] < end for n in releases)
+    keys = [n.args[4] for n in ops[D2H_OP]]
+    assert keys == sorted(keys) == list(range(len(keys)))  # issued in forward order, one slot each
+    at = positions(bw.graph)
+    begins = {}  # stage -> where the backward graph starts running its backward
+    for n in bw.graph.nodes:
+        if n.op == "call_function" and n.name in p.back_stages:
+            begins.setdefault(p.back_stages[n.name], at[n])
+    h2d = {n.args[3]: n for n in bw.graph.nodes if n.target is H2D_OP}
+    wait = {n.args[2]: n for n in bw.graph.nodes if n.target is WAIT_OP}
+    assert set(h2d) == set(wait) == set(keys)
+    for o in offloads:
+        mine = [k for k, n in h2d.items() if p.units[n.args[0].name] == o.stage]
+        need = int(chain.need[o.stage])
+        assert len(mine) == len(p.placed.moved[o.stage])
+        for k in mine:
+            assert begins.get(o.prefetch + 1, -1) < at[h2d[k]] < at[wait[k]] < begins[need]
+            assert need == chain.L or begins[need + 1] < at[wait[k]]
+            assert all(at[wait[k]] < at[u] for u in wait[k].users)
+
+
+LLAMA = {"layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "seq": 32, "vocab": 128, "dropout": 0.1}
+
+
+def test_our_copies_keep_a_llamas_gradients_bit_for_bit_and_move_its_units_whole():
+    """transformers' Llama (SDPA, grouped-query attention, dropout) on the lazy CPU backend (a
+    buffer read before its copy is waited for reads poison), a recomputed layer beside the
+    offloads: gradients those of plain compile, every unit moved whole, each way, in the same
+    slots every step; the attention's transposes the partitioner made at the forward's end
+    are moved with their unit."""
+    llama = profile("llama", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options=LLAMA)).chain
+    runs = [Recompute(i, i) for i in sorted(llama.recomputable)[1:2]]
+    offloads = [o for o in spread(llama) if all(not r.first <= o.stage <= r.last for r in runs)]
+    schedule = make_schedule(llama, offloads, recompute=runs)
+
+    def grads(make):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        spec = resolve("llama", 2, LLAMA)
+        run = make(spec.module)
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            spec.loss(run(*spec.args, **spec.kwargs)).backward()
+        return run, [p.grad.clone() for p in spec.module.parameters()]
+    _, plain = grads(lambda m: torch.compile(m, backend="aot_eager"))
+    ours, theirs = grads(lambda m: compile_scheduled(m, llama, schedule, backend="aot_eager", copy_backend="cpu-lazy"))
+    assert all(torch.equal(a, b) for a, b in zip(plain, theirs))
+    p = ours.partitioner
+    assert set(p.moved) == {o.stage for o in offloads} and all(left == 0 for _, left in p.moved.values())
+    assert any(name.startswith("transpose") and name not in p.stages and p.units[name] in p.moved
+               for values in p.placed.moved.values() for names in values.values() for name in names)
+    runtime = p.runtime
+    assert runtime.d2h_bytes == runtime.h2d_bytes == 2 * runtime.planned_bytes > 0
+    assert runtime.planned_bytes == sum(p.placed.moved_bytes.values())
+    assert runtime.backend.name == "cpu-lazy" and runtime.arena.allocations == 1
+
+
+@pytest.mark.slow
+def test_inductor_keeps_our_copies_where_they_were_placed(chain):
+    """Inductor orders a graph's nodes by their dependencies only: each copy op's ``after`` input
+    keeps it from running before its event, and with Inductor's peak-memory reordering off
+    (``compile_scheduled``'s default) nothing runs it later: the generated code calls the ops
+    in the order they were placed, and the gradients (lazy backend) are plain compile's."""
+    from torch._inductor.utils import run_and_get_code
+
+    runs = [Recompute(i, i) for i in sorted(chain.recomputable)[::3]]
+    offloads = [o for o in spread(chain) if all(not r.first <= o.stage <= r.last for r in runs)]
+    schedule = make_schedule(chain, offloads, recompute=runs)
+    _, plain = step(lambda m: torch.compile(m, backend="inductor"))
+    made = {}
+
+    def make(m):
+        made["run"] = compile_scheduled(m, chain, schedule, backend="inductor", copy_backend="cpu-lazy")
+        return made["run"]
+    (_, grads), (forward, backward) = run_and_get_code(lambda: step(make))
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    fw, bw = made["run"].partitioner.graphs
+
+    def issued(code):
+        """(op, key) of each copy op the generated code calls, in order."""
+        return [(m[1], int(m[2])) for m in re.finditer(
+            r"torch\.ops\.offload\.(\w+)\.default\(.*, \d+, (\d+), (?:\w+|reinterpret_tensor\(.*\))\)$", code, re.M)]
+
+    def placed(graph):
+        return [(n.target._opname, n.args[-2]) for n in graph.nodes if n.target in OPS]
+    assert issued(forward) == list(placed(fw.graph)) and issued(backward) == list(placed(bw.graph))
 
 
 def test_what_a_compiled_graph_cannot_run_is_refused(chain):
@@ -135,8 +263,11 @@ def test_what_a_compiled_graph_cannot_run_is_refused(chain):
 def test_the_compile_cache_key_follows_the_schedule(chain):
     a, b = (make_schedule(chain, [], recompute=[Recompute(i, i)]) for i in sorted(chain.recomputable)[:2])
     moving = make_schedule(chain, floor_offloads(chain)[:1], recompute=a.recompute)
-    assert SchedulePartitioner(chain, a).uuid() == SchedulePartitioner(chain, a).uuid()
-    assert len({SchedulePartitioner(chain, s).uuid() for s in (a, b, moving)}) == 3
+    one = SchedulePartitioner(chain, a)
+    assert one.uuid() == one.uuid()
+    assert len({SchedulePartitioner(chain, s).uuid() for s in (a, b, moving)} | {one.uuid()}) == 4
+    # each partitioner's copy ops call its own runtime, by a number in the graph and in the key
+    assert SchedulePartitioner(chain, a).runtime.number != one.runtime.number
 
 
 @pytest.mark.slow

@@ -20,22 +20,31 @@ one graph instead and hands AOTAutograd a partitioner built from (chain, schedul
   graphs, as it does for ``torch.utils.checkpoint`` under compile, and the backward graph
   runs a recomputed stage's forward ops again;
 
-* **offloads, placed by PyTorch**: the forward nodes of each offloaded unit's stage are
-  marked ``should_offload`` and PyTorch's own activation offloading
-  (``torch._functorch._activation_offloading``, on with ``enable_activation_offloading``)
-  inserts the copies: on CUDA on a side stream, the waits sunk to the forward's end, the
-  reloads hoisted by their estimated transfer time at the chain's measured H2D bandwidth.
-  Our schedule chooses *what* moves; *when* is PyTorch's rule, not the schedule's release
-  and prefetch points, and nothing predicts that step yet.  PyTorch skips what it cannot
-  move (views, ``getitem`` values, non-contiguous tensors, model outputs): a unit of which
-  it moves nothing is refused, naming it; one it moves in part is warned of, with what stays
-  (``SchedulePartitioner.moved``).
+* **offloads, at the schedule's events** (``copies="schedule"``, the default): after the
+  partitioner, ``offload.executor.compiled_copies`` puts our own copy ops
+  (``offload.executor.graph_copies``) into the forward and backward graphs where
+  ``offload.step.events`` says ``Offloaded`` does them: D2H as ``Fk`` ends, the wait and the
+  free at the release point, H2D at the prefetch point, the wait before ``B(need)``; run by
+  the same backends (CUDA streams and events, or the checking CPU ones) and the same pinned
+  host arena.  A unit is what the eager executor calls one: the storages first saved for
+  ``Bk``'s ops.  Each op takes the last value of the stage it follows as an input it does not
+  read, so that Inductor's scheduler keeps it there;
 
-Not here yet (issue #35): our own copy ops at the schedule's events (the same backends and
-pinned arena as ``Offloaded``), encodings and offloaded checkpoints (refused), and a chain profiled from the compiled
-graph (the compiled forward saves other, fewer tensors than the eager one the chain
-measured, so the chain's predicted memory and times are the eager model's, not this
-graph's).
+* **offloads, placed by PyTorch** (``copies="pytorch"``, the baseline): the units' forward
+  nodes are marked ``should_offload`` and PyTorch's own activation offloading
+  (``torch._functorch._activation_offloading``) inserts the copies: on CUDA on a side
+  stream, the waits sunk to the forward's end, the reloads hoisted by their estimated
+  transfer time at the chain's measured H2D bandwidth.  Our schedule chooses *what* moves;
+  *when* is PyTorch's rule.  PyTorch skips what it cannot move (views, ``getitem`` values,
+  non-contiguous tensors, model outputs).
+
+In both, a unit of which nothing moves is refused, naming it; one that moves in part is
+warned of, with what stays (``SchedulePartitioner.moved``).
+
+Not here yet (issue #35): encodings and offloaded checkpoints (refused), and a chain
+profiled from the compiled graph (the compiled forward saves other, fewer tensors than the
+eager one the chain measured, so the chain's predicted memory and times are the eager
+model's, not this graph's).
 """
 from __future__ import annotations
 
@@ -48,6 +57,7 @@ from typing import Any, Sequence
 import torch
 from torch import fx, nn
 from torch._functorch import config
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
@@ -59,7 +69,13 @@ from offload.io.text import format_bytes
 from offload.step.chain import Chain
 from offload.step.schedule import Schedule
 
+from offload.step.events import step_events
+
 from .api import PathLike, chain_and_schedule, cut_sites
+from .compiled_copies import PlacedCopies, backward_stages, place_copies, value_units
+from .graph_copies import GraphCopies
+
+COPIES = ("schedule", "pytorch")  # who places the offloaded units' copies (SchedulePartitioner)
 
 _ROOT = re.compile(r"^L\[(['\"])[^'\"]+\1\]")  # the compiled function's ``self``: L['self']
 
@@ -144,7 +160,10 @@ class SchedulePartitioner(CustomPartitionerFn):
     ``graphs`` the forward and backward graphs it made of it, ``saved`` what the forward
     saves and ``moved`` what PyTorch's offloading moved of each offloaded unit."""
 
-    def __init__(self, chain: Chain, schedule: Schedule) -> None:
+    def __init__(self, chain: Chain, schedule: Schedule, copies: str = "schedule",
+                 copy_backend: str | None = None) -> None:
+        if copies not in COPIES:
+            raise ValueError(f"copies {copies!r}: choose one of {', '.join(COPIES)}")
         if schedule.encode:
             raise ChainMismatch(f"a compiled graph runs no encoder, and this schedule encodes "
                                 f"{', '.join(f'U{i}' for i in sorted(schedule.encode))}",
@@ -157,19 +176,26 @@ class SchedulePartitioner(CustomPartitionerFn):
                                 "train it with Offloaded(torch.compile(model), chain, schedule) (a graph break at each "
                                 "stage boundary), or solve for the compiled path with those checkpoints kept")
         self.offloaded = sorted(o.stage for o in schedule.offloads)
+        self.copies = copies
+        self.events = step_events(chain, schedule.offloads, schedule.recompute)
+        self.placed: PlacedCopies | None = None
         self.bandwidth = chain.platform.h2d_bytes_per_s
         self.cuts = cut_sites(chain)
         self.runs = list(schedule.recompute)
-        self.key = hashlib.sha256(repr((chain.sha256, self.runs, self.offloaded)).encode()).hexdigest()
+        self.runtime = GraphCopies(copy_backend)  # the copies' ops name it by its number: part of the key
+        self.key = hashlib.sha256(repr((chain.sha256, self.runs, self.offloaded, copies, copy_backend,
+                                        self.runtime.number)).encode()).hexdigest()
         self.stages: dict[str, int] = {}
         self.tags: dict[str, CheckpointPolicy | None] = {}
         self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None
-        # each value the forward graph saves for the backward, as partitioned (Inductor may
-        # change the graphs after): the stage of the node that made it (0: the graph's inputs,
-        # weights and batch), its bytes, whether it goes to the host; what a unit is in the
-        # compiled graph, to set beside the eager chain's ``saved_bytes``
+        self.units: dict[str, int] = {}  # forward node name -> the unit its value is in when saved
+        self.back_stages: dict[str, int] = {}  # backward node name -> the stage whose backward it is
+        # each storage the forward graph saves for the backward, as partitioned (Inductor may
+        # change the graphs after): its unit (0: the graph's inputs, weights and batch), its
+        # bytes, whether it goes to the host; what a unit is in the compiled graph, to set
+        # beside the eager chain's ``saved_bytes``
         self.saved: list[tuple[int, int, bool]] = []
-        self.moved: dict[int, tuple[int, int]] = {}  # offloaded stage -> (bytes PyTorch moves, bytes it leaves)
+        self.moved: dict[int, tuple[int, int]] = {}  # offloaded unit -> (bytes moved, bytes left on the device)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
                  ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -182,7 +208,9 @@ class SchedulePartitioner(CustomPartitionerFn):
                           "the schedule does not act in it", stacklevel=2)
             return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         fixed = _inputs_without_gradient(gm.graph, kwargs.get("num_fwd_outputs", 0))
+        self.back_stages = backward_stages(gm.graph, stages)
         run_of = {k: (n, run) for n, run in enumerate(self.runs, 1) for k in range(run.first, run.last + 1)}
+        self.units = value_units(stages, self.back_stages, set(run_of))
         rules = {n: KeepRule(run.option) for n, run in enumerate(self.runs, 1) if run.option}
         self.stages, self.tags = {}, {}
         for node, k in stages.items():
@@ -200,24 +228,38 @@ class SchedulePartitioner(CustomPartitionerFn):
                     policy = CheckpointPolicy.MUST_RECOMPUTE
             if policy is not None:
                 node.meta["recompute"] = policy
-            node.meta["should_offload"] = k in self.offloaded
+            node.meta["should_offload"] = self.copies == "pytorch" and self.units.get(node.name) in self.offloaded
             self.stages[node.name], self.tags[node.name] = k, policy
+        outputs = kwargs.get("num_fwd_outputs", 0)
         cuda = any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_cuda for n in gm.graph.nodes)
-        with config.patch(enable_activation_offloading=bool(self.offloaded), activation_offload_separate_stream=cuda,
+        pytorch = self.copies == "pytorch" and bool(self.offloaded)
+        with config.patch(enable_activation_offloading=pytorch, activation_offload_separate_stream=cuda,
                           activation_offload_sink_wait=cuda, activation_reload_prefetch=cuda,
                           activation_offload_cpu_gpu_bw=self.bandwidth / 1e9):
             self.graphs = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        self.saved = self._saved(self.graphs[0], kwargs.get("num_fwd_outputs", 0))
+        saved = list(self.graphs[0].graph.find_nodes(op="output")[0].args[0][outputs:])
+        moved: set[str] = set()
+        if self.copies == "schedule" and self.offloaded:
+            self.placed = place_copies(*self.graphs, outputs, self.events, self.stages, self.units, self.back_stages,
+                                       set(self.offloaded), self.runtime)
+            moved = {v for values in self.placed.moved.values() for vs in values.values() for v in vs}
+        self.saved = self._saved(saved, moved)
         self._check_moved()
         return self.graphs
 
-    def _saved(self, forward: fx.GraphModule, outputs: int) -> list[tuple[int, int, bool]]:
-        out = []
-        for node in forward.graph.find_nodes(op="output")[0].args[0][outputs:]:  # the model's outputs first
-            source = node.args[0] if node.name.startswith(CPU_OFFLOAD_PREFIX) else node
+    def _saved(self, saved: Sequence[object], moved: set[str]) -> list[tuple[int, int, bool]]:
+        """``saved``: the forward's saved outputs; ``moved``: the values our copies move."""
+        out, seen = [], set()
+        for node in saved:
+            source = node
+            while isinstance(source, fx.Node) and (source.name.startswith(CPU_OFFLOAD_PREFIX)
+                                                   or "async_" + CPU_OFFLOAD_PREFIX in source.name):
+                source = source.args[0]  # PyTorch's copy (and its wait) of the value
             value = source.meta.get("val") if isinstance(source, fx.Node) else None
-            if isinstance(value, torch.Tensor):
-                out.append((self.stages.get(source.name, 0), value.numel() * value.element_size(), source is not node))
+            if isinstance(value, torch.Tensor) and (ref := StorageWeakRef(value.untyped_storage())) not in seen:
+                seen.add(ref)
+                out.append((self.units.get(source.name, 0), value.untyped_storage().nbytes(),
+                            source is not node or source.name in moved))
         return out
 
     def saved_bytes(self) -> dict[int, int]:
@@ -237,15 +279,24 @@ class SchedulePartitioner(CustomPartitionerFn):
             if k in moved:
                 moved[k][0 if host else 1] += nbytes
         self.moved = {k: (m, left) for k, [m, left] in moved.items()}
+        mover, skipped = (("PyTorch's activation offloading", "it skips views, getitem values, non-contiguous "
+                           "tensors and model outputs") if self.copies == "pytorch" else
+                          ("the compiled graph", "a view of another value or an output of the model stays"))
         none = [f"U{k}" for k, (m, left) in self.moved.items() if not m]
         if none:
-            raise ChainMismatch(f"PyTorch's activation offloading moves nothing of {', '.join(none)} in the compiled "
-                                "graph (it skips views, getitem values, non-contiguous tensors and model outputs)",
+            raise ChainMismatch(f"{mover} moves nothing of {', '.join(none)} ({skipped}{self._staying(none)})",
                                 "train it with Offloaded(torch.compile(model), chain, schedule), or offload other units")
         part = [f"U{k} ({format_bytes(left)} stay)" for k, (m, left) in self.moved.items() if left]
         if part:
-            warnings.warn(f"PyTorch's activation offloading moves {', '.join(part)} only in part: it skips views, "
-                          "getitem values, non-contiguous tensors and model outputs", stacklevel=2)
+            warnings.warn(f"{mover} moves {', '.join(part)} only in part ({skipped}"
+                          f"{self._staying([u.split()[0] for u in part])})", stacklevel=2)
+
+    def _staying(self, units: list[str]) -> str:
+        """The values of ``units`` (``U3``) that stay, by name, when our copies placed them."""
+        if self.placed is None:
+            return ""
+        names = [f"{name} ({why})" for u in units for name, why in self.placed.stay.get(int(u[1:]), ())]
+        return ": " + ", ".join(names) if names else ""
 
     def uuid(self) -> str:
         """Part of Inductor's cache key: another schedule is another compiled graph."""
@@ -253,7 +304,8 @@ class SchedulePartitioner(CustomPartitionerFn):
 
 
 def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Schedule | PathLike,
-                      backend: str = "inductor", **compile_kwargs: Any) -> nn.Module:
+                      backend: str = "inductor", copies: str = "schedule", copy_backend: str | None = None,
+                      **compile_kwargs: Any) -> nn.Module:
     """``module`` compiled as one graph whose backward recomputes what ``schedule`` recomputes
     and whose saved tensors of the units ``schedule`` offloads go to the host.
 
@@ -262,11 +314,18 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
             ``Offloaded``: the graph is not broken at stage boundaries).
         chain: its chain, or its path (the cut sites say where stages end).
         schedule: a schedule of ``chain``, or its path: its recomputation in the graph, its
-            offloads placed by PyTorch (module docstring); encodings are refused with
-            ``ChainMismatch`` (``Offloaded`` runs them).
+            offloads as copies in the graph (module docstring); encodings and offloaded
+            checkpoints are refused with ``ChainMismatch`` (``Offloaded`` runs them).
         backend: ``inductor`` (the partitioner goes in as ``custom_partitioner_fn``) or
             ``aot_eager`` (AOTAutograd with the same partitioner, no code generation).
-        compile_kwargs: passed to ``torch.compile``.  ``fullgraph`` defaults to True: the
+        copies: ``schedule``: our copy ops at the schedule's events, run by ``copy_backend``
+            (``offload.executor.compiled_copies``); ``pytorch``: PyTorch's activation
+            offloading places them by its own rule (a baseline).
+        copy_backend: the copies' backend (``offload.executor.backends``: ``cuda``,
+            ``cpu-eager``, ``cpu-lazy``); ``None``: the device's default.
+        compile_kwargs: passed to ``torch.compile``.  With our copies, Inductor's
+            ``reorder_for_peak_memory`` is off unless ``options`` sets it (it would issue a
+            D2H copy just before its release, not as its stage ends).  ``fullgraph`` defaults to True: the
             stages are found in one graph; with ``fullgraph=False`` a graph break is allowed
             outside the stage boundaries (a loss after the model: that graph is compiled
             plainly, with a warning), and refused between two of them.
@@ -279,7 +338,7 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
         raise ChainMismatch("this module is inside an Offloaded: its stage boundaries break a compiled graph",
                             "compile a module of its own (copy.deepcopy(model) before wrapping either)")
     chain, schedule = chain_and_schedule(chain, schedule)
-    partitioner = SchedulePartitioner(chain, schedule)
+    partitioner = SchedulePartitioner(chain, schedule, copies, copy_backend)
     names = dict(module.named_modules())
     missing = [site.module for site in partitioner.cuts if site.module not in names]
     if missing:
@@ -287,7 +346,11 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
                             "compile the module the chain was profiled from")
     compile_kwargs.setdefault("fullgraph", True)
     if backend == "inductor":
-        options = {**compile_kwargs.pop("options", {}), "custom_partitioner_fn": partitioner}
+        # Inductor's peak-memory reordering moves a node as late as its readers allow: a D2H
+        # copy would be issued just before its release (its only reader), not as its stage
+        # ends; the schedule makes the memory plan instead
+        options = {"reorder_for_peak_memory": not partitioner.offloaded or copies == "pytorch",
+                   **compile_kwargs.pop("options", {}), "custom_partitioner_fn": partitioner}
         compiled = torch.compile(module, backend="inductor", options=options, **compile_kwargs)
     elif backend == "aot_eager":
         from functorch.compile import nop

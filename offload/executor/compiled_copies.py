@@ -1,0 +1,310 @@
+"""Where the schedule's copies go in a compiled graph: the events of a step, placed among its nodes.
+
+AOTAutograd's partitioner has made a forward graph that hands the backward graph the values
+it saves.  ``place_copies`` moves the storages of the offloaded units with the ops of
+``offload.executor.graph_copies``, at the points ``offload.step.events`` names, so that the
+compiled step does what ``Offloaded`` does at its stage boundaries:
+
+* **units** as the eager executor's (``offload.core.units``): a saved storage belongs to the
+  first stage that saves it.  A value is saved by the stages whose backward reads it (a
+  backward node's stage is that of the forward node it differentiates: AOTAutograd gives
+  them one ``seq_nr``), a recomputed stage aside (``value_units``); values sharing a storage (a fused projection's query, key and value)
+  move as one storage, copied once;
+* **forward** (nodes in stages by ``assign_stages``): after the last node of ``Fk``, the D2H
+  of ``Uk``'s storages, then the releases due at ``k`` (due at ``L``: just before the graph's
+  output), in the events' order, each unit's storages in forward order (their *keys*); the
+  forward then hands the backward the host copy instead of each value;
+* **backward**: a stage's backward begins with its first node (a node of a later stage past
+  that point, such as a gradient sum, is in the earlier one); the H2D copies of prefetch
+  point ``k`` go right after ``B(k+1)``'s last node, before a recomputed run's nodes, in
+  ``prefetch_key`` order; the wait for a unit before the first node of ``B(need)``, or
+  before a reader of it that comes earlier (then the H2D too, if its point came after that
+  reader: ``late``); each value is read as a view (``as_strided``) of its storage's buffer.
+
+A storage is copied over the extent its saved values cover, not whole: Inductor may put a
+value in a larger buffer than the value needs, or in a part of another's.
+
+What cannot move is said (``PlacedCopies.stay``): a storage that is also an output of the
+model, or that holds values of several dtypes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from offload.step.events import D2H, H2D, RELEASE, WAIT, StepEvents
+
+from .graph_copies import D2H_OP, H2D_OP, RELEASE_OP, WAIT_OP, GraphCopies
+
+
+def backward_stages(joint: fx.Graph, stages: Mapping[fx.Node, int]) -> dict[str, int]:
+    """Stage of each backward node of a joint graph that differentiates a staged forward node
+    (by ``seq_nr``), by name (the partitioned backward graph keeps the names)."""
+    of_seq = {n.meta["seq_nr"]: k for n, k in stages.items() if "seq_nr" in n.meta}
+    return {n.name: of_seq[n.meta["seq_nr"]] for n in joint.nodes
+            if n.meta.get("partitioner_tag") == "is_backward" and n.meta.get("seq_nr") in of_seq}
+
+
+def value_units(stages: Mapping[fx.Node, int], back: Mapping[str, int], recomputed: set[int]) -> dict[str, int]:
+    """The unit of each forward node's value, were it saved: the first stage whose backward
+    reads it, a recomputed stage aside (what it reads from before it is its run's checkpoint,
+    which the run holds, not a unit), or its own stage if no other backward node reads it.
+    A backward node the partitioner moved into the forward graph (it reads forward values
+    only: a transpose of attention probabilities for a matmul's backward) is in its own
+    stage's unit.  Inductor's random seeds are in none: they are the step's random state, not
+    an activation (the eager executor moves none), and its generated kernels read them where
+    they are."""
+    units = {n.name: min((back[u.name] for u in n.users if u.name in back and back[u.name] not in recomputed),
+                         default=k)
+             for n, k in stages.items() if n.target is not torch.ops.prims.inductor_seeds.default}
+    return {**back, **units}
+
+
+@dataclass
+class _Storage:
+    """One saved storage that moves: its values (forward nodes, the first is copied) and unit."""
+
+    unit: int
+    values: list[fx.Node]
+
+    @property
+    def extent(self) -> tuple[int, int]:
+        """The elements of the storage its values cover, ``[lo, hi)`` (a compiler may place a
+        value in a larger buffer: only this part is copied)."""
+        vals = [v.meta["val"] for v in self.values]
+        return (min(v.storage_offset() for v in vals),
+                max(v.storage_offset() + sum((n - 1) * st for n, st in zip(v.size(), v.stride())) + 1
+                    if v.numel() else v.storage_offset() for v in vals))
+
+    @property
+    def nbytes(self) -> int:
+        lo, hi = self.extent
+        return (hi - lo) * self.values[0].meta["val"].element_size()
+
+    @property
+    def name(self) -> str:
+        return self.values[0].name
+
+
+@dataclass
+class PlacedCopies:
+    """What ``place_copies`` did: per offloaded unit, the values it moves by storage
+    (``moved``: the first value's name -> all of them) and those that stay, with why
+    (``stay``); ``late``: storages the compiled backward reads before the schedule's point;
+    ``copies``: their runtime."""
+
+    copies: GraphCopies
+    moved: dict[int, dict[str, list[str]]] = field(default_factory=dict)
+    stay: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
+    moved_bytes: dict[int, int] = field(default_factory=dict)
+    late: list[str] = field(default_factory=list)
+
+
+def _storages(forward: fx.GraphModule, num_fwd_outputs: int, units: Mapping[str, int], offloaded: set[int]
+              ) -> tuple[list[_Storage], dict[int, list[tuple[str, str]]]]:
+    """The saved storages of the offloaded units that move, in forward order, and the values
+    of those units that stay (why)."""
+    outputs = list(forward.graph.find_nodes(op="output")[0].args[0])
+    model = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in outputs[:num_fwd_outputs]
+             if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)}
+    order = {n: i for i, n in enumerate(forward.graph.nodes)}
+    groups: dict[StorageWeakRef, list[fx.Node]] = {}
+    for node in sorted({n for n in outputs[num_fwd_outputs:] if isinstance(n, fx.Node)}, key=order.__getitem__):
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            groups.setdefault(StorageWeakRef(node.meta["val"].untyped_storage()), []).append(node)
+    moving, stay = [], {k: [] for k in sorted(offloaded)}
+    for ref, values in groups.items():  # a value in no stage (a detach the backward reads) is in its storage's unit
+        unit = min((units[v.name] for v in values if v.name in units), default=None)
+        if unit not in offloaded:
+            continue
+        why = ("an output of the model" if ref in model else
+               "values of several dtypes" if len({v.meta["val"].dtype for v in values}) > 1 else None)
+        if why:
+            stay[unit] += [(v.name, why) for v in values]
+        else:
+            moving.append(_Storage(unit, values))
+    return moving, stay
+
+
+def place_copies(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, events: StepEvents,
+                 stages: Mapping[str, int], units: Mapping[str, int], back_stages: Mapping[str, int],
+                 offloaded: set[int], copies: GraphCopies) -> PlacedCopies:
+    """Put the copies of the ``offloaded`` units into the partitioned graphs (module docstring).
+
+    Args:
+        forward, backward: AOTAutograd's graphs, changed in place.
+        num_fwd_outputs: how many of the forward's outputs are the model's (the rest are saved).
+        events: the step's events (``offload.step.events.step_events``).
+        stages: forward node name -> stage; ``units``: -> unit (``value_units``);
+            ``back_stages``: backward node name -> stage (``backward_stages``).
+        offloaded: the offloaded units.
+        copies: the runtime the ops call (its arena planned here).
+
+    Returns:
+        What moved and what stays.
+    """
+    moving, stay = _storages(forward, num_fwd_outputs, units, offloaded)
+    stages = dict(stages)
+    for s in list(moving):
+        if not _hoist(forward.graph, s.values, s.unit, stages):
+            moving.remove(s)
+            stay[s.unit] += [(v.name, "made from a later stage's values") for v in s.values]
+    copies.planned_bytes = sum(s.nbytes for s in moving)
+    placed = PlacedCopies(copies, {k: {s.name: [v.name for v in s.values] for s in moving if s.unit == k}
+                                   for k in sorted(offloaded)}, stay,
+                          {k: sum(s.nbytes for s in moving if s.unit == k) for k in sorted(offloaded)})
+    by_unit: dict[int, list[tuple[int, _Storage]]] = {}
+    for key, s in enumerate(moving):
+        by_unit.setdefault(s.unit, []).append((key, s))
+    hosts = _place_forward(forward, events, stages, by_unit, copies.number)
+    _place_backward(backward, events, back_stages, by_unit, hosts, copies.number, placed)
+    forward.graph.lint()
+    backward.graph.lint()
+    forward.recompile()
+    backward.recompile()
+    return placed
+
+
+def _hoist(graph: fx.Graph, values: list[fx.Node], k: int, stages: dict[str, int]) -> bool:
+    """Move the ops making ``values`` that come after ``Fk``'s last node to just after it, so that
+    their D2H can be issued as ``Fk`` ends; they join ``Fk`` in ``stages``.  The partitioner
+    puts a backward op that reads forward values only (a transpose of a matmul's input) at the
+    forward graph's end.  ``False`` (nothing moved) when one of them needs a later stage's op."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    end = max((n for n in graph.nodes if stages.get(n.name, k + 1) <= k), key=order.__getitem__)
+    needed: list[fx.Node] = []
+
+    def visit(n: fx.Node) -> bool:
+        if n in needed or n.op == "placeholder" or order[n] <= order[end]:
+            return True
+        if n.name in stages:
+            return False
+        if not all(visit(a) for a in n.all_input_nodes):
+            return False
+        needed.append(n)
+        return True
+    if not all(visit(v) for v in values):
+        return False
+    for n in sorted(needed, key=order.__getitem__):
+        end.append(n)
+        end = n
+        stages[n.name] = k
+    return True
+
+
+def _call(graph: fx.Graph, at: fx.Node, after: bool, op: object, args: tuple, name: str, val: torch.Tensor
+          ) -> fx.Node:
+    """A call of ``op`` right after (or before) ``at``, its fake value ``val``."""
+    with graph.inserting_after(at) if after else graph.inserting_before(at):
+        node = graph.call_function(op, args, name=name)
+    node.meta["val"] = val
+    return node
+
+
+def _last_tensor(nodes: list[fx.Node]) -> fx.Node | None:
+    """The last of ``nodes`` whose value is a tensor (what a copy placed after them waits for)."""
+    return next((n for n in reversed(nodes) if isinstance(n.meta.get("val"), torch.Tensor)), None)
+
+
+def _flat(val: torch.Tensor, length: int, device: torch.device | str) -> torch.Tensor:
+    """The fake value of ``length`` elements of ``val``'s dtype, flat, on ``device``."""
+    with val.fake_mode:
+        return torch.empty(length, dtype=val.dtype, device=device)
+
+
+def _place_forward(forward: fx.GraphModule, events: StepEvents, stages: Mapping[str, int],
+                   by_unit: dict[int, list[tuple[int, _Storage]]], number: int) -> dict[str, fx.Node]:
+    """The D2H and release ops; each moved value's place among the saved outputs taken by its
+    storage's host copy.  Returns value name -> the release node handing that copy over."""
+    graph = forward.graph
+    output = graph.find_nodes(op="output")[0]
+    staged = [n for n in graph.nodes if n.name in stages]
+    copied: dict[int, fx.Node] = {}
+    hosts: dict[str, fx.Node] = {}
+    for k in range(1, events.L + 1):
+        before = [n for n in staged if stages[n.name] <= k]
+        at, after = (before[-1], True) if before and k < events.L else (output, False)
+        end = _last_tensor(before)
+        for e in events.after_forward(k) if k < events.L else events.before_backward(events.L):
+            if e.kind not in (D2H, RELEASE) or e.run is not None:
+                continue
+            for key, s in by_unit.get(e.stage, ()):
+                first = s.values[0]
+                if e.kind == D2H:
+                    lo, hi = s.extent
+                    node = copied[key] = _call(graph, at, after, D2H_OP,
+                                               (first, lo - first.meta["val"].storage_offset(), hi - lo, number, key,
+                                                end),
+                                               f"d2h_{s.name}", _flat(first.meta["val"], hi - lo, "cpu"))
+                else:
+                    node = _call(graph, at, after, RELEASE_OP, (copied[key], first, number, key, end),
+                                 f"released_{s.name}", copied[key].meta["val"])
+                    hosts.update((v.name, node) for v in s.values)
+                if after:
+                    at = node
+    output.update_arg(0, tuple(hosts.get(n.name, n) if isinstance(n, fx.Node) else n for n in output.args[0]))
+    return hosts
+
+
+def _place_backward(backward: fx.GraphModule, events: StepEvents, back_stages: Mapping[str, int],
+                    by_unit: dict[int, list[tuple[int, _Storage]]], hosts: dict[str, fx.Node], number: int,
+                    placed: PlacedCopies) -> None:
+    """The H2D and wait ops; the backward's inputs that were moved values now take the host
+    copies, and their readers read views of the fetched buffers."""
+    graph = backward.graph
+    inputs = {n.name: n for n in graph.find_nodes(op="placeholder")}
+    for name, host in hosts.items():  # the same place among the inputs, the host copy's value
+        inputs[name].meta["val"] = host.meta["val"]
+    region: dict[fx.Node, int] = {}  # a backward node -> the stage whose backward it is in
+    current = events.L
+    for n in graph.nodes:
+        if n.op == "call_function" and n.name in back_stages:
+            current = region[n] = min(current, back_stages[n.name])
+    last_input = list(inputs.values())[-1]
+    fetched: dict[int, fx.Node] = {}
+    for k in range(events.L, 0, -1):
+        later = [n for n in region if region[n] > k]
+        at = later[-1] if later else last_input
+        end = _last_tensor(later)
+        first_of_k = next((n for n in region if region[n] <= k), graph.find_nodes(op="output")[0])
+        for e in events.before_backward(k):
+            if e.run is not None or e.kind not in (H2D, WAIT):
+                continue
+            for key, s in by_unit.get(e.stage, ()):
+                host = inputs[s.name]
+                if e.kind == H2D:
+                    val = s.values[0].meta["val"]
+                    at = end = fetched[key] = _call(graph, at, True, H2D_OP, (host, val.device, number, key, end),
+                                                    f"h2d_{s.name}", _flat(val, host.meta["val"].numel(), val.device))
+                else:
+                    end = _place_wait(graph, s, [inputs[v.name] for v in s.values], fetched[key], first_of_k, end,
+                                      number, key, placed)
+
+
+def _place_wait(graph: fx.Graph, s: _Storage, inputs: list[fx.Node], h2d: fx.Node, first_of_k: fx.Node,
+                end: fx.Node | None, number: int, key: int, placed: PlacedCopies) -> fx.Node:
+    """The wait for ``h2d`` before ``first_of_k`` (after ``end``) or the storage's first
+    reader, whichever comes first; each of its values read as a view of the buffer from there.
+    Returns the wait."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    readers = [u for x in inputs for u in x.users if u is not h2d]
+    at = min([first_of_k, *readers], key=order.__getitem__)
+    if at is not first_of_k:
+        end = None
+    if order[at] < order[h2d]:  # the compiled backward reads it before the schedule's prefetch point
+        at.prepend(h2d)
+        h2d.update_arg(4, None)
+        placed.late.append(s.name)
+    wait = _call(graph, at, False, WAIT_OP, (h2d, number, key, end), f"fetched_{s.name}", h2d.meta["val"])
+    lo, _ = s.extent
+    for x, value in zip(inputs, s.values):
+        val = value.meta["val"]
+        view = _call(graph, at, False, torch.ops.aten.as_strided.default,
+                     (wait, list(val.size()), list(val.stride()), val.storage_offset() - lo), f"{value.name}_back", val)
+        for u in [u for u in x.users if u is not h2d]:
+            u.replace_input_with(x, view)
+    return wait

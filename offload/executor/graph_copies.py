@@ -1,0 +1,193 @@
+"""The schedule's copies as ops of a compiled graph, run by ``Offloaded``'s own backends and arena.
+
+``compile_scheduled`` puts four ops into the forward and backward graphs AOTAutograd made
+of the user's module (``offload.executor.compiled_copies`` says where); each names a
+``GraphCopies`` (the copies of one compiled module, by number) and a *key*, the moved
+value's place in the forward's order:
+
+* ``offload::d2h(x, start, length, copies, key) -> host``: the D2H copy of ``length``
+  elements of ``x``'s storage, from ``start`` past ``x``'s first (the extent of every saved
+  value in that storage), into the key's slot of the host arena, issued on the backend
+  (CUDA: the D2H stream, after the compute stream as it is now); ``host`` is the slot, flat,
+  with ``x``'s dtype;
+* ``offload::release(host, x, copies, key) -> host``: the compute stream waits for that
+  copy and the runtime lets go of ``x`` (the graph frees it after its last use: this op is
+  one, so no block is reused before the copy has read it); returns ``host`` (an alias),
+  which the forward hands the backward instead of ``x``;
+* ``offload::h2d(host, device, copies, key) -> buffer``: a fresh device buffer, allocated on
+  the compute stream, filled from the slot on the backend (CUDA: the H2D stream, after the
+  D2H), flat like ``host``;
+* ``offload::wait(buffer, copies, key) -> buffer``: the compute stream waits for that H2D
+  copy (an alias, so the views every reader reads come after it).
+
+Each takes an ``after`` tensor it does not read: the value of the op it must come after
+(the last of ``Fk`` for a copy at ``Fk``'s end), a data dependency that keeps Inductor's
+scheduler, which orders a graph's nodes by their dependencies only, from moving it
+earlier.
+
+The backends are ``Offloaded``'s (``offload.executor.backends``: CUDA streams and events, or
+the CPU eager and lazy ones, the lazy one poisoning a buffer until its copy is waited for),
+and so is the pinned ``HostArena``: one buffer planned from the moved values' bytes, its
+slots handed out in key order, the same offsets every step, each D2H into a slot after its
+last H2D.  No op reads anything back to the host.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Callable
+
+import torch
+from torch.fx import has_side_effect
+
+from .arena import HostArena
+from .backends import Copy, CpuEagerBackend, CudaBackend, make_backend
+
+_LIB = torch.library.Library("offload", "DEF")
+_LIB.define("d2h(Tensor x, int start, int length, int copies, int key, Tensor? after=None) -> Tensor")
+_LIB.define("release(Tensor(a) host, Tensor x, int copies, int key, Tensor? after=None) -> Tensor(a)")
+_LIB.define("h2d(Tensor host, Device device, int copies, int key, Tensor? after=None) -> Tensor")
+_LIB.define("wait(Tensor(a) x, int copies, int key, Tensor? after=None) -> Tensor(a)")
+
+OPS = (torch.ops.offload.d2h.default, torch.ops.offload.release.default, torch.ops.offload.h2d.default,
+       torch.ops.offload.wait.default)
+D2H_OP, RELEASE_OP, H2D_OP, WAIT_OP = OPS
+
+_ALL: "weakref.WeakValueDictionary[int, GraphCopies]" = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count(1)
+
+
+def _extent(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """``length`` elements of ``x``'s storage from ``start`` elements past ``x``'s own first
+    one, flat, as bytes."""
+    flat = torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage(), x.storage_offset() + start,
+                                                               (length,))
+    return flat.view(torch.uint8)
+
+
+class GraphCopies:
+    """The copies of one compiled module's graphs: its backend, its arena and the copies in flight.
+
+    Its number, in the graphs' ops, is one of this process: made before the compile, so that
+    a compile served from a cache (whose key holds the number) finds it.
+
+    Args:
+        backend: a name of ``offload.executor.backends.BACKENDS``, or ``None`` for the
+            device's default; the backend is made at the first copy, on its tensor's device.
+    """
+
+    def __init__(self, backend: str | None) -> None:
+        self.number = next(_NUMBERS)
+        self.backend_name = backend
+        self.planned_bytes = 0  # what the forward moves per step (the arena's plan), once placed
+        self.backend: CpuEagerBackend | CudaBackend | None = None
+        self.arena: HostArena | None = None
+        self._out: dict[int, tuple[Copy, int, torch.Tensor]] = {}  # key -> (its D2H, slot index, slot)
+        self._in: dict[int, Copy] = {}  # key -> its H2D
+        self.d2h_bytes = 0  # moved so far, each way
+        self.h2d_bytes = 0
+        _ALL[self.number] = self
+
+    def _start(self, device: torch.device) -> None:
+        self.backend = make_backend(self.backend_name, device)
+        self.arena = HostArena(self.planned_bytes, self.backend.pin)
+
+    def copy_out(self, x: torch.Tensor, start: int, length: int, key: int) -> torch.Tensor:
+        if self.backend is None:
+            self._start(x.device)
+        if key == 0:
+            self.arena.start_step()
+        src = _extent(x, start, length)
+        index, slot = self.arena.slot(src.numel())
+        copy = self.backend.d2h(src, slot, self.arena.guard(index))
+        self._out[key] = (copy, index, slot)
+        self.d2h_bytes += src.numel()
+        return slot.view(x.dtype)
+
+    def release(self, x: torch.Tensor, key: int) -> None:
+        if key not in self._out:
+            raise RuntimeError(f"offload::release: value {key} of the compiled graph has no D2H copy in flight")
+        copy = self._out[key][0]
+        self.backend.wait(copy)
+        self.backend.released(x)
+        copy.keep.clear()
+
+    def copy_in(self, host: torch.Tensor, key: int) -> torch.Tensor:
+        if key not in self._out:
+            raise RuntimeError(f"offload::h2d: value {key} of the compiled graph was not copied out in this step's "
+                               "forward (a second backward through one forward?)")
+        copy, index, slot = self._out.pop(key)
+        buffer = self.backend.empty(slot.numel())
+        back = self.backend.h2d(slot, buffer, copy)
+        self.arena.set_guard(index, back)
+        self._in[key] = back
+        self.h2d_bytes += slot.numel()
+        return buffer.view(host.dtype)
+
+    def wait(self, key: int) -> None:
+        copy = self._in.pop(key, None)
+        if copy is None:
+            raise RuntimeError(f"offload::wait: value {key} of the compiled graph has no H2D copy in flight")
+        self.backend.wait(copy)
+
+
+def copies(number: int) -> GraphCopies:
+    return _ALL[number]
+
+
+def _impl(name: str) -> Callable[[Callable], Callable]:
+    return lambda fn: torch.library.impl(_LIB, name, "CompositeExplicitAutograd")(fn)
+
+
+@_impl("d2h")
+def _d2h(x: torch.Tensor, start: int, length: int, number: int, key: int,
+        after: torch.Tensor | None = None) -> torch.Tensor:
+    return copies(number).copy_out(x, start, length, key)
+
+
+@_impl("release")
+def _release(host: torch.Tensor, x: torch.Tensor, number: int, key: int,
+        after: torch.Tensor | None = None) -> torch.Tensor:
+    copies(number).release(x, key)
+    return host
+
+
+@_impl("h2d")
+def _h2d(host: torch.Tensor, device: torch.device, number: int, key: int,
+        after: torch.Tensor | None = None) -> torch.Tensor:
+    return copies(number).copy_in(host, key)
+
+
+@_impl("wait")
+def _wait(x: torch.Tensor, number: int, key: int,
+        after: torch.Tensor | None = None) -> torch.Tensor:
+    copies(number).wait(key)
+    return x
+
+
+@torch.library.register_fake("offload::d2h", lib=_LIB)
+def _d2h_fake(x: torch.Tensor, start: int, length: int, number: int, key: int,
+        after: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.empty(length, dtype=x.dtype, device="cpu")
+
+
+@torch.library.register_fake("offload::release", lib=_LIB)
+def _release_fake(host: torch.Tensor, x: torch.Tensor, number: int, key: int,
+        after: torch.Tensor | None = None) -> torch.Tensor:
+    return host
+
+
+@torch.library.register_fake("offload::h2d", lib=_LIB)
+def _h2d_fake(host: torch.Tensor, device: torch.device, number: int, key: int,
+        after: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.empty(host.size(), dtype=host.dtype, device=device)
+
+
+@torch.library.register_fake("offload::wait", lib=_LIB)
+def _wait_fake(x: torch.Tensor, number: int, key: int,
+        after: torch.Tensor | None = None) -> torch.Tensor:
+    return x
+
+
+for _op in OPS:
+    has_side_effect(_op)

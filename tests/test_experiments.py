@@ -28,15 +28,17 @@ def test_bench_overhead_prints_each_way_against_plain(capsys, model, ways):
                                                                        "offloaded, floor", *ways))
 
 
-@pytest.mark.slow  # a profile and twelve solves: make test-all
+@pytest.mark.slow  # a profile, twelve solves and trainings: make test-all
 def test_the_options_table_at_a_tiny_size(capsys):
-    """Every method at the budget, predicted; the joint schedule with options at or below the rest."""
+    """Every method at the budget, predicted, trained, then interleaved for the verdict; the joint
+    schedule with options predicted at or below the rest."""
     with options_paying():  # the blocks offer their options (tests/runs.py)
         assert options.main(["--layers", "3", "--width", "64", "--seq", "32", "--budgets", "80", "--repeats", "1",
-                             "--time-limit", "5", "--no-train"]) == 0
+                             "--time-limit", "5", "--steps", "1", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
     assert "keeps" in out and "| 80% | checkpoint-matmuls |" in out and "| 80% | recompute-only + options |" in out
-    assert "80%: predicted ≤ every other: True" in out
+    assert "80%: predicted ≤ every other: True; measured ≤ every other within noise (interleaved): " in out
+    assert "| 80% | checkpoint-blocks | " in out.split("Interleaved (2 rounds)")[1]
 
 
 @pytest.mark.slow  # a profile and eight solves: make test-all

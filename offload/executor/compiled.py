@@ -57,9 +57,9 @@ from typing import Any, Sequence
 import torch
 from torch import fx, nn
 from torch._functorch import config
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 from offload.core.selective import KeepRule
@@ -67,9 +67,8 @@ from offload.core.staging import Site, is_staged
 from offload.errors import ChainMismatch
 from offload.io.text import format_bytes
 from offload.step.chain import Chain
-from offload.step.schedule import Schedule
-
 from offload.step.events import step_events
+from offload.step.schedule import Schedule
 
 from .api import PathLike, chain_and_schedule, cut_sites
 from .compiled_copies import PlacedCopies, backward_stages, place_copies, value_units
@@ -155,10 +154,12 @@ def _inputs_without_gradient(graph: fx.Graph, forward_outputs: int) -> set[fx.No
 
 class SchedulePartitioner(CustomPartitionerFn):
     """AOTAutograd's partitioner for one (chain, schedule): the recompute tags (module
-    docstring), then ``min_cut_rematerialization_partition``.  ``stages`` and ``tags`` hold
-    what it decided for the last graph it partitioned (node name -> stage, -> policy),
+    docstring), then ``min_cut_rematerialization_partition``, then the copies (ours, placed
+    by ``offload.executor.compiled_copies``, or PyTorch's pass's).  ``stages`` and ``tags``
+    hold what it decided for the last graph it partitioned (node name -> stage, -> policy),
     ``graphs`` the forward and backward graphs it made of it, ``saved`` what the forward
-    saves and ``moved`` what PyTorch's offloading moved of each offloaded unit."""
+    saves, ``moved`` what the copies move of each offloaded unit, ``placed`` where ours went
+    and ``runtime`` what runs them (its bytes moved so far)."""
 
     def __init__(self, chain: Chain, schedule: Schedule, copies: str = "schedule",
                  copy_backend: str | None = None) -> None:
@@ -270,8 +271,8 @@ class SchedulePartitioner(CustomPartitionerFn):
         return out
 
     def _check_moved(self) -> None:
-        """What PyTorch's offloading moved of each offloaded unit: ``ChainMismatch`` for a unit of
-        which it moved nothing, a warning for one it moved in part (module docstring)."""
+        """What the copies moved of each offloaded unit: ``ChainMismatch`` for a unit of which
+        they moved nothing, a warning for one they moved in part (module docstring)."""
         if not self.offloaded:
             return
         moved = {k: [0, 0] for k in self.offloaded}  # bytes to the host, bytes left on the device
@@ -279,23 +280,25 @@ class SchedulePartitioner(CustomPartitionerFn):
             if k in moved:
                 moved[k][0 if host else 1] += nbytes
         self.moved = {k: (m, left) for k, [m, left] in moved.items()}
-        mover, skipped = (("PyTorch's activation offloading", "it skips views, getitem values, non-contiguous "
-                           "tensors and model outputs") if self.copies == "pytorch" else
-                          ("the compiled graph", "a view of another value or an output of the model stays"))
-        none = [f"U{k}" for k, (m, left) in self.moved.items() if not m]
+        if self.copies == "pytorch":
+            mover, skipped = ("PyTorch's activation offloading",
+                              "it skips views, getitem values, non-contiguous tensors and model outputs")
+        else:
+            mover, skipped = ("the compiled graph", "a storage that is also the model's output, holds several "
+                              "dtypes or is made from a later stage's values stays")
+        none = [k for k, (m, _) in self.moved.items() if not m]
         if none:
-            raise ChainMismatch(f"{mover} moves nothing of {', '.join(none)} ({skipped}{self._staying(none)})",
+            raise ChainMismatch(f"{mover} moves nothing of {', '.join(f'U{k}' for k in none)} "
+                                f"({skipped}{self._staying(none)})",
                                 "train it with Offloaded(torch.compile(model), chain, schedule), or offload other units")
-        part = [f"U{k} ({format_bytes(left)} stay)" for k, (m, left) in self.moved.items() if left]
+        part = [k for k, (_, left) in self.moved.items() if left]
         if part:
-            warnings.warn(f"{mover} moves {', '.join(part)} only in part ({skipped}"
-                          f"{self._staying([u.split()[0] for u in part])})", stacklevel=2)
+            warnings.warn(f"{mover} moves {', '.join(f'U{k} ({format_bytes(self.moved[k][1])} stay)' for k in part)} "
+                          f"only in part ({skipped}{self._staying(part)})", stacklevel=2)
 
-    def _staying(self, units: list[str]) -> str:
-        """The values of ``units`` (``U3``) that stay, by name, when our copies placed them."""
-        if self.placed is None:
-            return ""
-        names = [f"{name} ({why})" for u in units for name, why in self.placed.stay.get(int(u[1:]), ())]
+    def _staying(self, units: list[int]) -> str:
+        """The values of ``units`` that stay, by name and why, when our copies placed them."""
+        names = [f"{name} ({why})" for k in units for name, why in (self.placed.stay.get(k, ()) if self.placed else ())]
         return ": " + ", ".join(names) if names else ""
 
     def uuid(self) -> str:
@@ -323,12 +326,12 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
             offloading places them by its own rule (a baseline).
         copy_backend: the copies' backend (``offload.executor.backends``: ``cuda``,
             ``cpu-eager``, ``cpu-lazy``); ``None``: the device's default.
-        compile_kwargs: passed to ``torch.compile``.  With our copies, Inductor's
-            ``reorder_for_peak_memory`` is off unless ``options`` sets it (it would issue a
-            D2H copy just before its release, not as its stage ends).  ``fullgraph`` defaults to True: the
+        compile_kwargs: passed to ``torch.compile``.  ``fullgraph`` defaults to True: the
             stages are found in one graph; with ``fullgraph=False`` a graph break is allowed
             outside the stage boundaries (a loss after the model: that graph is compiled
-            plainly, with a warning), and refused between two of them.
+            plainly, with a warning), and refused between two of them.  With our copies,
+            Inductor's ``reorder_for_peak_memory`` is off unless ``options`` sets it (it
+            would issue a D2H copy just before its release, not as its stage ends).
 
     Returns:
         The compiled module (``torch.compile``'s ``OptimizedModule``); its ``partitioner``

@@ -117,7 +117,7 @@ def _storages(forward: fx.GraphModule, num_fwd_outputs: int, units: Mapping[str,
         if isinstance(node.meta.get("val"), torch.Tensor):
             groups.setdefault(StorageWeakRef(node.meta["val"].untyped_storage()), []).append(node)
     moving, stay = [], {k: [] for k in sorted(offloaded)}
-    for ref, values in groups.items():  # a value in no stage (a detach the backward reads) is in its storage's unit
+    for ref, values in groups.items():  # the graph's inputs (weights, the batch) and random seeds are in no unit
         unit = min((units[v.name] for v in values if v.name in units), default=None)
         if unit not in offloaded:
             continue

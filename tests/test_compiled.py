@@ -14,9 +14,10 @@ from offload.executor.compiled import SchedulePartitioner, compile_scheduled, mo
 from offload.executor.graph_copies import D2H_OP, H2D_OP, OPS, RELEASE_OP, WAIT_OP
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
-from offload.step.actions import Offload, Recompute
+from offload.step.actions import Offload, Recompute, first_checkpoint_release
 from offload.step.chain import MATMULS, StageOption
 from offload.step.memory import floor_offloads
+from offload.step.recompute import run_op
 from offload.step.schedule import make_schedule
 
 GPT = {"layers": 4, "width": 32, "heads": 4, "seq": 16, "vocab": 64, "dropout": 0.1}
@@ -181,12 +182,16 @@ LLAMA = {"layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "seq": 32, "vocab"
 
 def test_our_copies_keep_a_llamas_gradients_bit_for_bit_and_move_its_units_whole():
     """transformers' Llama (SDPA, grouped-query attention, dropout) on the lazy CPU backend (a
-    buffer read before its copy is waited for reads poison), a recomputed layer beside the
-    offloads: gradients those of plain compile, every unit moved whole, each way, in the same
-    slots every step; the attention's transposes the partitioner made at the forward's end
-    are moved with their unit."""
+    buffer read before its copy is waited for reads poison), a recomputed layer offloading its
+    checkpoint beside the offloads: gradients those of plain compile, every unit moved whole,
+    the checkpoint's input moved (the rotary table the other layers read too stays), each
+    way, in the same slots every step; the attention's transposes the partitioner made at the
+    forward's end are moved with their unit."""
     llama = profile("llama", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options=LLAMA)).chain
-    runs = [Recompute(i, i) for i in sorted(llama.recomputable)[1:2]]
+    i = sorted(llama.recomputable)[1]
+    run = Recompute(i, i)
+    run = replace(run, release=first_checkpoint_release(llama, run), prefetch=run_op(llama, run))
+    runs = [run]
     offloads = [o for o in spread(llama) if all(not r.first <= o.stage <= r.last for r in runs)]
     schedule = make_schedule(llama, offloads, recompute=runs)
 
@@ -206,9 +211,11 @@ def test_our_copies_keep_a_llamas_gradients_bit_for_bit_and_move_its_units_whole
     assert set(p.moved) == {o.stage for o in offloads} and all(left == 0 for _, left in p.moved.values())
     assert any(name.startswith("transpose") and name not in p.stages and p.units[name] in p.moved
                for values in p.placed.moved.values() for names in values.values() for name in names)
+    checkpoint = p.placed.checkpoints[i]
+    assert checkpoint and p.placed.checkpoint_bytes[i] >= llama.stage(i).input_own_bytes > 0
     runtime = p.runtime
     assert runtime.d2h_bytes == runtime.h2d_bytes == 2 * runtime.planned_bytes > 0
-    assert runtime.planned_bytes == sum(p.placed.moved_bytes.values())
+    assert runtime.planned_bytes == sum(p.placed.moved_bytes.values()) + p.placed.checkpoint_bytes[i]
     assert runtime.backend.name == "cpu-lazy" and runtime.arena.allocations == 1
 
 
@@ -249,8 +256,8 @@ def test_what_a_compiled_graph_cannot_run_is_refused(chain):
         SchedulePartitioner(chain, encoded)
     i = next(i for i in sorted(chain.recomputable) if chain.stage(i).input_own_bytes)
     moved = make_schedule(chain, [], [Recompute(i, i, release=chain.L, prefetch=chain.L)])
-    with pytest.raises(ChainMismatch, match=rf"offloads the checkpoints of {i} \(checkpoint"):
-        SchedulePartitioner(chain, moved)
+    with pytest.raises(ChainMismatch, match=rf"moves no recomputed run's checkpoint, .* those of {i} \(checkpoint"):
+        SchedulePartitioner(chain, moved, copies="pytorch")
     wrapped = resolve("gpt", 2, GPT).module
     Offloaded(wrapped, chain, make_schedule(chain, []))
     with pytest.raises(ChainMismatch, match="inside an Offloaded: its stage boundaries break a compiled graph"):

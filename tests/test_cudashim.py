@@ -176,16 +176,19 @@ def compiled_steps(chain, schedule, monkeypatch, steps=2):
 
 
 @pytest.mark.parametrize("name", [pytest.param("everything", marks=pytest.mark.slow),
-                                  pytest.param("late-release", marks=pytest.mark.slow), "recompute"])
+                                  pytest.param("late-release", marks=pytest.mark.slow), "recompute",
+                                  "moved-checkpoints"])
 def test_the_compiled_graphs_copies_are_race_free_and_bit_exact(chain, name, monkeypatch):
     """``compile_scheduled``'s own copy ops on the real ``CudaBackend``: the stream order of the
-    compiled path proven as the eager one's, every unit moved whole, each way, every step."""
+    compiled path proven as the eager one's, every unit (and offloaded checkpoint) moved whole,
+    each way, every step."""
     sched = schedules(chain)[name]
     cuda, equal, partitioner = compiled_steps(chain, sched, monkeypatch)
     assert cuda.races == [] and cuda.host_waits == [] and equal
     runtime = partitioner.runtime
     assert runtime.d2h_bytes == runtime.h2d_bytes == 2 * runtime.planned_bytes > 0
     assert set(partitioner.moved) == {o.stage for o in sched.offloads}
+    assert all(partitioner.placed.checkpoint_bytes[r.first] > 0 for r in sched.recompute if r.moves)
     assert all(left == 0 for _, left in partitioner.moved.values())
     assert cuda.copies_issued == cuda.copies_run > 0
 

@@ -41,10 +41,13 @@ one graph instead and hands AOTAutograd a partitioner built from (chain, schedul
 In both, a unit of which nothing moves is refused, naming it; one that moves in part is
 warned of, with what stays (``SchedulePartitioner.moved``).
 
-Not here yet (issue #35): encodings and offloaded checkpoints (refused), and a chain
-profiled from the compiled graph (the compiled forward saves other, fewer tensors than the
-eager one the chain measured, so the chain's predicted memory and times are the eager
-model's, not this graph's).
+A recomputed run that offloads its checkpoint (ours only) moves the storages that only the
+run reads in the backward (its input, what its option or its random ops keep) at its own
+events; what other stages read too stays, as the eager executor's held tensors do.
+
+Not here yet (issue #35): encodings (refused), and a chain profiled from the compiled graph
+(the compiled forward saves other, fewer tensors than the eager one the chain measured, so
+the chain's predicted memory and times are the eager model's, not this graph's).
 """
 from __future__ import annotations
 
@@ -171,11 +174,10 @@ class SchedulePartitioner(CustomPartitionerFn):
                                 "train it with Offloaded(torch.compile(model), chain, schedule) (a graph break at each "
                                 "stage boundary), or solve without --encodings")
         moving = [r.text for r in schedule.recompute if r.moves]
-        if moving:
-            raise ChainMismatch(f"a compiled graph keeps each recomputed run's input, and this schedule offloads the "
-                                f"checkpoints of {', '.join(moving)}",
-                                "train it with Offloaded(torch.compile(model), chain, schedule) (a graph break at each "
-                                "stage boundary), or solve for the compiled path with those checkpoints kept")
+        if moving and copies == "pytorch":
+            raise ChainMismatch(f"PyTorch's activation offloading moves no recomputed run's checkpoint, and this "
+                                f"schedule offloads those of {', '.join(moving)}",
+                                "place the copies with ours (copies='schedule'), or solve with those checkpoints kept")
         self.offloaded = sorted(o.stage for o in schedule.offloads)
         self.copies = copies
         self.events = step_events(chain, schedule.offloads, schedule.recompute)
@@ -240,13 +242,19 @@ class SchedulePartitioner(CustomPartitionerFn):
             self.graphs = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         saved = list(self.graphs[0].graph.find_nodes(op="output")[0].args[0][outputs:])
         moved: set[str] = set()
-        if self.copies == "schedule" and self.offloaded:
+        if self.ours:
             self.placed = place_copies(*self.graphs, outputs, self.events, self.stages, self.units, self.back_stages,
-                                       set(self.offloaded), self.runtime)
-            moved = {v for values in self.placed.moved.values() for vs in values.values() for v in vs}
+                                       set(self.offloaded), self.runtime, [r for r in self.runs if r.moves])
+            moved = {v for group in (*self.placed.moved.values(), *self.placed.checkpoints.values())
+                     for values in group.values() for v in values}
         self.saved = self._saved(saved, moved)
         self._check_moved()
         return self.graphs
+
+    @property
+    def ours(self) -> bool:
+        """Whether our copy ops go into the graphs (the schedule moves something, and we place it)."""
+        return self.copies == "schedule" and bool(self.offloaded or any(r.moves for r in self.runs))
 
     def _saved(self, saved: Sequence[object], moved: set[str]) -> list[tuple[int, int, bool]]:
         """``saved``: the forward's saved outputs; ``moved``: the values our copies move."""
@@ -271,8 +279,15 @@ class SchedulePartitioner(CustomPartitionerFn):
         return out
 
     def _check_moved(self) -> None:
-        """What the copies moved of each offloaded unit: ``ChainMismatch`` for a unit of which
-        they moved nothing, a warning for one they moved in part (module docstring)."""
+        """What the copies moved of each offloaded unit: ``ChainMismatch`` for a unit or an
+        offloaded checkpoint of which they moved nothing, a warning for a unit they moved in
+        part (module docstring)."""
+        empty = [r.text for r in self.runs if r.moves and self.placed and not self.placed.checkpoint_bytes[r.first]]
+        if empty:
+            raise ChainMismatch(f"the compiled graph saves nothing that only the run reads for the checkpoints of "
+                                f"{', '.join(empty)}: they cannot be offloaded there",
+                                "train it with Offloaded(torch.compile(model), chain, schedule), or solve with those "
+                                "checkpoints kept")
         if not self.offloaded:
             return
         moved = {k: [0, 0] for k in self.offloaded}  # bytes to the host, bytes left on the device
@@ -317,8 +332,8 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
             ``Offloaded``: the graph is not broken at stage boundaries).
         chain: its chain, or its path (the cut sites say where stages end).
         schedule: a schedule of ``chain``, or its path: its recomputation in the graph, its
-            offloads as copies in the graph (module docstring); encodings and offloaded
-            checkpoints are refused with ``ChainMismatch`` (``Offloaded`` runs them).
+            offloads and offloaded checkpoints as copies in the graph (module docstring);
+            encodings are refused with ``ChainMismatch`` (``Offloaded`` runs them).
         backend: ``inductor`` (the partitioner goes in as ``custom_partitioner_fn``) or
             ``aot_eager`` (AOTAutograd with the same partitioner, no code generation).
         copies: ``schedule``: our copy ops at the schedule's events, run by ``copy_backend``
@@ -352,7 +367,7 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
         # Inductor's peak-memory reordering moves a node as late as its readers allow: a D2H
         # copy would be issued just before its release (its only reader), not as its stage
         # ends; the schedule makes the memory plan instead
-        options = {"reorder_for_peak_memory": not partitioner.offloaded or copies == "pytorch",
+        options = {"reorder_for_peak_memory": not partitioner.ours,
                    **compile_kwargs.pop("options", {}), "custom_partitioner_fn": partitioner}
         compiled = torch.compile(module, backend="inductor", options=options, **compile_kwargs)
     elif backend == "aot_eager":

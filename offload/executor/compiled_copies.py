@@ -30,12 +30,13 @@ model, or that holds values of several dtypes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from offload.step.actions import Recompute
 from offload.step.events import D2H, H2D, RELEASE, WAIT, StepEvents
 
 from .graph_copies import D2H_OP, H2D_OP, RELEASE_OP, WAIT_OP, GraphCopies
@@ -66,10 +67,17 @@ def value_units(stages: Mapping[fx.Node, int], back: Mapping[str, int], recomput
 
 @dataclass
 class _Storage:
-    """One saved storage that moves: its values (forward nodes, the first is copied) and unit."""
+    """One saved storage that moves: its values (forward nodes, the first is copied) and unit,
+    or the recomputed run whose offloaded checkpoint it is part of."""
 
     unit: int
     values: list[fx.Node]
+    run: Recompute | None = None
+
+    @property
+    def owner(self) -> tuple[int, Recompute | None]:
+        """What its events name: ``(stage, run)`` (``offload.step.events.Event``)."""
+        return (self.run.first, self.run) if self.run is not None else (self.unit, None)
 
     @property
     def extent(self) -> tuple[int, int]:
@@ -94,13 +102,16 @@ class _Storage:
 class PlacedCopies:
     """What ``place_copies`` did: per offloaded unit, the values it moves by storage
     (``moved``: the first value's name -> all of them) and those that stay, with why
-    (``stay``); ``late``: storages the compiled backward reads before the schedule's point;
-    ``copies``: their runtime."""
+    (``stay``); per recomputed run that offloads its checkpoint (by its first stage), the
+    values of its checkpoint (``checkpoints``); ``late``: storages the compiled backward
+    reads before the schedule's point; ``copies``: their runtime."""
 
     copies: GraphCopies
     moved: dict[int, dict[str, list[str]]] = field(default_factory=dict)
     stay: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
     moved_bytes: dict[int, int] = field(default_factory=dict)
+    checkpoints: dict[int, dict[str, list[str]]] = field(default_factory=dict)
+    checkpoint_bytes: dict[int, int] = field(default_factory=dict)
     late: list[str] = field(default_factory=list)
 
 
@@ -130,9 +141,37 @@ def _storages(forward: fx.GraphModule, num_fwd_outputs: int, units: Mapping[str,
     return moving, stay
 
 
+def _checkpoints(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, runs: list[Recompute],
+                 stages: Mapping[str, int], back_stages: Mapping[str, int], taken: set[StorageWeakRef]
+                 ) -> list[_Storage]:
+    """The saved storages of each run's checkpoint, for the runs that offload it: those that
+    only the run reads in the backward (its recomputed ops and its stages' backward ops: the
+    run's input, and what its in-stage option or its random ops keep), not taken by a unit
+    that moves.  What other stages read too (a rotary table, a mask) stays, as the eager
+    executor's held tensors do."""
+    readers = {n.name: list(n.users) for n in backward.graph.find_nodes(op="placeholder")}
+    outputs = [n for n in forward.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:] if isinstance(n, fx.Node)]
+    groups: dict[StorageWeakRef, list[fx.Node]] = {}
+    for node in dict.fromkeys(outputs):
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            groups.setdefault(StorageWeakRef(node.meta["val"].untyped_storage()), []).append(node)
+
+    def stage_of(reader: fx.Node) -> int | None:
+        return stages.get(reader.name, back_stages.get(reader.name))
+    out = []
+    for run in runs:
+        inside = range(run.first, run.last + 1)
+        for ref, values in groups.items():
+            read = [stage_of(r) for v in values for r in readers.get(v.name, ())]
+            if ref not in taken and read and all(k in inside for k in read):
+                out.append(_Storage(run.first, values, run))
+                taken.add(ref)
+    return out
+
+
 def place_copies(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, events: StepEvents,
                  stages: Mapping[str, int], units: Mapping[str, int], back_stages: Mapping[str, int],
-                 offloaded: set[int], copies: GraphCopies) -> PlacedCopies:
+                 offloaded: set[int], copies: GraphCopies, runs: Sequence[Recompute] = ()) -> PlacedCopies:
     """Put the copies of the ``offloaded`` units into the partitioned graphs (module docstring).
 
     Args:
@@ -143,6 +182,7 @@ def place_copies(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
             ``back_stages``: backward node name -> stage (``backward_stages``).
         offloaded: the offloaded units.
         copies: the runtime the ops call (its arena planned here).
+        runs: the recomputed runs that offload their checkpoints.
 
     Returns:
         What moved and what stays.
@@ -153,15 +193,22 @@ def place_copies(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
         if not _hoist(forward.graph, s.values, s.unit, stages):
             moving.remove(s)
             stay[s.unit] += [(v.name, "made from a later stage's values") for v in s.values]
+    taken = {StorageWeakRef(s.values[0].meta["val"].untyped_storage()) for s in moving}
+    moving += _checkpoints(forward, backward, num_fwd_outputs, list(runs), stages, back_stages, taken)
     copies.planned_bytes = sum(s.nbytes for s in moving)
-    placed = PlacedCopies(copies, {k: {s.name: [v.name for v in s.values] for s in moving if s.unit == k}
+    units_moving = [s for s in moving if s.run is None]
+    placed = PlacedCopies(copies, {k: {s.name: [v.name for v in s.values] for s in units_moving if s.unit == k}
                                    for k in sorted(offloaded)}, stay,
-                          {k: sum(s.nbytes for s in moving if s.unit == k) for k in sorted(offloaded)})
-    by_unit: dict[int, list[tuple[int, _Storage]]] = {}
-    for key, s in enumerate(moving):
-        by_unit.setdefault(s.unit, []).append((key, s))
-    hosts = _place_forward(forward, events, stages, by_unit, copies.number)
-    _place_backward(backward, events, back_stages, by_unit, hosts, copies.number, placed)
+                          {k: sum(s.nbytes for s in units_moving if s.unit == k) for k in sorted(offloaded)},
+                          {r.first: {s.name: [v.name for v in s.values] for s in moving if s.run == r} for r in runs},
+                          {r.first: sum(s.nbytes for s in moving if s.run == r) for r in runs})
+    # keys in the order the forward issues the D2H copies (the arena's slots are handed out so)
+    by_owner: dict[tuple[int, Recompute | None], list[tuple[int, _Storage]]] = {}
+    issued = [s for e in events.of(D2H) for s in moving if s.owner == (e.stage, e.run)]
+    for key, s in enumerate(issued):
+        by_owner.setdefault(s.owner, []).append((key, s))
+    hosts = _place_forward(forward, events, stages, by_owner, copies.number)
+    _place_backward(backward, events, back_stages, by_owner, hosts, copies.number, placed)
     forward.graph.lint()
     backward.graph.lint()
     forward.recompile()
@@ -217,7 +264,8 @@ def _flat(val: torch.Tensor, length: int, device: torch.device | str) -> torch.T
 
 
 def _place_forward(forward: fx.GraphModule, events: StepEvents, stages: Mapping[str, int],
-                   by_unit: dict[int, list[tuple[int, _Storage]]], number: int) -> dict[str, fx.Node]:
+                   by_owner: dict[tuple[int, Recompute | None], list[tuple[int, _Storage]]], number: int
+                   ) -> dict[str, fx.Node]:
     """The D2H and release ops; each moved value's place among the saved outputs taken by its
     storage's host copy.  Returns value name -> the release node handing that copy over."""
     graph = forward.graph
@@ -230,9 +278,9 @@ def _place_forward(forward: fx.GraphModule, events: StepEvents, stages: Mapping[
         at, after = (before[-1], True) if before and k < events.L else (output, False)
         end = _last_tensor(before)
         for e in events.after_forward(k) if k < events.L else events.before_backward(events.L):
-            if e.kind not in (D2H, RELEASE) or e.run is not None:
+            if e.kind not in (D2H, RELEASE):
                 continue
-            for key, s in by_unit.get(e.stage, ()):
+            for key, s in by_owner.get((e.stage, e.run), ()):
                 first = s.values[0]
                 if e.kind == D2H:
                     lo, hi = s.extent
@@ -251,8 +299,8 @@ def _place_forward(forward: fx.GraphModule, events: StepEvents, stages: Mapping[
 
 
 def _place_backward(backward: fx.GraphModule, events: StepEvents, back_stages: Mapping[str, int],
-                    by_unit: dict[int, list[tuple[int, _Storage]]], hosts: dict[str, fx.Node], number: int,
-                    placed: PlacedCopies) -> None:
+                    by_owner: dict[tuple[int, Recompute | None], list[tuple[int, _Storage]]],
+                    hosts: dict[str, fx.Node], number: int, placed: PlacedCopies) -> None:
     """The H2D and wait ops; the backward's inputs that were moved values now take the host
     copies, and their readers read views of the fetched buffers."""
     graph = backward.graph
@@ -272,9 +320,9 @@ def _place_backward(backward: fx.GraphModule, events: StepEvents, back_stages: M
         end = _last_tensor(later)
         first_of_k = next((n for n in region if region[n] <= k), graph.find_nodes(op="output")[0])
         for e in events.before_backward(k):
-            if e.run is not None or e.kind not in (H2D, WAIT):
+            if e.kind not in (H2D, WAIT):
                 continue
-            for key, s in by_unit.get(e.stage, ()):
+            for key, s in by_owner.get((e.stage, e.run), ()):
                 host = inputs[s.name]
                 if e.kind == H2D:
                     val = s.values[0].meta["val"]
@@ -293,8 +341,8 @@ def _place_wait(graph: fx.Graph, s: _Storage, inputs: list[fx.Node], h2d: fx.Nod
     order = {n: i for i, n in enumerate(graph.nodes)}
     readers = [u for x in inputs for u in x.users if u is not h2d]
     at = min([first_of_k, *readers], key=order.__getitem__)
-    if at is not first_of_k:
-        end = None
+    if at is not first_of_k:  # right before that reader: after what comes before it
+        end = _last_tensor([n for n in graph.nodes if order[n] < order[at] and n.op == "call_function"])
     if order[at] < order[h2d]:  # the compiled backward reads it before the schedule's prefetch point
         at.prepend(h2d)
         h2d.update_arg(4, None)

@@ -29,7 +29,7 @@ test: $(INSTALL)
 
 # the slow variants too (ResNet-18 gradient tests)
 test-all: $(INSTALL)
-	$(PY) -m pytest -q -m ""
+	OFFLOAD_HYPOTHESIS=explore $(PY) -m pytest -q -m ""
 
 bench: $(INSTALL)
 	$(PY) -m experiments.bench_solver

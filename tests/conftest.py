@@ -1,8 +1,16 @@
 import json
+import os
 
 import pytest
+from hypothesis import settings
 
 from offload.step.chainfile import chain_from_dict
+
+# The property tests draw the same examples at every ``make test`` (its time bounded: a new
+# draw of a random chain can take HiGHS seconds), new ones at every ``make test-all``.
+settings.register_profile("suite", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("OFFLOAD_HYPOTHESIS", "suite"))
 
 
 def chain_doc(**over):

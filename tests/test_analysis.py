@@ -17,7 +17,7 @@ from offload.step.schedulefile import save_schedule
 
 CHAINS = Path(__file__).parent.parent / "experiments" / "chains"
 
-@pytest.mark.parametrize("chain", [synthetic_chain(8, seed=3),  # a second synthetic chain: make test-all
+@pytest.mark.parametrize("chain", [pytest.param(synthetic_chain(8, seed=3), marks=pytest.mark.slow),  # make test-all
                                    pytest.param(synthetic_chain(12, seed=7), marks=pytest.mark.slow),
                                    load_chain(CHAINS / "gpt-b2-cpu.json")], ids=lambda c: c.name)
 def test_sweep_is_consistent(chain):

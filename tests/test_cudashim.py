@@ -177,7 +177,7 @@ def compiled_steps(chain, schedule, monkeypatch, steps=2):
 
 @pytest.mark.parametrize("name", [pytest.param("everything", marks=pytest.mark.slow),
                                   pytest.param("late-release", marks=pytest.mark.slow), "recompute",
-                                  "moved-checkpoints"])
+                                  pytest.param("moved-checkpoints", marks=pytest.mark.slow)])
 def test_the_compiled_graphs_copies_are_race_free_and_bit_exact(chain, name, monkeypatch):
     """``compile_scheduled``'s own copy ops on the real ``CudaBackend``: the stream order of the
     compiled path proven as the eager one's, every unit (and offloaded checkpoint) moved whole,

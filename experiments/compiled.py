@@ -19,7 +19,11 @@ ways interleaved so that a loaded machine slows all alike (medians over ``--step
   schedules in it (``offload.executor.compiled``; the offloads our own copy ops at the
   schedule's events, run by the CPU backend and host arena ``Offloaded`` uses);
 * ``compile_scheduled, offload by PyTorch``: the same offloads placed by PyTorch's own
-  activation offloading pass (``copies="pytorch"``), the baseline.
+  activation offloading pass (``copies="pytorch"``), the baseline;
+* ``Offloaded, joint`` and ``compile_scheduled, joint``: the joint ILP's schedule for
+  ``--budget`` (offloads, recomputations, offloaded checkpoints; no encodings, which a
+  compiled graph cannot run), eager and in one graph: the budget is the eager chain's, so
+  the compiled way's peak is measured against it, not predicted.
 
 Beside each: how many graphs Dynamo compiled for it (a graph break makes one more), its
 step, the most bytes the allocator held during a step beyond what it held before (every
@@ -50,6 +54,7 @@ from torch._dynamo.utils import counters
 
 from experiments.bench_executor import machine_name
 from offload.core.devices import pick_device
+from offload.errors import InfeasibleBudget
 from offload.executor import Offloaded
 from offload.executor.compiled import compile_scheduled
 from offload.executor.traces import chrome_trace
@@ -58,8 +63,9 @@ from offload.io.text import format_bytes
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.step.actions import Recompute
-from offload.step.memory import floor_offloads
-from offload.step.schedule import make_schedule
+from offload.solver.methods import Options, solve
+from offload.step.memory import floor_offloads, no_offload_peak
+from offload.step.schedule import Schedule, make_schedule
 
 RESULTS = Path(__file__).parent / "results" / "compiled"
 MODELS = {"gpt": {"layers": 6, "width": 256, "heads": 8, "seq": 128, "vocab": 1024, "dropout": 0.1},
@@ -84,6 +90,12 @@ def allocated_peak(run_step, device: torch.device) -> int:
                 and e["args"].get("Device Type") == 0), default=0)
 
 
+def describe(schedule: Schedule) -> str:
+    runs = schedule.recompute
+    return (f"{len(schedule.offloads)} units offloaded, {len(runs)} runs recomputed "
+            f"({sum(1 for r in runs if r.moves)} checkpoints offloaded)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=list(MODELS), default="gpt")
@@ -92,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--layers", type=int, help="blocks (default: the model's size above)")
     ap.add_argument("--width", type=int, help="hidden width (default: the model's size above)")
+    ap.add_argument("--budget", type=int, default=40,
+                    help="the joint ways' budget, %% of the no-offload peak (40; raised by 5%% until it fits)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder (experiments/results/compiled)")
     args = ap.parse_args(argv)
     device = pick_device(args.device)
@@ -101,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     empty = make_schedule(chain, [])
     again = make_schedule(chain, [], recompute=[Recompute(i, i) for i in sorted(chain.recomputable)])
     moving = make_schedule(chain, floor_offloads(chain)[::2])
+    share = args.budget
+    while True:  # the joint ILP's schedule for the budget, or for the next 5% of the peak that fits
+        budget = no_offload_peak(chain) * share // 100
+        try:
+            joint = solve(chain, budget, "ilp", Options(recompute=True, encodings="none", time_limit_s=30)).schedule
+            break
+        except InfeasibleBudget:
+            share += 5
     spec = resolve(args.model, args.batch, options)
     spec.place(device, torch.float32)
     torch._dynamo.config.cache_size_limit = 64  # the same forward, compiled once per way
@@ -112,12 +134,14 @@ def main(argv: list[str] | None = None) -> int:
             "Offloaded, empty": (own(lambda m: Offloaded(m, chain, empty)), empty),
             "Offloaded, recompute": (own(lambda m: Offloaded(m, chain, again)), again),
             "Offloaded, offload": (own(lambda m: Offloaded(m, chain, moving)), moving),
+            "Offloaded, joint": (own(lambda m: Offloaded(m, chain, joint)), joint),
             "compile": (own(torch.compile), None),
             "compile_scheduled, empty": (own(lambda m: compile_scheduled(m, chain, empty)), None),
             "compile_scheduled, recompute": (own(lambda m: compile_scheduled(m, chain, again)), None),
             "compile_scheduled, offload": (own(lambda m: compile_scheduled(m, chain, moving)), None),
             "compile_scheduled, offload by PyTorch": (own(lambda m: compile_scheduled(m, chain, moving,
-                                                                                      copies="pytorch")), None)}
+                                                                                      copies="pytorch")), None),
+            "compile_scheduled, joint": (own(lambda m: compile_scheduled(m, chain, joint)), None)}
 
     def step(way) -> None:
         run, params = way
@@ -144,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             times[name].append(time.perf_counter() - t)
     eager = statistics.median(times["eager"])
     lines = [f"`python -m experiments.compiled --model {args.model}`: {chain.name}, {chain.L} stages, "
-             f"{len(chain.recomputable)} recomputed in the recompute ways; {machine_name(device.type)}, medians of "
-             f"{args.steps} interleaved steps.", "",
+             f"{len(chain.recomputable)} recomputed in the recompute ways; the joint ways' schedule solved for "
+             f"{format_bytes(budget)} ({share}% of the peak): {describe(joint)}; {machine_name(device.type)}, "
+             f"medians of {args.steps} interleaved steps.", "",
              "| way | graphs | step | x eager | predicted step | peak allocated | predicted peak |",
              "|---|---|---|---|---|---|---|"]
     for name, (_, sched) in ways.items():

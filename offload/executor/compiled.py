@@ -357,6 +357,11 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
                             "compile a module of its own (copy.deepcopy(model) before wrapping either)")
     chain, schedule = chain_and_schedule(chain, schedule)
     partitioner = SchedulePartitioner(chain, schedule, copies, copy_backend)
+    if schedule.budget is not None:
+        warnings.warn(f"the schedule was solved for {schedule.budget} on the eager chain: a compiled step's memory "
+                      "is not predicted yet (it saves other tensors, and its backward hands back every weight "
+                      "gradient at its end), so the budget is not a promise here: measure the step's peak, or "
+                      "train with Offloaded, which holds it", stacklevel=2)
     names = dict(module.named_modules())
     missing = [site.module for site in partitioner.cuts if site.module not in names]
     if missing:

@@ -115,6 +115,52 @@ def test_the_fake_cuda_schedules_on_real_cuda(name):
     assert error is None and report.grads_match is True
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_graphs_copies_on_cuda_streams(backend):
+    """``compile_scheduled`` with our copy ops on the real CUDA backend: units offloaded and a
+    recomputed block offloading its checkpoint, gradients bit for bit those of plain
+    ``torch.compile`` (deterministic kernels), the bytes moved each way, and no step after the
+    first makes the host wait (``set_sync_debug_mode("error")``)."""
+    from dataclasses import replace
+
+    from offload.core.devices import deterministic_kernels
+    from offload.executor.compiled import compile_scheduled
+    from offload.models import resolve
+    from offload.step.actions import Recompute, first_checkpoint_release
+    from offload.step.recompute import run_op
+
+    options = {"layers": 3, "width": 128, "heads": 4, "seq": 64, "vocab": 500, "dropout": 0.1}
+    chain = profile("gpt", ProfileOptions(batch=4, device="cuda", repeats=1, warmup=1, encodings=False,
+                                          options=options)).chain
+    i = sorted(chain.recomputable)[1]
+    run = replace(Recompute(i, i), release=first_checkpoint_release(chain, Recompute(i, i)),
+                  prefetch=run_op(chain, Recompute(i, i)))
+    sched = make_schedule(chain, [o for o in floor_offloads(chain) if o.stage != i], recompute=[run])
+
+    def steps(make, strict):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        spec = resolve("gpt", 4, options)
+        spec.place(torch.device("cuda"), torch.float32)
+        module = make(spec.module)
+        for step in range(3):
+            torch.manual_seed(step)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if step and strict else "default")
+            try:
+                spec.loss(module(*spec.args)).backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        return module, [p.grad.clone() for p in spec.module.parameters()]
+    with deterministic_kernels(torch.device("cuda")):
+        _, plain = steps(lambda m: torch.compile(m, backend=backend), False)
+        ours, grads = steps(lambda m: compile_scheduled(m, chain, sched, backend=backend), True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    runtime = ours.partitioner.runtime
+    assert runtime.backend.name == "cuda" and runtime.d2h_bytes == runtime.h2d_bytes == 3 * runtime.planned_bytes > 0
+
+
 def test_data_parallel_on_nccl(tmp_path):
     """DDP on either side of ``Offloaded`` and FSDP2 on NCCL, a rank per GPU (one rank where the
     machine has one GPU): gradients and weights bit for bit those without offloading, the

@@ -151,7 +151,7 @@ def test_our_copies_sit_at_the_schedules_events(chain):
     output = at[fw.graph.find_nodes(op="output")[0]]
     ops = {op: [n for n in fw.graph.nodes if n.target is op] for op in (D2H_OP, RELEASE_OP)}
     for o in offloads:
-        copies = [n for n in ops[D2H_OP] if p.units[n.args[0].name] == o.stage]
+        copies = [n for n in ops[D2H_OP] if p.units[n.args[0][0].name] == o.stage]
         releases = [n for n in ops[RELEASE_OP] if p.units[n.args[1].name] == o.stage]
         assert copies and len(copies) == len(releases) == len(p.placed.moved[o.stage])
         assert all(last[o.stage] < at[n] < first[o.stage + 1] for n in copies)
@@ -180,18 +180,23 @@ def test_our_copies_sit_at_the_schedules_events(chain):
 LLAMA = {"layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "seq": 32, "vocab": 128, "dropout": 0.1}
 
 
-def test_our_copies_keep_a_llamas_gradients_bit_for_bit_and_move_its_units_whole():
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_our_copies_keep_a_llamas_gradients_bit_for_bit_and_move_its_units_whole(backend):
     """transformers' Llama (SDPA, grouped-query attention, dropout) on the lazy CPU backend (a
     buffer read before its copy is waited for reads poison), a recomputed layer offloading its
     checkpoint beside the offloads: gradients those of plain compile, every unit moved whole,
     the checkpoint's input moved (the rotary table the other layers read too stays), each
     way, in the same slots every step; the attention's transposes the partitioner made at the
-    forward's end are moved with their unit."""
+    forward's end are moved with their unit.  Under Inductor the schedule only offloads:
+    Inductor fuses a recomputed block's kernels otherwise than the forward's, which changes
+    the gradients by rounding (2e-7 relative on this Llama, copies or not; bit for bit on the
+    GPT above); and it lays some saved views out otherwise than the graph says, which the
+    copies put back into the graph's layout (``relaid``)."""
     llama = profile("llama", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options=LLAMA)).chain
     i = sorted(llama.recomputable)[1]
     run = Recompute(i, i)
     run = replace(run, release=first_checkpoint_release(llama, run), prefetch=run_op(llama, run))
-    runs = [run]
+    runs = [run] if backend == "aot_eager" else []
     offloads = [o for o in spread(llama) if all(not r.first <= o.stage <= r.last for r in runs)]
     schedule = make_schedule(llama, offloads, recompute=runs)
 
@@ -204,19 +209,20 @@ def test_our_copies_keep_a_llamas_gradients_bit_for_bit_and_move_its_units_whole
             torch.manual_seed(seed)
             spec.loss(run(*spec.args, **spec.kwargs)).backward()
         return run, [p.grad.clone() for p in spec.module.parameters()]
-    _, plain = grads(lambda m: torch.compile(m, backend="aot_eager"))
-    ours, theirs = grads(lambda m: compile_scheduled(m, llama, schedule, backend="aot_eager", copy_backend="cpu-lazy"))
+    _, plain = grads(lambda m: torch.compile(m, backend=backend))
+    ours, theirs = grads(lambda m: compile_scheduled(m, llama, schedule, backend=backend, copy_backend="cpu-lazy"))
     assert all(torch.equal(a, b) for a, b in zip(plain, theirs))
     p = ours.partitioner
     assert set(p.moved) == {o.stage for o in offloads} and all(left == 0 for _, left in p.moved.values())
-    assert any(name.startswith("transpose") and name not in p.stages and p.units[name] in p.moved
+    assert any(name not in p.stages and p.units[name] in p.moved  # a backward op the forward graph makes
                for values in p.placed.moved.values() for names in values.values() for name in names)
-    checkpoint = p.placed.checkpoints[i]
-    assert checkpoint and p.placed.checkpoint_bytes[i] >= llama.stage(i).input_own_bytes > 0
+    assert all(p.placed.checkpoints[r.first] and p.placed.checkpoint_bytes[r.first]
+               >= llama.stage(r.first).input_own_bytes > 0 for r in runs)
     runtime = p.runtime
     assert runtime.d2h_bytes == runtime.h2d_bytes == 2 * runtime.planned_bytes > 0
-    assert runtime.planned_bytes == sum(p.placed.moved_bytes.values()) + p.placed.checkpoint_bytes[i]
+    assert runtime.planned_bytes == sum(p.placed.moved_bytes.values()) + sum(p.placed.checkpoint_bytes.values())
     assert runtime.backend.name == "cpu-lazy" and runtime.arena.allocations == 1
+    assert (runtime.relaid > 0) is (backend == "inductor")
 
 
 @pytest.mark.slow

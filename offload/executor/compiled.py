@@ -75,7 +75,7 @@ from offload.step.schedule import Schedule
 
 from .api import PathLike, chain_and_schedule, cut_sites
 from .compiled_copies import PlacedCopies, backward_stages, place_copies, value_units
-from .graph_copies import GraphCopies
+from .graph_copies import OPS, GraphCopies
 
 COPIES = ("schedule", "pytorch")  # who places the offloaded units' copies (SchedulePartitioner)
 
@@ -187,7 +187,7 @@ class SchedulePartitioner(CustomPartitionerFn):
         self.runs = list(schedule.recompute)
         self.runtime = GraphCopies(copy_backend)  # the copies' ops name it by its number: part of the key
         self.key = hashlib.sha256(repr((chain.sha256, self.runs, self.offloaded, copies, copy_backend,
-                                        self.runtime.number)).encode()).hexdigest()
+                                        self.runtime.number, [str(op._schema) for op in OPS])).encode()).hexdigest()
         self.stages: dict[str, int] = {}
         self.tags: dict[str, CheckpointPolicy | None] = {}
         self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None

@@ -22,7 +22,9 @@ compiled step does what ``Offloaded`` does at its stage boundaries:
   reader: ``late``); each value is read as a view (``as_strided``) of its storage's buffer.
 
 A storage is copied over the extent its saved values cover, not whole: Inductor may put a
-value in a larger buffer than the value needs, or in a part of another's.
+value in a larger buffer than the value needs, or in a part of another's; and the copy holds
+the values in the graph's layout, which the backward's views read, even where Inductor laid
+a value out otherwise (``offload.executor.graph_copies``).
 
 What cannot move is said (``PlacedCopies.stay``): a storage that is also an output of the
 model, or that holds values of several dtypes.
@@ -92,6 +94,17 @@ class _Storage:
     def nbytes(self) -> int:
         lo, hi = self.extent
         return (hi - lo) * self.values[0].meta["val"].element_size()
+
+    @property
+    def layout(self) -> list[int]:
+        """The values' places in the copy, flat for ``offload::d2h``: per value its rank, size,
+        stride and offset from the extent's start (``graph_copies._layouts`` reads it)."""
+        lo, _ = self.extent
+        out: list[int] = []
+        for v in self.values:
+            val = v.meta["val"]
+            out += [val.dim(), *val.size(), *val.stride(), val.storage_offset() - lo]
+        return out
 
     @property
     def name(self) -> str:
@@ -284,9 +297,7 @@ def _place_forward(forward: fx.GraphModule, events: StepEvents, stages: Mapping[
                 first = s.values[0]
                 if e.kind == D2H:
                     lo, hi = s.extent
-                    node = copied[key] = _call(graph, at, after, D2H_OP,
-                                               (first, lo - first.meta["val"].storage_offset(), hi - lo, number, key,
-                                                end),
+                    node = copied[key] = _call(graph, at, after, D2H_OP, (s.values, s.layout, hi - lo, number, key, end),
                                                f"d2h_{s.name}", _flat(first.meta["val"], hi - lo, "cpu"))
                 else:
                     node = _call(graph, at, after, RELEASE_OP, (copied[key], first, number, key, end),

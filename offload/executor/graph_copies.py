@@ -5,11 +5,15 @@ of the user's module (``offload.executor.compiled_copies`` says where); each nam
 ``GraphCopies`` (the copies of one compiled module, by number) and a *key*, the moved
 value's place in the forward's order:
 
-* ``offload::d2h(x, start, length, copies, key) -> host``: the D2H copy of ``length``
-  elements of ``x``'s storage, from ``start`` past ``x``'s first (the extent of every saved
-  value in that storage), into the key's slot of the host arena, issued on the backend
-  (CUDA: the D2H stream, after the compute stream as it is now); ``host`` is the slot, flat,
-  with ``x``'s dtype;
+* ``offload::d2h(values, layout, length, copies, key) -> host``: the D2H copy of the values
+  saved in one storage into the key's slot of the host arena, ``length`` elements laid out
+  as ``layout`` says (per value: its size, stride and offset, the graph's), issued on the
+  backend (CUDA: the D2H stream, after the compute stream as it is now); ``host`` is the
+  slot, flat.  Where the compiler laid the values out as the graph does (the usual case),
+  the copy is that extent of their storage; where it did not (Inductor may give a view
+  other strides than the graph's, which the backward's views of the fetched buffer would
+  misread), the values are first put into the graph's layout in a device buffer, on the
+  compute stream (``GraphCopies.relaid``);
 * ``offload::release(host, x, copies, key) -> host``: the compute stream waits for that
   copy and the runtime lets go of ``x`` (the graph frees it after its last use: this op is
   one, so no block is reused before the copy has read it); returns ``host`` (an alias),
@@ -44,7 +48,7 @@ from .arena import HostArena
 from .backends import Copy, CpuEagerBackend, CudaBackend, make_backend
 
 _LIB = torch.library.Library("offload", "DEF")
-_LIB.define("d2h(Tensor x, int start, int length, int copies, int key, Tensor? after=None) -> Tensor")
+_LIB.define("d2h(Tensor[] values, int[] layout, int length, int copies, int key, Tensor? after=None) -> Tensor")
 _LIB.define("release(Tensor(a) host, Tensor x, int copies, int key, Tensor? after=None) -> Tensor(a)")
 _LIB.define("h2d(Tensor host, Device device, int copies, int key, Tensor? after=None) -> Tensor")
 _LIB.define("wait(Tensor(a) x, int copies, int key, Tensor? after=None) -> Tensor(a)")
@@ -57,12 +61,28 @@ _ALL: "weakref.WeakValueDictionary[int, GraphCopies]" = weakref.WeakValueDiction
 _NUMBERS = itertools.count(1)
 
 
-def _extent(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """``length`` elements of ``x``'s storage from ``start`` elements past ``x``'s own first
-    one, flat, as bytes."""
-    flat = torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage(), x.storage_offset() + start,
-                                                               (length,))
-    return flat.view(torch.uint8)
+def _layouts(layout: list[int]) -> list[tuple[list[int], list[int], int]]:
+    """``d2h``'s ``layout`` read back: per value, its size, stride and offset in the copy."""
+    out, i = [], 0
+    while i < len(layout):
+        n = layout[i]
+        out.append((layout[i + 1:i + 1 + n], layout[i + 1 + n:i + 1 + 2 * n], layout[i + 1 + 2 * n]))
+        i += 2 + 2 * n
+    return out
+
+
+def _in_place(values: list[torch.Tensor], layouts: list[tuple[list[int], list[int], int]], length: int) -> int | None:
+    """Where the copy starts in the values' own storage, when they are laid out there as the
+    graph says (one storage, the graph's strides, the graph's distances apart): the copy is
+    then that extent of it; ``None`` when the compiler laid them out otherwise."""
+    storage = values[0].untyped_storage()
+    start = values[0].storage_offset() - layouts[0][2]
+    for v, (size, stride, offset) in zip(values, layouts):
+        if (v.untyped_storage().data_ptr() != storage.data_ptr() or list(v.size()) != size
+                or any(n > 1 and a != b for n, a, b in zip(size, v.stride(), stride))
+                or v.storage_offset() - offset != start):
+            return None
+    return start if start >= 0 and (start + length) * values[0].element_size() <= storage.nbytes() else None
 
 
 class GraphCopies:
@@ -86,18 +106,29 @@ class GraphCopies:
         self._in: dict[int, Copy] = {}  # key -> its H2D
         self.d2h_bytes = 0  # moved so far, each way
         self.h2d_bytes = 0
+        self.relaid = 0  # copies whose values the compiler laid out otherwise than the graph (put back first)
         _ALL[self.number] = self
 
     def _start(self, device: torch.device) -> None:
         self.backend = make_backend(self.backend_name, device)
         self.arena = HostArena(self.planned_bytes, self.backend.pin)
 
-    def copy_out(self, x: torch.Tensor, start: int, length: int, key: int) -> torch.Tensor:
+    def copy_out(self, values: list[torch.Tensor], layout: list[int], length: int, key: int) -> torch.Tensor:
+        x = values[0]
         if self.backend is None:
             self._start(x.device)
         if key == 0:
             self.arena.start_step()
-        src = _extent(x, start, length)
+        layouts = _layouts(layout)
+        start = _in_place(values, layouts, length)
+        if start is not None:  # the extent of their storage, as it is
+            src = torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage(), start, (length,))
+        else:  # laid out by the compiler otherwise: first into the graph's layout, on the compute stream
+            src = self.backend.empty(length * x.element_size()).view(x.dtype)
+            for v, (size, stride, offset) in zip(values, layouts):
+                src.as_strided(size, stride, offset).copy_(v)
+            self.relaid += 1
+        src = src.view(torch.uint8)
         index, slot = self.arena.slot(src.numel())
         copy = self.backend.d2h(src, slot, self.arena.guard(index))
         self._out[key] = (copy, index, slot)
@@ -140,9 +171,9 @@ def _impl(name: str) -> Callable[[Callable], Callable]:
 
 
 @_impl("d2h")
-def _d2h(x: torch.Tensor, start: int, length: int, number: int, key: int,
-        after: torch.Tensor | None = None) -> torch.Tensor:
-    return copies(number).copy_out(x, start, length, key)
+def _d2h(values: list[torch.Tensor], layout: list[int], length: int, number: int, key: int,
+         after: torch.Tensor | None = None) -> torch.Tensor:
+    return copies(number).copy_out(values, layout, length, key)
 
 
 @_impl("release")
@@ -166,9 +197,9 @@ def _wait(x: torch.Tensor, number: int, key: int,
 
 
 @torch.library.register_fake("offload::d2h", lib=_LIB)
-def _d2h_fake(x: torch.Tensor, start: int, length: int, number: int, key: int,
-        after: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.empty(length, dtype=x.dtype, device="cpu")
+def _d2h_fake(values: list[torch.Tensor], layout: list[int], length: int, number: int, key: int,
+              after: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.empty(length, dtype=values[0].dtype, device="cpu")
 
 
 @torch.library.register_fake("offload::release", lib=_LIB)

@@ -1,6 +1,7 @@
 """The schedule inside ``torch.compile`` (``offload.executor.compiled``): the compiled graph's
 forward nodes in the chain's stages, the recomputed stages' ops run again in its backward,
 gradients bit for bit those of plain ``torch.compile`` (dropout on)."""
+import copy
 import re
 from dataclasses import replace
 
@@ -292,6 +293,7 @@ def test_the_compile_cache_key_follows_the_schedule(chain):
     assert len({SchedulePartitioner(chain, s).uuid() for s in (a, b, moving)} | {one.uuid()}) == 4
     # each partitioner's copy ops call its own runtime, by a number in the graph and in the key
     assert SchedulePartitioner(chain, a).runtime.number != one.runtime.number
+    assert copy.deepcopy({"custom_partitioner_fn": one})["custom_partitioner_fn"] is one  # Inductor's snapshot
 
 
 @pytest.mark.slow

@@ -316,6 +316,12 @@ class SchedulePartitioner(CustomPartitionerFn):
         names = [f"{name} ({why})" for k in units for name, why in (self.placed.stay.get(k, ()) if self.placed else ())]
         return ": " + ", ".join(names) if names else ""
 
+    def __deepcopy__(self, memo: dict) -> "SchedulePartitioner":
+        """Inductor snapshots its options by deep copy (a recompile, e.g. with dynamic shapes):
+        the snapshot is this partitioner, which holds the graphs it made and the runtime their
+        ops call."""
+        return self
+
     def uuid(self) -> str:
         """Part of Inductor's cache key: another schedule is another compiled graph."""
         return self.key

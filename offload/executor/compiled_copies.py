@@ -128,6 +128,17 @@ class PlacedCopies:
     late: list[str] = field(default_factory=list)
 
 
+def _saved_storages(forward: fx.GraphModule, num_fwd_outputs: int) -> dict[StorageWeakRef, list[fx.Node]]:
+    """The forward's saved values by storage, each storage's values in forward order."""
+    outputs = [n for n in forward.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:] if isinstance(n, fx.Node)]
+    order = {n: i for i, n in enumerate(forward.graph.nodes)}
+    groups: dict[StorageWeakRef, list[fx.Node]] = {}
+    for node in sorted(set(outputs), key=order.__getitem__):
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            groups.setdefault(StorageWeakRef(node.meta["val"].untyped_storage()), []).append(node)
+    return groups
+
+
 def _storages(forward: fx.GraphModule, num_fwd_outputs: int, units: Mapping[str, int], offloaded: set[int]
               ) -> tuple[list[_Storage], dict[int, list[tuple[str, str]]]]:
     """The saved storages of the offloaded units that move, in forward order, and the values
@@ -135,13 +146,9 @@ def _storages(forward: fx.GraphModule, num_fwd_outputs: int, units: Mapping[str,
     outputs = list(forward.graph.find_nodes(op="output")[0].args[0])
     model = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in outputs[:num_fwd_outputs]
              if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)}
-    order = {n: i for i, n in enumerate(forward.graph.nodes)}
-    groups: dict[StorageWeakRef, list[fx.Node]] = {}
-    for node in sorted({n for n in outputs[num_fwd_outputs:] if isinstance(n, fx.Node)}, key=order.__getitem__):
-        if isinstance(node.meta.get("val"), torch.Tensor):
-            groups.setdefault(StorageWeakRef(node.meta["val"].untyped_storage()), []).append(node)
     moving, stay = [], {k: [] for k in sorted(offloaded)}
-    for ref, values in groups.items():  # the graph's inputs (weights, the batch) and random seeds are in no unit
+    for ref, values in _saved_storages(forward, num_fwd_outputs).items():
+        # the graph's inputs (weights, the batch) and random seeds are in no unit
         unit = min((units[v.name] for v in values if v.name in units), default=None)
         if unit not in offloaded:
             continue
@@ -163,19 +170,12 @@ def _checkpoints(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
     that moves.  What other stages read too (a rotary table, a mask) stays, as the eager
     executor's held tensors do."""
     readers = {n.name: list(n.users) for n in backward.graph.find_nodes(op="placeholder")}
-    outputs = [n for n in forward.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:] if isinstance(n, fx.Node)]
-    groups: dict[StorageWeakRef, list[fx.Node]] = {}
-    for node in dict.fromkeys(outputs):
-        if isinstance(node.meta.get("val"), torch.Tensor):
-            groups.setdefault(StorageWeakRef(node.meta["val"].untyped_storage()), []).append(node)
-
-    def stage_of(reader: fx.Node) -> int | None:
-        return stages.get(reader.name, back_stages.get(reader.name))
+    groups = _saved_storages(forward, num_fwd_outputs)
     out = []
     for run in runs:
         inside = range(run.first, run.last + 1)
         for ref, values in groups.items():
-            read = [stage_of(r) for v in values for r in readers.get(v.name, ())]
+            read = [stages.get(r.name, back_stages.get(r.name)) for v in values for r in readers.get(v.name, ())]
             if ref not in taken and read and all(k in inside for k in read):
                 out.append(_Storage(run.first, values, run))
                 taken.add(ref)

@@ -245,8 +245,7 @@ class SchedulePartitioner(CustomPartitionerFn):
         if self.ours:
             self.placed = place_copies(*self.graphs, outputs, self.events, self.stages, self.units, self.back_stages,
                                        set(self.offloaded), self.runtime, [r for r in self.runs if r.moves])
-            moved = {v for group in (*self.placed.moved.values(), *self.placed.checkpoints.values())
-                     for values in group.values() for v in values}
+            moved = self.placed.values
         self.saved = self._saved(saved, moved)
         self._check_moved()
         return self.graphs

@@ -32,7 +32,7 @@ model, or that holds values of several dtypes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -113,19 +113,42 @@ class _Storage:
 
 @dataclass
 class PlacedCopies:
-    """What ``place_copies`` did: per offloaded unit, the values it moves by storage
-    (``moved``: the first value's name -> all of them) and those that stay, with why
-    (``stay``); per recomputed run that offloads its checkpoint (by its first stage), the
-    values of its checkpoint (``checkpoints``); ``late``: storages the compiled backward
-    reads before the schedule's point; ``copies``: their runtime."""
+    """What ``place_copies`` did: the storages that move (``storages``, in key order) and the
+    values of the offloaded units that stay, with why (``stay``); ``late``: storages the
+    compiled backward reads before the schedule's point; ``copies``: their runtime."""
 
     copies: GraphCopies
-    moved: dict[int, dict[str, list[str]]] = field(default_factory=dict)
+    offloaded: list[int]
+    runs: list[Recompute]
+    storages: list[_Storage] = field(default_factory=list)
     stay: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
-    moved_bytes: dict[int, int] = field(default_factory=dict)
-    checkpoints: dict[int, dict[str, list[str]]] = field(default_factory=dict)
-    checkpoint_bytes: dict[int, int] = field(default_factory=dict)
     late: list[str] = field(default_factory=list)
+
+    def _by(self, owner: Callable[[_Storage], bool]) -> dict[str, list[str]]:
+        return {s.name: [v.name for v in s.values] for s in self.storages if owner(s)}
+
+    @property
+    def moved(self) -> dict[int, dict[str, list[str]]]:
+        """Per offloaded unit, the values it moves by storage (the first value's name -> all)."""
+        return {k: self._by(lambda s: s.run is None and s.unit == k) for k in self.offloaded}
+
+    @property
+    def moved_bytes(self) -> dict[int, int]:
+        return {k: sum(s.nbytes for s in self.storages if s.run is None and s.unit == k) for k in self.offloaded}
+
+    @property
+    def checkpoints(self) -> dict[int, dict[str, list[str]]]:
+        """Per run that offloads its checkpoint (by its first stage), the checkpoint's values."""
+        return {r.first: self._by(lambda s: s.run == r) for r in self.runs}
+
+    @property
+    def checkpoint_bytes(self) -> dict[int, int]:
+        return {r.first: sum(s.nbytes for s in self.storages if s.run == r) for r in self.runs}
+
+    @property
+    def values(self) -> set[str]:
+        """The names of every value that moves."""
+        return {v.name for s in self.storages for v in s.values}
 
 
 def _saved_storages(forward: fx.GraphModule, num_fwd_outputs: int) -> dict[StorageWeakRef, list[fx.Node]]:
@@ -209,15 +232,10 @@ def place_copies(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
     taken = {StorageWeakRef(s.values[0].meta["val"].untyped_storage()) for s in moving}
     moving += _checkpoints(forward, backward, num_fwd_outputs, list(runs), stages, back_stages, taken)
     copies.planned_bytes = sum(s.nbytes for s in moving)
-    units_moving = [s for s in moving if s.run is None]
-    placed = PlacedCopies(copies, {k: {s.name: [v.name for v in s.values] for s in units_moving if s.unit == k}
-                                   for k in sorted(offloaded)}, stay,
-                          {k: sum(s.nbytes for s in units_moving if s.unit == k) for k in sorted(offloaded)},
-                          {r.first: {s.name: [v.name for v in s.values] for s in moving if s.run == r} for r in runs},
-                          {r.first: sum(s.nbytes for s in moving if s.run == r) for r in runs})
     # keys in the order the forward issues the D2H copies (the arena's slots are handed out so)
-    by_owner: dict[tuple[int, Recompute | None], list[tuple[int, _Storage]]] = {}
     issued = [s for e in events.of(D2H) for s in moving if s.owner == (e.stage, e.run)]
+    placed = PlacedCopies(copies, sorted(offloaded), list(runs), issued, stay)
+    by_owner: dict[tuple[int, Recompute | None], list[tuple[int, _Storage]]] = {}
     for key, s in enumerate(issued):
         by_owner.setdefault(s.owner, []).append((key, s))
     hosts = _place_forward(forward, events, stages, by_owner, copies.number)

@@ -1,11 +1,12 @@
 """The schedule inside ``torch.compile`` against the eager executor (issue #35), on the CPU.
 
-    python -m experiments.compiled                     # a GPT (width 256, 6 layers), about a minute here
+    python -m experiments.compiled                     # a GPT (width 256, 6 layers), about 2 minutes here
     python -m experiments.compiled --model llama       # the transformers Llama (SDPA, dropout)
     python -m experiments.compiled --device cuda       # on a GPU (make gpu-bench): the copies real
 
-One model, profiled once (eager), then one training step after another of each way, the
-ways interleaved so that a loaded machine slows all alike (medians over ``--steps``):
+One model, profiled once eager and once compiled as one graph (``--whole-graph``,
+``offload.profiler.compiled``), then one training step after another of each way, the ways
+interleaved so that a loaded machine slows all alike (medians over ``--steps``):
 
 * ``eager``: the module; ``Offloaded, empty``: our executor moving nothing;
   ``Offloaded, recompute``: every stage the executor can re-run recomputed on its own;
@@ -14,7 +15,7 @@ ways interleaved so that a loaded machine slows all alike (medians over ``--step
   (``Offloaded(torch.compile(module))``, a graph break at every stage boundary, is not
   here: its compiled stages save other bytes than the eager chain measured, 8.55 MB where
   it says 8.94 MB for the GPT's first block, and the executor stops at that stage, as it
-  must; it needs a chain profiled under compile, issue #35's item 2);
+  must; it needs a chain profiled with ``--compile``);
 * ``compile_scheduled, empty``, ``, recompute`` and ``, offload``: one graph with the same
   schedules in it (``offload.executor.compiled``; the offloads our own copy ops at the
   schedule's events, run by the CPU backend and host arena ``Offloaded`` uses);
@@ -23,15 +24,18 @@ ways interleaved so that a loaded machine slows all alike (medians over ``--step
 * ``Offloaded, joint`` and ``compile_scheduled, joint``: the joint ILP's schedule for
   ``--budget`` (offloads, recomputations, offloaded checkpoints; no encodings, which a
   compiled graph cannot run), eager and in one graph: the budget is the eager chain's, so
-  the compiled way's peak is measured against it, not predicted.
+  the compiled way's peak is measured against it, not predicted;
+* ``compile_scheduled, its own chain, empty`` and ``, ilp``: on the chain of the compiled
+  graph, no schedule, and the ILP's (offloads only: that chain offers no recomputation) for
+  the same budget, or that chain's smallest feasible budget where it is higher: its step
+  and peak predicted, the budget a promise.
 
 Beside each: how many graphs Dynamo compiled for it (a graph break makes one more), its
 step, the most bytes the allocator held during a step beyond what it held before (every
 allocation, Inductor's too: ``torch.profiler``'s memory events), the step and peak the
-simulator predicts for the eager schedules, and per stage the bytes
-the eager chain saves for the backward against the bytes the compiled forward graph saves
-(its partitioner's ``saved_bytes``): what a chain of the compiled graph would have to
-measure (issue #35, item 2).  On a CPU Inductor's code is C++ on the cores, there are no
+simulator predicts for the schedules of a chain, and per stage the bytes the eager chain
+saves for the backward against the bytes the compiled forward graph saves (its
+partitioner's ``saved_bytes``, model outputs and inputs included).  On a CPU Inductor's code is C++ on the cores, there are no
 copies to hide, and the host is the device: the times compare the ways' work only; a copy
 "to the host" stays in the same memory (our host arena, eager or compiled, is allocated
 before the step, so its offloads show as freed; PyTorch's ``device_put`` to the CPU is a
@@ -43,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 import warnings
@@ -57,37 +60,19 @@ from offload.core.devices import pick_device
 from offload.errors import InfeasibleBudget
 from offload.executor import Offloaded
 from offload.executor.compiled import compile_scheduled
-from offload.executor.traces import chrome_trace
 from offload.io.files import write_atomic
 from offload.io.text import format_bytes
 from offload.models import resolve
+from offload.profiler.compiled import allocated_peak
 from offload.profiler.profile import ProfileOptions, profile
 from offload.step.actions import Recompute
 from offload.solver.methods import Options, solve
-from offload.step.memory import floor_offloads, no_offload_peak
+from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import Schedule, make_schedule
 
 RESULTS = Path(__file__).parent / "results" / "compiled"
 MODELS = {"gpt": {"layers": 6, "width": 256, "heads": 8, "seq": 128, "vocab": 1024, "dropout": 0.1},
           "llama": {"layers": 4, "width": 256, "heads": 8, "kv_heads": 4, "seq": 128, "vocab": 1024, "dropout": 0.1}}
-
-
-def allocated_peak(run_step, device: torch.device) -> int:
-    """The most bytes the device's allocator held during one step beyond those held when it
-    began: on a GPU the caching allocator's counters, on the CPU ``torch.profiler``'s memory
-    events (every allocation, Inductor's kernels' included)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run_step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        run_step()
-    events = json.loads(chrome_trace(prof))["traceEvents"]
-    return max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"
-                and e["args"].get("Device Type") == 0), default=0)
 
 
 def describe(schedule: Schedule) -> str:
@@ -123,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
             break
         except InfeasibleBudget:
             share += 5
+    print("  profiling the model compiled as one graph", flush=True)
+    whole = profile(args.model, ProfileOptions(batch=args.batch, repeats=2, warmup=1, encodings=False, options=options,
+                                               device=device.type, compile="inductor", whole_graph=True)).chain
+    whole_budget = max(budget, smallest_feasible_budget(whole))
+    solved = solve(whole, whole_budget, "ilp", Options(time_limit_s=30)).schedule
     spec = resolve(args.model, args.batch, options)
     spec.place(device, torch.float32)
     torch._dynamo.config.cache_size_limit = 64  # the same forward, compiled once per way
@@ -130,21 +120,26 @@ def main(argv: list[str] | None = None) -> int:
     def own(make):  # each way its own copy of the module (an Offloaded one's boundaries would break a graph)
         module = copy.deepcopy(spec.module)
         return make(module), list(module.parameters())
-    ways = {"eager": (own(lambda m: m), None),
-            "Offloaded, empty": (own(lambda m: Offloaded(m, chain, empty)), empty),
-            "Offloaded, recompute": (own(lambda m: Offloaded(m, chain, again)), again),
-            "Offloaded, offload": (own(lambda m: Offloaded(m, chain, moving)), moving),
-            "Offloaded, joint": (own(lambda m: Offloaded(m, chain, joint)), joint),
-            "compile": (own(torch.compile), None),
-            "compile_scheduled, empty": (own(lambda m: compile_scheduled(m, chain, empty)), None),
-            "compile_scheduled, recompute": (own(lambda m: compile_scheduled(m, chain, again)), None),
-            "compile_scheduled, offload": (own(lambda m: compile_scheduled(m, chain, moving)), None),
+    nothing = make_schedule(whole, [])
+    ways = {"eager": (own(lambda m: m), None, None),  # name -> (module and its weights, schedule, its chain)
+            "Offloaded, empty": (own(lambda m: Offloaded(m, chain, empty)), empty, chain),
+            "Offloaded, recompute": (own(lambda m: Offloaded(m, chain, again)), again, chain),
+            "Offloaded, offload": (own(lambda m: Offloaded(m, chain, moving)), moving, chain),
+            "Offloaded, joint": (own(lambda m: Offloaded(m, chain, joint)), joint, chain),
+            "compile": (own(torch.compile), None, None),
+            "compile_scheduled, empty": (own(lambda m: compile_scheduled(m, chain, empty)), None, None),
+            "compile_scheduled, recompute": (own(lambda m: compile_scheduled(m, chain, again)), None, None),
+            "compile_scheduled, offload": (own(lambda m: compile_scheduled(m, chain, moving)), None, None),
             "compile_scheduled, offload by PyTorch": (own(lambda m: compile_scheduled(m, chain, moving,
-                                                                                      copies="pytorch")), None),
-            "compile_scheduled, joint": (own(lambda m: compile_scheduled(m, chain, joint)), None)}
+                                                                                      copies="pytorch")), None, None),
+            "compile_scheduled, joint": (own(lambda m: compile_scheduled(m, chain, joint)), None, None),
+            "compile_scheduled, its own chain, empty": (own(lambda m: compile_scheduled(m, whole, nothing)),
+                                                        nothing, whole),
+            "compile_scheduled, its own chain, ilp": (own(lambda m: compile_scheduled(m, whole, solved)),
+                                                      solved, whole)}
 
     def step(way) -> None:
-        run, params = way
+        run, params = way[0]
         spec.loss(run(*spec.args, **spec.kwargs)).backward()
         spec.zero_grads(params)
         if device.type == "cuda":
@@ -153,29 +148,32 @@ def main(argv: list[str] | None = None) -> int:
     graphs = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, (way, _) in ways.items():  # warm-up: the compiles, counted
+        for name, way in ways.items():  # warm-up: the compiles, counted
             print(f"  warming up {name}", flush=True)
             before = counters["stats"]["unique_graphs"]
             step(way)
             step(way)
             graphs[name] = counters["stats"]["unique_graphs"] - before
-        peaks = {name: allocated_peak(lambda: step(way), device) for name, (way, _) in ways.items()}
+        peaks = {name: allocated_peak(lambda: step(way), device) for name, way in ways.items()}
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.steps):
-        for name, (way, _) in ways.items():
+        for name, way in ways.items():
             t = time.perf_counter()
             step(way)
             times[name].append(time.perf_counter() - t)
     eager = statistics.median(times["eager"])
     lines = [f"`python -m experiments.compiled --model {args.model}`: {chain.name}, {chain.L} stages, "
              f"{len(chain.recomputable)} recomputed in the recompute ways; the joint ways' schedule solved for "
-             f"{format_bytes(budget)} ({share}% of the peak): {describe(joint)}; {machine_name(device.type)}, "
+             f"{format_bytes(budget)} ({share}% of the peak): {describe(joint)}; the chain of the model compiled as "
+             f"one graph (`--whole-graph`): peak {format_bytes(no_offload_peak(whole))}, floor "
+             f"{format_bytes(smallest_feasible_budget(whole))}, its ilp schedule solved for "
+             f"{format_bytes(whole_budget)}: {describe(solved)}; {machine_name(device.type)}, "
              f"medians of {args.steps} interleaved steps.", "",
              "| way | graphs | step | x eager | predicted step | peak allocated | predicted peak |",
              "|---|---|---|---|---|---|---|"]
-    for name, (_, sched) in ways.items():
+    for name, (_, sched, of) in ways.items():
         med = statistics.median(times[name])
-        sim = sched.simulate(chain) if sched is not None else None
+        sim = sched.simulate(of) if sched is not None else None
         lines.append(f"| {name} | {graphs[name]} | {med * 1e3:.1f} ms | {med / eager:.2f} | "
                      f"{f'{sim.makespan_s * 1e3:.1f} ms' if sim else '-'} | {format_bytes(peaks[name])} | "
                      f"{format_bytes(sim.peak_bytes) if sim else '-'} |")

@@ -89,6 +89,11 @@ def _check_compiled(module: nn.Module, chain: Chain) -> None:
     memory and times are the eager model's (the runtime still stops a stage that saves other
     bytes than profiled)."""
     backend = chain.recipe.compile if chain.recipe is not None else None
+    if backend and chain.recipe.whole_graph:
+        raise ChainMismatch(f"chain {chain.name!r} was profiled from the model compiled as one graph (--whole-graph): "
+                            "its units are that graph's, which Offloaded's stage boundaries would break",
+                            "run it with offload.executor.compile_scheduled(model, chain, schedule), or profile "
+                            "without --whole-graph")
     if backend and not compiled(module):
         raise ChainMismatch(f"chain {chain.name!r} was profiled compiled (torch.compile, backend {backend!r}); this "
                             "module is not", f"wrap torch.compile(model, backend={backend!r}) (before its first call), "

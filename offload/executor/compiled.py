@@ -54,6 +54,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import re
+import uuid
 import warnings
 from typing import Any, Sequence
 
@@ -74,9 +75,11 @@ from offload.step.events import step_events
 from offload.step.schedule import Schedule
 
 from .api import PathLike, chain_and_schedule, cut_sites
-from .compiled_copies import PlacedCopies, backward_stages, place_copies, value_units
-from .graph_copies import OPS, GraphCopies
+from .compiled_copies import (PlacedCopies, UnitStorage, backward_stages, counted_storages, movable, place_copies,
+                              place_marks, value_units)
+from .graph_copies import MARK_OP, OPS, GraphCopies
 
+_PROCESS = uuid.uuid4().hex  # in every partitioner's key: no compiled graph of another process is reused
 COPIES = ("schedule", "pytorch")  # who places the offloaded units' copies (SchedulePartitioner)
 
 _ROOT = re.compile(r"^L\[(['\"])[^'\"]+\1\]")  # the compiled function's ``self``: L['self']
@@ -165,7 +168,7 @@ class SchedulePartitioner(CustomPartitionerFn):
     and ``runtime`` what runs them (its bytes moved so far)."""
 
     def __init__(self, chain: Chain, schedule: Schedule, copies: str = "schedule",
-                 copy_backend: str | None = None) -> None:
+                 copy_backend: str | None = None, marks: bool = False) -> None:
         if copies not in COPIES:
             raise ValueError(f"copies {copies!r}: choose one of {', '.join(COPIES)}")
         if schedule.encode:
@@ -180,14 +183,18 @@ class SchedulePartitioner(CustomPartitionerFn):
                                 "place the copies with ours (copies='schedule'), or solve with those checkpoints kept")
         self.offloaded = sorted(o.stage for o in schedule.offloads)
         self.copies = copies
+        self.marks = marks  # the profiler's marks at the stage boundaries (offload.profiler.compiled)
+        self.whole = chain.recipe is not None and chain.recipe.whole_graph  # a chain of this compiled graph
+        self.chain_units = {k: chain.stage(k).saved_bytes for k in range(1, chain.L + 1)}
         self.events = step_events(chain, schedule.offloads, schedule.recompute)
         self.placed: PlacedCopies | None = None
         self.bandwidth = chain.platform.h2d_bytes_per_s
         self.cuts = cut_sites(chain)
         self.runs = list(schedule.recompute)
         self.runtime = GraphCopies(copy_backend)  # the copies' ops name it by its number: part of the key
-        self.key = hashlib.sha256(repr((chain.sha256, self.runs, self.offloaded, copies, copy_backend,
-                                        self.runtime.number, [str(op._schema) for op in OPS])).encode()).hexdigest()
+        self.key = hashlib.sha256(repr((chain.sha256, self.runs, self.offloaded, copies, copy_backend, marks,
+                                        _PROCESS, self.runtime.number, [str(op._schema) for op in (*OPS, MARK_OP)])
+                                       ).encode()).hexdigest()
         self.stages: dict[str, int] = {}
         self.tags: dict[str, CheckpointPolicy | None] = {}
         self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None
@@ -199,6 +206,7 @@ class SchedulePartitioner(CustomPartitionerFn):
         # beside the eager chain's ``saved_bytes``
         self.saved: list[tuple[int, int, bool]] = []
         self.moved: dict[int, tuple[int, int]] = {}  # offloaded unit -> (bytes moved, bytes left on the device)
+        self.counted: list[UnitStorage] = []  # with marks: every unit's storages that can move, as a chain counts them
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
                  ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -246,9 +254,37 @@ class SchedulePartitioner(CustomPartitionerFn):
             self.placed = place_copies(*self.graphs, outputs, self.events, self.stages, self.units, self.back_stages,
                                        set(self.offloaded), self.runtime, [r for r in self.runs if r.moves])
             moved = self.placed.values
+        if self.marks:  # every unit as it would move (its ops hoisted so), then the boundaries marked
+            L = self.events.L
+            moving, _, stages = movable(self.graphs[0], outputs, self.units, set(range(1, L + 1)), self.stages)
+            self.counted = counted_storages(self.graphs[0], moving, stages, L)
+            place_marks(*self.graphs, L, stages, self.back_stages, self.runtime.number)
         self.saved = self._saved(saved, moved)
         self._check_moved()
+        self._check_units()
         return self.graphs
+
+    @property
+    def plans_memory(self) -> bool:
+        """Whether the schedule makes the compiled step's memory plan (Inductor's
+        ``reorder_for_peak_memory`` off): our copies are in the graph, or the chain was
+        profiled from this graph so (``offload.profiler.compiled``), or this is that profile."""
+        return self.ours or self.whole or self.marks
+
+    def _check_units(self) -> None:
+        """On a chain of the compiled graph: each offloaded unit moves the bytes the chain counts."""
+        if not (self.whole and self.placed):
+            return
+        counted: dict[int, int] = {}
+        for s in self.placed.counted:
+            counted[s.unit] = counted.get(s.unit, 0) + s.nbytes
+        wrong = [k for k in self.offloaded if counted.get(k, 0) != self.chain_units[k]]
+        if wrong:
+            k = wrong[0]
+            raise ChainMismatch(f"the compiled graph saves {format_bytes(counted.get(k, 0))} that can move for U{k}, "
+                                f"where the chain, profiled from it, counts {format_bytes(self.chain_units[k])}: the "
+                                "model, its batch, torch or the compile options differ from the profile's",
+                                "profile it again (offload profile --compile inductor --whole-graph) and solve again")
 
     @property
     def ours(self) -> bool:
@@ -321,8 +357,16 @@ class SchedulePartitioner(CustomPartitionerFn):
         ops call."""
         return self
 
+    def __reduce__(self) -> tuple:
+        """Pickled as its key: Inductor's cache key pickles its config, this partitioner in it
+        (which holds the graphs it made, cyclic once the copies are placed)."""
+        return (str, (self.key,))
+
     def uuid(self) -> str:
-        """Part of Inductor's cache key: another schedule is another compiled graph."""
+        """Part of Inductor's cache key: another schedule is another compiled graph.  It names
+        this process too: the copies' runtime is made as the partitioner runs, so a graph
+        compiled by another process cannot be served from the caches (AOTAutograd's would
+        skip the partitioner)."""
         return self.key
 
 
@@ -362,22 +406,31 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
                             "compile a module of its own (copy.deepcopy(model) before wrapping either)")
     chain, schedule = chain_and_schedule(chain, schedule)
     partitioner = SchedulePartitioner(chain, schedule, copies, copy_backend)
-    if schedule.budget is not None:
+    if partitioner.whole and chain.recipe.compile != backend:
+        raise ChainMismatch(f"chain {chain.name!r} was profiled as one graph compiled by {chain.recipe.compile}, "
+                            f"not {backend}", f"compile it with backend={chain.recipe.compile!r}, or profile again")
+    if schedule.budget is not None and not partitioner.whole:
         warnings.warn(f"the schedule was solved for {schedule.budget} on the eager chain: a compiled step's memory "
-                      "is not predicted yet (it saves other tensors, and its backward hands back every weight "
-                      "gradient at its end), so the budget is not a promise here: measure the step's peak, or "
-                      "train with Offloaded, which holds it", stacklevel=2)
+                      "is not this chain's (it saves other tensors, and its backward hands back every weight "
+                      "gradient at its end), so the budget is not a promise here: profile the compiled graph "
+                      "(offload profile --compile inductor --whole-graph) and solve on that chain", stacklevel=2)
+    return compile_with(module, partitioner, backend, **compile_kwargs)
+
+
+def compile_with(module: nn.Module, partitioner: SchedulePartitioner, backend: str = "inductor",
+                 **compile_kwargs: Any) -> nn.Module:
+    """``module`` compiled whole with ``partitioner`` (``compile_scheduled``'s arguments)."""
     names = dict(module.named_modules())
     missing = [site.module for site in partitioner.cuts if site.module not in names]
     if missing:
-        raise ChainMismatch(f"{type(module).__name__} has no submodule {missing[0]!r}, a cut site of chain {chain.name!r}",
+        raise ChainMismatch(f"{type(module).__name__} has no submodule {missing[0]!r}, a cut site of the chain",
                             "compile the module the chain was profiled from")
     compile_kwargs.setdefault("fullgraph", True)
     if backend == "inductor":
         # Inductor's peak-memory reordering moves a node as late as its readers allow: a D2H
         # copy would be issued just before its release (its only reader), not as its stage
         # ends; the schedule makes the memory plan instead
-        options = {"reorder_for_peak_memory": not partitioner.ours,
+        options = {"reorder_for_peak_memory": not partitioner.plans_memory,
                    **compile_kwargs.pop("options", {}), "custom_partitioner_fn": partitioner}
         compiled = torch.compile(module, backend="inductor", options=options, **compile_kwargs)
     elif backend == "aot_eager":

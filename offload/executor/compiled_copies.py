@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from offload.step.actions import Recompute
 from offload.step.events import D2H, H2D, RELEASE, WAIT, StepEvents
 
-from .graph_copies import D2H_OP, H2D_OP, RELEASE_OP, WAIT_OP, GraphCopies
+from .graph_copies import D2H_OP, H2D_OP, MARK_OP, RELEASE_OP, WAIT_OP, GraphCopies
 
 
 def backward_stages(joint: fx.Graph, stages: Mapping[fx.Node, int]) -> dict[str, int]:
@@ -115,7 +115,8 @@ class _Storage:
 class PlacedCopies:
     """What ``place_copies`` did: the storages that move (``storages``, in key order) and the
     values of the offloaded units that stay, with why (``stay``); ``late``: storages the
-    compiled backward reads before the schedule's point; ``copies``: their runtime."""
+    compiled backward reads before the schedule's point; ``copies``: their runtime;
+    ``counted``: the units' storages as a chain of the compiled graph counts them."""
 
     copies: GraphCopies
     offloaded: list[int]
@@ -123,6 +124,7 @@ class PlacedCopies:
     storages: list[_Storage] = field(default_factory=list)
     stay: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
     late: list[str] = field(default_factory=list)
+    counted: list[UnitStorage] = field(default_factory=list)  # the units' moving storages as a chain counts them
 
     def _by(self, owner: Callable[[_Storage], bool]) -> dict[str, list[str]]:
         return {s.name: [v.name for v in s.values] for s in self.storages if owner(s)}
@@ -205,6 +207,52 @@ def _checkpoints(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
     return out
 
 
+def movable(forward: fx.GraphModule, num_fwd_outputs: int, units: Mapping[str, int], offloaded: set[int],
+            stages: Mapping[str, int]) -> tuple[list[_Storage], dict[int, list[tuple[str, str]]], dict[str, int]]:
+    """The saved storages of the ``offloaded`` units that can move, in forward order, the
+    values of those units that stay (why), and the forward nodes' stages once the ops making
+    the moving values are hoisted into their stage (``_hoist``; ``forward`` is changed so)."""
+    moving, stay = _storages(forward, num_fwd_outputs, units, offloaded)
+    stages = dict(stages)
+    for s in list(moving):
+        if not _hoist(forward.graph, s.values, s.unit, stages):
+            moving.remove(s)
+            stay[s.unit] += [(v.name, "made from a later stage's values") for v in s.values]
+    return moving, stay, stages
+
+
+@dataclass(frozen=True)
+class UnitStorage:
+    """A saved storage that moves with its unit, as a chain of the compiled graph counts it
+    (``offload.profiler.compiled``): ``nbytes`` the whole storage (what freeing it frees),
+    ``held_until`` the last stage whose forward reads it (the graph keeps it that long,
+    released or not; the forward's end, ``L``, for a reader the partitioner put there)."""
+
+    unit: int
+    name: str
+    nbytes: int
+    held_until: int
+
+
+def counted_storages(forward: fx.GraphModule, moving: Sequence[_Storage], stages: Mapping[str, int], L: int
+                  ) -> list[UnitStorage]:
+    """``moving`` (``movable``'s) with the bytes and the holding a chain counts."""
+    readers: dict[StorageWeakRef, int] = {}
+    for node in forward.graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(value, torch.Tensor):
+            continue
+        ref = StorageWeakRef(value.untyped_storage())
+        read = [stages.get(u.name, L) for u in node.users if u.op == "call_function"]
+        readers[ref] = max([readers.get(ref, 0), *read])
+    out = []
+    for s in moving:
+        ref = StorageWeakRef(s.values[0].meta["val"].untyped_storage())
+        out.append(UnitStorage(s.unit, s.name, s.values[0].meta["val"].untyped_storage().nbytes(),
+                               max(s.unit, readers.get(ref, 0))))
+    return out
+
+
 def place_copies(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, events: StepEvents,
                  stages: Mapping[str, int], units: Mapping[str, int], back_stages: Mapping[str, int],
                  offloaded: set[int], copies: GraphCopies, runs: Sequence[Recompute] = ()) -> PlacedCopies:
@@ -223,28 +271,65 @@ def place_copies(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
     Returns:
         What moved and what stays.
     """
-    moving, stay = _storages(forward, num_fwd_outputs, units, offloaded)
-    stages = dict(stages)
-    for s in list(moving):
-        if not _hoist(forward.graph, s.values, s.unit, stages):
-            moving.remove(s)
-            stay[s.unit] += [(v.name, "made from a later stage's values") for v in s.values]
+    moving, stay, stages = movable(forward, num_fwd_outputs, units, offloaded, stages)
     taken = {StorageWeakRef(s.values[0].meta["val"].untyped_storage()) for s in moving}
     moving += _checkpoints(forward, backward, num_fwd_outputs, list(runs), stages, back_stages, taken)
     copies.planned_bytes = sum(s.nbytes for s in moving)
     # keys in the order the forward issues the D2H copies (the arena's slots are handed out so)
     issued = [s for e in events.of(D2H) for s in moving if s.owner == (e.stage, e.run)]
     placed = PlacedCopies(copies, sorted(offloaded), list(runs), issued, stay)
+    placed.counted = counted_storages(forward, [s for s in issued if s.run is None], stages, events.L)
     by_owner: dict[tuple[int, Recompute | None], list[tuple[int, _Storage]]] = {}
     for key, s in enumerate(issued):
         by_owner.setdefault(s.owner, []).append((key, s))
     hosts = _place_forward(forward, events, stages, by_owner, copies.number)
     _place_backward(backward, events, back_stages, by_owner, hosts, copies.number, placed)
-    forward.graph.lint()
-    backward.graph.lint()
-    forward.recompile()
-    backward.recompile()
+    _done(forward, backward)
     return placed
+
+
+def _done(*graphs: fx.GraphModule) -> None:
+    for gm in graphs:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def place_marks(forward: fx.GraphModule, backward: fx.GraphModule, L: int, stages: Mapping[str, int],
+                back_stages: Mapping[str, int], number: int) -> None:
+    """The profiler's marks (``offload::mark``) at the stage boundaries of the partitioned
+    graphs: index ``k`` as ``Fk`` ends (``L``: before the forward's output), ``L + 1`` as the
+    backward begins, ``2L - k + 2`` as ``Bk`` ends (``1``: before the backward's output).  Each
+    comes after the last value before it (``after``), as the copies do."""
+    graph = forward.graph
+    staged = [n for n in graph.nodes if n.name in stages]
+    output = graph.find_nodes(op="output")[0]
+    for k in range(1, L + 1):
+        before = [n for n in staged if stages[n.name] <= k]
+        at, after = (before[-1], True) if before and k < L else (output, False)
+        _call(graph, at, after, MARK_OP, (number, k, _last_tensor(before)), f"mark_F{k}", None)
+    graph = backward.graph
+    region = _regions(graph, back_stages, L)
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    if nodes:
+        _call(graph, nodes[0], False, MARK_OP, (number, L + 1, None), "mark_backward", None)
+    output = graph.find_nodes(op="output")[0]
+    for k in range(L, 0, -1):
+        done = [n for n in region if region[n] >= k]
+        ahead = [n for n in region if region[n] < k]
+        at = ahead[0] if ahead and k > 1 else output
+        _call(graph, at, False, MARK_OP, (number, 2 * L - k + 2, _last_tensor(done)), f"mark_B{k}", None)
+    _done(forward, backward)
+
+
+def _regions(graph: fx.Graph, back_stages: Mapping[str, int], L: int) -> dict[fx.Node, int]:
+    """A backward node -> the stage whose backward it is in: a stage's backward begins with its
+    first node, and a node of a later stage past that point (a gradient sum) is in the earlier one."""
+    region: dict[fx.Node, int] = {}
+    current = L
+    for n in graph.nodes:
+        if n.op == "call_function" and n.name in back_stages:
+            current = region[n] = min(current, back_stages[n.name])
+    return region
 
 
 def _hoist(graph: fx.Graph, values: list[fx.Node], k: int, stages: dict[str, int]) -> bool:
@@ -336,11 +421,7 @@ def _place_backward(backward: fx.GraphModule, events: StepEvents, back_stages: M
     inputs = {n.name: n for n in graph.find_nodes(op="placeholder")}
     for name, host in hosts.items():  # the same place among the inputs, the host copy's value
         inputs[name].meta["val"] = host.meta["val"]
-    region: dict[fx.Node, int] = {}  # a backward node -> the stage whose backward it is in
-    current = events.L
-    for n in graph.nodes:
-        if n.op == "call_function" and n.name in back_stages:
-            current = region[n] = min(current, back_stages[n.name])
+    region = _regions(graph, back_stages, events.L)
     last_input = list(inputs.values())[-1]
     fetched: dict[int, fx.Node] = {}
     for k in range(events.L, 0, -1):

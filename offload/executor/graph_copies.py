@@ -22,7 +22,9 @@ value's place in the forward's order:
   the compute stream, filled from the slot on the backend (CUDA: the H2D stream, after the
   D2H), flat like ``host``;
 * ``offload::wait(buffer, copies, key) -> buffer``: the compute stream waits for that H2D
-  copy (an alias, so the views every reader reads come after it).
+  copy (an alias, so the views every reader reads come after it);
+* ``offload::mark(copies, index)``: a stage boundary reached (the profiler's, for a chain of
+  the compiled graph: ``offload.profiler.compiled``), handed to ``GraphCopies.marks``.
 
 Each takes an ``after`` tensor it does not read: the value of the op it must come after
 (the last of ``Fk`` for a copy at ``Fk``'s end), a data dependency that keeps Inductor's
@@ -52,10 +54,12 @@ _LIB.define("d2h(Tensor[] values, int[] layout, int length, int copies, int key,
 _LIB.define("release(Tensor(a) host, Tensor x, int copies, int key, Tensor? after=None) -> Tensor(a)")
 _LIB.define("h2d(Tensor host, Device device, int copies, int key, Tensor? after=None) -> Tensor")
 _LIB.define("wait(Tensor(a) x, int copies, int key, Tensor? after=None) -> Tensor(a)")
+_LIB.define("mark(int copies, int index, Tensor? after=None) -> ()")
 
 OPS = (torch.ops.offload.d2h.default, torch.ops.offload.release.default, torch.ops.offload.h2d.default,
        torch.ops.offload.wait.default)
 D2H_OP, RELEASE_OP, H2D_OP, WAIT_OP = OPS
+MARK_OP = torch.ops.offload.mark.default
 
 _ALL: "weakref.WeakValueDictionary[int, GraphCopies]" = weakref.WeakValueDictionary()
 _NUMBERS = itertools.count(1)
@@ -107,6 +111,7 @@ class GraphCopies:
         self.d2h_bytes = 0  # moved so far, each way
         self.h2d_bytes = 0
         self.relaid = 0  # copies whose values the compiler laid out otherwise than the graph (put back first)
+        self.marks: Callable[[int], None] | None = None  # what reads the clock at the graph's stage boundaries
         _ALL[self.number] = self
 
     def _start(self, device: torch.device) -> None:
@@ -162,6 +167,12 @@ class GraphCopies:
         self.backend.wait(copy)
 
 
+    def mark(self, index: int) -> None:
+        if self.marks is None:
+            raise RuntimeError(f"offload::mark: boundary {index} of a compiled graph has no profiler to tell")
+        self.marks(index)
+
+
 def copies(number: int) -> GraphCopies:
     return _ALL[number]
 
@@ -196,6 +207,11 @@ def _wait(x: torch.Tensor, number: int, key: int,
     return x
 
 
+@_impl("mark")
+def _mark(number: int, index: int, after: torch.Tensor | None = None) -> None:
+    copies(number).mark(index)
+
+
 @torch.library.register_fake("offload::d2h", lib=_LIB)
 def _d2h_fake(values: list[torch.Tensor], layout: list[int], length: int, number: int, key: int,
               after: torch.Tensor | None = None) -> torch.Tensor:
@@ -220,5 +236,10 @@ def _wait_fake(x: torch.Tensor, number: int, key: int,
     return x
 
 
-for _op in OPS:
+@torch.library.register_fake("offload::mark", lib=_LIB)
+def _mark_fake(number: int, index: int, after: torch.Tensor | None = None) -> None:
+    return None
+
+
+for _op in (*OPS, MARK_OP):
     has_side_effect(_op)

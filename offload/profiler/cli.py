@@ -47,7 +47,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                           options=parse_options(args.option), seed=args.seed, platform=_platform(args), name=args.name,
                           encodings=not args.no_encodings, autocast=args.autocast,
                           set_to_none=args.set_to_none, keep_cache=args.keep_cache, compile=args.compile,
-                          split_blocks=args.split_blocks)
+                          whole_graph=args.whole_graph, split_blocks=args.split_blocks)
     per_measure = 2 + opts.repeats  # warm-up, memory pass, the timed steps (twice with --stages)
     with tqdm(total=4 + per_measure * (2 if opts.stages else 1) + opts.encodings, desc=f"profiling {args.model}",
               unit="step", file=sys.stderr, disable=args.quiet, leave=False) as bar:
@@ -99,6 +99,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "as the training will run it: a compiled stage saves other tensors than the eager code (a "
                         "graph break at each stage boundary; the cuts come from the eager model). offload train "
                         "compiles it alike; Offloaded refuses an uncompiled module for such a chain")
+    p.add_argument("--whole-graph", action="store_true",
+                   help="with --compile inductor (or aot_eager): measure the model compiled as ONE graph, as "
+                        "compile_scheduled runs it: the units are what that graph saves (fewer, fused), the times "
+                        "and memory that graph's (its backward holds the weight gradients until its end), so a "
+                        "schedule solved on this chain keeps its budget compiled; offload only (no recomputation, "
+                        "no encodings); train it with compile_scheduled in your loop (docs/executor.md)")
     p.add_argument("--split-blocks", action="store_true",
                    help="cut inside each block too, at the calls of its submodules that hold submodules and "
                         "parameters (a transformer layer's attention | its MLP), whatever crosses them (the "

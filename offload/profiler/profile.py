@@ -38,6 +38,7 @@ from .encodable import encodings_pass, stage_encodings
 from .linearize import Stages, default_cuts, merge_to, stages_at
 from .measure import Measurement, StepRunner, measure, spread
 from . import replays
+from .compiled import WHOLE_GRAPH_BACKENDS, whole_graph_chain
 from .selective import selective_pass
 
 SPREAD_WARNING = 0.2  # timed repeats that disagree by more than this share of their median
@@ -63,6 +64,7 @@ class ProfileOptions:
     keep_cache: bool = False  # keep a transformers model's key/value cache on (its config's use_cache=True)
     compile: str | None = None  # measure the model compiled (torch.compile backend), as the training will run it
     split_blocks: bool = False  # cut inside each block too, at its submodules' calls (attention | MLP)
+    whole_graph: bool = False  # with compile: the model compiled as one graph (offload.profiler.compiled)
 
 
 @dataclass
@@ -91,6 +93,10 @@ def _check(opts: ProfileOptions) -> None:
         raise ModelError(f"--stages must be at least 1, got {opts.stages}")
     if opts.compile is not None and opts.compile not in COMPILE_BACKENDS:
         raise ModelError(f"unknown compile backend {opts.compile!r}", f"use one of {', '.join(COMPILE_BACKENDS)}")
+    if opts.whole_graph and opts.compile not in WHOLE_GRAPH_BACKENDS:
+        raise ModelError("--whole-graph profiles the model compiled as one graph, and needs --compile "
+                         f"{' or '.join(WHOLE_GRAPH_BACKENDS)}" + (f", not {opts.compile}" if opts.compile else ""),
+                         "add --compile inductor")
 
 
 def _measured(cap: Capture, cuts: list, spec: ModelSpec, device: torch.device, opts: ProfileOptions,
@@ -129,7 +135,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
         del args, kwargs  # the batch is not kept through the measurements
         tick("capture")
         user_module = spec.module
-        if opts.compile:  # cut where the eager model says (the capture), measured as it will run: compiled
+        if opts.compile and not opts.whole_graph:  # cut where the eager model says (the capture), measured compiled
             torch._dynamo.reset()
             spec.module = torch.compile(spec.module, backend=opts.compile)
         cuts = cap.candidates if opts.stages else default_cuts(cap)
@@ -145,6 +151,12 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
                                 "has no use for and which keeps every block from being recomputed: profiled with "
                                 "use_cache=False; train with model.config.use_cache = False (--keep-cache keeps it on)")
         encodings: list[tuple[Encoding, ...]] = [() for _ in range(stages.L)]
+        if opts.whole_graph:  # its chain offers neither encodings nor recomputation (offload.profiler.compiled)
+            runner.staging.remove()
+            chain = _to_chain(model, opts, device, stages, result, opts.platform or measure_platform(device), spec,
+                              encodings, [() for _ in range(stages.L)], turned_off, {}, {})
+            chain, _ = whole_graph_chain(chain, spec, device, opts.compile, opts.repeats, opts.warmup, tick)
+            return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, user_module))
         if opts.encodings:
             encodings = [stage_encodings(s) for s in encodings_pass(runner)]
             left_out = [name for name in ENCODERS if name not in usable_on(gpu=device.type == "cuda")]

@@ -66,7 +66,9 @@ def print_chain(chain: Chain) -> None:
         print(printable(f"model       {r.model}, batch {r.batch}, {r.dtype}, optimizer {r.optimizer}, seed {r.seed}"
                         + "".join(f", {k}={v}" for k, v in r.options.items())
                         + (f"; autocast {r.autocast}" if r.autocast else "")
-                        + (f"; compiled (torch.compile, backend {r.compile})" if r.compile else "")))
+                        + (f"; compiled as one graph (torch.compile, backend {r.compile}: train it with "
+                           "compile_scheduled)" if r.whole_graph else
+                           f"; compiled (torch.compile, backend {r.compile})" if r.compile else "")))
     if src:
         print("source      " + clipped(", ".join(f"{k}={clipped(v, 200)}" for k, v in src.items()
                                                   if not isinstance(v, (dict, list))), 1000))

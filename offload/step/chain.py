@@ -195,7 +195,9 @@ class Recipe:
     from being recomputed; training must turn it off too), and whether autocast's cache of
     weight casts was cleared at every stage boundary (``casts_cleared``: training must too),
     and the ``torch.compile`` backend the model was profiled under (``compile``: its compiled
-    stages save other tensors than its eager code, so training must compile it alike).
+    stages save other tensors than its eager code, so training must compile it alike), and
+    whether it was compiled as one graph (``whole_graph``: the chain's units and times are that
+    graph's, ``offload.profiler.compiled``; only ``compile_scheduled`` runs it).
     Part of the chain's identity: a schedule made for one recipe is refused for another."""
 
     model: str
@@ -207,7 +209,8 @@ class Recipe:
     cuts: tuple[str, ...] = ()
     inputs: tuple[str, ...] = ()
     autocast: str | None = None  # "bfloat16" | "float16": profiled under torch.autocast to this dtype
-    compile: str | None = None  # profiled compiled (torch.compile with this backend; a graph break at each boundary)
+    compile: str | None = None  # profiled compiled (torch.compile with this backend; a graph break at each boundary) ...
+    whole_graph: bool = False  # ... or as one graph with the schedule in it (offload.executor.compiled)
     set_to_none: bool = False  # gradients freed between steps, allocated by the backward
     cache_off: bool = False  # the model's key/value cache (config.use_cache) turned off for training
     casts_cleared: bool = False  # autocast's cached weight casts forgotten at every stage boundary
@@ -417,6 +420,8 @@ class Chain:
                 doc["recipe"]["casts_cleared"] = True
             if r.compile is not None:  # the same
                 doc["recipe"]["compile"] = r.compile
+            if r.whole_graph:  # the same
+                doc["recipe"]["whole_graph"] = True
         return doc
 
     @cached_property

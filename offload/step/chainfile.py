@@ -35,7 +35,7 @@ _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
 _RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none",
-                "cache_off", "casts_cleared", "compile"}
+                "cache_off", "casts_cleared", "compile", "whole_graph"}
 _INPUT = re.compile(r"[^:]+:[a-z0-9]+\[[0-9,]*\]")
 
 
@@ -124,7 +124,16 @@ def recipe_from_dict(d: Any) -> Recipe:
                   set_to_none=v.flag(d, "set_to_none", "recipe", False),
                   cache_off=v.flag(d, "cache_off", "recipe", False),
                   casts_cleared=v.flag(d, "casts_cleared", "recipe", False),
-                  compile=v.choice(d, "compile", "recipe", COMPILE_BACKENDS))
+                  compile=v.choice(d, "compile", "recipe", COMPILE_BACKENDS),
+                  whole_graph=_whole_graph(d))
+
+
+def _whole_graph(d: Mapping) -> bool:
+    whole = v.flag(d, "whole_graph", "recipe", False)
+    if whole and d.get("compile") not in ("inductor", "aot_eager"):
+        raise FormatError("'recipe.whole_graph' needs 'recipe.compile' inductor or aot_eager (the backend that "
+                          "compiled the one graph)")
+    return whole
 
 
 def _stage(s: Any, i: int, L: int) -> Stage:

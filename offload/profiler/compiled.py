@@ -1,0 +1,211 @@
+"""A chain of the model compiled whole: the units its graph saves, its stages' times and memory.
+
+``offload profile --compile inductor --whole-graph`` (``ProfileOptions.whole_graph``).  The
+compiled forward saves other tensors than the eager code, fewer and fused, and its backward
+holds the weight gradients it computes until it hands them all back at its end; a chain of
+the eager model predicts neither.  So, with the cuts the eager profile found:
+
+* the model is compiled as ``compile_scheduled`` compiles it (one graph, the same
+  partitioner, Inductor's ``reorder_for_peak_memory`` off), with no schedule and with the
+  profiler's marks (``offload::mark``) at its stage boundaries (``compiled_copies.place_marks``);
+* a **unit** is what the copies would move of a stage (``compiled_copies.movable``, every
+  stage as if offloaded): the saved storages whose first backward reader is the stage's,
+  whole (what freeing one frees), those the copies cannot move (the model's output, values
+  of several dtypes) left to the ops' memory; a storage that a later stage's forward reads
+  too is held through it (``held_bytes``/``held_until``: the graph keeps it);
+* **times**: between the marks of each op, medians over the timed steps (CUDA events on the
+  compute stream, ``perf_counter`` on the CPU); ``FL`` counts the loss, ``B1`` what follows
+  the graph (the gradients accumulated into ``.grad``), as the eager profile counts them;
+* **memory**: the most bytes allocated in each op's interval beyond those allocated as the
+  step began (CUDA: the caching allocator's counters, read at each mark on the host, where
+  the allocator runs; CPU: ``torch.profiler``'s memory events between the marks), less the
+  units the chain holds there, is the op's transient (``fwd_peak_bytes``, ``bwd_peak_bytes``):
+  everything the schedule cannot move is in it, the hand-back of the gradients included.
+
+The chain then predicts the no-offload step's peak as measured, and a schedule's by moving
+only what the copies move.  Recomputation is not offered on it (its stages are not
+re-runnable: a compiled re-run's costs are not measured), nor are encodings.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+
+from offload.executor.compiled import SchedulePartitioner, compile_with
+from offload.executor.traces import chrome_trace
+from offload.models.spec import ModelSpec
+from offload.step.chain import Chain, Stage
+from offload.step.chainfile import make_chain
+from offload.step.schedule import make_schedule
+
+WHOLE_GRAPH_BACKENDS = ("inductor", "aot_eager")  # what compiles one graph with our partitioner
+MARK = "offload.mark."  # the CPU marks' names in torch.profiler's trace
+
+
+def intervals(L: int) -> list[tuple[int, int]]:
+    """Per op, in step order (``F1 … FL``, ``BL … B1``), the marks it runs between: ``k`` ends
+    ``Fk``, ``L + 1`` begins the backward, ``2L - k + 2`` ends ``Bk``; ``0`` is the step's start
+    and ``2L + 2`` its end (read by the loop)."""
+    forward = [(k - 1, k) if k < L else (L - 1, L + 1) for k in range(1, L + 1)]
+    backward = [(2 * L - k + 1, 2 * L - k + 2 if k > 1 else 2 * L + 2) for k in range(L, 0, -1)]
+    return forward + backward
+
+
+class Marks:
+    """The readings at the marks of one step: the time, and on CUDA the allocator's bytes now
+    and at most since the mark before."""
+
+    def __init__(self, device: torch.device, count: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.count = count
+        self.clock: list[Any] = [None] * count
+        self.now = [0] * count
+        self.peak = [0] * count
+
+    def __call__(self, index: int) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.clock[index] = event
+            self.now[index], self.peak[index] = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self.clock[index] = time.perf_counter()
+            with torch.profiler.record_function(f"{MARK}{index}"):
+                pass
+
+    def seconds(self, a: int, b: int) -> float:
+        if self.cuda:
+            return self.clock[a].elapsed_time(self.clock[b]) / 1e3
+        return self.clock[b] - self.clock[a]
+
+    def missing(self) -> list[int]:
+        return [i for i, c in enumerate(self.clock) if c is None]
+
+
+def _cpu_peaks(trace: dict, count: int, spans: list[tuple[int, int]]) -> list[int]:
+    """Per span of marks, the most bytes allocated in it beyond those allocated at mark 0, from
+    ``torch.profiler``'s memory events (every allocation, a compiled kernel's too)."""
+    events = trace["traceEvents"]
+    at = [None] * count
+    for e in events:
+        name = e.get("name", "")
+        if name.startswith(MARK) and e.get("ph") == "X":
+            at[int(name[len(MARK):])] = float(e["ts"])
+    memory = sorted((float(e["ts"]), int(e["args"]["Total Allocated"])) for e in events
+                    if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+
+    def level(t: float) -> int:
+        before = [total for ts, total in memory if ts <= t]
+        return before[-1] if before else 0
+    start = level(at[0])
+    return [max([level(at[a]), *(total for ts, total in memory if at[a] < ts <= at[b])]) - start for a, b in spans]
+
+
+def _cuda_peaks(marks: Marks, spans: list[tuple[int, int]]) -> list[int]:
+    return [max(marks.peak[a + 1:b + 1]) - marks.now[0] for a, b in spans]
+
+
+def allocated_peak(run_step: Callable[[], Any], device: torch.device) -> int:
+    """The most bytes the device's allocator held during ``run_step()`` beyond those it held as
+    it began: on a GPU the caching allocator's counters, on the CPU ``torch.profiler``'s memory
+    events (every allocation, a compiled kernel's included: the ``CpuMeter`` of the eager
+    executor sees only the ops that pass through the dispatcher in Python)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run_step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_step()
+    events = json.loads(chrome_trace(prof))["traceEvents"]
+    return max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"
+                and e["args"].get("Device Type") == 0), default=0)
+
+
+def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backend: str, repeats: int, warmup: int,
+                      tick: Callable[[str], None] = lambda _: None) -> tuple[Chain, SchedulePartitioner]:
+    """The chain of ``spec.module`` compiled whole by ``backend``, cut where ``chain`` (its eager
+    profile) is (module docstring).
+
+    Args:
+        chain: the eager profile: its cuts, names, kinds, platform and base are kept.
+        spec: the model, on ``device``, with the batch and loss the profile used.
+        backend: ``inductor`` or ``aot_eager``.
+        repeats, warmup: timed steps and steps before them.
+
+    Returns:
+        The chain and the partitioner that made the profiled graph (its ``counted`` storages).
+    """
+    L = chain.L
+    partitioner = SchedulePartitioner(chain, make_schedule(chain, []), marks=True)
+    torch._dynamo.reset()
+    module = compile_with(spec.module, partitioner, backend)
+    params = [p for p in spec.module.parameters() if p.requires_grad]
+    spans = intervals(L)
+
+    def step(marks: Marks) -> None:
+        spec.zero_grads(params)
+        args, kwargs = spec.batch()
+        partitioner.runtime.marks = marks
+        marks(0)
+        with spec.autocasting():
+            loss = spec.loss(module(*args, **kwargs))
+        loss.backward()
+        marks(2 * L + 2)
+        if marks.cuda:
+            torch.cuda.synchronize(device)
+        if marks.missing():
+            raise RuntimeError(f"the compiled step reached no mark {marks.missing()[0]}")
+
+    for _ in range(max(warmup, 1)):  # compiles, and makes the gradients
+        step(Marks(device, 2 * L + 3))
+    tick("compile")
+    timed = []
+    for _ in range(repeats):
+        marks = Marks(device, 2 * L + 3)
+        step(marks)
+        timed.append([marks.seconds(a, b) for a, b in spans])
+    seconds = [statistics.median(t[o] for t in timed) for o in range(2 * L)]
+    marks = Marks(device, 2 * L + 3)
+    if marks.cuda:
+        step(marks)
+        peaks = _cuda_peaks(marks, spans)
+    else:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            step(marks)
+        peaks = _cpu_peaks(json.loads(chrome_trace(prof)), 2 * L + 3, spans)
+    tick("compiled step")
+    return _chain(chain, partitioner, backend, seconds, peaks, [sum(t) for t in timed]), partitioner
+
+
+def _chain(chain: Chain, partitioner: SchedulePartitioner, backend: str, seconds: list[float], peaks: list[int],
+           steps: list[float]) -> Chain:
+    L = chain.L
+    units, held, until = [0] * (L + 1), [0] * (L + 1), [0] * (L + 1)
+    for s in partitioner.counted:
+        units[s.unit] += s.nbytes
+        if s.held_until >= s.unit + 2:
+            held[s.unit] += s.nbytes
+            until[s.unit] = max(until[s.unit], s.held_until)
+    stages = []
+    for k, old in enumerate(chain.stages, 1):
+        before = sum(units[1:k])
+        stages.append(Stage(name=old.name, kind=old.kind, fwd_s=seconds[k - 1], bwd_s=seconds[2 * L - k],
+                            saved_bytes=units[k], fwd_peak_bytes=max(units[k], peaks[k - 1] - before),
+                            bwd_peak_bytes=max(0, peaks[2 * L - k] - before - units[k]), need_from=k,
+                            held_bytes=held[k], held_until=until[k] if held[k] else 0, recomputable=False))
+    steps = sorted(steps)
+    source = {**chain.source, "graph": f"one graph compiled by {backend}: units, times and memory measured there "
+                                      "(offload.profiler.compiled)",
+              "step_s": {"median": statistics.median(steps), "min": steps[0], "max": steps[-1]},
+              "eager_step_s": chain.source.get("step_s")}
+    recipe = replace(chain.recipe, compile=backend, whole_graph=True)
+    return make_chain(chain.name, stages, chain.platform, chain.base_bytes, source, recipe, chain.workspace_bytes)

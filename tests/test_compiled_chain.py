@@ -1,0 +1,115 @@
+"""A chain of the model compiled whole (``offload.profiler.compiled``): its units are what the
+compiled graph's copies move, its memory that graph's, so a schedule solved on it keeps its
+budget when ``compile_scheduled`` runs it."""
+import pickle
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+from offload.errors import ChainMismatch, ModelError
+from offload.executor import Offloaded
+from offload.executor.compiled import SchedulePartitioner, compile_scheduled
+from offload.models import resolve
+from offload.profiler.compiled import allocated_peak, intervals
+from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.methods import Options, solve
+from offload.step.chainfile import make_chain
+from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.step.schedule import make_schedule
+
+GPT = {"layers": 3, "width": 64, "heads": 4, "seq": 64, "vocab": 128, "dropout": 0.1}
+
+
+def whole(backend):
+    return profile("gpt", ProfileOptions(batch=4, repeats=2, warmup=1, encodings=False, options=GPT, compile=backend,
+                                         whole_graph=True))
+
+
+@pytest.fixture(scope="module")
+def aot():
+    return whole("aot_eager")
+
+
+def test_each_op_is_timed_between_its_marks():
+    # F1 | F2 and the loss | the backward's start .. B2 | B1 and the gradients' accumulation
+    assert intervals(2) == [(0, 1), (1, 3), (3, 4), (4, 6)]
+    spans = intervals(5)
+    assert [b for _, b in spans[:-1]] == [a for a, _ in spans[1:]] and spans[0][0] == 0 and spans[-1][1] == 12
+
+
+def test_the_units_are_what_the_compiled_graph_moves(aot):
+    chain = aot.chain
+    assert chain.recipe.whole_graph and chain.recipe.compile == "aot_eager"
+    assert not chain.recomputable and all(s.need_from == k for k, s in enumerate(chain.stages, 1))
+    assert all(s.saved_bytes for s in chain.stages[1:])  # every block's unit, found in the graph
+    # the schedule's partitioner counts, for the units it offloads, the bytes the chain does
+    offloads = floor_offloads(chain)[:2]
+    schedule = make_schedule(chain, offloads)
+    spec = resolve("gpt", 4, GPT)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "the budget is not a promise"
+        compiled = compile_scheduled(spec.module, chain, schedule, backend="aot_eager")
+    spec.loss(compiled(*spec.args)).backward()
+    counted = {}
+    for s in compiled.partitioner.placed.counted:
+        counted[s.unit] = counted.get(s.unit, 0) + s.nbytes
+    assert counted == {o.stage: chain.stage(o.stage).saved_bytes for o in offloads}
+
+
+def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):
+    chain = aot.chain
+    with pytest.raises(ChainMismatch, match="compiled as one graph .*stage boundaries would break"):
+        Offloaded(resolve("gpt", 4, GPT).module, chain, make_schedule(chain, []))
+    with pytest.raises(ChainMismatch, match="compiled by aot_eager, not inductor"):
+        compile_scheduled(resolve("gpt", 4, GPT).module, chain, make_schedule(chain, []), backend="inductor")
+    # a chain whose unit is not the graph's (another model, batch, torch): refused as the graph is made
+    stages = list(chain.stages)
+    stages[1] = replace(stages[1], saved_bytes=stages[1].saved_bytes - 64)
+    other = make_chain(chain.name, stages, chain.platform, chain.base_bytes, chain.source, chain.recipe)
+    offload = make_schedule(other, floor_offloads(other)[:2])
+    torch._dynamo.reset()
+    spec = resolve("gpt", 4, GPT)
+    compiled = compile_scheduled(spec.module, other, offload, backend="aot_eager")
+    with pytest.raises(Exception) as error:
+        compiled(*spec.args)
+    cause = error.value
+    while cause is not None and not isinstance(cause, ChainMismatch):
+        cause = cause.__cause__ or getattr(cause, "inner_exception", None)
+    assert cause is not None and "where the chain, profiled from it, counts" in str(cause)
+    with pytest.raises(ModelError, match="needs --compile inductor or aot_eager"):
+        profile("gpt", ProfileOptions(batch=4, options=GPT, whole_graph=True))
+
+
+def test_the_partitioner_pickles_as_its_key(aot):
+    one = SchedulePartitioner(aot.chain, make_schedule(aot.chain, []))
+    assert pickle.loads(pickle.dumps(one)) == one.uuid()
+
+
+@pytest.mark.slow
+def test_a_schedule_solved_on_the_compiled_chain_keeps_its_budget_compiled():
+    chain = whole("inductor").chain
+    peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
+    assert floor < peak
+    budget = floor + (peak - floor) // 2
+    schedule = solve(chain, budget, "ilp", Options(time_limit_s=20)).schedule
+    predicted = schedule.simulate(chain).peak_bytes
+    assert schedule.offloads and predicted <= budget
+    torch.manual_seed(1)
+    spec = resolve("gpt", 4, GPT)
+    torch._dynamo.reset()
+    compiled = compile_scheduled(spec.module, chain, schedule)
+    params = list(spec.module.parameters())
+    batches = [spec.batch() for _ in range(3)]
+
+    def step():
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        args, kwargs = batches.pop()
+        spec.loss(compiled(*args, **kwargs)).backward()
+    step(), step()
+    measured = allocated_peak(step, torch.device("cpu"))
+    assert 0.9 * predicted <= measured <= predicted <= budget

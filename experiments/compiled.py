@@ -20,7 +20,9 @@ interleaved so that a loaded machine slows all alike (medians over ``--steps``):
   schedules in it (``offload.executor.compiled``; the offloads our own copy ops at the
   schedule's events, run by the CPU backend and host arena ``Offloaded`` uses);
 * ``compile_scheduled, offload by PyTorch``: the same offloads placed by PyTorch's own
-  activation offloading pass (``copies="pytorch"``), the baseline;
+  activation offloading pass (``copies="pytorch"``), the baseline; ``, matmuls by PyTorch``:
+  that pass given every matmul's, convolution's and attention's output instead
+  (``copies="pytorch-matmuls"``), as its users mark them;
 * ``Offloaded, joint`` and ``compile_scheduled, joint``: the joint ILP's schedule for
   ``--budget`` (offloads, recomputations, offloaded checkpoints; no encodings, which a
   compiled graph cannot run), eager and in one graph: the budget is the eager chain's, so
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
             "compile_scheduled, offload": (own(lambda m: compile_scheduled(m, chain, moving)), None, None),
             "compile_scheduled, offload by PyTorch": (own(lambda m: compile_scheduled(m, chain, moving,
                                                                                       copies="pytorch")), None, None),
+            "compile_scheduled, matmuls by PyTorch": (own(lambda m: compile_scheduled(m, chain, empty,
+                                                                                      copies="pytorch-matmuls")),
+                                                      None, None),
             "compile_scheduled, joint": (own(lambda m: compile_scheduled(m, chain, joint)), None, None),
             "compile_scheduled, its own chain, empty": (own(lambda m: compile_scheduled(m, whole, nothing)),
                                                         nothing, whole),
@@ -186,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{format_bytes(sum(left for _, left in ours.moved.values()))} left on the device), PyTorch's pass "
               f"{format_bytes(sum(m for m, _ in theirs.moved.values()))} "
               f"({format_bytes(sum(left for _, left in theirs.moved.values()))} of the units left on the device: "
-              "views, getitems, non-contiguous tensors)."]
+              "views, getitems, non-contiguous tensors); PyTorch's pass given every matmul's output "
+              f"{format_bytes(ways['compile_scheduled, matmuls by PyTorch'][0][0].partitioner.host_bytes())}."]
     kept, recomputing = (ways[n][0][0].partitioner.saved_bytes() for n in
                          ("compile_scheduled, empty", "compile_scheduled, recompute"))
     lines += ["", "Saved for the backward, per stage: the eager chain's unit, and the compiled forward graph's "

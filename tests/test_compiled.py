@@ -121,6 +121,22 @@ def test_offloaded_units_go_to_the_host_where_pytorch_places_them(chain):
     assert set(p.moved) == {o.stage for o in offloads} and all(moved > 0 for moved, _ in p.moved.values())
 
 
+@pytest.mark.slow
+def test_pytorch_offloads_the_matmuls_outputs_when_asked(chain):
+    """``copies="pytorch-matmuls"``, the second baseline: every matmul's output marked, PyTorch's
+    pass copies those it can to the host, gradients bit for bit; a schedule's offloads are
+    refused there."""
+    _, plain = step(lambda m: torch.compile(m, backend="aot_eager"))
+    ours, grads = step(lambda m: compile_scheduled(m, chain, make_schedule(chain, []), backend="aot_eager",
+                                                   copies="pytorch-matmuls"))
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    p = ours.partitioner
+    puts = [n for n in p.graphs[0].graph.nodes if n.target == torch.ops.prims.device_put.default]
+    assert puts and all(n.args[0].target in MATMUL_OPS for n in puts) and p.host_bytes() > 0
+    with pytest.raises(ChainMismatch, match="offloads the matmuls' outputs, not a schedule's units"):
+        SchedulePartitioner(chain, make_schedule(chain, floor_offloads(chain)[:1]), copies="pytorch-matmuls")
+
+
 def spread(chain):
     """Offloads released and fetched at several points: every other unit kept on the device
     until the turn and fetched at once, the others released at once and fetched just in time."""

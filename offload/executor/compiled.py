@@ -36,7 +36,9 @@ one graph instead and hands AOTAutograd a partitioner built from (chain, schedul
   stream, the waits sunk to the forward's end, the reloads hoisted by their estimated
   transfer time at the chain's measured H2D bandwidth.  Our schedule chooses *what* moves;
   *when* is PyTorch's rule.  PyTorch skips what it cannot move (views, ``getitem`` values,
-  non-contiguous tensors, model outputs).
+  non-contiguous tensors, model outputs).  ``copies="pytorch-matmuls"`` marks every matmul,
+  convolution and attention output instead, whatever the schedule (which then offloads
+  nothing): the second baseline, what users of PyTorch's pass mark by hand;
 
 In both, a unit of which nothing moves is refused, naming it; one that moves in part is
 warned of, with what stays (``SchedulePartitioner.moved``).
@@ -66,7 +68,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
-from offload.core.selective import KeepRule
+from offload.core.selective import KeepRule, keeps
 from offload.core.staging import Site, is_staged
 from offload.errors import ChainMismatch
 from offload.io.text import format_bytes
@@ -80,7 +82,7 @@ from .compiled_copies import (PlacedCopies, UnitStorage, backward_stages, counte
 from .graph_copies import MARK_OP, OPS, GraphCopies
 
 _PROCESS = uuid.uuid4().hex  # in every partitioner's key: no compiled graph of another process is reused
-COPIES = ("schedule", "pytorch")  # who places the offloaded units' copies (SchedulePartitioner)
+COPIES = ("schedule", "pytorch", "pytorch-matmuls")  # who places which copies (SchedulePartitioner)
 
 _ROOT = re.compile(r"^L\[(['\"])[^'\"]+\1\]")  # the compiled function's ``self``: L['self']
 
@@ -177,7 +179,10 @@ class SchedulePartitioner(CustomPartitionerFn):
                                 "train it with Offloaded(torch.compile(model), chain, schedule) (a graph break at each "
                                 "stage boundary), or solve without --encodings")
         moving = [r.text for r in schedule.recompute if r.moves]
-        if moving and copies == "pytorch":
+        if schedule.offloads and copies == "pytorch-matmuls":
+            raise ChainMismatch("copies='pytorch-matmuls' offloads the matmuls' outputs, not a schedule's units, and "
+                                "this schedule offloads some", "give it a schedule without offloads")
+        if moving and copies != "schedule":
             raise ChainMismatch(f"PyTorch's activation offloading moves no recomputed run's checkpoint, and this "
                                 f"schedule offloads those of {', '.join(moving)}",
                                 "place the copies with ours (copies='schedule'), or solve with those checkpoints kept")
@@ -239,11 +244,13 @@ class SchedulePartitioner(CustomPartitionerFn):
                     policy = CheckpointPolicy.MUST_RECOMPUTE
             if policy is not None:
                 node.meta["recompute"] = policy
-            node.meta["should_offload"] = self.copies == "pytorch" and self.units.get(node.name) in self.offloaded
+            node.meta["should_offload"] = (self.copies == "pytorch" and self.units.get(node.name) in self.offloaded) or (
+                self.copies == "pytorch-matmuls" and isinstance(node.target, torch._ops.OpOverload)
+                and keeps(node.target, node.args, node.kwargs))
             self.stages[node.name], self.tags[node.name] = k, policy
         outputs = kwargs.get("num_fwd_outputs", 0)
         cuda = any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_cuda for n in gm.graph.nodes)
-        pytorch = self.copies == "pytorch" and bool(self.offloaded)
+        pytorch = (self.copies == "pytorch" and bool(self.offloaded)) or self.copies == "pytorch-matmuls"
         with config.patch(enable_activation_offloading=pytorch, activation_offload_separate_stream=cuda,
                           activation_offload_sink_wait=cuda, activation_reload_prefetch=cuda,
                           activation_offload_cpu_gpu_bw=self.bandwidth / 1e9):
@@ -305,6 +312,10 @@ class SchedulePartitioner(CustomPartitionerFn):
                 out.append((self.units.get(source.name, 0), value.untyped_storage().nbytes(),
                             source is not node or source.name in moved))
         return out
+
+    def host_bytes(self) -> int:
+        """The bytes of ``saved`` that go to the host (ours or PyTorch's copies)."""
+        return sum(nbytes for _, nbytes, host in self.saved if host)
 
     def saved_bytes(self) -> dict[int, int]:
         """Per stage, the bytes of ``saved``."""

@@ -176,3 +176,38 @@ def test_data_parallel_on_nccl(tmp_path):
         assert (out["d2h_bytes"], out["h2d_bytes"]) == (3 * sim.d2h_bytes, 3 * sim.h2d_bytes) != (0, 0), mode
     _, report = train_on_ranks(chain, sched, tmp_path, ranks, "--steps", "3", "--device", "cuda")
     assert report["ranks"] == ranks and report["grads_match"] is True
+
+
+def test_a_schedule_solved_on_a_chain_of_the_compiled_graph_keeps_its_budget_on_cuda():
+    """``--whole-graph`` on CUDA: the marks read the caching allocator's counters on the host
+    and time the ops with events; a schedule solved on that chain, run by ``compile_scheduled``,
+    peaks at most at its budget (the allocator's own peak), with no host wait in a step."""
+    from offload.executor.compiled import compile_scheduled
+    from offload.models import resolve
+    from offload.profiler.compiled import allocated_peak
+
+    options = {"layers": 4, "width": 256, "heads": 4, "seq": 256, "vocab": 500, "dropout": 0.1}
+    chain = profile("gpt", ProfileOptions(batch=8, device="cuda", repeats=3, warmup=1, encodings=False,
+                                          options=options, compile="inductor", whole_graph=True)).chain
+    peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
+    budget = floor + (peak - floor) // 2
+    sched = solve(chain, budget, "ilp", Options(time_limit_s=20)).schedule
+    assert sched.offloads and all(s.fwd_s > 0 and s.bwd_s > 0 for s in chain.stages)
+    torch._dynamo.reset()
+    spec = resolve("gpt", 8, options)
+    spec.place(torch.device("cuda"), torch.float32)
+    module = compile_scheduled(spec.module, chain, sched)
+    params = list(spec.module.parameters())
+    batch = spec.batch()
+
+    def step():
+        spec.zero_grads(params)
+        spec.loss(module(*batch[0], **batch[1])).backward()
+    step(), step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        measured = allocated_peak(step, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert measured <= budget, (measured, sched.simulate(chain).peak_bytes, budget)

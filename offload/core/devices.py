@@ -35,6 +35,14 @@ OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter], float], torch.optim.Opti
     }, "optimizers")
 
 
+CUDA_BLOCK = 512  # PyTorch's CUDA caching allocator rounds every allocation up to a multiple of this
+
+
+def allocated_bytes(nbytes: int, device: torch.device) -> int:
+    """What a storage of ``nbytes`` takes from ``device``'s allocator (its counters count that)."""
+    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK if device.type == "cuda" else nbytes
+
+
 def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer | None:
     """The optimizer ``name`` over ``params`` (``None`` for ``none`` or no trainable parameter)."""
     if name not in OPTIMIZERS:

@@ -38,6 +38,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from offload.core.devices import allocated_bytes
 from offload.step.actions import Recompute
 from offload.step.events import D2H, H2D, RELEASE, WAIT, StepEvents
 
@@ -224,7 +225,8 @@ def movable(forward: fx.GraphModule, num_fwd_outputs: int, units: Mapping[str, i
 @dataclass(frozen=True)
 class UnitStorage:
     """A saved storage that moves with its unit, as a chain of the compiled graph counts it
-    (``offload.profiler.compiled``): ``nbytes`` the whole storage (what freeing it frees),
+    (``offload.profiler.compiled``): ``nbytes`` the whole storage (what freeing it frees, as
+    the device's allocator counts it),
     ``held_until`` the last stage whose forward reads it (the graph keeps it that long,
     released or not; the forward's end, ``L``, for a reader the partitioner put there)."""
 
@@ -247,8 +249,9 @@ def counted_storages(forward: fx.GraphModule, moving: Sequence[_Storage], stages
         readers[ref] = max([readers.get(ref, 0), *read])
     out = []
     for s in moving:
-        ref = StorageWeakRef(s.values[0].meta["val"].untyped_storage())
-        out.append(UnitStorage(s.unit, s.name, s.values[0].meta["val"].untyped_storage().nbytes(),
+        value = s.values[0].meta["val"]
+        ref = StorageWeakRef(value.untyped_storage())
+        out.append(UnitStorage(s.unit, s.name, allocated_bytes(value.untyped_storage().nbytes(), value.device),
                                max(s.unit, readers.get(ref, 0))))
     return out
 

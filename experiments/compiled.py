@@ -65,7 +65,7 @@ from offload.executor.compiled import compile_scheduled
 from offload.io.files import write_atomic
 from offload.io.text import format_bytes
 from offload.models import resolve
-from offload.profiler.compiled import allocated_peak
+from offload.core.meters import allocated_peak
 from offload.profiler.profile import ProfileOptions, profile
 from offload.step.actions import Recompute
 from offload.solver.methods import Options, solve

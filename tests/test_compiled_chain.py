@@ -11,8 +11,10 @@ import torch
 from offload.errors import ChainMismatch, ModelError
 from offload.executor import Offloaded
 from offload.executor.compiled import SchedulePartitioner, compile_scheduled
+from offload.executor.train import TrainOptions, train
 from offload.models import resolve
-from offload.profiler.compiled import allocated_peak, intervals
+from offload.core.meters import allocated_peak
+from offload.profiler.compiled import intervals
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.chainfile import make_chain
@@ -81,6 +83,24 @@ def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):
     assert cause is not None and "where the chain, profiled from it, counts" in str(cause)
     with pytest.raises(ModelError, match="needs --compile inductor or aot_eager"):
         profile("gpt", ProfileOptions(batch=4, options=GPT, whole_graph=True))
+
+
+def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_scheduled(aot):
+    """``offload train`` on such a chain: the model compiled as one graph with the schedule in
+    it, its allocations metered on the CPU (``AllocationMeter``), the bytes moved, and the
+    gradient check against plain ``torch.compile``; what that run cannot give is refused."""
+    chain = aot.chain
+    schedule = make_schedule(chain, floor_offloads(chain)[:2])
+    sim = schedule.simulate(chain)
+    torch._dynamo.reset()
+    report, error = train(None, chain, schedule, TrainOptions(steps=2, backend="cpu-lazy", check_grads=True))
+    m = report.measured
+    assert error is None and report.steps_done == 2
+    assert 0 < m.activation_peak_bytes <= sim.peak_bytes  # aot_eager's backward keeps its inputs: measured
+    assert m.d2h_bytes_per_step == m.h2d_bytes_per_step > 0
+    assert report.grads_match or report.grads_within_noise
+    with pytest.raises(ChainMismatch, match="does not give --op-memory yet"):
+        train(None, chain, schedule, TrainOptions(steps=1, op_memory=True))
 
 
 def test_the_partitioner_pickles_as_its_key(aot):

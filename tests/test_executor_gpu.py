@@ -184,7 +184,7 @@ def test_a_schedule_solved_on_a_chain_of_the_compiled_graph_keeps_its_budget_on_
     peaks at most at its budget (the allocator's own peak), with no host wait in a step."""
     from offload.executor.compiled import compile_scheduled
     from offload.models import resolve
-    from offload.profiler.compiled import allocated_peak
+    from offload.core.meters import allocated_peak
 
     options = {"layers": 4, "width": 256, "heads": 4, "seq": 256, "vocab": 500, "dropout": 0.1}
     chain = profile("gpt", ProfileOptions(batch=8, device="cuda", repeats=3, warmup=1, encodings=False,

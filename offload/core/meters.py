@@ -17,11 +17,14 @@ synchronisation inside the step), ``perf_counter`` on the CPU, where ops are syn
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
+import tempfile
 import threading
 import time
 import warnings
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -303,5 +306,96 @@ class Clock:
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
-def make_meter(device: torch.device) -> CpuMeter | CudaMeter:
-    return CudaMeter(device) if device.type == "cuda" else CpuMeter()
+class AllocationMeter:
+    """The CPU allocator's allocations, from ``torch.profiler``'s memory events, for code that
+    bypasses the dispatcher in Python (a compiled graph's kernels allocate in C++, where a
+    ``CpuMeter`` sees nothing).  It counts what is allocated between two boundaries, and only
+    that: the first boundary starts the count (live 0), the second ends it with the interval's
+    peak and what is still live, relative to the first; tensors from before are not counted,
+    ``track`` and ``ignore`` have nothing to do.  Used for one interval per step (the trainer
+    reads a step's start and end); its events are read as the interval ends."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.reserved_peak: int | None = None
+        self._profiler: torch.profiler.profile | None = None
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        pass
+
+    def ignore(self, tensors: Iterable[Any]) -> None:
+        pass
+
+    @property
+    def untracked(self) -> int:
+        return 0
+
+    def boundary(self) -> tuple[int, int]:
+        """(peak since the last boundary, live now), relative to the first boundary."""
+        if self._profiler is None:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                    profile_memory=True)
+            self._profiler.start()
+            return 0, 0
+        self._profiler.stop()
+        totals = [total for _, total in cpu_allocations(self._profiler)]
+        self._profiler = None
+        self.live = totals[-1] if totals else 0
+        return max([0, *totals]), self.live
+
+    def __enter__(self) -> "AllocationMeter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
+
+
+def chrome_trace(prof: Any) -> str:
+    """A finished ``torch.profiler.profile``'s Chrome trace, as text (the profiler exports to a
+    path only); ``json.loads(text)["traceEvents"]`` are its events."""
+    with tempfile.TemporaryDirectory() as scratch:
+        exported = Path(scratch) / "trace.json"
+        prof.export_chrome_trace(str(exported))
+        return exported.read_text()
+
+
+def cpu_allocations(prof: Any, events: list[dict] | None = None) -> list[tuple[float, int]]:
+    """A finished ``torch.profiler.profile(profile_memory=True)``'s CPU memory events, in time
+    order: (time in us, bytes allocated then over the profile's start: the profiler counts the
+    allocations it sees, and frees of them).  ``events``: its trace's, when already read."""
+    if events is None:
+        events = json.loads(chrome_trace(prof))["traceEvents"]
+    return sorted((float(e["ts"]), int(e["args"]["Total Allocated"])) for e in events
+                  if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+
+
+def allocated_peak(run_step: Callable[[], Any], device: torch.device) -> int:
+    """The most bytes the device's allocator held during ``run_step()`` beyond those it held as
+    it began: on a GPU the caching allocator's counters, on the CPU ``torch.profiler``'s memory
+    events (every allocation, a compiled kernel's included: a ``CpuMeter`` sees only the ops
+    that pass through the dispatcher in Python)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run_step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    meter = AllocationMeter()
+    with meter:
+        meter.boundary()
+        run_step()
+        return meter.boundary()[0]
+
+
+def make_meter(device: torch.device, compiled: bool = False) -> CpuMeter | CudaMeter | AllocationMeter:
+    """The meter of ``device``'s memory; ``compiled``: of a compiled graph's (on the CPU, its
+    allocations: ``AllocationMeter``)."""
+    if device.type == "cuda":
+        return CudaMeter(device)
+    return AllocationMeter() if compiled else CpuMeter()

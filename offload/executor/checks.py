@@ -22,6 +22,7 @@ import torch
 
 from offload.core.devices import persistent_tensors
 from offload.core.selective import selective_checkpointing
+from offload.core.meters import chrome_trace
 from offload.core.staging import Site
 from offload.io.files import write_atomic
 from offload.models.spec import ModelSpec
@@ -29,7 +30,7 @@ from offload.step.chain import Chain
 
 from .api import Offloaded
 from .report import BASELINES, Baseline, total
-from .traces import chrome_trace, copy_overlap, device_time
+from .traces import copy_overlap, device_time
 from .trainer import Run, StepHooks, Trainer, step_errors
 
 

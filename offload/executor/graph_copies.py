@@ -108,6 +108,7 @@ class GraphCopies:
         self.arena: HostArena | None = None
         self._out: dict[int, tuple[Copy, int, torch.Tensor]] = {}  # key -> (its D2H, slot index, slot)
         self._in: dict[int, Copy] = {}  # key -> its H2D
+        self.steps = 0  # steps that moved something so far
         self.d2h_bytes = 0  # moved so far, each way
         self.h2d_bytes = 0
         self.relaid = 0  # copies whose values the compiler laid out otherwise than the graph (put back first)
@@ -124,6 +125,7 @@ class GraphCopies:
             self._start(x.device)
         if key == 0:
             self.arena.start_step()
+            self.steps += 1
         layouts = _layouts(layout)
         start = _in_place(values, layouts, length)
         if start is not None:  # the extent of their storage, as it is

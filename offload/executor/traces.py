@@ -15,8 +15,6 @@ trace shows both, and this module turns the picture into numbers:
 """
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from offload.step.intervals import Interval, hidden, union
@@ -27,15 +25,6 @@ HOST_COPIES = ("DtoH", "HtoD", "Device -> Pinned", "Pinned -> Device")
 BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMalloc", "cudaFree",
             "cudaHostAlloc", "cudaMallocHost", "cudaFreeHost", "cudaHostRegister", "cudaHostUnregister",
             "cudaMemcpy", "cudaMemset")
-
-
-def chrome_trace(prof: Any) -> str:
-    """A finished ``torch.profiler.profile``'s Chrome trace, as text (the profiler exports to a
-    path only); ``json.loads(text)["traceEvents"]`` are the events this module reads."""
-    with tempfile.TemporaryDirectory() as scratch:
-        exported = Path(scratch) / "trace.json"
-        prof.export_chrome_trace(str(exported))
-        return exported.read_text()
 
 
 def _complete(events: list[dict[str, Any]], category: str) -> list[dict[str, Any]]:

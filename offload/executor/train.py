@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import nn
 
 from offload.core.devices import DTYPES, deterministic_kernels, make_optimizer, pick_device, running
 from offload.errors import BudgetExceeded, ChainMismatch, HostMemoryShortfall, ModelError, OffloadError
@@ -28,10 +29,11 @@ from offload.step.schedule import Schedule
 
 from . import distributed
 from .api import Offloaded
+from .compiled import compile_scheduled
 from .backends import default_backend
 from .checks import GradCheck, compare_baselines, trace_step
 from .report import BASELINES, Report
-from .trainer import Run, Trainer
+from .trainer import Run, Trainer, step_errors
 
 
 @dataclass
@@ -96,7 +98,7 @@ def build_like_chain(chain: Chain, device: torch.device, model: str | None = Non
     spec = _recipe_model(chain, model)
     with running(f"running {chain.recipe.model}"):
         spec.place(device, DTYPES[chain.recipe.dtype])
-    if chain.recipe.compile:  # as profiled (a graph break at each stage boundary)
+    if chain.recipe.compile and not chain.recipe.whole_graph:  # as profiled (a graph break at each boundary)
         spec.module = torch.compile(spec.module, backend=chain.recipe.compile)
     return spec
 
@@ -138,6 +140,7 @@ def train(model: str | None, chain: Chain, schedule: Schedule, opts: TrainOption
     """Train ``opts.steps`` steps with ``schedule``: the run's report and the error to raise once
     the report is written (a step over the budget, out of GPU or host memory), if any."""
     check_batch(chain, batch)
+    _check_whole_graph(chain, opts)
     device = pick_device(opts.device)
     ranks = distributed.world_size()
     if ranks > 1:
@@ -154,29 +157,57 @@ def train(model: str | None, chain: Chain, schedule: Schedule, opts: TrainOption
     return report, error
 
 
+def _check_whole_graph(chain: Chain, opts: TrainOptions) -> None:
+    """A chain of the compiled graph trains under ``compile_scheduled``: what that run cannot do
+    yet is refused before anything runs."""
+    if not chain.recipe.whole_graph:
+        return
+    asked = [flag for flag, on in (("--op-memory", opts.op_memory), ("--compare", opts.compare),
+                                   ("--trace", opts.trace), ("--nproc", distributed.world_size() > 1)) if on]
+    if asked:
+        raise ChainMismatch(f"chain {chain.name!r} was profiled as one compiled graph, whose run offload train does not "
+                            f"give {asked[0]} yet", f"train it without {asked[0]}, or profile without --whole-graph")
+
+
+def _run_whole_graph(chain: Chain, schedule: Schedule, spec: ModelSpec, backend: str, trainer: Trainer) -> nn.Module:
+    """The model compiled as one graph with ``schedule`` in it, compiled by a first step (not
+    measured: it compiles, and it makes the host arena)."""
+    run = compile_scheduled(spec.module, chain, schedule, backend=chain.recipe.compile, copy_backend=backend)
+    with step_errors("compiling the first step"):
+        trainer.one_step(lambda args, kwargs: run(*args, **kwargs), spec.batch(), contextlib.nullcontext)
+    spec.zero_grads(trainer.params)
+    return run
+
+
 def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions, device: torch.device,
            spec: ModelSpec, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
            backend: str) -> OffloadError | None:
     """The training steps of ``train``, and what ``opts`` asks for beside them, into ``report``."""
     ranks = report.ranks
     check = None
+    whole = chain.recipe.whole_graph
     if opts.check_grads:
         reference = _rank_model(chain, device)
         if ranks > 1:  # all-reduced like ours
             reference.module = distributed.wrap(reference.module)
+        if whole:  # plain torch.compile, which ours is bit for bit
+            reference.module = torch.compile(reference.module, backend=chain.recipe.compile)
         check = GradCheck(reference, params, device)
     trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes,
-                      elsewhere=check.tensors() if check is not None else None)
+                      elsewhere=check.tensors() if check is not None else None, compiled=whole)
     if opts.progress is not None:
         total = trainer.steps_per_measure(opts.steps) * (1 + len(BASELINES) * opts.compare) + bool(opts.trace)
         trainer.tick = lambda what: opts.progress(what, total)
     run = None
     try:  # the front door of every user's loop: the schedule is the chain's, the batch the profiled one
-        run = Offloaded(spec.module if ranks == 1 else distributed.wrap(spec.module), chain, schedule, backend)
+        if whole:
+            run = _run_whole_graph(chain, schedule, spec, backend, trainer)
+        else:
+            run = Offloaded(spec.module if ranks == 1 else distributed.wrap(spec.module), chain, schedule, backend)
         steps, error = trainer.measure(opts.steps, lambda args, kwargs: run(*args, **kwargs), hooks=check,
-                                       runtime=run.runtime, probe=opts.op_memory,
+                                       runtime=None if whole else run.runtime, probe=opts.op_memory,
                                        label="offloaded" + (" (and the reference)" if check else ""))
-    except HostMemoryShortfall as exc:  # the host arena: nothing ran
+    except (HostMemoryShortfall, OffloadError) as exc:  # the host arena, or the compiled graph's first step
         steps, error = Run(), exc
     completed = error is None  # every step ran (it may still have gone over the budget)
     if completed and schedule.budget is not None:
@@ -215,9 +246,14 @@ def _measured(report: Report, steps: Run, run: Offloaded | None, chain: Chain) -
     m.set_peak(max(steps.peaks) if steps.peaks else None, chain, steps.base_growth)
     m.op_peak_bytes = steps.op_peaks or None
     m.leaked_by_step, m.host_allocations = steps.leaks, steps.allocations
-    if run is not None:
+    if isinstance(run, Offloaded):
         runtime = run.runtime
         done = max(1, runtime.steps)
         m.host_arena_bytes = runtime.arena.nbytes
         m.d2h_bytes_per_step, m.h2d_bytes_per_step = runtime.d2h_bytes // done, runtime.h2d_bytes // done
         m.encoded_bytes_per_step = runtime.encoded_bytes // done
+    elif run is not None:  # one compiled graph: its copies' runtime
+        copies = run.partitioner.runtime
+        done = max(1, copies.steps)
+        m.host_arena_bytes = copies.arena.nbytes if copies.arena is not None else 0
+        m.d2h_bytes_per_step, m.h2d_bytes_per_step = copies.d2h_bytes // done, copies.h2d_bytes // done

@@ -83,8 +83,9 @@ class Trainer:
 
     def __init__(self, spec: ModelSpec, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
                  device: torch.device, tick: Callable[[str], None] = lambda _: None, workspace_bytes: int = 0,
-                 elsewhere: list[torch.Tensor] | None = None) -> None:
+                 elsewhere: list[torch.Tensor] | None = None, compiled: bool = False) -> None:
         self.spec, self.params, self.optimizer, self.device = spec, params, optimizer, device
+        self.compiled = compiled  # one compiled graph: on the CPU its allocations are metered (AllocationMeter)
         self.tick = tick  # told each step done: "<what> step <n>/<steps>"
         self.workspace_bytes = workspace_bytes  # the chain's: device memory of its base that no tensor holds
         # memory no tensor holds that every step is judged over: the chain's workspaces, what was there before
@@ -176,7 +177,7 @@ class _Metering:
 
     def step(self, first: bool, body: Callable[[tuple[tuple, dict]], None]) -> None:
         t = self.trainer
-        meter = make_meter(t.device)
+        meter = make_meter(t.device, t.compiled)
         if self.runtime is not None:
             meter.ignore(self.runtime.arena.chunks)
         probing = self.probe and first

@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 import torch
 
+from offload.core.meters import chrome_trace, cpu_allocations
 from offload.executor.compiled import SchedulePartitioner, compile_with
-from offload.executor.traces import chrome_trace
 from offload.models.spec import ModelSpec
 from offload.step.chain import Chain, Stage
 from offload.step.chainfile import make_chain
@@ -88,17 +88,16 @@ class Marks:
         return [i for i, c in enumerate(self.clock) if c is None]
 
 
-def _cpu_peaks(trace: dict, count: int, spans: list[tuple[int, int]]) -> list[int]:
+def _cpu_peaks(prof: torch.profiler.profile, count: int, spans: list[tuple[int, int]]) -> list[int]:
     """Per span of marks, the most bytes allocated in it beyond those allocated at mark 0, from
     ``torch.profiler``'s memory events (every allocation, a compiled kernel's too)."""
-    events = trace["traceEvents"]
+    events = json.loads(chrome_trace(prof))["traceEvents"]
     at = [None] * count
     for e in events:
         name = e.get("name", "")
         if name.startswith(MARK) and e.get("ph") == "X":
             at[int(name[len(MARK):])] = float(e["ts"])
-    memory = sorted((float(e["ts"]), int(e["args"]["Total Allocated"])) for e in events
-                    if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+    memory = cpu_allocations(prof, events)
 
     def level(t: float) -> int:
         before = [total for ts, total in memory if ts <= t]
@@ -109,25 +108,6 @@ def _cpu_peaks(trace: dict, count: int, spans: list[tuple[int, int]]) -> list[in
 
 def _cuda_peaks(marks: Marks, spans: list[tuple[int, int]]) -> list[int]:
     return [max(marks.peak[a + 1:b + 1]) - marks.now[0] for a, b in spans]
-
-
-def allocated_peak(run_step: Callable[[], Any], device: torch.device) -> int:
-    """The most bytes the device's allocator held during ``run_step()`` beyond those it held as
-    it began: on a GPU the caching allocator's counters, on the CPU ``torch.profiler``'s memory
-    events (every allocation, a compiled kernel's included: the ``CpuMeter`` of the eager
-    executor sees only the ops that pass through the dispatcher in Python)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run_step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        run_step()
-    events = json.loads(chrome_trace(prof))["traceEvents"]
-    return max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"
-                and e["args"].get("Device Type") == 0), default=0)
 
 
 def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backend: str, repeats: int, warmup: int,
@@ -181,7 +161,7 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
     else:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             step(marks)
-        peaks = _cpu_peaks(json.loads(chrome_trace(prof)), 2 * L + 3, spans)
+        peaks = _cpu_peaks(prof, 2 * L + 3, spans)
     tick("compiled step")
     return _chain(chain, partitioner, backend, seconds, peaks, [sum(t) for t in timed]), partitioner
 

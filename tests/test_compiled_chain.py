@@ -4,6 +4,7 @@ budget when ``compile_scheduled`` runs it."""
 import pickle
 import warnings
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,12 +15,13 @@ from offload.executor.compiled import SchedulePartitioner, compile_scheduled
 from offload.executor.train import TrainOptions, train
 from offload.models import resolve
 from offload.core.meters import allocated_peak
-from offload.profiler.compiled import intervals
+from offload.profiler.compiled import Marks, intervals
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.chainfile import make_chain
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
+from tests.cudashim import FakeAllocator
 
 GPT = {"layers": 3, "width": 64, "heads": 4, "seq": 64, "vocab": 128, "dropout": 0.1}
 
@@ -39,6 +41,24 @@ def test_each_op_is_timed_between_its_marks():
     assert intervals(2) == [(0, 1), (1, 3), (3, 4), (4, 6)]
     spans = intervals(5)
     assert [b for _, b in spans[:-1]] == [a for a, _ in spans[1:]] and spans[0][0] == 0 and spans[-1][1] == 12
+
+
+def test_on_cuda_the_marks_read_the_allocators_counters_on_the_host(monkeypatch):
+    """Each mark reads the bytes allocated now and at most since the mark before (and resets
+    that peak): the caching allocator's counters, kept on the host, no synchronization; an op's
+    peak is the most over its marks, beyond the step's start."""
+    mib = 2 ** 20
+    allocator = FakeAllocator(monkeypatch, allocated=mib, peak=mib, reserved=8 * mib)
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing: SimpleNamespace(record=lambda: None))
+    marks = Marks(torch.device("cuda"), 5)  # one stage: F1 between marks 0 and 2, B1 between 2 and 4
+    marks(0)
+    allocator.allocate(3 * mib), allocator.free(2 * mib)
+    marks(1), marks(2)
+    allocator.allocate(mib), allocator.free(mib)
+    marks(3)
+    allocator.free(mib)
+    marks(4)
+    assert marks.cuda_peaks(intervals(1)) == [3 * mib, 2 * mib]
 
 
 def test_the_units_are_what_the_compiled_graph_moves(aot):

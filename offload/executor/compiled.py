@@ -47,9 +47,12 @@ A recomputed run that offloads its checkpoint (ours only) moves the storages tha
 run reads in the backward (its input, what its option or its random ops keep) at its own
 events; what other stages read too stays, as the eager executor's held tensors do.
 
-Not here yet (issue #35): encodings (refused), and a chain profiled from the compiled graph
-(the compiled forward saves other, fewer tensors than the eager one the chain measured, so
-the chain's predicted memory and times are the eager model's, not this graph's).
+The chain says where stages end.  A chain of the eager model predicts the eager step, not
+this one (the compiled forward saves other, fewer tensors, and the compiled backward hands
+back every weight gradient at its end): its budget is no promise here, and a warning says
+so.  A chain profiled from this graph (``offload.profiler.compiled``, ``recipe.whole_graph``)
+is: its units are what our copies move (checked as the graph is partitioned), its memory and
+times this graph's.  Not here yet: encodings (refused), recomputation on such a chain.
 """
 from __future__ import annotations
 
@@ -167,7 +170,8 @@ class SchedulePartitioner(CustomPartitionerFn):
     hold what it decided for the last graph it partitioned (node name -> stage, -> policy),
     ``graphs`` the forward and backward graphs it made of it, ``saved`` what the forward
     saves, ``moved`` what the copies move of each offloaded unit, ``placed`` where ours went
-    and ``runtime`` what runs them (its bytes moved so far)."""
+    and ``runtime`` what runs them (its bytes moved so far); with ``marks`` (the profiler's),
+    ``counted`` every unit's storages that can move."""
 
     def __init__(self, chain: Chain, schedule: Schedule, copies: str = "schedule",
                  copy_backend: str | None = None, marks: bool = False) -> None:

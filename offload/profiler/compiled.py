@@ -62,7 +62,6 @@ class Marks:
 
     def __init__(self, device: torch.device, count: int) -> None:
         self.cuda = device.type == "cuda"
-        self.count = count
         self.clock: list[Any] = [None] * count
         self.now = [0] * count
         self.peak = [0] * count
@@ -84,6 +83,10 @@ class Marks:
             return self.clock[a].elapsed_time(self.clock[b]) / 1e3
         return self.clock[b] - self.clock[a]
 
+    def cuda_peaks(self, spans: list[tuple[int, int]]) -> list[int]:
+        """Per span of marks, the most bytes allocated in it beyond those at mark 0 (CUDA)."""
+        return [max(self.peak[a + 1:b + 1]) - self.now[0] for a, b in spans]
+
     def missing(self) -> list[int]:
         return [i for i, c in enumerate(self.clock) if c is None]
 
@@ -104,10 +107,6 @@ def _cpu_peaks(prof: torch.profiler.profile, count: int, spans: list[tuple[int, 
         return before[-1] if before else 0
     start = level(at[0])
     return [max([level(at[a]), *(total for ts, total in memory if at[a] < ts <= at[b])]) - start for a, b in spans]
-
-
-def _cuda_peaks(marks: Marks, spans: list[tuple[int, int]]) -> list[int]:
-    return [max(marks.peak[a + 1:b + 1]) - marks.now[0] for a, b in spans]
 
 
 def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backend: str, repeats: int, warmup: int,
@@ -157,7 +156,7 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
     marks = Marks(device, 2 * L + 3)
     if marks.cuda:
         step(marks)
-        peaks = _cuda_peaks(marks, spans)
+        peaks = marks.cuda_peaks(spans)
     else:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             step(marks)
@@ -185,6 +184,8 @@ def _chain(chain: Chain, partitioner: SchedulePartitioner, backend: str, seconds
     steps = sorted(steps)
     source = {**chain.source, "graph": f"one graph compiled by {backend}: units, times and memory measured there "
                                       "(offload.profiler.compiled)",
+              "notes": ["profiled as one compiled graph: a schedule of it offloads only (its stages are not re-run, "
+                        "no encoder runs in a graph); train it with compile_scheduled or offload train"],
               "step_s": {"median": statistics.median(steps), "min": steps[0], "max": steps[-1]},
               "eager_step_s": chain.source.get("step_s")}
     recipe = replace(chain.recipe, compile=backend, whole_graph=True)

@@ -85,6 +85,10 @@ def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):
     chain = aot.chain
     with pytest.raises(ChainMismatch, match="compiled as one graph .*stage boundaries would break"):
         Offloaded(resolve("gpt", 4, GPT).module, chain, make_schedule(chain, []))
+    staged = make_chain(chain.name, list(chain.stages), chain.platform, chain.base_bytes, chain.source,
+                        replace(chain.recipe, whole_graph=False))
+    with pytest.raises(ChainMismatch, match="with a graph break at every stage boundary"):
+        compile_scheduled(resolve("gpt", 4, GPT).module, staged, make_schedule(staged, []), backend="aot_eager")
     with pytest.raises(ChainMismatch, match="compiled by aot_eager, not inductor"):
         compile_scheduled(resolve("gpt", 4, GPT).module, chain, make_schedule(chain, []), backend="inductor")
     # a chain whose unit is not the graph's (another model, batch, torch): refused as the graph is made

@@ -421,6 +421,11 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
                             "compile a module of its own (copy.deepcopy(model) before wrapping either)")
     chain, schedule = chain_and_schedule(chain, schedule)
     partitioner = SchedulePartitioner(chain, schedule, copies, copy_backend)
+    if chain.recipe is not None and chain.recipe.compile and not partitioner.whole:
+        raise ChainMismatch(f"chain {chain.name!r} was profiled compiled with a graph break at every stage boundary "
+                            "(for Offloaded(torch.compile(model))): its units and times are that run's, not one "
+                            "graph's", "profile with --compile inductor --whole-graph (or without --compile, whose "
+                            "chain gives the cuts and the eager model's figures)")
     if partitioner.whole and chain.recipe.compile != backend:
         raise ChainMismatch(f"chain {chain.name!r} was profiled as one graph compiled by {chain.recipe.compile}, "
                             f"not {backend}", f"compile it with backend={chain.recipe.compile!r}, or profile again")

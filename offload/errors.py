@@ -40,6 +40,18 @@ class OffloadError(Exception):
         self.hint = hint
 
 
+def offload_cause(exc: BaseException) -> OffloadError | None:
+    """The ``OffloadError`` ``exc`` is or wraps (a compiler hands the error our partitioner
+    raised back as its own, the ours as its cause), if any."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OffloadError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or getattr(exc, "inner_exception", None)
+    return None
+
+
 class FormatError(OffloadError):
     """A chain or schedule file is not valid JSON or breaks its format."""
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from offload.errors import ChainMismatch, ModelError
+from offload.errors import ChainMismatch, ModelError, offload_cause
 from offload.executor import Offloaded
 from offload.executor.compiled import SchedulePartitioner, compile_scheduled
 from offload.executor.train import TrainOptions, train
@@ -101,10 +101,7 @@ def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):
     compiled = compile_scheduled(spec.module, other, offload, backend="aot_eager")
     with pytest.raises(Exception) as error:
         compiled(*spec.args)
-    cause = error.value
-    while cause is not None and not isinstance(cause, ChainMismatch):
-        cause = cause.__cause__ or getattr(cause, "inner_exception", None)
-    assert cause is not None and "where the chain, profiled from it, counts" in str(cause)
+    assert "where the chain, profiled from it, counts" in str(offload_cause(error.value))
     with pytest.raises(ModelError, match="needs --compile inductor or aot_eager"):
         profile("gpt", ProfileOptions(batch=4, options=GPT, whole_graph=True))
 
@@ -157,3 +154,34 @@ def test_a_schedule_solved_on_the_compiled_chain_keeps_its_budget_compiled():
     step(), step()
     measured = allocated_peak(step, torch.device("cpu"))
     assert 0.9 * predicted <= measured <= predicted <= budget
+
+
+BREAK = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = torch.relu(block(x))
+            if i == 0 and float(x.mean().item()) > 1e9:  # data-dependent: a graph break
+                x = x * 2
+        return x.sum()
+
+
+def build(batch_size, **options):
+    return Net(), torch.randn(batch_size, 16)
+'''
+
+
+def test_a_model_that_breaks_the_graph_is_told_how_to_profile(tmp_path):
+    (tmp_path / "breaks.py").write_text(BREAK)
+    with pytest.raises(ModelError, match="compiling .* as one graph failed") as error:
+        profile(f"{tmp_path / 'breaks.py'}:build", ProfileOptions(batch=4, repeats=1, warmup=1, encodings=False,
+                                                                  compile="aot_eager", whole_graph=True))
+    assert "find its graph breaks with torch._dynamo.explain" in error.value.hint

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from offload.core.devices import DTYPES, deterministic_kernels, make_optimizer, pick_device, running
-from offload.errors import BudgetExceeded, ChainMismatch, HostMemoryShortfall, ModelError, OffloadError
+from offload.errors import (BudgetExceeded, ChainMismatch, HostMemoryShortfall, ModelError, OffloadError,
+                            offload_cause)
 from offload.models import ModelSpec, resolve
 from offload.models.resolve import file_reference, file_sha256
 from offload.models.spec import cache_off
@@ -174,7 +175,10 @@ def _run_whole_graph(chain: Chain, schedule: Schedule, spec: ModelSpec, backend:
     measured: it compiles, and it makes the host arena)."""
     run = compile_scheduled(spec.module, chain, schedule, backend=chain.recipe.compile, copy_backend=backend)
     with step_errors("compiling the first step"):
-        trainer.one_step(lambda args, kwargs: run(*args, **kwargs), spec.batch(), contextlib.nullcontext)
+        try:
+            trainer.one_step(lambda args, kwargs: run(*args, **kwargs), spec.batch(), contextlib.nullcontext)
+        except Exception as exc:  # our partitioner's refusal, handed back by the compiler as its own
+            raise offload_cause(exc) or exc
     spec.zero_grads(trainer.params)
     return run
 

@@ -36,7 +36,9 @@ from typing import Any, Callable
 
 import torch
 
+from offload.core.devices import running
 from offload.core.meters import chrome_trace, cpu_allocations
+from offload.errors import offload_cause
 from offload.executor.compiled import SchedulePartitioner, compile_with
 from offload.models.spec import ModelSpec
 from offload.step.chain import Chain, Stage
@@ -45,6 +47,9 @@ from offload.step.schedule import make_schedule
 
 WHOLE_GRAPH_BACKENDS = ("inductor", "aot_eager")  # what compiles one graph with our partitioner
 MARK = "offload.mark."  # the CPU marks' names in torch.profiler's trace
+ONE_GRAPH = ("--whole-graph needs the model in one graph (torch.compile(fullgraph=True)): find its graph breaks with "
+             "torch._dynamo.explain(model)(*inputs) and remove them, or profile with --compile alone (a graph break at "
+             "every stage boundary, for Offloaded(torch.compile(model)))")
 
 
 def intervals(L: int) -> list[tuple[int, int]]:
@@ -144,8 +149,12 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
         if marks.missing():
             raise RuntimeError(f"the compiled step reached no mark {marks.missing()[0]}")
 
-    for _ in range(max(warmup, 1)):  # compiles, and makes the gradients
-        step(Marks(device, 2 * L + 3))
+    with running(f"compiling {spec.description or chain.name} as one graph", ONE_GRAPH):
+        try:
+            for _ in range(max(warmup, 1)):  # compiles, and makes the gradients
+                step(Marks(device, 2 * L + 3))
+        except Exception as exc:
+            raise offload_cause(exc) or exc
     tick("compile")
     timed = []
     for _ in range(repeats):

@@ -30,9 +30,9 @@ from offload.step.schedule import Schedule
 
 from . import distributed
 from .api import Offloaded
-from .compiled import compile_scheduled
 from .backends import default_backend
 from .checks import GradCheck, compare_baselines, trace_step
+from .compiled import compile_scheduled
 from .report import BASELINES, Report
 from .trainer import Run, Trainer, step_errors
 
@@ -211,7 +211,7 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         steps, error = trainer.measure(opts.steps, lambda args, kwargs: run(*args, **kwargs), hooks=check,
                                        runtime=None if whole else run.runtime, probe=opts.op_memory,
                                        label="offloaded" + (" (and the reference)" if check else ""))
-    except (HostMemoryShortfall, OffloadError) as exc:  # the host arena, or the compiled graph's first step
+    except HostMemoryShortfall as exc:  # the host arena: nothing ran
         steps, error = Run(), exc
     completed = error is None  # every step ran (it may still have gone over the budget)
     if completed and schedule.budget is not None:
@@ -240,7 +240,7 @@ def _over_budget(run: Run, schedule: Schedule, chain: Chain) -> OffloadError | N
                           "was profiled on this machine")
 
 
-def _measured(report: Report, steps: Run, run: Offloaded | None, chain: Chain) -> None:
+def _measured(report: Report, steps: Run, run: nn.Module | None, chain: Chain) -> None:
     """What the steps measured, into ``report.measured``; bytes moved per step the runtime ran
     (the warm-up and the metered steps alike)."""
     m = report.measured

@@ -23,7 +23,7 @@ from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasib
 from offload.step.schedule import make_schedule
 from tests.cudashim import FakeAllocator
 
-GPT = {"layers": 3, "width": 64, "heads": 4, "seq": 64, "vocab": 128, "dropout": 0.1}
+GPT = {"layers": 2, "width": 64, "heads": 4, "seq": 64, "vocab": 128, "dropout": 0.1}
 
 
 def whole(backend):
@@ -179,6 +179,7 @@ def build(batch_size, **options):
 '''
 
 
+@pytest.mark.slow
 def test_a_model_that_breaks_the_graph_is_told_how_to_profile(tmp_path):
     (tmp_path / "breaks.py").write_text(BREAK)
     with pytest.raises(ModelError, match="compiling .* as one graph failed") as error:

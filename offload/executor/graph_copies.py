@@ -15,9 +15,11 @@ value's place in the forward's order:
   misread), the values are first put into the graph's layout in a device buffer, on the
   compute stream (``GraphCopies.relaid``);
 * ``offload::release(host, x, copies, key) -> host``: the compute stream waits for that
-  copy and the runtime lets go of ``x`` (the graph frees it after its last use: this op is
-  one, so no block is reused before the copy has read it); returns ``host`` (an alias),
-  which the forward hands the backward instead of ``x``;
+  copy and the runtime lets go of the copy's source (the graph frees ``x`` after its last
+  use: this op is one, so no block is reused before the copy has read it; a later forward
+  op of the model may still read ``x``, a U-Net's skip, so ``x`` is never poisoned here as
+  the lazy backend poisons a released storage of ``Offloaded``); returns ``host`` (an
+  alias), which the forward hands the backward instead of ``x``;
 * ``offload::h2d(host, device, copies, key) -> buffer``: a fresh device buffer, allocated on
   the compute stream, filled from the slot on the backend (CUDA: the H2D stream, after the
   D2H), flat like ``host``;
@@ -40,6 +42,7 @@ last H2D.  No op reads anything back to the host.
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from typing import Callable
 
@@ -135,6 +138,13 @@ class GraphCopies:
             for v, (size, stride, offset) in zip(values, layouts):
                 src.as_strided(size, stride, offset).copy_(v)
             self.relaid += 1
+            if self.relaid == 1:
+                warnings.warn(f"the compiler laid out a saved value of the compiled graph ({tuple(x.shape)}, "
+                              f"{x.dtype}) otherwise than the graph: its copy puts it into the graph's layout first, "
+                              "in a device buffer held until its release, which no chain counts (a budget may be "
+                              "exceeded by such buffers), and the backward then reads the graph's layout, which may "
+                              "round its gradients otherwise than plain torch.compile; GraphCopies.relaid counts them",
+                              stacklevel=2)
         src = src.view(torch.uint8)
         index, slot = self.arena.slot(src.numel())
         copy = self.backend.d2h(src, slot, self.arena.guard(index))
@@ -147,7 +157,6 @@ class GraphCopies:
             raise RuntimeError(f"offload::release: value {key} of the compiled graph has no D2H copy in flight")
         copy = self._out[key][0]
         self.backend.wait(copy)
-        self.backend.released(x)
         copy.keep.clear()
 
     def copy_in(self, host: torch.Tensor, key: int) -> torch.Tensor:

@@ -173,7 +173,8 @@ def _check_whole_graph(chain: Chain, opts: TrainOptions) -> None:
 def _run_whole_graph(chain: Chain, schedule: Schedule, spec: ModelSpec, backend: str, trainer: Trainer) -> nn.Module:
     """The model compiled as one graph with ``schedule`` in it, compiled by a first step (not
     measured: it compiles, and it makes the host arena)."""
-    run = compile_scheduled(spec.module, chain, schedule, backend=chain.recipe.compile, copy_backend=backend)
+    run = compile_scheduled(spec.module, chain, schedule, backend=chain.recipe.compile, copy_backend=backend,
+                            fullgraph=False)  # as profiled: a loss compiled apart is allowed
     with step_errors("compiling the first step"):
         try:
             trainer.one_step(lambda args, kwargs: run(*args, **kwargs), spec.batch(), contextlib.nullcontext)

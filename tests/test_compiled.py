@@ -386,7 +386,8 @@ def test_a_loss_compiled_apart_is_left_to_the_compiler():
     assert set(ours.partitioner.stages.values()) == set(range(1, gpt2.L + 1))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test-all (time)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_a_skip_the_forward_reads_after_its_release_keeps_its_values(backend):
     """A U-Net's skip features: saved by a down block, released by the schedule, and read
     again by the up block's concatenation later in the forward (the graph holds them until

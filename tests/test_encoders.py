@@ -153,6 +153,7 @@ def test_lossless_encodings_keep_gradients_bit_for_bit(chains, model, backend):
         assert m.encoded_bytes_per_step > 0
 
 
+@pytest.mark.slow  # make test-all (time)
 def test_encoded_sizes_are_the_profiled_ones(tmp_path):
     """Without an optimizer the weights do not move, so the executor encodes the very tensors the
     profiler sized: every blob, and so every byte moved, is as predicted."""

@@ -85,6 +85,7 @@ def test_bench_executor_smoke_on_the_cpu(tmp_path, capsys):
     assert (tmp_path / "llama-chain.json").stat().st_mtime_ns == profiled
 
 
+@pytest.mark.slow  # the whole demo: make test-all (time; its commands are tested one by one in make test)
 def test_demo_pipeline_at_a_small_size(tmp_path, capsys):
     assert demo.main(["--model", "gpt", "--batch", "2", "-O", "layers=2", "-O", "width=32", "-O", "heads=4",
                       "-O", "seq=16", "-O", "vocab=50", "--budgets", "40%:100%:3", "--steps", "2",

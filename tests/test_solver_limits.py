@@ -156,6 +156,7 @@ def test_ctrl_c_stops_a_solve_at_once_and_writes_nothing(long_solve, tmp_path):
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".s.json")]
 
 
+@pytest.mark.slow  # the solve's Ctrl-C stays in make test; make test-all (time)
 def test_ctrl_c_stops_a_sweep_and_its_workers(long_solve, tmp_path):
     out = tmp_path / "r.csv"
     seconds, rc, err = _interrupt_after(OFFLOAD + ["sweep", str(long_solve), "--methods", "ilp", "--budgets",

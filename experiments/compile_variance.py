@@ -14,7 +14,6 @@ in the graph).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -50,12 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     spec = resolve("gpt", 4, MODEL)
     chain = profile("gpt", ProfileOptions(batch=4, repeats=1, warmup=1, encodings=False, options=MODEL)).chain
-    whole = dataclasses.replace(chain, recipe=dataclasses.replace(chain.recipe, compile="inductor", whole_graph=True))
+    empty = make_schedule(chain, [])
     ways = {"torch.compile": lambda m: torch.compile(m),
-            "compile_scheduled, reorder_for_peak_memory on": lambda m: compile_scheduled(m, chain,
-                                                                                           make_schedule(chain, [])),
-            "compile_scheduled, reorder_for_peak_memory off": lambda m: compile_scheduled(m, whole,
-                                                                                            make_schedule(whole, []))}
+            "compile_scheduled, reorder_for_peak_memory on": lambda m: compile_scheduled(m, chain, empty),
+            "compile_scheduled, reorder_for_peak_memory off": lambda m: compile_scheduled(
+                m, chain, empty, options={"reorder_for_peak_memory": False})}
     print(f"GPT {MODEL}, batch 4; {machine_name('cpu')}; the step of each of {args.compiles} compiles "
           f"(median of {args.steps} steps):")
     for name, make in ways.items():

@@ -226,9 +226,9 @@ def movable(forward: fx.GraphModule, num_fwd_outputs: int, units: Mapping[str, i
 class UnitStorage:
     """A saved storage that moves with its unit, as a chain of the compiled graph counts it
     (``offload.profiler.compiled``): ``nbytes`` the whole storage (what freeing it frees, as
-    the device's allocator counts it),
-    ``held_until`` the last stage whose forward reads it (the graph keeps it that long,
-    released or not; the forward's end, ``L``, for a reader the partitioner put there)."""
+    the device's allocator counts it), ``held_until`` the last stage whose forward reads it
+    (the graph keeps it that long, released or not; the forward's end, ``L``, for a reader
+    the partitioner put there)."""
 
     unit: int
     name: str
@@ -237,7 +237,7 @@ class UnitStorage:
 
 
 def counted_storages(forward: fx.GraphModule, moving: Sequence[_Storage], stages: Mapping[str, int], L: int
-                  ) -> list[UnitStorage]:
+                     ) -> list[UnitStorage]:
     """``moving`` (``movable``'s) with the bytes and the holding a chain counts."""
     readers: dict[StorageWeakRef, int] = {}
     for node in forward.graph.nodes:
@@ -304,12 +304,9 @@ def place_marks(forward: fx.GraphModule, backward: fx.GraphModule, L: int, stage
     backward begins, ``2L - k + 2`` as ``Bk`` ends (``1``: before the backward's output).  Each
     comes after the last value before it (``after``), as the copies do."""
     graph = forward.graph
-    staged = [n for n in graph.nodes if n.name in stages]
-    output = graph.find_nodes(op="output")[0]
     for k in range(1, L + 1):
-        before = [n for n in staged if stages[n.name] <= k]
-        at, after = (before[-1], True) if before and k < L else (output, False)
-        _call(graph, at, after, MARK_OP, (number, k, _last_tensor(before)), f"mark_F{k}", None)
+        at, after, end = _forward_end(graph, stages, k, L)
+        _call(graph, at, after, MARK_OP, (number, k, end), f"mark_F{k}", None)
     graph = backward.graph
     region = _regions(graph, back_stages, L)
     nodes = [n for n in graph.nodes if n.op == "call_function"]
@@ -382,6 +379,14 @@ def _flat(val: torch.Tensor, length: int, device: torch.device | str) -> torch.T
         return torch.empty(length, dtype=val.dtype, device=device)
 
 
+def _forward_end(graph: fx.Graph, stages: Mapping[str, int], k: int, L: int) -> tuple[fx.Node, bool, fx.Node | None]:
+    """Where ``Fk`` ends in the forward graph: the node an op placed there goes after (or, for
+    ``k = L``, before: the graph's output), and the last value before it (its ``after``)."""
+    before = [n for n in graph.nodes if stages.get(n.name, k + 1) <= k]
+    at, after = (before[-1], True) if before and k < L else (graph.find_nodes(op="output")[0], False)
+    return at, after, _last_tensor(before)
+
+
 def _place_forward(forward: fx.GraphModule, events: StepEvents, stages: Mapping[str, int],
                    by_owner: dict[tuple[int, Recompute | None], list[tuple[int, _Storage]]], number: int
                    ) -> dict[str, fx.Node]:
@@ -389,13 +394,10 @@ def _place_forward(forward: fx.GraphModule, events: StepEvents, stages: Mapping[
     storage's host copy.  Returns value name -> the release node handing that copy over."""
     graph = forward.graph
     output = graph.find_nodes(op="output")[0]
-    staged = [n for n in graph.nodes if n.name in stages]
     copied: dict[int, fx.Node] = {}
     hosts: dict[str, fx.Node] = {}
     for k in range(1, events.L + 1):
-        before = [n for n in staged if stages[n.name] <= k]
-        at, after = (before[-1], True) if before and k < events.L else (output, False)
-        end = _last_tensor(before)
+        at, after, end = _forward_end(graph, stages, k, events.L)
         for e in events.after_forward(k) if k < events.L else events.before_backward(events.L):
             if e.kind not in (D2H, RELEASE):
                 continue

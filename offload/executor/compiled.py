@@ -170,8 +170,9 @@ class SchedulePartitioner(CustomPartitionerFn):
     hold what it decided for the last graph it partitioned (node name -> stage, -> policy),
     ``graphs`` the forward and backward graphs it made of it, ``saved`` what the forward
     saves, ``moved`` what the copies move of each offloaded unit, ``placed`` where ours went
-    and ``runtime`` what runs them (its bytes moved so far); with ``marks`` (the profiler's),
-    ``counted`` every unit's storages that can move."""
+    and ``runtime`` what runs them (its bytes moved so far); for (or with) a chain of this
+    graph, ``counted`` every unit's storages that can move, their ops hoisted into their
+    stages as the profile had them (``offload.profiler.compiled``)."""
 
     def __init__(self, chain: Chain, schedule: Schedule, copies: str = "schedule",
                  copy_backend: str | None = None, marks: bool = False) -> None:
@@ -215,7 +216,7 @@ class SchedulePartitioner(CustomPartitionerFn):
         # beside the eager chain's ``saved_bytes``
         self.saved: list[tuple[int, int, bool]] = []
         self.moved: dict[int, tuple[int, int]] = {}  # offloaded unit -> (bytes moved, bytes left on the device)
-        self.counted: list[UnitStorage] = []  # with marks: every unit's storages that can move, as a chain counts them
+        self.counted: list[UnitStorage] = []  # of a chain of this graph: every unit's storages that can move
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
                  ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -261,15 +262,17 @@ class SchedulePartitioner(CustomPartitionerFn):
             self.graphs = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         saved = list(self.graphs[0].graph.find_nodes(op="output")[0].args[0][outputs:])
         moved: set[str] = set()
-        if self.ours:
-            self.placed = place_copies(*self.graphs, outputs, self.events, self.stages, self.units, self.back_stages,
-                                       set(self.offloaded), self.runtime, [r for r in self.runs if r.moves])
-            moved = self.placed.values
-        if self.marks:  # every unit as it would move (its ops hoisted so), then the boundaries marked
+        stages = self.stages
+        if self.whole or self.marks:  # the graph its chain measures: every unit's ops hoisted as if it moved
             L = self.events.L
             moving, _, stages = movable(self.graphs[0], outputs, self.units, set(range(1, L + 1)), self.stages)
             self.counted = counted_storages(self.graphs[0], moving, stages, L)
-            place_marks(*self.graphs, L, stages, self.back_stages, self.runtime.number)
+        if self.ours:
+            self.placed = place_copies(*self.graphs, outputs, self.events, stages, self.units, self.back_stages,
+                                       set(self.offloaded), self.runtime, [r for r in self.runs if r.moves])
+            moved = self.placed.values
+        if self.marks:  # then the boundaries marked
+            place_marks(*self.graphs, self.events.L, stages, self.back_stages, self.runtime.number)
         self.saved = self._saved(saved, moved)
         self._check_moved()
         self._check_units()

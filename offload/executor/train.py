@@ -161,7 +161,7 @@ def train(model: str | None, chain: Chain, schedule: Schedule, opts: TrainOption
 def _check_whole_graph(chain: Chain, opts: TrainOptions) -> None:
     """A chain of the compiled graph trains under ``compile_scheduled``: what that run cannot do
     yet is refused before anything runs."""
-    if not chain.recipe.whole_graph:
+    if chain.recipe is None or not chain.recipe.whole_graph:  # (no recipe: refused where the model is built)
         return
     asked = [flag for flag, on in (("--op-memory", opts.op_memory), ("--compare", opts.compare),
                                    ("--trace", opts.trace), ("--nproc", distributed.world_size() > 1)) if on]

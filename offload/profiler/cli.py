@@ -104,7 +104,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "compile_scheduled runs it: the units are what that graph saves (fewer, fused), the times "
                         "and memory that graph's (its backward holds the weight gradients until its end), so a "
                         "schedule solved on this chain keeps its budget compiled; offload only (no recomputation, "
-                        "no encodings); train it with compile_scheduled in your loop (docs/executor.md)")
+                        "no encodings); offload train runs it with compile_scheduled, as your loop can "
+                        "(docs/executor.md)")
     p.add_argument("--split-blocks", action="store_true",
                    help="cut inside each block too, at the calls of its submodules that hold submodules and "
                         "parameters (a transformer layer's attention | its MLP), whatever crosses them (the "

@@ -46,7 +46,6 @@ from offload.step.chain import Chain, Stage
 from offload.step.chainfile import make_chain
 from offload.step.schedule import make_schedule
 
-WHOLE_GRAPH_BACKENDS = ("inductor", "aot_eager")  # what compiles one graph with our partitioner
 MARK = "offload.mark."  # the CPU marks' names in torch.profiler's trace
 ONE_GRAPH = ("--whole-graph needs the model's stages in one graph (a graph break is allowed only outside them, such "
              "as a loss compiled apart): find its graph breaks with torch._dynamo.explain(model)(*inputs) and remove "
@@ -117,7 +116,7 @@ def _cpu_peaks(prof: torch.profiler.profile, count: int, spans: list[tuple[int, 
 
 
 def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backend: str, repeats: int, warmup: int,
-                      tick: Callable[[str], None] = lambda _: None) -> tuple[Chain, SchedulePartitioner]:
+                      tick: Callable[[str], None] = lambda _: None) -> Chain:
     """The chain of ``spec.module`` compiled whole by ``backend``, cut where ``chain`` (its eager
     profile) is (module docstring).
 
@@ -128,7 +127,7 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
         repeats, warmup: timed steps and steps before them.
 
     Returns:
-        The chain and the partitioner that made the profiled graph (its ``counted`` storages).
+        The chain of the compiled graph.
     """
     L = chain.L
     partitioner = SchedulePartitioner(chain, make_schedule(chain, []), marks=True)
@@ -175,7 +174,7 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
             step(marks)
         peaks = _cpu_peaks(prof, 2 * L + 3, spans)
     tick("compiled step")
-    return _chain(chain, partitioner, backend, seconds, peaks, [sum(t) for t in timed]), partitioner
+    return _chain(chain, partitioner, backend, seconds, peaks, [sum(t) for t in timed])
 
 
 def _chain(chain: Chain, partitioner: SchedulePartitioner, backend: str, seconds: list[float], peaks: list[int],

@@ -30,7 +30,7 @@ from offload.models.spec import cache_off, signature, uses_cache
 from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage, StageOption
 from offload.step.chainfile import make_chain
 from offload.step.memory import floor_bound_memory, no_offload_peak, op_name, smallest_feasible_budget
-from offload.step.names import AUTOCAST, COMPILE_BACKENDS
+from offload.step.names import AUTOCAST, COMPILE_BACKENDS, WHOLE_GRAPH_BACKENDS
 
 from .bandwidth import measure_platform
 from .capture import Capture, capture
@@ -38,7 +38,7 @@ from .encodable import encodings_pass, stage_encodings
 from .linearize import Stages, default_cuts, merge_to, stages_at
 from .measure import Measurement, StepRunner, measure, spread
 from . import replays
-from .compiled import WHOLE_GRAPH_BACKENDS, whole_graph_chain
+from .compiled import whole_graph_chain
 from .selective import selective_pass
 
 SPREAD_WARNING = 0.2  # timed repeats that disagree by more than this share of their median
@@ -151,29 +151,33 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
                                 "has no use for and which keeps every block from being recomputed: profiled with "
                                 "use_cache=False; train with model.config.use_cache = False (--keep-cache keeps it on)")
         encodings: list[tuple[Encoding, ...]] = [() for _ in range(stages.L)]
-        if opts.whole_graph:  # its chain offers neither encodings nor recomputation (offload.profiler.compiled)
-            runner.staging.remove()
-            chain = _to_chain(model, opts, device, stages, result, opts.platform or measure_platform(device), spec,
-                              encodings, [() for _ in range(stages.L)], turned_off, {}, {})
-            chain, _ = whole_graph_chain(chain, spec, device, opts.compile, opts.repeats, opts.warmup, tick)
-            return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, user_module))
-        if opts.encodings:
+        options: list[tuple[StageOption, ...]] = [() for _ in range(stages.L)]
+        rerun_host: dict[int, float] = {}
+        recording_host: dict[int, float] = {}
+        eager = not opts.whole_graph  # a chain of the compiled graph offers neither encodings nor recomputation
+        if opts.encodings and eager:
             encodings = [stage_encodings(s) for s in encodings_pass(runner)]
             left_out = [name for name in ENCODERS if name not in usable_on(gpu=device.type == "cuda")]
             if left_out:
                 stages.notes.append(f"encoders not offered on a GPU: {', '.join(left_out)} (each reads its blob's size "
                                     "back from the device, which would stall every step)")
             tick("encodings")
-        options = selective_pass(runner, result.stages)
-        tick("in-stage options")
-        again = [k for k, s in enumerate(result.stages, 1) if k < stages.L and s.recomputable]
-        rerun_host, recording_host = replays.host_seconds(runner, again) if device.type == "cuda" else ({}, {})
-        tick("re-runs' host time")
+        if eager:
+            options = selective_pass(runner, result.stages)
+            tick("in-stage options")
+            again = [k for k, s in enumerate(result.stages, 1) if k < stages.L and s.recomputable]
+            if device.type == "cuda":
+                rerun_host, recording_host = replays.host_seconds(runner, again)
+            tick("re-runs' host time")
         runner.staging.remove()
     plat = opts.platform or measure_platform(device)
     tick("platform")
     chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, options, turned_off,
                       rerun_host, recording_host)
+    if opts.whole_graph:  # the cuts are the eager profile's; the rest that graph's
+        with running(f"running {model}"):
+            chain = whole_graph_chain(chain, spec, device, opts.compile, opts.repeats, opts.warmup, tick)
+        return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, user_module))
     return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, user_module) + timing_warnings(result))
 
 

@@ -20,7 +20,7 @@ from offload.io import validate as v
 from offload.io.files import read_document, write_json
 
 from .chain import CHAIN_FORMAT, Chain, EncodedTensor, Encoding, Platform, Recipe, Stage, StageOption
-from .names import AUTOCAST, COMPILE_BACKENDS, DTYPES, ENCODERS, OPTIMIZERS
+from .names import AUTOCAST, COMPILE_BACKENDS, DTYPES, ENCODERS, OPTIMIZERS, WHOLE_GRAPH_BACKENDS
 
 OLD_FORMATS = ("offload-chain/1",)
 MAX_TOTAL_BYTES = 2 ** 62  # sums of per-op memory stay exact in int64
@@ -130,9 +130,9 @@ def recipe_from_dict(d: Any) -> Recipe:
 
 def _whole_graph(d: Mapping) -> bool:
     whole = v.flag(d, "whole_graph", "recipe", False)
-    if whole and d.get("compile") not in ("inductor", "aot_eager"):
-        raise FormatError("'recipe.whole_graph' needs 'recipe.compile' inductor or aot_eager (the backend that "
-                          "compiled the one graph)")
+    if whole and d.get("compile") not in WHOLE_GRAPH_BACKENDS:
+        raise FormatError(f"'recipe.whole_graph' needs 'recipe.compile' {' or '.join(WHOLE_GRAPH_BACKENDS)} (the "
+                          "backend that compiled the one graph)")
     return whole
 
 

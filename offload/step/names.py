@@ -12,6 +12,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "none")  # their state is constant memory:
 ENCODERS = ("sign-mask", "sparse", "bf16")  # byte formats of encoded storages (docs/encodings.md)
 BACKENDS = ("cuda", "cpu-eager", "cpu-lazy")  # where the executor's copies run
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # torch.compile backends a chain may be profiled under
+WHOLE_GRAPH_BACKENDS = ("inductor", "aot_eager")  # those that compile one graph with our partitioner (--whole-graph)
 
 
 def table(names: tuple[str, ...], entries: dict, what: str) -> dict:

@@ -7,8 +7,8 @@ Each model (transformers GPT-2, BERT and ViT, small configs, random weights; T5,
 with skip connections and Mixtral from ``tests/models``) is profiled compiled as one graph by
 Inductor (``offload profile --compile inductor --whole-graph``), solved by the ILP halfway
 between that chain's floor and its peak, and trained 2 steps by ``offload train`` (which runs
-``compile_scheduled``) on the lazy CPU backend with ``--check-grads`` against plain
-``torch.compile``.  One row per model: stages, peak, floor, budget, units offloaded, the
+``compile_scheduled``) on the lazy CPU backend with ``--check-grads`` against the same
+compile without the schedule (``plain_compile``).  One row per model: stages, peak, floor, budget, units offloaded, the
 predicted and measured peak, whether the budget held, how many saved values Inductor laid out
 otherwise than the graph (``relaid``: each put back into the graph's layout in a device
 buffer no chain counts), and the gradient check.

@@ -124,7 +124,7 @@ def test_a_compiled_graphs_copies_on_cuda_streams(backend):
     from dataclasses import replace
 
     from offload.core.devices import deterministic_kernels
-    from offload.executor.compiled import compile_scheduled
+    from offload.executor.compiled import compile_scheduled, plain_compile
     from offload.models import resolve
     from offload.step.actions import Recompute, first_checkpoint_release
     from offload.step.recompute import run_op
@@ -154,7 +154,7 @@ def test_a_compiled_graphs_copies_on_cuda_streams(backend):
         torch.cuda.synchronize()
         return module, [p.grad.clone() for p in spec.module.parameters()]
     with deterministic_kernels(torch.device("cuda")):
-        _, plain = steps(lambda m: torch.compile(m, backend=backend), False)
+        _, plain = steps(lambda m: plain_compile(m, backend), False)
         ours, grads = steps(lambda m: compile_scheduled(m, chain, sched, backend=backend), True)
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
     runtime = ours.partitioner.runtime

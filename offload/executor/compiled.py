@@ -412,8 +412,9 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
             stages are found in one graph; with ``fullgraph=False`` a graph break is allowed
             outside the stage boundaries (a loss after the model: that graph is compiled
             plainly, with a warning), and refused between two of them.  With our copies,
-            Inductor's ``reorder_for_peak_memory`` is off unless ``options`` sets it (it
-            would issue a D2H copy just before its release, not as its stage ends).
+            or on a chain of the compiled graph, Inductor's options are ``PLANNED_OPTIONS``
+            (no peak-memory reordering, no layout optimization) unless ``options`` sets
+            them.
 
     Returns:
         The compiled module (``torch.compile``'s ``OptimizedModule``); its ``partitioner``
@@ -440,6 +441,27 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
     return compile_with(module, partitioner, backend, **compile_kwargs)
 
 
+# Inductor's options where the schedule makes the compiled step's memory plan
+# (``SchedulePartitioner.plans_memory``):
+# * its peak-memory reordering moves a node as late as its readers allow: a D2H copy would
+#   be issued just before its release (its only reader), not as its stage ends;
+# * its layout optimization gives a conv net's activations another layout (channels last)
+#   than the graph's, which our copies would have to put back into the graph's layout in a
+#   buffer that no profile counts (a U-Net compiled with copies went 7.6% over its budget),
+#   and the backward would round otherwise than without copies.
+PLANNED_OPTIONS = {"reorder_for_peak_memory": False, "layout_optimization": False}
+
+
+def plain_compile(module: nn.Module, backend: str) -> nn.Module:
+    """``module`` compiled as ``compile_with`` compiles it, but without a partitioner: the
+    step whose gradients a scheduled one matches bit for bit.  With Inductor that is under
+    ``PLANNED_OPTIONS``: a plain ``torch.compile`` lays a conv net out channels last, and
+    its kernels then round otherwise."""
+    if backend == "inductor":
+        return torch.compile(module, backend=backend, options=dict(PLANNED_OPTIONS))
+    return torch.compile(module, backend=backend)
+
+
 def compile_with(module: nn.Module, partitioner: SchedulePartitioner, backend: str = "inductor",
                  **compile_kwargs: Any) -> nn.Module:
     """``module`` compiled whole with ``partitioner`` (``compile_scheduled``'s arguments)."""
@@ -450,10 +472,7 @@ def compile_with(module: nn.Module, partitioner: SchedulePartitioner, backend: s
                             "compile the module the chain was profiled from")
     compile_kwargs.setdefault("fullgraph", True)
     if backend == "inductor":
-        # Inductor's peak-memory reordering moves a node as late as its readers allow: a D2H
-        # copy would be issued just before its release (its only reader), not as its stage
-        # ends; the schedule makes the memory plan instead
-        options = {"reorder_for_peak_memory": not partitioner.plans_memory,
+        options = {**(PLANNED_OPTIONS if partitioner.plans_memory else {}),
                    **compile_kwargs.pop("options", {}), "custom_partitioner_fn": partitioner}
         compiled = torch.compile(module, backend="inductor", options=options, **compile_kwargs)
     elif backend == "aot_eager":

@@ -32,7 +32,7 @@ from . import distributed
 from .api import Offloaded
 from .backends import default_backend
 from .checks import GradCheck, compare_baselines, trace_step
-from .compiled import compile_scheduled
+from .compiled import compile_scheduled, plain_compile
 from .report import BASELINES, Report
 from .trainer import Run, Trainer, step_errors
 
@@ -195,8 +195,8 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         reference = _rank_model(chain, device)
         if ranks > 1:  # all-reduced like ours
             reference.module = distributed.wrap(reference.module)
-        if whole:  # plain torch.compile, which ours is bit for bit
-            reference.module = torch.compile(reference.module, backend=chain.recipe.compile)
+        if whole:  # compiled as ours is, without the schedule
+            reference.module = plain_compile(reference.module, chain.recipe.compile)
         check = GradCheck(reference, params, device)
     trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes,
                       elsewhere=check.tensors() if check is not None else None, compiled=whole)

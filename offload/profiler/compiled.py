@@ -6,7 +6,7 @@ holds the weight gradients it computes until it hands them all back at its end; 
 the eager model predicts neither.  So, with the cuts the eager profile found:
 
 * the model is compiled as ``compile_scheduled`` compiles it (one graph, the same
-  partitioner, Inductor's ``reorder_for_peak_memory`` off), with no schedule and with the
+  partitioner, Inductor's ``compiled.PLANNED_OPTIONS``), with no schedule and with the
   profiler's marks (``offload::mark``) at its stage boundaries (``compiled_copies.place_marks``);
 * a **unit** is what the copies would move of a stage (``compiled_copies.movable``, every
   stage as if offloaded): the saved storages whose first backward reader is the stage's,

@@ -71,10 +71,11 @@ def test_timed_out_only_when_the_solver_ran_out_of_time():
     assert res.info["solver_stop"] != "optimal" or res.status == "optimal"
 
 
-@pytest.mark.parametrize("stages, method, recompute", [pytest.param(300, "ilp", False, marks=pytest.mark.slow),
+@pytest.mark.slow  # make test-all (time); make test keeps every phase's deadline (below)
+@pytest.mark.parametrize("stages, method, recompute", [(300, "ilp", False),
                                                        (2500, "ilp", False),
-                                                       pytest.param(3000, "relax-lp", True, marks=pytest.mark.slow),
-                                                       pytest.param(3000, "ilp", True, marks=pytest.mark.slow)])
+                                                       (3000, "relax-lp", True),
+                                                       (3000, "ilp", True)])
 def test_time_limit_is_wall_time_on_large_chains(stages, method, recompute):
     """The whole solve (heuristics, bounds, build, solver, replay) within the limit, with slack
     for a loaded machine (the promise is 10% + 2 s); with recomputation too (relax-lp

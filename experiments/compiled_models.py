@@ -11,7 +11,8 @@ between that chain's floor and its peak, and trained 2 steps by ``offload train`
 compile without the schedule (``plain_compile``).  One row per model: stages, peak, floor, budget, units offloaded, the
 predicted and measured peak, whether the budget held, how many saved values Inductor laid out
 otherwise than the graph (``relaid``: each put back into the graph's layout in a device
-buffer no chain counts), and the gradient check.
+buffer no chain counts), the most an op held over its prediction (a step of the schedule
+compiled again with the profiler's marks, metered op by op), and the gradient check.
 """
 from __future__ import annotations
 
@@ -23,11 +24,16 @@ from pathlib import Path
 import torch
 
 from experiments.bench_executor import machine_name
+from offload.executor.compiled import SchedulePartitioner
 from offload.executor.train import TrainOptions, train
 from offload.io.text import format_bytes
+from offload.models import resolve
+from offload.executor.marked import MarkedRun
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
-from offload.step.memory import no_offload_peak, smallest_feasible_budget
+from offload.step.chain import Chain
+from offload.step.memory import no_offload_peak, op_memory, op_name, smallest_feasible_budget
+from offload.step.schedule import Schedule
 
 _MODELS = Path(__file__).resolve().parent.parent / "tests" / "models"
 MODELS = {"gpt2": ("gpt2", {"layers": 4, "width": 64, "heads": 4, "seq": 64, "vocab": 128}),
@@ -36,6 +42,20 @@ MODELS = {"gpt2": ("gpt2", {"layers": 4, "width": 64, "heads": 4, "seq": 64, "vo
           "t5": (f"{_MODELS / 't5.py'}:build", {"layers": 2, "width": 64, "seq": 32, "dropout": 0.1}),
           "unet": (f"{_MODELS / 'unet.py'}:build", {"width": 8, "depth": 2, "image": 32}),
           "mixtral": (f"{_MODELS / 'moe.py'}:build", {"layers": 2, "seq": 32})}
+
+
+def _largest_op_over(model: str, options: dict, chain: Chain, schedule: Schedule) -> tuple[int, str]:
+    """The most an op of the scheduled step held over its prediction, and which op: a step of
+    the schedule compiled with the profiler's marks at its stage boundaries, metered between
+    them (``offload.profiler.compiled.MarkedRun``) against ``op_memory``."""
+    spec = resolve(model, chain.recipe.batch, dict(chain.recipe.options), chain.recipe.seed)
+    partitioner = SchedulePartitioner(chain, schedule, copy_backend="cpu-lazy", marks=True)
+    run = MarkedRun(spec, partitioner, torch.device("cpu"), chain.recipe.compile)
+    for _ in range(2):  # compiles, and makes the gradients
+        run.step()
+    over = [int(m) - int(p) for m, p in zip(run.peaks(), op_memory(chain, schedule.offloads))]
+    o = max(range(len(over)), key=over.__getitem__)
+    return over[o], op_name(chain, o)
 
 
 def row(tag: str) -> str:
@@ -52,6 +72,7 @@ def row(tag: str) -> str:
         warnings.simplefilter("always")
         report, error = train(None, chain, schedule, TrainOptions(steps=2, backend="cpu-lazy", check_grads=True))
     relaid = sum("laid out a saved value of the compiled graph" in str(w.message) for w in caught)
+    over, op = _largest_op_over(model, options, chain, schedule)
     measured = report.measured.activation_peak_bytes
     held = measured is not None and measured <= budget
     grads = ("bit for bit" if report.grads_match else "within noise" if report.grads_within_noise else
@@ -59,7 +80,7 @@ def row(tag: str) -> str:
     return (f"| {tag} | {chain.L} | {format_bytes(peak)} | {format_bytes(floor)} ({floor / peak:.0%}) | "
             f"{format_bytes(budget)} | {len(schedule.offloads)} | {format_bytes(predicted)} | "
             f"{format_bytes(measured) if measured is not None else '-'} | {'yes' if held else 'NO'} | "
-            f"{'yes' if relaid else 'no'} | {grads} | {time.perf_counter() - t0:.0f} s |"
+            f"{'yes' if relaid else 'no'} | {format_bytes(over)} ({op}) | {grads} | {time.perf_counter() - t0:.0f} s |"
             + (f" {str(error)[:80]}" if error and not held else ""))
 
 
@@ -72,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown model {unknown[0]!r}: choose from {', '.join(MODELS)}")
     print(f"{machine_name('cpu')}; batch 2; 2 steps of offload train each")
     print("| model | stages | peak | floor | budget | offloaded | predicted peak | measured peak | budget held "
-          "| relaid | gradients | time |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| relaid | largest op over its prediction | gradients | time |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for tag in args.models or list(MODELS):
         try:
             print(row(tag), flush=True)

@@ -411,3 +411,31 @@ def test_a_skip_the_forward_reads_after_its_release_keeps_its_values(backend):
                                                      backend=backend, copy_backend="cpu-lazy"))
     assert all(torch.equal(a, b) for a, b in zip(plain, theirs))
     assert ours.partitioner.runtime.relaid == 0 and ours.partitioner.runtime.d2h_bytes > 0
+
+
+def test_a_prefetch_waits_for_the_gradient_sum_that_closes_the_stage_before():
+    """transformers' BERT closes a layer's backward with the sum of its residual gradients,
+    a node no ``seq_nr`` puts in a stage: the H2D copies of the next stage's point come after
+    it (before it, each held its buffer through that sum: 311 KiB over a BERT op's
+    prediction), so that only our ops and recomputed forward nodes stand between a prefetch
+    and the stage it is issued for."""
+    options = {"layers": 2, "width": 64, "heads": 4, "seq": 32, "vocab": 128}
+    bert = profile("bert", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options=options)).chain
+    torch._dynamo.reset()
+    spec = resolve("bert", 2, options)
+    run = compile_scheduled(spec.module, bert, make_schedule(bert, floor_offloads(bert)), backend="aot_eager",
+                            copy_backend="cpu-lazy")
+    spec.loss(run(*spec.args, **spec.kwargs)).backward()
+    p = run.partitioner
+    graph = p.graphs[1].graph
+    at = positions(graph)
+    begins = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.name in p.back_stages:
+            begins.setdefault(p.back_stages[n.name], at[n])
+    unstaged = [n for n in graph.nodes if n.op == "call_function" and n.name not in p.back_stages
+                and n.target not in (H2D_OP, WAIT_OP, torch.ops.aten.as_strided.default) and n.name not in p.stages]
+    assert unstaged  # the sums this test is about
+    for h2d in (n for n in graph.nodes if n.target is H2D_OP):
+        start = min(b for b in begins.values() if b > at[h2d])  # of the stage it is issued for
+        assert not [n for n in unstaged if at[h2d] < at[n] < start], h2d.name

@@ -15,7 +15,7 @@ from offload.executor.compiled import SchedulePartitioner, compile_scheduled
 from offload.executor.train import TrainOptions, train
 from offload.models import resolve
 from offload.core.meters import allocated_peak
-from offload.profiler.compiled import Marks, intervals
+from offload.executor.marked import Marks, intervals
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.chainfile import make_chain
@@ -108,20 +108,27 @@ def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):
 
 def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_scheduled(aot):
     """``offload train`` on such a chain: the model compiled as one graph with the schedule in
-    it, its allocations metered on the CPU (``AllocationMeter``), the bytes moved, and the
-    gradient check against plain ``torch.compile``; what that run cannot give is refused."""
+    it, its allocations metered on the CPU (``AllocationMeter``), the bytes moved, the
+    gradient check against the same compile without the schedule, and ``--op-memory`` (the
+    schedule compiled again with marks: each op within its prediction, under aot_eager,
+    whose backward keeps its inputs); what that run cannot give is refused."""
     chain = aot.chain
     schedule = make_schedule(chain, floor_offloads(chain)[:2])
     sim = schedule.simulate(chain)
     torch._dynamo.reset()
-    report, error = train(None, chain, schedule, TrainOptions(steps=1, backend="cpu-lazy", check_grads=True))
+    report, error = train(None, chain, schedule, TrainOptions(steps=1, backend="cpu-lazy", check_grads=True,
+                                                              op_memory=True))
     m = report.measured
     assert error is None and report.steps_done == 1
     assert 0 < m.activation_peak_bytes <= sim.peak_bytes  # aot_eager's backward keeps its inputs: measured
     assert m.d2h_bytes_per_step == m.h2d_bytes_per_step > 0
     assert report.grads_match or report.grads_within_noise
-    with pytest.raises(ChainMismatch, match="does not give --op-memory yet"):
-        train(None, chain, schedule, TrainOptions(steps=1, op_memory=True))
+    predicted = report.predicted.op_bytes
+    assert list(m.op_peak_bytes) == list(predicted) and len(predicted) == 2 * chain.L
+    assert all(0 < m.op_peak_bytes[op] <= predicted[op] for op in predicted), \
+        {op: m.op_peak_bytes[op] - predicted[op] for op in predicted}
+    with pytest.raises(ChainMismatch, match="does not give --compare yet"):
+        train(None, chain, schedule, TrainOptions(steps=1, compare=True))
 
 
 def test_the_partitioner_pickles_as_its_key(aot):
@@ -154,6 +161,11 @@ def test_a_schedule_solved_on_the_compiled_chain_keeps_its_budget_compiled():
     step(), step()
     measured = allocated_peak(step, torch.device("cpu"))
     assert 0.9 * predicted <= measured <= predicted <= budget
+    torch._dynamo.reset()  # and every op within its prediction (offload train --op-memory)
+    report, error = train(None, chain, schedule, TrainOptions(steps=1, backend="cpu-lazy", op_memory=True))
+    ops, predicted_ops = report.measured.op_peak_bytes, report.predicted.op_bytes
+    assert error is None and all(ops[op] <= predicted_ops[op] for op in predicted_ops), \
+        {op: ops[op] - predicted_ops[op] for op in predicted_ops}
 
 
 BREAK = '''

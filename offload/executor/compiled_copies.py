@@ -16,8 +16,10 @@ compiled step does what ``Offloaded`` does at its stage boundaries:
   forward then hands the backward the host copy instead of each value;
 * **backward**: a stage's backward begins with its first node (a node of a later stage past
   that point, such as a gradient sum, is in the earlier one); the H2D copies of prefetch
-  point ``k`` go right after ``B(k+1)``'s last node, before a recomputed run's nodes, in
-  ``prefetch_key`` order; the wait for a unit before the first node of ``B(need)``, or
+  point ``k`` go right before ``Bk``'s first node, or the recomputed forward nodes before it
+  (after every node of ``B(k+1)``, the gradient sums that close it too, which no ``seq_nr``
+  names: issued before one, a prefetch held its buffer through it, 311 KiB over a BERT
+  op's prediction), in ``prefetch_key`` order; the wait for a unit before the first node of ``B(need)``, or
   before a reader of it that comes earlier (then the H2D too, if its point came after that
   reader: ``late``); each value is read as a view (``as_strided``) of its storage's buffer.
 
@@ -286,7 +288,7 @@ def place_copies(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
     for key, s in enumerate(issued):
         by_owner.setdefault(s.owner, []).append((key, s))
     hosts = _place_forward(forward, events, stages, by_owner, copies.number)
-    _place_backward(backward, events, back_stages, by_owner, hosts, copies.number, placed)
+    _place_backward(backward, events, stages, back_stages, by_owner, hosts, copies.number, placed)
     _done(forward, backward)
     return placed
 
@@ -302,10 +304,15 @@ def place_marks(forward: fx.GraphModule, backward: fx.GraphModule, L: int, stage
     """The profiler's marks (``offload::mark``) at the stage boundaries of the partitioned
     graphs: index ``k`` as ``Fk`` ends (``L``: before the forward's output), ``L + 1`` as the
     backward begins, ``2L - k + 2`` as ``Bk`` ends (``1``: before the backward's output).  Each
-    comes after the last value before it (``after``), as the copies do."""
+    comes after the last value before it (``after``), as the copies do; with copies in the
+    graph, a stage's D2H copies and the releases due at its end come before its mark, the
+    prefetches and waits of the next backward stage after it (the model's order: an op's
+    interval holds what the model counts in it)."""
     graph = forward.graph
     for k in range(1, L + 1):
         at, after, end = _forward_end(graph, stages, k, L)
+        while after and at.next.op == "call_function" and at.next.target in (D2H_OP, RELEASE_OP):
+            at = at.next  # Fk's copies and releases end it, as the model has them
         _call(graph, at, after, MARK_OP, (number, k, end), f"mark_F{k}", None)
     graph = backward.graph
     region = _regions(graph, back_stages, L)
@@ -317,8 +324,39 @@ def place_marks(forward: fx.GraphModule, backward: fx.GraphModule, L: int, stage
         done = [n for n in region if region[n] >= k]
         ahead = [n for n in region if region[n] < k]
         at = ahead[0] if ahead and k > 1 else output
+        while _fetching(at.prev):  # B(k-1)'s prefetches and waits begin it, as the model has them
+            at = at.prev
         _call(graph, at, False, MARK_OP, (number, 2 * L - k + 2, _last_tensor(done)), f"mark_B{k}", None)
     _done(forward, backward)
+
+
+def _backward_start(first_of_k: fx.Node, stages: Mapping[str, int]) -> fx.Node:
+    """Where ``Bk`` starts in the backward graph: its first node, or the forward nodes the
+    partitioner put right before it to recompute them (they keep their forward names)."""
+    at = first_of_k
+    while at.prev.op == "call_function" and at.prev.name in stages:
+        at = at.prev
+    return at
+
+
+def _up_to(graph: fx.Graph, last: fx.Node) -> list[fx.Node]:
+    """The graph's calls up to ``last``, included."""
+    out = []
+    for n in graph.nodes:
+        if n.op == "call_function":
+            out.append(n)
+        if n is last:
+            return out
+    return out
+
+
+def _fetching(node: fx.Node) -> bool:
+    """Whether ``node`` is one of our H2D copies or waits, or a view of a fetched buffer."""
+    if node.op != "call_function":
+        return False
+    if node.target is torch.ops.aten.as_strided.default:
+        return _fetching(node.args[0])
+    return node.target in (H2D_OP, WAIT_OP)
 
 
 def _regions(graph: fx.Graph, back_stages: Mapping[str, int], L: int) -> dict[fx.Node, int]:
@@ -417,7 +455,8 @@ def _place_forward(forward: fx.GraphModule, events: StepEvents, stages: Mapping[
     return hosts
 
 
-def _place_backward(backward: fx.GraphModule, events: StepEvents, back_stages: Mapping[str, int],
+def _place_backward(backward: fx.GraphModule, events: StepEvents, stages: Mapping[str, int],
+                    back_stages: Mapping[str, int],
                     by_owner: dict[tuple[int, Recompute | None], list[tuple[int, _Storage]]],
                     hosts: dict[str, fx.Node], number: int, placed: PlacedCopies) -> None:
     """The H2D and wait ops; the backward's inputs that were moved values now take the host
@@ -427,13 +466,11 @@ def _place_backward(backward: fx.GraphModule, events: StepEvents, back_stages: M
     for name, host in hosts.items():  # the same place among the inputs, the host copy's value
         inputs[name].meta["val"] = host.meta["val"]
     region = _regions(graph, back_stages, events.L)
-    last_input = list(inputs.values())[-1]
     fetched: dict[int, fx.Node] = {}
     for k in range(events.L, 0, -1):
-        later = [n for n in region if region[n] > k]
-        at = later[-1] if later else last_input
-        end = _last_tensor(later)
         first_of_k = next((n for n in region if region[n] <= k), graph.find_nodes(op="output")[0])
+        at = _backward_start(first_of_k, stages).prev  # B(k+1) is done there, its gradient sums too
+        end = _last_tensor(_up_to(graph, at))
         for e in events.before_backward(k):
             if e.kind not in (H2D, WAIT):
                 continue

@@ -32,7 +32,8 @@ from . import distributed
 from .api import Offloaded
 from .backends import default_backend
 from .checks import GradCheck, compare_baselines, trace_step
-from .compiled import compile_scheduled, plain_compile
+from .compiled import SchedulePartitioner, compile_scheduled, plain_compile
+from .marked import MarkedRun
 from .report import BASELINES, Report
 from .trainer import Run, Trainer, step_errors
 
@@ -163,8 +164,8 @@ def _check_whole_graph(chain: Chain, opts: TrainOptions) -> None:
     yet is refused before anything runs."""
     if chain.recipe is None or not chain.recipe.whole_graph:  # (no recipe: refused where the model is built)
         return
-    asked = [flag for flag, on in (("--op-memory", opts.op_memory), ("--compare", opts.compare),
-                                   ("--trace", opts.trace), ("--nproc", distributed.world_size() > 1)) if on]
+    asked = [flag for flag, on in (("--compare", opts.compare), ("--trace", opts.trace),
+                                   ("--nproc", distributed.world_size() > 1)) if on]
     if asked:
         raise ChainMismatch(f"chain {chain.name!r} was profiled as one compiled graph, whose run offload train does not "
                             f"give {asked[0]} yet", f"train it without {asked[0]}, or profile without --whole-graph")
@@ -182,6 +183,20 @@ def _run_whole_graph(chain: Chain, schedule: Schedule, spec: ModelSpec, backend:
             raise offload_cause(exc) or exc
     spec.zero_grads(trainer.params)
     return run
+
+
+def _marked_op_peaks(chain: Chain, schedule: Schedule, spec: ModelSpec, device: torch.device,
+                     backend: str) -> dict[str, int]:
+    """``--op-memory`` on a chain of the compiled graph: each op's peak in a step of the schedule
+    compiled again with the profiler's marks at its stage boundaries (``marked.MarkedRun``: its
+    third step, after one that compiles and one that makes the gradients), as the profile read
+    the chain's.  A second compile: the marks are ops of its graph, not of the run's."""
+    with running("compiling the schedule again with marks at its stage boundaries (--op-memory)"):
+        run = MarkedRun(spec, SchedulePartitioner(chain, schedule, copy_backend=backend, marks=True), device,
+                        chain.recipe.compile)
+        for _ in range(2):
+            run.step()
+        return run.op_peaks(chain)
 
 
 def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions, device: torch.device,
@@ -210,11 +225,13 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         else:
             run = Offloaded(spec.module if ranks == 1 else distributed.wrap(spec.module), chain, schedule, backend)
         steps, error = trainer.measure(opts.steps, lambda args, kwargs: run(*args, **kwargs), hooks=check,
-                                       runtime=None if whole else run.runtime, probe=opts.op_memory,
+                                       runtime=None if whole else run.runtime, probe=opts.op_memory and not whole,
                                        label="offloaded" + (" (and the reference)" if check else ""))
     except HostMemoryShortfall as exc:  # the host arena: nothing ran
         steps, error = Run(), exc
     completed = error is None  # every step ran (it may still have gone over the budget)
+    if completed and whole and opts.op_memory:
+        steps.op_peaks = _marked_op_peaks(chain, schedule, spec, device, backend)
     if completed and schedule.budget is not None:
         error = _over_budget(steps, schedule, chain)
     _measured(report, steps, run, chain)

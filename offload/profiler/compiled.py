@@ -28,91 +28,26 @@ re-runnable: a compiled re-run's costs are not measured), nor are encodings.
 """
 from __future__ import annotations
 
-import json
 import statistics
-import time
 import warnings
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from offload.core.devices import running
-from offload.core.meters import chrome_trace, cpu_allocations
 from offload.errors import offload_cause
-from offload.executor.compiled import SchedulePartitioner, compile_with
+from offload.executor.compiled import SchedulePartitioner
+from offload.executor.marked import MarkedRun
 from offload.models.spec import ModelSpec
 from offload.step.chain import Chain, Stage
 from offload.step.chainfile import make_chain
 from offload.step.schedule import make_schedule
 
-MARK = "offload.mark."  # the CPU marks' names in torch.profiler's trace
 ONE_GRAPH = ("--whole-graph needs the model's stages in one graph (a graph break is allowed only outside them, such "
              "as a loss compiled apart): find its graph breaks with torch._dynamo.explain(model)(*inputs) and remove "
              "them, or profile with --compile alone (a graph break at every stage boundary, for "
              "Offloaded(torch.compile(model)))")
-
-
-def intervals(L: int) -> list[tuple[int, int]]:
-    """Per op, in step order (``F1 … FL``, ``BL … B1``), the marks it runs between: ``k`` ends
-    ``Fk``, ``L + 1`` begins the backward, ``2L - k + 2`` ends ``Bk``; ``0`` is the step's start
-    and ``2L + 2`` its end (read by the loop)."""
-    forward = [(k - 1, k) if k < L else (L - 1, L + 1) for k in range(1, L + 1)]
-    backward = [(2 * L - k + 1, 2 * L - k + 2 if k > 1 else 2 * L + 2) for k in range(L, 0, -1)]
-    return forward + backward
-
-
-class Marks:
-    """The readings at the marks of one step: the time, and on CUDA the allocator's bytes now
-    and at most since the mark before."""
-
-    def __init__(self, device: torch.device, count: int) -> None:
-        self.cuda = device.type == "cuda"
-        self.clock: list[Any] = [None] * count
-        self.now = [0] * count
-        self.peak = [0] * count
-
-    def __call__(self, index: int) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.clock[index] = event
-            self.now[index], self.peak[index] = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            self.clock[index] = time.perf_counter()
-            with torch.profiler.record_function(f"{MARK}{index}"):
-                pass
-
-    def seconds(self, a: int, b: int) -> float:
-        if self.cuda:
-            return self.clock[a].elapsed_time(self.clock[b]) / 1e3
-        return self.clock[b] - self.clock[a]
-
-    def cuda_peaks(self, spans: list[tuple[int, int]]) -> list[int]:
-        """Per span of marks, the most bytes allocated in it beyond those at mark 0 (CUDA)."""
-        return [max(self.peak[a + 1:b + 1]) - self.now[0] for a, b in spans]
-
-    def missing(self) -> list[int]:
-        return [i for i, c in enumerate(self.clock) if c is None]
-
-
-def _cpu_peaks(prof: torch.profiler.profile, count: int, spans: list[tuple[int, int]]) -> list[int]:
-    """Per span of marks, the most bytes allocated in it beyond those allocated at mark 0, from
-    ``torch.profiler``'s memory events (every allocation, a compiled kernel's too)."""
-    events = json.loads(chrome_trace(prof))["traceEvents"]
-    at = [None] * count
-    for e in events:
-        name = e.get("name", "")
-        if name.startswith(MARK) and e.get("ph") == "X":
-            at[int(name[len(MARK):])] = float(e["ts"])
-    memory = cpu_allocations(prof, events)
-
-    def level(t: float) -> int:
-        before = [total for ts, total in memory if ts <= t]
-        return before[-1] if before else 0
-    start = level(at[0])
-    return [max([level(at[a]), *(total for ts, total in memory if at[a] < ts <= at[b])]) - start for a, b in spans]
 
 
 def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backend: str, repeats: int, warmup: int,
@@ -131,48 +66,19 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
     """
     L = chain.L
     partitioner = SchedulePartitioner(chain, make_schedule(chain, []), marks=True)
-    torch._dynamo.reset()
-    module = compile_with(spec.module, partitioner, backend, fullgraph=False)
-    params = [p for p in spec.module.parameters() if p.requires_grad]
-    spans = intervals(L)
-
-    def step(marks: Marks) -> None:
-        spec.zero_grads(params)
-        args, kwargs = spec.batch()
-        partitioner.runtime.marks = marks
-        marks(0)
-        with spec.autocasting():
-            loss = spec.loss(module(*args, **kwargs))
-        loss.backward()
-        marks(2 * L + 2)
-        if marks.cuda:
-            torch.cuda.synchronize(device)
-        if marks.missing():
-            raise RuntimeError(f"the compiled step reached no mark {marks.missing()[0]}")
-
     with running(f"compiling {spec.description or chain.name} as one graph", ONE_GRAPH), warnings.catch_warnings():
         # a graph break outside the stages (a loss compiled apart) is allowed: that graph is compiled plainly
         warnings.filterwarnings("ignore", "a graph of the compiled model runs none of the chain's stage boundaries")
         try:
+            run = MarkedRun(spec, partitioner, device, backend)
             for _ in range(max(warmup, 1)):  # compiles, and makes the gradients
-                step(Marks(device, 2 * L + 3))
+                run.step()
         except Exception as exc:
             raise offload_cause(exc) or exc
     tick("compile")
-    timed = []
-    for _ in range(repeats):
-        marks = Marks(device, 2 * L + 3)
-        step(marks)
-        timed.append([marks.seconds(a, b) for a, b in spans])
+    timed = [run.seconds() for _ in range(repeats)]
     seconds = [statistics.median(t[o] for t in timed) for o in range(2 * L)]
-    marks = Marks(device, 2 * L + 3)
-    if marks.cuda:
-        step(marks)
-        peaks = marks.cuda_peaks(spans)
-    else:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            step(marks)
-        peaks = _cpu_peaks(prof, 2 * L + 3, spans)
+    peaks = run.peaks()
     tick("compiled step")
     return _chain(chain, partitioner, backend, seconds, peaks, [sum(t) for t in timed])
 

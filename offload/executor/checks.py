@@ -50,8 +50,12 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
 # small by luck: with 2 samples and a margin of 2, a run without defect failed 11% of steps
 # (1-d Gaussian noise; 0.15% on tests/models/noisy.py); with 3 and 10, 0.06% (1-d) and none in
 # 400,000 draws from 4-d on.  A defect (a missing wait, other random numbers) is off by far more.
+# Some nondeterminism shows in few runs (CPU Inductor's: the reference differed from itself in
+# one step of four in a GPT-2): where NOISE_SAMPLES more runs all agree with the first and ours
+# does not, the reference runs again, up to NOISE_SAMPLES_MAX in all, until one differs.
 NOISE_MARGIN = 10.0
 NOISE_SAMPLES = 3
+NOISE_SAMPLES_MAX = 8
 
 
 def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -65,11 +69,12 @@ class GradCheck(StepHooks):
     """After each step, the same step of ``reference`` (a copy of the model, without offloading)
     from our weights and our random numbers: how many gradients differ, and by how much.
 
-    Where they differ, the reference runs the step again (``NOISE_SAMPLES`` times) from the
-    same weights and random numbers: if it disagrees with itself, some kernel is not
-    deterministic, and the most it disagrees is that step's *noise floor*; ours is then
-    judged against it (within ``NOISE_MARGIN`` times the floor).  With a floor of 0 the
-    reference is exact, and any difference is ours."""
+    Where they differ, the reference runs the step again (``NOISE_SAMPLES`` times, up to
+    ``NOISE_SAMPLES_MAX`` while it agrees with itself) from the same weights and random
+    numbers: if it disagrees with itself, some kernel is not deterministic, and the most it
+    disagrees is that step's *noise floor*; ours is then judged against it (within
+    ``NOISE_MARGIN`` times the floor).  With a floor of 0 the reference is exact, and any
+    difference is ours."""
 
     def __init__(self, reference: ModelSpec, params: list[torch.Tensor], device: torch.device) -> None:
         self.reference, self.params, self.device = reference, params, device
@@ -112,7 +117,9 @@ class GradCheck(StepHooks):
         floor = None
         if mismatches:  # the reference again, its first gradients kept aside: copies only where they differ
             ref = [g.clone() for g in ref]
-            floor = max(_relative(self._reference_step(), ref) for _ in range(NOISE_SAMPLES))
+            floor, runs = 0.0, 0
+            while runs < NOISE_SAMPLES or (floor == 0 and runs < NOISE_SAMPLES_MAX):
+                floor, runs = max(floor, _relative(self._reference_step(), ref)), runs + 1
         _set_rng_state(after, self.device)
         self.mismatches.append(mismatches)
         self.rel_diffs.append(_relative(ours, ref))

@@ -8,11 +8,12 @@ with skip connections and Mixtral from ``tests/models``) is profiled compiled as
 Inductor (``offload profile --compile inductor --whole-graph``), solved by the ILP halfway
 between that chain's floor and its peak, and trained 2 steps by ``offload train`` (which runs
 ``compile_scheduled``) on the lazy CPU backend with ``--check-grads`` against the same
-compile without the schedule (``plain_compile``).  One row per model: stages, peak, floor, budget, units offloaded, the
-predicted and measured peak, whether the budget held, how many saved values Inductor laid out
-otherwise than the graph (``relaid``: each put back into the graph's layout in a device
-buffer no chain counts), the most an op held over its prediction (a step of the schedule
-compiled again with the profiler's marks, metered op by op), and the gradient check.
+compile without the schedule (``plain_compile``) and ``--op-memory``.  One row per model:
+stages, peak, floor, budget, units offloaded, the predicted and measured peak, whether the
+budget held, how many saved values Inductor laid out otherwise than the graph (``relaid``:
+each put back into the graph's layout in a device buffer no chain counts), the most an op
+held over its prediction (``--op-memory``: a step of the schedule compiled again with the
+profiler's marks, metered op by op), and the gradient check.
 """
 from __future__ import annotations
 
@@ -24,16 +25,11 @@ from pathlib import Path
 import torch
 
 from experiments.bench_executor import machine_name
-from offload.executor.compiled import SchedulePartitioner
 from offload.executor.train import TrainOptions, train
 from offload.io.text import format_bytes
-from offload.models import resolve
-from offload.executor.marked import MarkedRun
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
-from offload.step.chain import Chain
-from offload.step.memory import no_offload_peak, op_memory, op_name, smallest_feasible_budget
-from offload.step.schedule import Schedule
+from offload.step.memory import no_offload_peak, smallest_feasible_budget
 
 _MODELS = Path(__file__).resolve().parent.parent / "tests" / "models"
 MODELS = {"gpt2": ("gpt2", {"layers": 4, "width": 64, "heads": 4, "seq": 64, "vocab": 128}),
@@ -42,20 +38,6 @@ MODELS = {"gpt2": ("gpt2", {"layers": 4, "width": 64, "heads": 4, "seq": 64, "vo
           "t5": (f"{_MODELS / 't5.py'}:build", {"layers": 2, "width": 64, "seq": 32, "dropout": 0.1}),
           "unet": (f"{_MODELS / 'unet.py'}:build", {"width": 8, "depth": 2, "image": 32}),
           "mixtral": (f"{_MODELS / 'moe.py'}:build", {"layers": 2, "seq": 32})}
-
-
-def _largest_op_over(model: str, options: dict, chain: Chain, schedule: Schedule) -> tuple[int, str]:
-    """The most an op of the scheduled step held over its prediction, and which op: a step of
-    the schedule compiled with the profiler's marks at its stage boundaries, metered between
-    them (``offload.profiler.compiled.MarkedRun``) against ``op_memory``."""
-    spec = resolve(model, chain.recipe.batch, dict(chain.recipe.options), chain.recipe.seed)
-    partitioner = SchedulePartitioner(chain, schedule, copy_backend="cpu-lazy", marks=True)
-    run = MarkedRun(spec, partitioner, torch.device("cpu"), chain.recipe.compile)
-    for _ in range(2):  # compiles, and makes the gradients
-        run.step()
-    over = [int(m) - int(p) for m, p in zip(run.peaks(), op_memory(chain, schedule.offloads))]
-    o = max(range(len(over)), key=over.__getitem__)
-    return over[o], op_name(chain, o)
 
 
 def row(tag: str) -> str:
@@ -70,9 +52,12 @@ def row(tag: str) -> str:
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report, error = train(None, chain, schedule, TrainOptions(steps=2, backend="cpu-lazy", check_grads=True))
+        report, error = train(None, chain, schedule, TrainOptions(steps=2, backend="cpu-lazy", check_grads=True,
+                                                                  op_memory=True))
     relaid = sum("laid out a saved value of the compiled graph" in str(w.message) for w in caught)
-    over, op = _largest_op_over(model, options, chain, schedule)
+    ops, predicted_ops = report.measured.op_peak_bytes or {}, report.predicted.op_bytes or {}
+    op = max(predicted_ops, key=lambda o: ops.get(o, 0) - predicted_ops[o])
+    over = ops.get(op, 0) - predicted_ops[op]
     measured = report.measured.activation_peak_bytes
     held = measured is not None and measured <= budget
     grads = ("bit for bit" if report.grads_match else "within noise" if report.grads_within_noise else

@@ -197,7 +197,8 @@ def test_our_copies_sit_at_the_schedules_events(chain):
 LLAMA = {"layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "seq": 32, "vocab": 128, "dropout": 0.1}
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test-all (time): make test keeps the GPT's copies, recomputation and checkpoints
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_our_copies_keep_a_llamas_gradients_bit_for_bit_and_move_its_units_whole(backend):
     """transformers' Llama (SDPA, grouped-query attention, dropout) on the lazy CPU backend (a
     buffer read before its copy is waited for reads poison), a recomputed layer offloading its

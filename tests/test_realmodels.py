@@ -104,6 +104,7 @@ def test_llama_blocks_recomputed_bit_exact(profiled, dropout, backend):
         check_run(chain, ways[name], backend, name)
 
 
+@SLOW  # make test-all (time)
 def test_a_key_value_cache_is_turned_off_for_training(profiled):
     """transformers configs default to ``use_cache=True``: the profiler turns the cache off (one
     note, ``cache_off`` in the recipe), so every block is recomputable; offload train does the

@@ -16,12 +16,13 @@ compiled step does what ``Offloaded`` does at its stage boundaries:
   forward then hands the backward the host copy instead of each value;
 * **backward**: a stage's backward begins with its first node (a node of a later stage past
   that point, such as a gradient sum, is in the earlier one); the H2D copies of prefetch
-  point ``k`` go right before ``Bk``'s first node, or the recomputed forward nodes before it
-  (after every node of ``B(k+1)``, the gradient sums that close it too, which no ``seq_nr``
-  names: issued before one, a prefetch held its buffer through it, 311 KiB over a BERT
-  op's prediction), in ``prefetch_key`` order; the wait for a unit before the first node of ``B(need)``, or
-  before a reader of it that comes earlier (then the H2D too, if its point came after that
-  reader: ``late``); each value is read as a view (``as_strided``) of its storage's buffer.
+  point ``k`` go right before ``Bk``'s first node, or the recomputed forward nodes before
+  it, in ``prefetch_key`` order: after every node of ``B(k+1)``, the gradient sums that
+  close it too, which no ``seq_nr`` names (issued before one, a prefetch held its buffer
+  through it: 311 KiB over a BERT op's prediction); the wait for a unit before the first
+  node of ``B(need)``, or before a reader of it that comes earlier (then the H2D too, if its
+  point came after that reader: ``late``); each value is read as a view (``as_strided``) of
+  its storage's buffer.
 
 A storage is copied over the extent its saved values cover, not whole: Inductor may put a
 value in a larger buffer than the value needs, or in a part of another's; and the copy holds

@@ -420,7 +420,7 @@ def test_a_prefetch_waits_for_the_gradient_sum_that_closes_the_stage_before():
     it (before it, each held its buffer through that sum: 311 KiB over a BERT op's
     prediction), so that only our ops and recomputed forward nodes stand between a prefetch
     and the stage it is issued for."""
-    options = {"layers": 2, "width": 64, "heads": 4, "seq": 32, "vocab": 128}
+    options = {"layers": 1, "width": 32, "heads": 2, "seq": 16, "vocab": 64}
     bert = profile("bert", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options=options)).chain
     torch._dynamo.reset()
     spec = resolve("bert", 2, options)

@@ -339,8 +339,8 @@ def test_bytes_per_step_count_the_warm_up_step_too(chain, monkeypatch):
     assert (report.measured.d2h_bytes_per_step, report.measured.h2d_bytes_per_step) == (sim.d2h_bytes, sim.h2d_bytes)
 
 
-@pytest.mark.parametrize("stale,extra,expected", [(0, 0, [2 * MiB] * 3), (0, 3 * MiB, [5 * MiB] * 3),
-                                                  (7 * MiB, 3 * MiB, [9 * MiB] * 3)])
+@pytest.mark.parametrize("stale,extra,expected", [pytest.param(0, 0, [2 * MiB] * 3, marks=pytest.mark.slow),  # time
+                                                  (0, 3 * MiB, [5 * MiB] * 3), (7 * MiB, 3 * MiB, [9 * MiB] * 3)])
 def test_a_step_is_judged_over_the_chains_base_workspaces_included(monkeypatch, stale, extra, expected):
     """cuBLAS makes its workspace at the first matmul and keeps it: in step 1 it appears during
     the step.  The chain's base counts the profiled workspace (``workspace_bytes``), so step 1

@@ -163,9 +163,9 @@ def test_a_schedule_solved_on_the_compiled_chain_keeps_its_budget_compiled():
     assert 0.9 * predicted <= measured <= predicted <= budget
     torch._dynamo.reset()  # and every op within its prediction (offload train --op-memory)
     report, error = train(None, chain, schedule, TrainOptions(steps=1, backend="cpu-lazy", op_memory=True))
+    assert error is None
     ops, predicted_ops = report.measured.op_peak_bytes, report.predicted.op_bytes
-    assert error is None and all(ops[op] <= predicted_ops[op] for op in predicted_ops), \
-        {op: ops[op] - predicted_ops[op] for op in predicted_ops}
+    assert all(ops[op] <= predicted_ops[op] for op in predicted_ops), {op: ops[op] - predicted_ops[op] for op in predicted_ops}
 
 
 BREAK = '''

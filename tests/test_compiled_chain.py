@@ -109,15 +109,17 @@ def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):
 def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_scheduled(aot):
     """``offload train`` on such a chain: the model compiled as one graph with the schedule in
     it, its allocations metered on the CPU (``AllocationMeter``), the bytes moved, the
-    gradient check against the same compile without the schedule, and ``--op-memory`` (the
+    gradient check against the same compile without the schedule, ``--op-memory`` (the
     schedule compiled again with marks: each op within its prediction, under aot_eager,
-    whose backward keeps its inputs); what that run cannot give is refused."""
+    whose backward keeps its inputs) and ``--compare`` (each baseline compiled alike, its
+    compiling step not measured: without offloading, the peak of the chain without a
+    schedule); what that run cannot give is refused."""
     chain = aot.chain
     schedule = make_schedule(chain, floor_offloads(chain)[:2])
     sim = schedule.simulate(chain)
     torch._dynamo.reset()
     report, error = train(None, chain, schedule, TrainOptions(steps=1, backend="cpu-lazy", check_grads=True,
-                                                              op_memory=True))
+                                                              op_memory=True, compare=True))
     m = report.measured
     assert error is None and report.steps_done == 1
     assert 0 < m.activation_peak_bytes <= sim.peak_bytes  # aot_eager's backward keeps its inputs: measured
@@ -127,8 +129,13 @@ def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_schedule
     assert list(m.op_peak_bytes) == list(predicted) and len(predicted) == 2 * chain.L
     assert all(0 < m.op_peak_bytes[op] <= predicted[op] for op in predicted), \
         {op: m.op_peak_bytes[op] - predicted[op] for op in predicted}
-    with pytest.raises(ChainMismatch, match="does not give --compare yet"):
-        train(None, chain, schedule, TrainOptions(steps=1, compare=True))
+    compare = report.compare
+    assert set(compare) == {"no_offload", "save_on_cpu", "selective_checkpoint"}
+    assert all(b.error is None and b.step_s and b.activation_peak_bytes for b in compare.values())
+    assert compare["no_offload"].activation_peak_bytes <= no_offload_peak(chain)  # aot_eager: as above
+    assert compare["no_offload"].activation_peak_bytes > m.activation_peak_bytes
+    with pytest.raises(ChainMismatch, match="does not give --trace yet"):
+        train(None, chain, schedule, TrainOptions(steps=1, trace="t.json"))
 
 
 def test_the_partitioner_pickles_as_its_key(aot):

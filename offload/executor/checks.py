@@ -16,7 +16,7 @@ import contextlib
 import gc
 import json
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +29,7 @@ from offload.models.spec import ModelSpec
 from offload.step.chain import Chain
 
 from .api import Offloaded
+from .compiled import plain_compile
 from .report import BASELINES, Baseline, total
 from .traces import copy_overlap, device_time
 from .trainer import Run, StepHooks, Trainer, step_errors
@@ -136,24 +137,48 @@ def _blocks(chain: Chain) -> list[str]:
     return [p for p in paths if not any(q.startswith(p + ".") for q in paths)]
 
 
-def compare_baselines(trainer: Trainer, steps: int, ours: Run, chain: Chain) -> dict[str, Baseline]:
+def compare_baselines(trainer: Trainer, steps: int, ours: Run, chain: Chain,
+                      compiled: str | None = None) -> dict[str, Baseline]:
     """The same steps without offloading, under ``save_on_cpu`` and with op-level selective
     checkpointing of the chain's blocks (``offload.core.selective``), and our step time
-    against each."""
+    against each.  ``compiled``: on a chain of the compiled graph, its backend: each way runs
+    the model compiled as ours is without the schedule (``plain_compile``), after a step that
+    compiles it (not measured), each way's context entered once for all its steps (the
+    checkpointed blocks patched anew at each step would be compiled anew at each)."""
     pin = trainer.device.type == "cuda"
     module = trainer.spec.module
+    run = module if compiled is None else plain_compile(module, compiled)
     ways = {"no_offload": contextlib.nullcontext,
             "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin),
             "selective_checkpoint": lambda: selective_checkpointing(module, _blocks(chain))}
     out: dict[str, Baseline] = {}
+
+    def forward(args: tuple, kwargs: dict) -> Any:
+        return run(*args, **kwargs)
     for name, wrap in ways.items():
-        run, error = trainer.measure(steps, lambda args, kwargs: module(*args, **kwargs), wrap, label=BASELINES[name])
-        peak = max(run.peaks) if run.peaks else None
-        step_s = statistics.median(run.step_s) if run.step_s else None
-        out[name] = Baseline(step_s, run.step_s, peak, total(peak, chain),
+        if compiled is None:
+            result, error = trainer.measure(steps, forward, wrap, label=BASELINES[name])
+        else:
+            with wrap():
+                result, error = _compiled_way(trainer, steps, forward, BASELINES[name])
+        peak = max(result.peaks) if result.peaks else None
+        step_s = statistics.median(result.step_s) if result.step_s else None
+        out[name] = Baseline(step_s, result.step_s, peak, total(peak, chain),
                              str(error) if error else None,
                              statistics.median(ours.step_s) / step_s if step_s and ours.step_s else None)
     return out
+
+
+def _compiled_way(trainer: Trainer, steps: int, forward: Callable[[tuple, dict], Any], label: str
+                  ) -> tuple[Run, Exception | None]:
+    """A step that compiles (not measured), then ``steps`` measured ones."""
+    try:
+        with step_errors(f"compiling {label}"):
+            trainer.one_step(forward, trainer.spec.batch(), contextlib.nullcontext)
+    except Exception as exc:  # that way's failure is its row's, as a measured step's is
+        return Run(), exc
+    trainer.spec.zero_grads(trainer.params)
+    return trainer.measure(steps, forward, label=label)
 
 
 def trace_step(path: str, trainer: Trainer, run: Offloaded) -> dict[str, Any]:

@@ -175,7 +175,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also time the same steps without offloading, under torch's save_on_cpu and with "
                         "op-level selective checkpointing of the chain's blocks (matmul outputs saved, the rest "
-                        "recomputed: torchtitan's policy), and print our step time as a multiple of each")
+                        "recomputed: torchtitan's policy), and print our step time as a multiple of each; on a "
+                        "chain of the compiled graph each of them runs compiled alike")
     p.add_argument("--trace", metavar="JSON", type=output_path,
                    help="write a torch.profiler Chrome trace of one more step (open in ui.perfetto.dev); on a GPU "
                         "it also reports how much of the copy time ran under compute, and how long the device "

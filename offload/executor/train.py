@@ -164,8 +164,7 @@ def _check_whole_graph(chain: Chain, opts: TrainOptions) -> None:
     yet is refused before anything runs."""
     if chain.recipe is None or not chain.recipe.whole_graph:  # (no recipe: refused where the model is built)
         return
-    asked = [flag for flag, on in (("--compare", opts.compare), ("--trace", opts.trace),
-                                   ("--nproc", distributed.world_size() > 1)) if on]
+    asked = [flag for flag, on in (("--trace", opts.trace), ("--nproc", distributed.world_size() > 1)) if on]
     if asked:
         raise ChainMismatch(f"chain {chain.name!r} was profiled as one compiled graph, whose run offload train does not "
                             f"give {asked[0]} yet", f"train it without {asked[0]}, or profile without --whole-graph")
@@ -236,7 +235,7 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         error = _over_budget(steps, schedule, chain)
     _measured(report, steps, run, chain)
     if completed and opts.compare:
-        report.compare = compare_baselines(trainer, opts.steps, steps, chain)
+        report.compare = compare_baselines(trainer, opts.steps, steps, chain, chain.recipe.compile if whole else None)
     if completed and opts.trace:
         report.trace = trace_step(opts.trace, trainer, run)
     if check is not None:

@@ -168,6 +168,7 @@ def test_encoded_sizes_are_the_profiled_ones(tmp_path):
     assert (m.d2h_bytes_per_step, m.h2d_bytes_per_step) == (p.d2h_bytes_per_step, p.h2d_bytes_per_step)
 
 
+@pytest.mark.slow  # make test-all (time)
 def test_lossy_encodings_report_the_gradient_difference(chains, tmp_path, capsys):
     chain = chains["resnet18"]
     sched = encoded_schedules(chain, "lossy")["keep-encoded"]

@@ -63,8 +63,8 @@ def test_gradients_bit_exact_and_memory_as_predicted(chains, model, backend):
             assert report.measured.activation_peak_bytes < no_offload_peak(chains[model])
 
 
-@pytest.mark.parametrize("model, backend", [pytest.param("gpt", "cpu-eager", marks=pytest.mark.slow), ("gpt", "cpu-lazy"),
-                                            *(pytest.param("mlp", b, marks=pytest.mark.slow) for b in ("cpu-eager", "cpu-lazy"))])
+@pytest.mark.slow  # make test-all (time): make test keeps re-runs on the lazy backend in test_executor_options
+@pytest.mark.parametrize("model, backend", [(m, b) for m in ("gpt", "mlp") for b in ("cpu-eager", "cpu-lazy")])
 def test_recomputation_bit_exact_and_memory_as_predicted(chains, model, backend):
     """Re-run forwards replay the same dropout masks; measured memory never above the model."""
     for name, sched in recomputing(chains[model]).items():

@@ -91,8 +91,9 @@ def test_half_the_blocks_frozen(profiled, model):
     _run(profiled(model, frozen=MODELS[model]["layers"] // 2), 0.5, "cpu-lazy")
 
 
-@pytest.mark.parametrize("dropout, backend", [(0.1, "cpu-eager"), pytest.param(0.1, "cpu-lazy", marks=SLOW),
-                                              pytest.param(0.0, "cpu-lazy", marks=SLOW)])
+@pytest.mark.parametrize("dropout, backend", [pytest.param(0.1, "cpu-eager", marks=SLOW),  # time: make test keeps
+                                              pytest.param(0.1, "cpu-lazy", marks=SLOW),  # T5's blocks re-run with
+                                              pytest.param(0.0, "cpu-lazy", marks=SLOW)])  # dropout (test_non_chains)
 def test_llama_blocks_recomputed_bit_exact(profiled, dropout, backend):
     """Re-run decoder blocks (rotary tables and masks held, keyword calls) replay their
     attention-dropout masks; without dropout SDPA takes its fused kernel, which saves its own

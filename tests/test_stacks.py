@@ -299,7 +299,8 @@ def test_under_autocast_the_backwards_transients_no_longer_grow_with_depth():
     assert chain.recipe.casts_cleared  # autocast's cache forgot each layer's casts at its end
 
 
-@pytest.mark.parametrize("shared", [1, pytest.param(0, marks=pytest.mark.slow)])  # 0: make test-all (time)
+@pytest.mark.slow  # make test-all (time)
+@pytest.mark.parametrize("shared", [1, 0])
 def test_a_weight_read_by_two_stages_keeps_autocasts_cache(shared):
     """A layer called in the first and the last stage: clearing autocast's cache between them
     would cast its weight twice, and its gradient would be summed in another precision; the

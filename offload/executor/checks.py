@@ -173,11 +173,9 @@ def _compiled_way(trainer: Trainer, steps: int, forward: Callable[[tuple, dict],
                   ) -> tuple[Run, Exception | None]:
     """A step that compiles (not measured), then ``steps`` measured ones."""
     try:
-        with step_errors(f"compiling {label}"):
-            trainer.one_step(forward, trainer.spec.batch(), contextlib.nullcontext)
+        trainer.compiling_step(forward, f"compiling {label}")
     except Exception as exc:  # that way's failure is its row's, as a measured step's is
         return Run(), exc
-    trainer.spec.zero_grads(trainer.params)
     return trainer.measure(steps, forward, label=label)
 
 

@@ -280,9 +280,9 @@ class SchedulePartitioner(CustomPartitionerFn):
 
     @property
     def plans_memory(self) -> bool:
-        """Whether the schedule makes the compiled step's memory plan (Inductor's
-        ``reorder_for_peak_memory`` off): our copies are in the graph, or the chain was
-        profiled from this graph so (``offload.profiler.compiled``), or this is that profile."""
+        """Whether the schedule makes the compiled step's memory plan (Inductor under
+        ``PLANNED_OPTIONS``): our copies are in the graph, or the chain was profiled from this
+        graph so (``offload.profiler.compiled``), or this is that profile."""
         return self.ours or self.whole or self.marks
 
     def _check_units(self) -> None:

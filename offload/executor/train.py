@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from offload.core.devices import DTYPES, deterministic_kernels, make_optimizer, pick_device, running
-from offload.errors import (BudgetExceeded, ChainMismatch, HostMemoryShortfall, ModelError, OffloadError,
-                            offload_cause)
+from offload.errors import BudgetExceeded, ChainMismatch, HostMemoryShortfall, ModelError, OffloadError
 from offload.models import ModelSpec, resolve
 from offload.models.resolve import file_reference, file_sha256
 from offload.models.spec import cache_off
@@ -35,7 +34,7 @@ from .checks import GradCheck, compare_baselines, trace_step
 from .compiled import SchedulePartitioner, compile_scheduled, plain_compile
 from .marked import MarkedRun
 from .report import BASELINES, Report
-from .trainer import Run, Trainer, step_errors
+from .trainer import Run, Trainer
 
 
 @dataclass
@@ -175,12 +174,7 @@ def _run_whole_graph(chain: Chain, schedule: Schedule, spec: ModelSpec, backend:
     measured: it compiles, and it makes the host arena)."""
     run = compile_scheduled(spec.module, chain, schedule, backend=chain.recipe.compile, copy_backend=backend,
                             fullgraph=False)  # as profiled: a loss compiled apart is allowed
-    with step_errors("compiling the first step"):
-        try:
-            trainer.one_step(lambda args, kwargs: run(*args, **kwargs), spec.batch(), contextlib.nullcontext)
-        except Exception as exc:  # our partitioner's refusal, handed back by the compiler as its own
-            raise offload_cause(exc) or exc
-    spec.zero_grads(trainer.params)
+    trainer.compiling_step(lambda args, kwargs: run(*args, **kwargs), "compiling the first step")
     return run
 
 

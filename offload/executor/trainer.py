@@ -31,7 +31,7 @@ import torch
 
 from offload.core.devices import persistent_tensors, running
 from offload.core.meters import make_meter
-from offload.errors import OffloadError, OutOfMemory
+from offload.errors import OffloadError, OutOfMemory, offload_cause
 from offload.models.spec import ModelSpec, tensors_in
 
 from .runtime import OffloadRuntime
@@ -109,6 +109,15 @@ class Trainer:
                 loss = self.spec.loss(forward(args, kwargs))
             loss.backward()
         del loss
+
+    def compiling_step(self, forward: Forward, what: str) -> None:
+        """A step not measured, its gradients dropped: the one that compiles ``forward``."""
+        with step_errors(what):
+            try:
+                self.one_step(forward, self.spec.batch(), contextlib.nullcontext)
+            except Exception as exc:  # our partitioner's refusal, handed back by the compiler as its own
+                raise offload_cause(exc) or exc
+        self.spec.zero_grads(self.params)
 
     def finish_step(self) -> None:
         if self.optimizer is not None:

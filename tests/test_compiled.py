@@ -79,6 +79,34 @@ def test_recomputed_stages_run_again_in_the_backward_bit_for_bit(chain, backend)
     assert set(before) <= set(range(chain.L + 1)) and all(after.get(j, 0) < before[j] for j in recomputed)
 
 
+def test_a_recomputed_run_holds_its_input_and_hands_its_output_on(chain):
+    """As the eager executor runs a run: its input is its checkpoint, not a unit of the stage
+    before (offloaded with it, it was fetched back late for the rebuild); an offloaded
+    checkpoint moves activations, never the weights the run reads (the module holds them);
+    what the next, kept stage reads of the run is saved for that stage, so the run is rebuilt
+    in its own backward, not in that stage's."""
+    names = [s.name for s in chain.stages]
+    k = names.index("h.2") + 1
+    assert {k - 1, k} <= chain.recomputable and k < chain.L  # stage k + 1 kept: the run is k alone
+    run = Recompute(k, k)
+    moving = replace(run, release=first_checkpoint_release(chain, run), prefetch=run_op(chain, run))
+    _, plain = step(lambda m: torch.compile(m, backend="aot_eager"))
+    for offloads, runs in (([Offload(k - 1, k, k)], [run]), ([], [moving])):
+        ours, grads = step(lambda m: compile_scheduled(m, chain, make_schedule(chain, offloads, runs),
+                                                       backend="aot_eager"))
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+        p = ours.partitioner
+        assert p.placed.late == []  # every value is back where the schedule says, the run's input too
+        moved = [v for s in p.placed.storages for v in s.values]
+        assert moved and all(v.op == "call_function" for v in moved)  # no weight
+        _, backward = p.graphs
+        order = [n.name for n in backward.graph.nodes if n.op == "call_function"]
+        rebuilt = [i for i, n in enumerate(order) if p.stages.get(n) == k]
+        first = min(i for i, n in enumerate(order) if p.back_stages.get(n) == k)
+        later = [i for i, n in enumerate(order) if p.back_stages.get(n, 0) > k and i < first]
+        assert rebuilt and max(later) < min(rebuilt)  # after B(k+1)'s nodes
+
+
 @pytest.mark.slow
 def test_an_in_stage_option_keeps_its_matmuls_in_the_graph(chain):
     """``Recompute(i, i, "matmuls")``: the stage's matmul outputs are saved, the rest of it is

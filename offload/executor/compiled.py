@@ -11,9 +11,11 @@ one graph instead and hands AOTAutograd a partitioner built from (chain, schedul
   no later stage is in stage ``k`` (``assign_stages``);
 * **recomputation**: the forward nodes of each recomputed run's stages are tagged
   ``MUST_RECOMPUTE`` (those its in-stage option keeps ``MUST_SAVE``, by the ``KeepRule`` the
-  eager executor uses, those that draw random numbers, and those that read an input with
+  eager executor uses, those that draw random numbers, those that read an input with
   no gradient, such as a batch norm's running statistics, which the step updates after
-  the forward: their outputs are saved), each
+  the forward, and those a later stage outside the run reads, as that stage saves them in
+  eager mode, where the partitioner would run the run again in that stage's backward:
+  their outputs are saved), each
   run its own ``ac_graph_id`` in order; the other stages' nodes are left to PyTorch's
   min-cut partitioner as in a plain compile (tagged ``MUST_SAVE`` they made a Llama's step
   hold 14% more than plain compile's), which then builds the forward and the backward
@@ -45,7 +47,8 @@ warned of, with what stays (``SchedulePartitioner.moved``).
 
 A recomputed run that offloads its checkpoint (ours only) moves the storages that only the
 run reads in the backward (its input, what its option or its random ops keep) at its own
-events; what other stages read too stays, as the eager executor's held tensors do.
+events; what other stages read too stays, as the eager executor's held tensors do, and so
+do the weights it reads (the module holds them).
 
 The chain says where stages end.  A chain of the eager model predicts the eager step, not
 this one (the compiled forward saves other, fewer tensors, and the compiled backward hands
@@ -241,7 +244,8 @@ class SchedulePartitioner(CustomPartitionerFn):
                 node.meta["ac_graph_id"] = n
                 if node.target is operator.getitem and node.args[0].name in self.tags:
                     policy = self.tags[node.args[0].name]  # a value of a multi-output op: as the op
-                elif _random(node) or any(a in fixed for a in node.all_input_nodes) or (
+                elif _random(node) or any(a in fixed for a in node.all_input_nodes) or any(
+                        stages.get(u, 0) > run.last and stages[u] not in run_of for u in node.users) or (
                         n in rules and isinstance(node.target, torch._ops.OpOverload)
                         and rules[n](node.target, node.args, node.kwargs)):
                     policy = CheckpointPolicy.MUST_SAVE

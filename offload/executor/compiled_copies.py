@@ -8,7 +8,8 @@ compiled step does what ``Offloaded`` does at its stage boundaries:
 * **units** as the eager executor's (``offload.core.units``): a saved storage belongs to the
   first stage that saves it.  A value is saved by the stages whose backward reads it (a
   backward node's stage is that of the forward node it differentiates: AOTAutograd gives
-  them one ``seq_nr``), a recomputed stage aside (``value_units``); values sharing a storage (a fused projection's query, key and value)
+  them one ``seq_nr``), a recomputed stage aside: what only recomputed stages read is their
+  run's checkpoint (``value_units``); values sharing a storage (a fused projection's query, key and value)
   move as one storage, copied once;
 * **forward** (nodes in stages by ``assign_stages``): after the last node of ``Fk``, the D2H
   of ``Uk``'s storages, then the releases due at ``k`` (due at ``L``: just before the graph's
@@ -58,16 +59,24 @@ def backward_stages(joint: fx.Graph, stages: Mapping[fx.Node, int]) -> dict[str,
 
 def value_units(stages: Mapping[fx.Node, int], back: Mapping[str, int], recomputed: set[int]) -> dict[str, int]:
     """The unit of each forward node's value, were it saved: the first stage whose backward
-    reads it, a recomputed stage aside (what it reads from before it is its run's checkpoint,
-    which the run holds, not a unit), or its own stage if no other backward node reads it.
-    A backward node the partitioner moved into the forward graph (it reads forward values
-    only: a transpose of attention probabilities for a matmul's backward) is in its own
-    stage's unit.  Inductor's random seeds are in none: they are the step's random state, not
-    an activation (the eager executor moves none), and its generated kernels read them where
-    they are."""
-    units = {n.name: min((back[u.name] for u in n.users if u.name in back and back[u.name] not in recomputed),
-                         default=k)
-             for n, k in stages.items() if n.target is not torch.ops.prims.inductor_seeds.default}
+    reads it, a recomputed stage aside, or its own stage if no backward node reads it.  A
+    value that only recomputed stages read in the backward (their backward nodes, or their
+    forward nodes run again there: a run's input, its random ops' outputs) is in no unit: it
+    is its run's checkpoint, which the run holds until it is rebuilt.  A backward node the partitioner moved into the forward graph (it reads forward
+    values only: a transpose of attention probabilities for a matmul's backward) is in its
+    own stage's unit.  Inductor's random seeds are in none: they are the step's random state,
+    not an activation (the eager executor moves none), and its generated kernels read them
+    where they are."""
+    units = {}
+    for n, k in stages.items():
+        if n.target is torch.ops.prims.inductor_seeds.default:
+            continue
+        # a recomputed stage's forward node reads it in the backward, where it runs again
+        readers = {back[u.name] if u.name in back else stages[u] for u in n.users
+                   if u.name in back or stages.get(u) in recomputed}
+        kept = readers - recomputed
+        if kept or not readers:
+            units[n.name] = min(kept, default=k)
     return {**back, **units}
 
 
@@ -197,9 +206,12 @@ def _checkpoints(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
     only the run reads in the backward (its recomputed ops and its stages' backward ops: the
     run's input, and what its in-stage option or its random ops keep), not taken by a unit
     that moves.  What other stages read too (a rotary table, a mask) stays, as the eager
-    executor's held tensors do."""
+    executor's held tensors do, and so do the graph's inputs (weights the run reads: the
+    module holds them) and Inductor's random seeds."""
     readers = {n.name: list(n.users) for n in backward.graph.find_nodes(op="placeholder")}
-    groups = _saved_storages(forward, num_fwd_outputs)
+    groups = {ref: values for ref, values in _saved_storages(forward, num_fwd_outputs).items()
+              if all(v.op == "call_function" and v.target is not torch.ops.prims.inductor_seeds.default
+                     for v in values)}
     out = []
     for run in runs:
         inside = range(run.first, run.last + 1)

@@ -59,6 +59,10 @@ def test_workspace_bytes_round_trip_and_count_in_the_identity_only_when_there():
         {"index": 0, "encoder": "zip", "bytes": 10, "encoded_bytes": 5}]}]), "encoder 'zip'"),
     (lambda d: d["stages"][0].update(encodings=[{"name": "x", "encode_s": 0, "decode_s": 0, "tensors": [
         {"index": 0, "encoder": "sparse", "bytes": 10, "encoded_bytes": 10 ** 6}]}]), "far above"),
+    (lambda d: d["stages"][0].update(shared_saves=[3, 1]), "distinct indices in increasing order"),
+    (lambda d: d["stages"][0].update(shared_saves=[-1]), "shared_saves"),
+    (lambda d: d["stages"][0].update(shared_saves=[0], encodings=[{"name": "x", "encode_s": 0, "decode_s": 0, "tensors": [
+        {"index": 0, "encoder": "sparse", "bytes": 10, "encoded_bytes": 5}]}]), "both encoded and in shared_saves"),
     (lambda d: d.update(stages=[]), "stages"),
     (lambda d: d.update(base_bytes=100, workspace_bytes=101), "workspace_bytes"),  # a part of the base
 ])
@@ -67,6 +71,15 @@ def test_malformed_chain_names_the_field(mutate, words):
     mutate(doc)
     with pytest.raises(FormatError, match=words.replace("[", r"\[").replace("]", r"\]")):
         chain_from_dict(doc)
+
+
+def test_shared_saves_round_trip_and_count_in_the_identity_only_when_there():
+    doc = chain_doc()
+    doc["stages"][1]["shared_saves"] = [0, 4]
+    chain = chain_from_dict(doc)
+    assert chain.stage(2).shared_saves == (0, 4) and chain_from_dict(chain.document()) == chain
+    assert chain.sha256 != chain_from_dict(chain_doc()).sha256
+    assert "shared_saves" not in chain_from_dict(chain_doc()).document()["stages"][1]  # older chains keep their sha256
 
 
 def test_byte_counts_that_would_overflow_are_refused():

@@ -255,6 +255,29 @@ def test_a_weights_autocast_copy_is_never_offloaded():
     assert units == [((2, 8), True), ((8, 8), False)]
 
 
+def test_a_storage_the_chain_shares_stays_out_of_every_unit_and_keeps_its_number():
+    """``UnitTracker(shared=...)``: a storage that a stage after the next saves too (the
+    chain's ``shared_saves``, by its number among its first saver's storages) is in no unit,
+    at every save; the storages after it keep the numbers the profile gave them."""
+    from offload.core.units import UnitTracker
+    a, table, b = torch.zeros(4), torch.zeros(8), torch.zeros(2)
+    tracker = UnitTracker(torch.device("cpu"), [], shared={1: [1]})
+    first = [tracker.saw(t) for t in (a, table, b)]
+    tracker.stage = 2
+    again = tracker.saw(table)
+    assert first[1] is None and again is None
+    assert [(s.unit, s.index, s.nbytes) for s in (first[0], first[2])] == [(1, 0, 16), (1, 2, 8)]
+    assert tracker.units(2) == ([24, 0], [1, 2])
+    whole = UnitTracker(torch.device("cpu"), [])  # what the profile's first pass finds
+    for t in (a, table, b):
+        whole.saw(t)
+    whole.stage = 2
+    whole.saw(b)  # the next stage: a stage's output, its input there
+    whole.stage = 3
+    whole.saw(table)  # a stage after the next
+    assert whole.shared_saves(3) == [(1,), (), ()] and whole.units(3) == ([56, 0, 0], [3, 2, 3])
+
+
 def test_a_weights_cast_is_made_again_not_saved_and_gradients_are_the_same():
     """``core.casts``: under autocast the saved cast of a weight (the transposed view ``addmm``
     saves) becomes a note of the weight and its layout; the backward casts it again: the same

@@ -7,6 +7,13 @@ first-save order (the chain's ``EncodedTensor.index``); a storage's ``need_from`
 *last* stage that saves it (the first backward to read it).  The profiler sizes the units
 with this rule and the executor moves them with it, so they match byte for byte.
 
+A storage that a stage after the next saves too (a rotary table or a mask every layer
+saves, an encoder's output every decoder layer saves) is in no unit either when the chain says so
+(``Stage.shared_saves``, found by the profiler's memory pass): it stays on the device, in
+the ops' transients, where its first saver's unit would otherwise be needed from the last
+saver's backward on, held whole through most of the backward for one small tensor.  It
+keeps its place in the numbering, so the other storages keep theirs.
+
 Never part of a unit: storages that live across steps (weights, buffers, gradients,
 optimizer state: the chain's constant ``base_bytes``; a parameter or a view of one is
 recognized by its type at every save, the rest by storage), the step's input batch (the
@@ -19,7 +26,7 @@ a new storage, which starts afresh.
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, NamedTuple
+from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
@@ -78,9 +85,11 @@ class Saved(NamedTuple):
 class UnitTracker:
     """Attribute saved tensors to units (module docstring); ``stage`` is the stage running now."""
 
-    def __init__(self, device: torch.device, excluded: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, device: torch.device, excluded: Iterable[torch.Tensor] = (),
+                 shared: Mapping[int, Iterable[int]] | None = None) -> None:
         self.device = device
         self.excluded: set[int] = {storage_key(t) for t in excluded if plain(t)}
+        self.shared = {k: frozenset(v) for k, v in (shared or {}).items()}  # stage -> indices that stay
         self.stage = 1
         self.reset()
 
@@ -93,6 +102,7 @@ class UnitTracker:
         self.last: list[int] = []  # per record, the last stage that saved it
         self.count: dict[int, int] = {}  # unit -> storages so far
         self.unit_bytes: dict[int, int] = {}  # unit -> bytes so far
+        self._staying: dict[int, weakref.ref] = {}  # live storage key -> the storage, of those that stay
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never attribute these storages (the step's input batch, say)."""
@@ -112,11 +122,17 @@ class UnitTracker:
             self.last[n] = self.stage
             known = self.records[n]
             return Saved(key, known.unit, known.index, known.nbytes, False)
+        stays = self._staying.get(key)
+        if stays is not None and stays() is storage:
+            return None
         if is_weight(t):  # the per-tensor checks cost host time: only for storages not seen yet
             return None
-        self._refs[key] = weakref.ref(storage)  # new, or an address reused by a new storage
         index = self.count.get(self.stage, 0)
         self.count[self.stage] = index + 1
+        if index in self.shared.get(self.stage, ()):
+            self._staying[key] = weakref.ref(storage)
+            return None
+        self._refs[key] = weakref.ref(storage)  # new, or an address reused by a new storage
         self.unit_bytes[self.stage] = self.unit_bytes.get(self.stage, 0) + storage.nbytes()
         saved = Saved(key, self.stage, index, storage.nbytes(), True)
         self._known[key] = len(self.records)
@@ -128,6 +144,16 @@ class UnitTracker:
         """The record of the live storage ``key`` if it was saved this step (``None`` otherwise)."""
         ref = self._refs.get(key)
         return self.records[self._known[key]] if ref is not None and ref() is not None else None
+
+    def shared_saves(self, L: int) -> list[tuple[int, ...]]:
+        """Per stage ``1..L``, the indices of the storages it saved first that a stage after the
+        next saved too (``Stage.shared_saves``).  One the next stage saves too (a stage's
+        output, its input there) stays in the unit: it is needed one op earlier, no more."""
+        out: list[list[int]] = [[] for _ in range(L + 1)]
+        for s, last in zip(self.records, self.last):
+            if last > s.unit + 1:
+                out[s.unit].append(s.index)
+        return [tuple(v) for v in out[1:]]
 
     def units(self, L: int) -> tuple[list[int], list[int]]:
         """(bytes of each unit, need_from of each unit), stages ``1..L`` (a unit's ``need_from``

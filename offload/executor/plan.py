@@ -10,7 +10,7 @@ casts are saved as autograd saves them (the others' are made again: ``offload.co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from offload.step.chain import Chain, EncodedTensor
@@ -27,6 +27,7 @@ class StepPlan:
     encoders: dict[int, dict[int, EncodedTensor]]  # encoded unit -> storage index -> its encoding, as profiled
     unit_bytes: tuple[int, ...]  # per stage 0..L, the bytes its unit saves, as profiled
     casts_kept: frozenset[int] = frozenset()
+    shared: dict[int, tuple[int, ...]] = field(default_factory=dict)  # stage -> storages later stages save too
 
     @property
     def L(self) -> int:
@@ -65,4 +66,5 @@ class StepPlan:
             encoders={i: {t.index: t for t in e.tensors} for i, e in chosen.items()},
             unit_bytes=tuple(int(a) for a in chain.a),
             casts_kept=frozenset(schedule.casts_kept),
+            shared={k: s.shared_saves for k, s in enumerate(chain.stages, 1) if s.shared_saves},
         )

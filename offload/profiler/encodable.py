@@ -145,7 +145,7 @@ def _try(name: str, flat: torch.Tensor, sync: Callable[[], None]) -> Candidate:
 def encodings_pass(runner: StepRunner) -> list[list[SavedStorage]]:
     """Per stage, its saved storages with their encoding candidates (module docstring)."""
     persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
-    tracker = UnitTracker(runner.device, persistent)
+    tracker = runner.tracker(persistent)
     numbering = _Numbering(runner.L, tracker)
     tensors: dict[int, tuple[Saved, torch.Tensor]] = {}
     packed: Counter[int] = Counter()  # saves of each storage, as the pack hook saw them

@@ -73,6 +73,7 @@ class StageMeasurement:
     rerun_held_bytes: int = 0  # of input_bytes, what its re-run holds that the stage before's does not
     rerun_output: bool = True  # its re-run rebuilds its output (else it can only end a recomputed run)
     input_own_bytes: int = 0  # of input_bytes, the input's own storage (what an offloaded checkpoint moves)
+    shared_saves: tuple[int, ...] = ()  # storages it saves first that later stages save too: in no unit
 
 
 @dataclass
@@ -96,6 +97,7 @@ class MemoryPass:
     workspace: int = 0  # of m0, the bytes no tensor holds (CUDA: workspaces, the allocator's rounding)
     casts: list[list[casts.Recast]] = field(default_factory=list)  # per stage, the weight casts not saved
     shared_casts: bool = False  # a weight cast in two stages (``_CastsMade``)
+    shared_saves: list[tuple[int, ...]] = field(default_factory=list)  # per stage, storages later stages save too
 
     def widened(self, other: "MemoryPass") -> "MemoryPass":
         """This pass with each stage's peak (over its own ``m0``) the larger of the two passes'
@@ -266,6 +268,11 @@ class StepRunner:
         self.staging, self.spec, self.device = staging, spec, device
         self.params = [p for p in spec.module.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, self.params, lr)
+        self.shared: dict[int, tuple[int, ...]] = {}  # stage -> storages later stages save too: in no unit
+
+    def tracker(self, excluded: list[torch.Tensor]) -> UnitTracker:
+        """The units' rule for a pass: ``excluded`` never in one, nor the storages ``shared`` names."""
+        return UnitTracker(self.device, excluded, self.shared)
 
     @property
     def L(self) -> int:
@@ -327,7 +334,7 @@ class StepRunner:
         meter = make_meter(self.device)
         readings: list[tuple[int, int]] = []
         persistent = persistent_tensors(self.spec.module, self.optimizer, self.device)
-        tracker = UnitTracker(self.device, persistent)  # constant memory, counted in M0: never a unit
+        tracker = self.tracker(persistent)  # constant memory, counted in M0: never a unit
         peak_ops: list[int] = []
 
         def read() -> None:
@@ -378,7 +385,7 @@ class StepRunner:
                           peak_ops[:L] if exact else None, lives if exact else None, starts, bwd_starts,
                           listener.inputs, listener.own, listener.new_held, listener.output_rebuilt, listener.why,
                           workspace,
-                          [list(r.values()) for r in recasts], made.shared)
+                          [list(r.values()) for r in recasts], made.shared, tracker.shared_saves(L))
 
     def recast_seconds(self, recasts: list[casts.Recast]) -> float:
         """What making a stage's weight casts again costs its backward: the casts, timed."""
@@ -391,7 +398,7 @@ class StepRunner:
         persistent = persistent_tensors(self.spec.module, self.optimizer, self.device)
         with self.batch() as (args, kwargs):
             # the executor's own work on every saved tensor, whatever it moves: which unit it is in
-            tracker = UnitTracker(self.device, persistent + tensors_in((args, kwargs)))
+            tracker = self.tracker(persistent + tensors_in((args, kwargs)))
             listener = Boundaries(self.L, clock.mark, tracker)
 
             def pack(t: torch.Tensor) -> Any:
@@ -524,7 +531,7 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
     are held through their forward (their transient is then the option's)."""
     persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
     meter = make_meter(runner.device)
-    holding = _Holding(runner.L, UnitTracker(runner.device, persistent), meter, runner.device, keeping)
+    holding = _Holding(runner.L, runner.tracker(persistent), meter, runner.device, keeping)
     with meter:
         meter.track(persistent)
         with runner.batch() as (args, kwargs):
@@ -592,6 +599,9 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     if mem.shared_casts and runner.staging.clear_casts:  # a second cast would round its gradient otherwise
         runner.staging.clear_casts = False
         mem = runner.memory_pass()
+    if any(mem.shared_saves):  # storages later stages save too stay on the device, in no unit (core.units)
+        runner.shared = {k: v for k, v in enumerate(mem.shared_saves, 1) if v}
+        mem = replace(runner.memory_pass(), shared_saves=mem.shared_saves)
     if runner.device.type == "cuda":  # the gradient check trains under deterministic kernels: budget for both
         with deterministic_kernels(runner.device):
             runner.warmup(1)  # the workspaces they make on first use exist before the pass reads
@@ -620,7 +630,8 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        statistics.median(t[2][i] for t in times),
                                        statistics.median(t[3][i] for t in times),
                                        sum(r.nbytes for r in mem.casts[i]), recast_s[i], mem.new_held[i],
-                                       mem.output_rebuilt[i], mem.inputs[i][1]))
+                                       mem.output_rebuilt[i], mem.inputs[i][1],
+                                       mem.shared_saves[i] if mem.shared_saves else ()))
     step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "

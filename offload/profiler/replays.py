@@ -91,7 +91,7 @@ def recorded(runner: StepRunner, stages: dict[int, str | None], meter: Any = Non
     given, entered and tracking what persists).  ``on_boundary`` is called as the forward
     starts and as each stage but the last ends."""
     persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
-    tracker = UnitTracker(runner.device, persistent)
+    tracker = runner.tracker(persistent)
     listener = _Replaying(runner.L, tracker, runner.device, stages, on_boundary)
     with meter if meter is not None else contextlib.nullcontext():
         if meter is not None:

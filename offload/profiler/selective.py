@@ -89,7 +89,7 @@ def _menu(candidates: dict[str, tuple[int, float]], saved: int, fwd_s: float) ->
 
 def selective_pass(runner: StepRunner, stages: list[StageMeasurement]) -> list[tuple[StageOption, ...]]:
     """Per stage, its menu of in-stage options (``_menu``), each measured (module docstring)."""
-    tracker = UnitTracker(runner.device, persistent_tensors(runner.spec.module, runner.optimizer, runner.device))
+    tracker = runner.tracker(persistent_tensors(runner.spec.module, runner.optimizer, runner.device))
     sizes = _KeptBytes(tracker, runner.L)
     with runner.batch() as (args, kwargs):
         with sizes:  # the forward only: the backward is not re-run

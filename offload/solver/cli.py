@@ -57,6 +57,16 @@ def _print_crossing(chain: Chain) -> None:
         print(f"{int(k):>4} after {name}: {clipped(', '.join(printable(str(x)) for x in values), 400)}")
 
 
+def _print_shared(chain: Chain) -> None:
+    """The storages that stay on the device, in no unit, because a stage after the next saves them too."""
+    shared = [(k, s.shared_saves) for k, s in enumerate(chain.stages, 1) if s.shared_saves]
+    if shared:
+        print()
+        print("shared      storages a stage after the next saves too: in no unit, they stay on the device (their "
+              "bytes in the transients), so each unit is needed from its own backward: "
+              + ", ".join(f"U{k} #{', #'.join(map(str, v))}" for k, v in shared))
+
+
 def print_chain(chain: Chain) -> None:
     """The chain at a glance: source, platform, stages, peak, ideal makespan, smallest budget."""
     src = chain.source
@@ -89,6 +99,7 @@ def print_chain(chain: Chain) -> None:
               f"{format_bytes(s.saved_bytes):>11} {format_bytes(s.fwd_peak_bytes):>11} {format_bytes(s.bwd_peak_bytes):>11} "
               f"{s.need_from:>5}" + (f" {format_bytes(s.cast_bytes):>11}" if casts else ""))
     _print_crossing(chain)
+    _print_shared(chain)
     if chain.has_encodings:
         print()
         print("encodings   (unit size once encoded, encode / decode time)")

@@ -132,6 +132,7 @@ class Stage:
     options: tuple[StageOption, ...] = ()  # in-stage options, measured: a recomputed run may choose one
     cast_bytes: int = 0  # weight casts (autocast) Fi makes and Bi reads: dropped and made again unless kept ...
     recast_s: float = 0.0  # ... what making them again costs Bi (part of bwd_s): docs/model.md, "Weight casts"
+    shared_saves: tuple[int, ...] = ()  # storages Fi saves first that later stages save too: in no unit (core.units)
 
     @property
     def recomputed_fwd_peak(self) -> int:
@@ -273,6 +274,8 @@ def _stage_document(s: Stage) -> dict:
         d["rerun_held_bytes"] = s.rerun_held_bytes
     if s.input_own_bytes:  # likewise
         d["input_own_bytes"] = s.input_own_bytes
+    if s.shared_saves:  # likewise
+        d["shared_saves"] = list(s.shared_saves)
     return d
 
 

@@ -30,13 +30,23 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "held_bytes", "held_until", "input_bytes", "recomputable", "rerun_output",
                "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes",
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
-               "options", "recording_host_s", "rerun_host_s", "input_own_bytes"}
+               "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "shared_saves"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
 _RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none",
                 "cache_off", "casts_cleared", "compile", "whole_graph"}
 _INPUT = re.compile(r"[^:]+:[a-z0-9]+\[[0-9,]*\]")
+
+
+def _shared_saves(raw: Any, ctx: str) -> tuple[int, ...]:
+    """A stage's ``shared_saves``: distinct storage indices, in increasing order."""
+    if not isinstance(raw, list):
+        raise FormatError(f"{ctx}.shared_saves must be a list of storage indices")
+    out = tuple(v.whole({"index": x}, "index", f"{ctx}.shared_saves", 0, 2 ** 31) for x in raw)
+    if list(out) != sorted(set(out)):
+        raise FormatError(f"{ctx}.shared_saves must hold distinct indices in increasing order, got {list(out)}")
+    return out
 
 
 def _encodings(raw: Any, saved: int, ctx: str) -> tuple[Encoding, ...]:
@@ -158,10 +168,16 @@ def _stage(s: Any, i: int, L: int) -> Stage:
         raise FormatError(f"{ctx}.recast_s ({recast}) > bwd_s ({bwd_s}): the backward's time includes its recasts")
     carried = v.whole(s, "input_carried_bytes", ctx, 0, min(checkpoint, saved if carry is None else carry)) \
         if "input_carried_bytes" in s else 0
+    shared = _shared_saves(s["shared_saves"], ctx) if "shared_saves" in s else ()
+    encodings = _encodings(s.get("encodings", []), saved, ctx)
+    both = sorted({t.index for e in encodings for t in e.tensors} & set(shared))
+    if both:
+        raise FormatError(f"{ctx}: storage #{both[0]} is both encoded and in shared_saves (which stay on the device, "
+                          "in no unit)")
     return Stage(name=v.string(s, "name", ctx, f"stage{i}"), kind=v.string(s, "kind", ctx, "layer"),
                  fwd_s=fwd_s, bwd_s=bwd_s, saved_bytes=saved,
                  fwd_peak_bytes=fwd_peak, bwd_peak_bytes=bwd_peak, need_from=need,
-                 encodings=_encodings(s.get("encodings", []), saved, ctx), held_bytes=held, held_until=until,
+                 encodings=encodings, held_bytes=held, held_until=until, shared_saves=shared,
                  options=_options(s.get("options", []), saved, fwd_s, ctx),
                  input_bytes=checkpoint,
                  recomputable=v.flag(s, "recomputable", ctx, True), rerun_output=v.flag(s, "rerun_output", ctx, True),

@@ -8,8 +8,8 @@ first-save order (the chain's ``EncodedTensor.index``); a storage's ``need_from`
 with this rule and the executor moves them with it, so they match byte for byte.
 
 A storage that a stage after the next saves too (a rotary table or a mask every layer
-saves, an encoder's output every decoder layer saves) is in no unit either when the chain says so
-(``Stage.shared_saves``, found by the profiler's memory pass): it stays on the device, in
+saves, an encoder's output every decoder layer saves) is in no unit either when the chain
+says so (``Stage.shared_saves``, found by the profiler's memory pass): it stays on the device, in
 the ops' transients, where its first saver's unit would otherwise be needed from the last
 saver's backward on, held whole through most of the backward for one small tensor.  It
 keeps its place in the numbering, so the other storages keep theirs.

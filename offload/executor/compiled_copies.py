@@ -9,8 +9,8 @@ compiled step does what ``Offloaded`` does at its stage boundaries:
   first stage that saves it.  A value is saved by the stages whose backward reads it (a
   backward node's stage is that of the forward node it differentiates: AOTAutograd gives
   them one ``seq_nr``), a recomputed stage aside: what only recomputed stages read is their
-  run's checkpoint (``value_units``); values sharing a storage (a fused projection's query, key and value)
-  move as one storage, copied once;
+  run's checkpoint (``value_units``); values sharing a storage (a fused projection's query,
+  key and value) move as one storage, copied once;
 * **forward** (nodes in stages by ``assign_stages``): after the last node of ``Fk``, the D2H
   of ``Uk``'s storages, then the releases due at ``k`` (due at ``L``: just before the graph's
   output), in the events' order, each unit's storages in forward order (their *keys*); the
@@ -62,11 +62,11 @@ def value_units(stages: Mapping[fx.Node, int], back: Mapping[str, int], recomput
     reads it, a recomputed stage aside, or its own stage if no backward node reads it.  A
     value that only recomputed stages read in the backward (their backward nodes, or their
     forward nodes run again there: a run's input, its random ops' outputs) is in no unit: it
-    is its run's checkpoint, which the run holds until it is rebuilt.  A backward node the partitioner moved into the forward graph (it reads forward
-    values only: a transpose of attention probabilities for a matmul's backward) is in its
-    own stage's unit.  Inductor's random seeds are in none: they are the step's random state,
-    not an activation (the eager executor moves none), and its generated kernels read them
-    where they are."""
+    is its run's checkpoint, which the run holds until it is rebuilt.  A backward node the
+    partitioner moved into the forward graph (it reads forward values only: a transpose of
+    attention probabilities for a matmul's backward) is in its own stage's unit.  Inductor's
+    random seeds are in none: they are the step's random state, not an activation (the
+    eager executor moves none), and its generated kernels read them where they are."""
     units = {}
     for n, k in stages.items():
         if n.target is torch.ops.prims.inductor_seeds.default:

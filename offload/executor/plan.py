@@ -27,7 +27,7 @@ class StepPlan:
     encoders: dict[int, dict[int, EncodedTensor]]  # encoded unit -> storage index -> its encoding, as profiled
     unit_bytes: tuple[int, ...]  # per stage 0..L, the bytes its unit saves, as profiled
     casts_kept: frozenset[int] = frozenset()
-    shared: dict[int, tuple[int, ...]] = field(default_factory=dict)  # stage -> storages later stages save too
+    shared: dict[int, tuple[int, ...]] = field(default_factory=dict)  # stage -> storages a stage after the next saves too
 
     @property
     def L(self) -> int:

@@ -73,7 +73,7 @@ class StageMeasurement:
     rerun_held_bytes: int = 0  # of input_bytes, what its re-run holds that the stage before's does not
     rerun_output: bool = True  # its re-run rebuilds its output (else it can only end a recomputed run)
     input_own_bytes: int = 0  # of input_bytes, the input's own storage (what an offloaded checkpoint moves)
-    shared_saves: tuple[int, ...] = ()  # storages it saves first that later stages save too: in no unit
+    shared_saves: tuple[int, ...] = ()  # its first saves a stage after the next saves too
 
 
 @dataclass
@@ -97,7 +97,7 @@ class MemoryPass:
     workspace: int = 0  # of m0, the bytes no tensor holds (CUDA: workspaces, the allocator's rounding)
     casts: list[list[casts.Recast]] = field(default_factory=list)  # per stage, the weight casts not saved
     shared_casts: bool = False  # a weight cast in two stages (``_CastsMade``)
-    shared_saves: list[tuple[int, ...]] = field(default_factory=list)  # per stage, storages later stages save too
+    shared_saves: list[tuple[int, ...]] = field(default_factory=list)  # per stage, found by the pass (``UnitTracker.shared_saves``)
 
     def widened(self, other: "MemoryPass") -> "MemoryPass":
         """This pass with each stage's peak (over its own ``m0``) the larger of the two passes'
@@ -268,7 +268,7 @@ class StepRunner:
         self.staging, self.spec, self.device = staging, spec, device
         self.params = [p for p in spec.module.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, self.params, lr)
-        self.shared: dict[int, tuple[int, ...]] = {}  # stage -> storages later stages save too: in no unit
+        self.shared: dict[int, tuple[int, ...]] = {}  # stage -> storages a stage after the next saves too
 
     def tracker(self, excluded: list[torch.Tensor]) -> UnitTracker:
         """The units' rule for a pass: ``excluded`` never in one, nor the storages ``shared`` names."""
@@ -599,7 +599,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     if mem.shared_casts and runner.staging.clear_casts:  # a second cast would round its gradient otherwise
         runner.staging.clear_casts = False
         mem = runner.memory_pass()
-    if any(mem.shared_saves):  # storages later stages save too stay on the device, in no unit (core.units)
+    if any(mem.shared_saves):  # storages a stage after the next saves too stay, in no unit (core.units)
         runner.shared = {k: v for k, v in enumerate(mem.shared_saves, 1) if v}
         mem = replace(runner.memory_pass(), shared_saves=mem.shared_saves)
     if runner.device.type == "cuda":  # the gradient check trains under deterministic kernels: budget for both

@@ -132,7 +132,7 @@ class Stage:
     options: tuple[StageOption, ...] = ()  # in-stage options, measured: a recomputed run may choose one
     cast_bytes: int = 0  # weight casts (autocast) Fi makes and Bi reads: dropped and made again unless kept ...
     recast_s: float = 0.0  # ... what making them again costs Bi (part of bwd_s): docs/model.md, "Weight casts"
-    shared_saves: tuple[int, ...] = ()  # storages Fi saves first that later stages save too: in no unit (core.units)
+    shared_saves: tuple[int, ...] = ()  # Fi's first saves a stage after the next saves too: in no unit
 
     @property
     def recomputed_fwd_peak(self) -> int:

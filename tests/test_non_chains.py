@@ -128,9 +128,7 @@ def test_the_tables_every_layer_saves_stay_and_the_first_layer_is_needed_for_its
     first = chain.stage(chain.recipe.cuts.index("model.layers.0") + 1)
     assert first.shared_saves and all(s.need_from == k for k, s in enumerate(chain.stages, 1))
     assert smallest_feasible_budget(chain, recompute=True) < 0.5 * no_offload_peak(chain)
-    for way, sched in {"everything": make_schedule(chain, floor_offloads(chain)),
-                       "blocks+offload": recomputing(chain)["blocks+offload"]}.items():
-        check_run(chain, sched, "cpu-eager", f"mixtral/{way}")
+    check_run(chain, recomputing(chain)["blocks+offload"], "cpu-eager", "mixtral/blocks+offload")  # each layer moved
 
 
 def test_a_stage_ending_in_the_blocks_own_code_can_only_end_a_run():

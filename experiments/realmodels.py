@@ -70,7 +70,9 @@ def run(tag: str, model: str, options: dict, blocks: int, frozen: int, split: bo
     joint = joint_floor(chain) if recompute else floor  # the least budget the joint MILP meets (0.5% of the peak)
     budget = int(0.5 * peak) if joint <= 0.5 * peak else joint + (peak - joint) // 2
     res = solve(chain, budget, "ilp", Options(time_limit_s=60, recompute=recompute))
-    offload_only = None if budget < floor else solve(chain, budget, "ilp", Options(time_limit_s=60)) if recompute else res
+    offload_only = res  # offloading alone, at the same budget: None where it cannot meet it
+    if recompute:
+        offload_only = solve(chain, budget, "ilp", Options(time_limit_s=60)) if budget >= floor else None
     save_schedule(res.schedule, chain, out / f"{tag}-schedule.json")
     backend = None if device == "cuda" else "cpu-lazy"
     report, error = train(None, chain, res.schedule, TrainOptions(steps=3, device=device, backend=backend,

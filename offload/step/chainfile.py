@@ -43,7 +43,8 @@ def _shared_saves(raw: Any, ctx: str) -> tuple[int, ...]:
     """A stage's ``shared_saves``: distinct storage indices, in increasing order."""
     if not isinstance(raw, list):
         raise FormatError(f"{ctx}.shared_saves must be a list of storage indices")
-    out = tuple(v.whole({"index": x}, "index", f"{ctx}.shared_saves", 0, 2 ** 31) for x in raw)
+    items = {str(j): x for j, x in enumerate(raw)}  # each element validated under its position
+    out = tuple(v.whole(items, str(j), f"{ctx}.shared_saves", 0, 2 ** 31) for j in range(len(raw)))
     if list(out) != sorted(set(out)):
         raise FormatError(f"{ctx}.shared_saves must hold distinct indices in increasing order, got {list(out)}")
     return out

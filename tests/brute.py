@@ -56,7 +56,7 @@ def kept_casts(chain: Chain, rebuilt: set[int]) -> Iterator[tuple[int, ...]]:
 
 
 def brute_force(chain: Chain, budget: int, recompute: bool = False) -> float | None:
-    """Best makespan over every schedule (offloads, kept weight casts, and with ``recompute``
+    """Best makespan over every schedule (offloads with their restores, kept weight casts, and with ``recompute``
     every set of runs, in-stage options and offloaded checkpoints included)."""
     return brute_force_each(chain, [budget], recompute)[0]
 
@@ -67,9 +67,12 @@ def brute_force_each(chain: Chain, budgets: list[int], recompute: bool = False) 
         yield None
         if i in rebuilt:
             return
+        restores = i in chain.restorable and i + 1 not in rebuilt
         for r in range(i + 1, chain.L + 1):
             for k in range(int(chain.need[i]), chain.L + 1):
                 yield Offload(i, r, k)
+                for p in range(r + 2, int(chain.held_read[i]) + 1) if restores else ():
+                    yield Offload(i, r, k, p)
     best: list[float | None] = [None] * len(budgets)
     every = (v for runs in all_runs(chain.L) for v in with_options(chain, runs)) if recompute else [[]]
     for runs in every:

@@ -66,6 +66,9 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
                                   rerun_host_s=draw(st.integers(0, 20)) / 1000)
         if saved and i + 2 <= L and draw(st.integers(0, 3)) == 0:  # part held by the model's own code
             stages[-1].update(held_bytes=draw(st.integers(1, saved)), held_until=draw(st.integers(i + 2, L)))
+            if draw(st.booleans()):  # read again by a later forward: it may leave the device until then
+                until = stages[-1]["held_until"]
+                stages[-1].update(held_saves=[0], held_read_at=draw(st.integers(i + 2, min(until + 1, L))))
         if inputs:
             st_ = stages[-1]
             st_["bwd_start_bytes"] = draw(st.integers(0, st_["bwd_peak_bytes"]))

@@ -89,7 +89,7 @@ def test_kept_casts_add_their_bytes_to_the_ops_they_span(cb, rnd):
     chain, budget = cb
     runs = [Recompute(i, i) for i in sorted(chain.recomputable) if rnd.random() < 0.4]
     rebuilt = {r.first for r in runs}
-    offloads = [o for o in floor_offloads(chain) if o.stage not in rebuilt and rnd.random() < 0.6]
+    offloads = [o for o in floor_offloads(chain, runs) if o.stage not in rebuilt and rnd.random() < 0.6]
     kept = [i for i in chain.castable if i not in rebuilt and rnd.random() < 0.5]
     spans = np.zeros(2 * chain.L, dtype=np.int64)
     for i in kept:
@@ -109,7 +109,7 @@ def test_every_schedule_with_kept_casts_is_a_point_of_the_milp(cb, rnd):
     chain, _ = cb
     runs = [Recompute(i, i) for i in sorted(chain.recomputable) if rnd.random() < 0.4]
     rebuilt = {r.first for r in runs}
-    offloads = [o for o in floor_offloads(chain) if o.stage not in rebuilt and rnd.random() < 0.6]
+    offloads = [o for o in floor_offloads(chain, runs) if o.stage not in rebuilt and rnd.random() < 0.6]
     kept = [i for i in chain.castable if i not in rebuilt and rnd.random() < 0.6]
     sim = simulate(chain, offloads, recompute=runs, casts_kept=kept)
     assert_loads_exactly(Model(chain, sim.peak_bytes, max_run=8), offloads, None, runs, kept)

@@ -65,6 +65,12 @@ def test_workspace_bytes_round_trip_and_count_in_the_identity_only_when_there():
         {"index": 0, "encoder": "sparse", "bytes": 10, "encoded_bytes": 5}]}]), "both encoded and in shared_saves"),
     (lambda d: d.update(stages=[]), "stages"),
     (lambda d: d.update(base_bytes=100, workspace_bytes=101), "workspace_bytes"),  # a part of the base
+    (lambda d: d["stages"][0].update(held_saves=[0], held_read_at=3), "held_read_at needs held_bytes"),
+    (lambda d: d["stages"][0].update(held_bytes=50, held_until=3, held_read_at=3), "go together"),
+    (lambda d: d["stages"][0].update(held_bytes=50, held_until=3, held_saves=[0], held_read_at=2), "held_read_at"),
+    (lambda d: d["stages"][0].update(held_bytes=50, held_until=3, held_saves=[], held_read_at=3), "name the held"),
+    (lambda d: d["stages"][0].update(held_bytes=50, held_until=3, held_saves=[1], held_read_at=3, shared_saves=[1]),
+     "in held_saves and in shared_saves"),
 ])
 def test_malformed_chain_names_the_field(mutate, words):
     doc = chain_doc()
@@ -80,6 +86,25 @@ def test_shared_saves_round_trip_and_count_in_the_identity_only_when_there():
     assert chain.stage(2).shared_saves == (0, 4) and chain_from_dict(chain.document()) == chain
     assert chain.sha256 != chain_from_dict(chain_doc()).sha256
     assert "shared_saves" not in chain_from_dict(chain_doc()).document()["stages"][1]  # older chains keep their sha256
+
+
+def test_held_reads_and_restores_round_trip_and_old_files_read_as_before(four, tmp_path):
+    doc = chain_doc()
+    doc["stages"][0].update(held_bytes=50, held_until=3, held_saves=[0], held_read_at=4)
+    chain = chain_from_dict(doc)
+    assert chain.stage(1).held_read_at == 4 and chain.restorable == (1,) and chain_from_dict(chain.document()) == chain
+    assert "held_read_at" not in four.document()["stages"][0]  # older chains keep their sha256
+    s = make_schedule(chain, [Offload(1, 2, 1, 4), Offload(2, 3, 2)])
+    doc = schedule_to_dict(s, chain)
+    assert doc["offload"][0]["restore"] == 4 and "restore" not in doc["offload"][1]
+    save_schedule(s, chain, tmp_path / "s.json")
+    assert load_schedule(tmp_path / "s.json", chain).offloads == s.offloads
+    doc["offload"][0]["restore"] = 3  # one forward after the release at 2: nothing off the device
+    with pytest.raises(ScheduleRejected, match="restore point 3 not in"):
+        schedule_from_dict(doc, chain)
+    doc["offload"][0]["restore"] = 4
+    with pytest.raises(ScheduleRejected, match="no held_read_at"):
+        schedule_from_dict(schedule_to_dict(make_schedule(four, [Offload(1, 2, 1, 4)]), four), four)
 
 
 def test_byte_counts_that_would_overflow_are_refused():

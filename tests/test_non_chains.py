@@ -7,6 +7,7 @@ a Mixtral's layers at their attention too, its MLP halves re-run only as the end
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 
@@ -14,10 +15,13 @@ from offload.errors import ScheduleRejected
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
-from offload.step.actions import Recompute
-from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.step.actions import Offload, Recompute
+from offload.step.chainfile import chain_from_dict
+from offload.step.memory import floor_offloads, no_offload_peak, op_memory, smallest_feasible_budget
 from offload.step.schedule import make_schedule
+from offload.step.simulate import simulate
 from tests.brute import brute_force_each
+from tests.conftest import chain_doc
 from tests.runs import ROOT, TOLERANCE, check_run, recomputing
 
 pytest.importorskip("transformers")
@@ -79,6 +83,50 @@ def test_a_skip_dying_inside_a_stage_is_counted_through_it(profiled):
     dying = {f"F{s.held_until}": s.held_bytes for s in chain.stages if s.held_bytes}
     assert all(0 <= predicted[op] - measured[op] <= TOLERANCE + dying.get(op, 0) for op in measured), \
         {op: predicted[op] - measured[op] for op in measured if predicted[op] != measured[op]}
+
+
+def test_skip_features_leave_the_device_until_their_up_block(profiled):
+    """Everything offloaded at once, and the skip features the model's code holds taken off the
+    device with their units and copied back for the up block that concatenates them (issue
+    #34 item 1): the lazy backend (a missing wait reads poison) trains bit for bit, the
+    restores' bytes are moved as predicted, and the forward ops in between hold exactly what
+    the model says, less than with the skips left on the device."""
+    chain = profiled("unet").chain
+    floor = floor_offloads(chain)
+    restored = {o.stage: o.restore for o in floor if o.restore}
+    assert restored and all(r == chain.stage(i).held_read_at for i, r in restored.items())
+    kept = op_memory(chain, [replace(o, restore=0) for o in floor])
+    sched = make_schedule(chain, floor)
+    report, error = train(None, chain, sched, TrainOptions(steps=2, backend="cpu-lazy", check_grads=True,
+                                                           op_memory=True))
+    assert error is None and report.grads_match is True
+    m, p = report.measured, report.predicted
+    assert (m.d2h_bytes_per_step, m.h2d_bytes_per_step) == (p.d2h_bytes_per_step, p.h2d_bytes_per_step)
+    assert p.h2d_bytes_per_step - p.d2h_bytes_per_step == sum(chain.stage(i).held_bytes for i in restored)
+    away = [f"F{j}" for j in range(min(o.release for o in floor if o.restore) + 1, max(restored.values()))]
+    assert away and all(m.op_peak_bytes[op] == p.op_bytes[op] < kept[int(op[1:]) - 1] for op in away)
+    dying = {f"F{s.held_until}": s.held_bytes for s in chain.stages if s.held_bytes}
+    assert all(0 <= p.op_bytes[op] - m.op_peak_bytes[op] <= TOLERANCE + dying.get(op, 0) for op in m.op_peak_bytes)
+
+
+def test_the_ilp_takes_a_held_part_off_the_device_where_the_budget_needs_it():
+    """A hand-made chain whose first unit is held by the model's code through F4 and read again
+    by F4: below what any schedule leaving it there meets (F3 peaks), the MILP's optimum
+    restores it, and equals the brute force over the class (restore points included)."""
+    doc = chain_doc()
+    doc["stages"].append(dict(doc["stages"][-1], name="s5"))
+    doc["stages"][0].update(held_bytes=80, held_until=4, held_saves=[0], held_read_at=4)
+    doc["stages"][2]["fwd_peak_bytes"] = 300  # F3, the op the held part makes the peak
+    chain = chain_from_dict(doc)
+    leaving = smallest_feasible_budget(chain_from_dict(dict(doc, stages=[
+        {k: v for k, v in s.items() if k not in ("held_saves", "held_read_at")} for s in doc["stages"]])))
+    budget = smallest_feasible_budget(chain)
+    assert budget < leaving
+    res = solve(chain, budget, "ilp", Options(gap=0.0, heuristic_time_s=0.02))
+    assert res.status == "optimal" and [o.restore for o in res.schedule.offloads if o.stage == 1] == [4]
+    assert res.simulation.makespan_s == pytest.approx(brute_force_each(chain, [budget])[0], rel=1e-7)
+    with pytest.raises(ScheduleRejected, match="restore point 3 not in"):
+        simulate(chain, [Offload(1, 2, 1, 3)])
 
 
 def test_the_ilp_is_brute_force_on_a_unet():

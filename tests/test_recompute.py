@@ -5,6 +5,7 @@ executor's own tests are in test_executor.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import re
 from pathlib import Path
 
@@ -173,7 +174,8 @@ def test_every_joint_schedule_with_encodings_is_a_point_of_the_milp(cb, rnd):
     rebuilt = {r.first for r in runs}
     options = encoding.allowed(chain, "lossless")
     encode = {i: rnd.choice(es).name for i, es in options.items() if i not in rebuilt and rnd.random() < 0.7}
-    offloads = [o for o in floor_offloads(chain) if o.stage not in rebuilt and rnd.random() < 0.6]
+    offloads = [o if o.stage not in encode else replace(o, restore=0)
+                for o in floor_offloads(chain, runs) if o.stage not in rebuilt and rnd.random() < 0.6]
     sim = simulate(chain, offloads, encode=encode, recompute=runs)
     model = Model(chain, sim.peak_bytes, options=options, max_run=8)
     assert_loads_exactly(model, offloads, encode, runs)

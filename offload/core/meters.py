@@ -6,7 +6,8 @@ them (``memory_allocated`` / ``max_memory_allocated``, so cuDNN/cuBLAS workspace
 The CPU has no such counters, so ``CpuMeter`` keeps exact tensor accounting: a
 ``TorchDispatchMode`` sees every op's outputs, registers each new storage once, and a
 ``weakref.finalize`` on the storage (PyTorch keeps one Python object per live storage)
-subtracts it when it is really freed, whoever held it (autograd's saved tensors included).
+subtracts it when it is really freed, whoever held it (autograd's saved tensors included);
+a storage resized in place (``inductor.resize_storage_bytes_``) counts its new size.
 Its peak is exact at op granularity; workspace inside a CPU kernel is not seen.  It also
 counts the ops it sees, and says at which op each interval's peak was reached
 (``peak_op``), which the profiler's holding pass compares with when storages died.
@@ -33,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 
 _host = threading.local()
+_RESIZE = torch.ops.inductor.resize_storage_bytes_.default  # what the executor resizes storages with
 
 
 def timed(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = 3) -> tuple[Any, float]:
@@ -109,9 +111,20 @@ class CpuMeter(TorchDispatchMode):
     def _free(self, key: int) -> None:
         self.live -= self._tracked.pop(key, 0)
 
+    def _resized(self, t: torch.Tensor) -> None:
+        key = t.untyped_storage()._cdata
+        if key in self._tracked:
+            nbytes = t.untyped_storage().nbytes()
+            self.live += nbytes - self._tracked[key]
+            self._tracked[key] = nbytes
+            if self.live > self.peak:
+                self.peak, self.peak_op = self.live, self.ops
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         out = func(*args, **(kwargs or {}))
+        if func is _RESIZE:  # a storage resized in place (a held part taken off the device or back)
+            self._resized(args[0])
         made = _held(tree_flatten(out)[0])
         if getattr(_host, "active", False):  # host memory that stands in for pinned memory
             for t in made:

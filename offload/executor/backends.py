@@ -1,8 +1,10 @@
 """Where the copies run: CUDA streams, or the CPU (eager or lazy).
 
-The runtime asks a backend for four things: a D2H copy of a storage into a host slot, an
+The runtime asks a backend for five things: a D2H copy of a storage into a host slot, an
 H2D copy from the slot into a device buffer (after that D2H), a *wait* of the compute
-stream for a copy, and a device buffer.  The stream/event rules (docs/executor.md) live in ``CudaBackend``:
+stream for a copy, a device buffer, and a storage that the model's own code holds taken
+off the device and given its memory back (``evict``, ``restore``: a held part, resized in
+place, so that the model's tensors see their bytes again after the H2D copy).  The stream/event rules (docs/executor.md) live in ``CudaBackend``:
 
 * D2H on its own stream, after an event recorded on the compute stream *as it is now*
   (queried live, never cached), and after the slot's last H2D (its guard);
@@ -10,7 +12,10 @@ stream for a copy, and a device buffer.  The stream/event rules (docs/executor.m
   (so the allocator reuses the block only after the copy); no ``record_stream``;
 * prefetch buffers are allocated on the compute stream; the H2D stream waits for the
   compute stream and for the D2H event; the compute stream waits for the H2D event before
-  the consuming backward.
+  the consuming backward;
+* a held part is evicted on the compute stream after it waited for the D2H event, and
+  restored (allocated) on the compute stream before its H2D copy, which the forward that
+  reads it waits for.
 
 ``CpuEagerBackend`` runs every copy at once.  ``CpuLazyBackend`` runs a copy only when a
 wait (or an H2D that depends on it) forces it, and poisons what it hands out (device
@@ -73,6 +78,14 @@ class CpuEagerBackend:
     def wait(self, copy: Copy) -> None:
         copy.force()
 
+    def evict(self, held: torch.Tensor) -> None:
+        """Free the memory of a storage the model's own code still holds (its D2H waited for)."""
+        _resize(held, 0)
+
+    def restore(self, held: torch.Tensor, nbytes: int) -> None:
+        """Give an evicted storage its memory again, for its H2D copy."""
+        _resize(held, nbytes)
+
     def released(self, src: torch.Tensor) -> None:
         """The runtime dropped its reference to a device storage (after waiting for its D2H)."""
 
@@ -96,6 +109,10 @@ class CpuLazyBackend(CpuEagerBackend):
 
     def h2d(self, slot: torch.Tensor, dst: torch.Tensor, after: Copy) -> Copy:
         return Copy("h2d", dst.numel(), run=lambda: dst.copy_(slot), after=after)
+
+    def restore(self, held: torch.Tensor, nbytes: int) -> None:
+        super().restore(held, nbytes)
+        held.fill_(POISON)  # what the allocator hands out: read before its H2D, it poisons the gradients
 
     def released(self, src: torch.Tensor) -> None:
         """What an allocator reusing the block would leave there, if the block is freed: not when
@@ -159,11 +176,24 @@ class CudaBackend:
     def wait(self, copy: Copy) -> None:
         self._compute().wait_event(copy.event)
 
+    def evict(self, held: torch.Tensor) -> None:
+        self._compute()
+        _resize(held, 0)  # the compute stream has waited for its D2H: the block is free for it
+
+    def restore(self, held: torch.Tensor, nbytes: int) -> None:
+        self._compute()
+        _resize(held, nbytes)  # allocated on the compute stream, as a prefetch buffer is
+
     def released(self, src: torch.Tensor) -> None:
         pass
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+def _resize(held: torch.Tensor, nbytes: int) -> None:
+    """Resize the storage behind ``held`` in place: every tensor of it, the model's own, sees the change."""
+    torch.ops.inductor.resize_storage_bytes_(held, nbytes)
 
 
 BACKENDS = names.table(names.BACKENDS, {"cuda": CudaBackend, "cpu-eager": CpuEagerBackend, "cpu-lazy": CpuLazyBackend},

@@ -186,6 +186,12 @@ class SchedulePartitioner(CustomPartitionerFn):
                                 f"{', '.join(f'U{i}' for i in sorted(schedule.encode))}",
                                 "train it with Offloaded(torch.compile(model), chain, schedule) (a graph break at each "
                                 "stage boundary), or solve without --encodings")
+        restoring = [o.stage for o in schedule.offloads if o.restore]
+        if restoring:
+            raise ChainMismatch(f"a compiled graph cannot take a held part off the device (the graph's own values), "
+                                f"and this schedule restores those of {', '.join(f'U{i}' for i in restoring)}",
+                                "train it with Offloaded(torch.compile(model), chain, schedule) (a graph break at each "
+                                "stage boundary), or give it the schedule without restores")
         moving = [r.text for r in schedule.recompute if r.moves]
         if schedule.offloads and copies == "pytorch-matmuls":
             raise ChainMismatch("copies='pytorch-matmuls' offloads the matmuls' outputs, not a schedule's units, and "

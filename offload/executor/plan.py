@@ -6,7 +6,9 @@ The runtime runs ``events.after_forward(k)`` at the end of ``Fk`` (``k < L``) an
 that the simulator replays.  ``encoders`` says, for each encoded unit, which of its
 storages (by their index in first-save order) are stored with which encoder;
 ``unit_bytes`` what each stage saved when profiled; ``casts_kept`` the stages whose weight
-casts are saved as autograd saves them (the others' are made again: ``offload.core.casts``).
+casts are saved as autograd saves them (the others' are made again: ``offload.core.casts``);
+``evicted`` which storages of a unit that restores its held part leave the device at its
+release (its ``held_saves``).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from functools import cached_property
 
 from offload.step.chain import Chain, EncodedTensor
 from offload.step.encoding import encoded_bytes
-from offload.step.events import D2H, ENCODE, RECOMPUTE, StepEvents, step_events
+from offload.step.events import D2H, ENCODE, EVICT, RECOMPUTE, StepEvents, step_events
 from offload.step.recompute import moved_checkpoint_bytes
 from offload.step.schedule import Schedule
 
@@ -28,6 +30,7 @@ class StepPlan:
     unit_bytes: tuple[int, ...]  # per stage 0..L, the bytes its unit saves, as profiled
     casts_kept: frozenset[int] = frozenset()
     shared: dict[int, tuple[int, ...]] = field(default_factory=dict)  # stage -> storages a stage after the next saves too
+    evicted: dict[int, frozenset[int]] = field(default_factory=dict)  # restoring unit -> its held storages' indices
 
     @property
     def L(self) -> int:
@@ -67,4 +70,5 @@ class StepPlan:
             unit_bytes=tuple(int(a) for a in chain.a),
             casts_kept=frozenset(schedule.casts_kept),
             shared={k: s.shared_saves for k, s in enumerate(chain.stages, 1) if s.shared_saves},
+            evicted={e.stage: frozenset(chain.stage(e.stage).held_saves) for e in events.of(EVICT)},
         )

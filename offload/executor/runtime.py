@@ -13,7 +13,10 @@ plus a pair of ``saved_tensors_hooks``.
   the raw storage is freed as soon as the forward drops it: that is the encoding's saving);
 * forward boundary ``k < L``: D2H of ``Uk``'s storages into host slots, then the releases due
   at ``k``: wait for those D2H copies, drop the step's reference (the storage is freed, the
-  schedule's whole point);
+  schedule's whole point); a unit that restores its held part also takes the storages the
+  model's own code still holds off the device (``EVICT``: resized to nothing in place) and,
+  before the forward of its restore point, gives them their memory back and copies their
+  bytes in (``RESTORE``), which the forward that reads them next waits for (``RESTORED``);
 * backward boundary ``L`` (the backward starts; the loss was the end of ``FL``): the releases
   due at ``L``; then at every backward boundary ``k``: free the prefetched ``U(k+1)``, issue
   the prefetches whose point is ``k`` into fresh device buffers, wait for the units needed
@@ -62,7 +65,7 @@ from offload.core.units import UnitTracker, storage_key
 from offload.errors import ChainMismatch
 from offload.models.spec import tensors_in
 from offload.step.actions import Recompute
-from offload.step.events import CLOSING, D2H, FREE, H2D, RECOMPUTE, RELEASE, WAIT, Event
+from offload.step.events import CLOSING, D2H, EVICT, FREE, H2D, RECOMPUTE, RELEASE, RESTORE, RESTORED, WAIT, Event
 
 from .arena import HostArena
 from .backends import Copy, CpuEagerBackend, CudaBackend
@@ -81,6 +84,8 @@ class _Stored:
     d2h: Copy | None = None
     h2d: Copy | None = None
     buffer: torch.Tensor | None = None  # readable bytes: prefetched, or resident when kept encoded
+    held: torch.Tensor | None = None  # a held part's storage, from its release to its restore's wait
+    restore: Copy | None = None  # its H2D copy back
     codec: tuple[Encoder, torch.dtype, int] | None = None  # encoder, dtype and element count of the raw storage
     readers: int = 0  # saved references not yet read by the backward
     decoded: torch.Tensor | None = None  # the raw storage again, from its first reader to its last
@@ -168,6 +173,7 @@ class _Step(StageListener):
         self.kept: dict[int, KeptOutputs] = {}  # stage re-run in part -> its kept ops' outputs, until the rebuild
         self.keeping: KeptOutputs | None = None  # entered while such a stage's forward runs
         self.moved: dict[int, tuple[_Parts, list[int]]] = {}  # stage -> its offloaded checkpoint's parts, held storages
+        self.evicted: dict[int, list[int]] = {}  # unit restoring its held part -> the held storages' ids
 
     # ------------------------------------------------------------------ hooks (never traced by torch.compile)
     @torch.compiler.disable
@@ -219,6 +225,8 @@ class _Step(StageListener):
         offloaded = unit in self.plan.offloaded
         self.stored.append(_Stored(unit, held if offloaded else None, held.numel(), codec=codec,
                                    buffer=None if offloaded else held))
+        if index in self.plan.evicted.get(unit, ()):
+            self.evicted.setdefault(unit, []).append(sid)
 
     @staticmethod
     @torch.compiler.disable
@@ -343,6 +351,8 @@ class _Step(StageListener):
             self._checkpoint_back(e.stage)
         elif e.kind == FREE:
             self._free(e.stage)
+        elif e.kind in (EVICT, RESTORE, RESTORED):
+            self._held_part(e.kind, self.evicted.get(e.stage, []))
         elif e.kind in (D2H, RELEASE, H2D, WAIT):
             sids = self.moved[e.stage][1] if e.run is not None else self.units[e.stage]
             if e.kind == D2H:
@@ -365,14 +375,34 @@ class _Step(StageListener):
             self.runtime.d2h_bytes += s.nbytes
 
     def _release(self, sids: list[int]) -> None:
-        """Wait for these storages' D2H copies, then drop the step's references to them."""
+        """Wait for these storages' D2H copies, then drop the step's references to them (a held
+        part's storage is kept aside for its eviction)."""
         for sid in sids:
             s = self.stored[sid]
             self.backend.wait(s.d2h)
             s.drop_aliases()
             self.backend.released(s.device)
+            if sid in self.evicted.get(s.unit, ()):
+                s.held = s.device
             s.device = None
             s.d2h.keep.clear()
+
+    def _held_part(self, kind: str, sids: list[int]) -> None:
+        """A held part's storages: taken off the device (``EVICT``), given their memory back and
+        copied in from their host slots (``RESTORE``), waited for (``RESTORED``: the step then lets
+        them go, and they live as long as the model's code holds them)."""
+        for sid in sids:
+            s = self.stored[sid]
+            if kind == EVICT:
+                self.backend.evict(s.held)
+            elif kind == RESTORE:
+                self.backend.restore(s.held, s.nbytes)
+                s.restore = self.backend.h2d(s.slot, s.held, s.d2h)
+                self.runtime.arena.set_guard(s.slot_index, s.restore)
+                self.runtime.h2d_bytes += s.nbytes
+            else:
+                self.backend.wait(s.restore)
+                s.held = s.restore = None
 
     def _wait(self, sids: list[int]) -> None:
         """The compute stream waits for these storages' H2D copies."""

@@ -2,9 +2,10 @@
 
 On CUDA: pinned host buffers and device buffers, copies on their own streams (as the
 executor issues them), timed with CUDA events at a large and a small size; the linear
-model ``t = latency + bytes / bandwidth`` is fitted through the two medians.  Whether the
-two directions can overlap does not matter: in the schedule class every D2H copy ends
-before the first H2D copy starts.
+model ``t = latency + bytes / bandwidth`` is fitted through the two medians.  The two
+directions are measured one at a time: in the schedule class every D2H copy ends before
+the first prefetch starts, and only a held part's restore (a forward's H2D copy) may run
+beside D2H copies, where the model takes them to run at once, as a GPU's copy engines do.
 
 On a machine without a GPU there is no link to measure.  The stand-in measures host
 memory-copy bandwidth (what the executor's CPU backend pays per copy) and says so in the

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from offload.core import casts
 from offload.core.devices import deterministic_kernels, make_optimizer, persistent_tensors
@@ -45,7 +46,7 @@ from offload.core.meters import Clock, CpuMeter, make_meter, timed
 from offload.core.rerun import NotRerunnable, StageRecorder, written_later
 from offload.core.selective import KeptOutputs
 from offload.core.staging import StageListener, Staging
-from offload.core.units import Saved, UnitTracker, storage_key
+from offload.core.units import Saved, UnitTracker, plain, storage_key
 from offload.models.spec import ModelSpec, tensors_in
 
 
@@ -74,6 +75,8 @@ class StageMeasurement:
     rerun_output: bool = True  # its re-run rebuilds its output (else it can only end a recomputed run)
     input_own_bytes: int = 0  # of input_bytes, the input's own storage (what an offloaded checkpoint moves)
     shared_saves: tuple[int, ...] = ()  # its first saves a stage after the next saves too
+    held_saves: tuple[int, ...] = ()  # the storages held_bytes counts ...
+    held_read_at: int = 0  # ... and the first forward after the next that reads one (0: none)
 
 
 @dataclass
@@ -435,6 +438,8 @@ class _Holding(StageListener, TorchDispatchMode):
         self.first_op = [0] * (L + 2)  # per stage, its first op
         self.storages: list[Saved] = []
         self.death: list[float] = []  # per storage, the op at which it died (inf: alive at the end)
+        self.readers: list[set[int]] = []  # per storage, the stages whose forward ops read it
+        self.number: dict[int, int] = {}  # a live storage's key -> its place in ``storages``
         self.transient = [0] * (L + 1)  # per F_j
         self.unit_alive = [0] * (L + 1)  # per unit, bytes of its storages alive now
         self.earlier = 0  # bytes of storages of units before the running stage alive now
@@ -463,13 +468,20 @@ class _Holding(StageListener, TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        for t in tree_flatten((args, kwargs))[0]:
+            if self.number and isinstance(t, torch.Tensor) and plain(t):
+                n = self.number.get(storage_key(t))
+                if n is not None:
+                    self.readers[n].add(self.tracker.stage)
         out = func(*args, **(kwargs or {}))
         j = self.tracker.stage
         self.transient[j] = max(self.transient[j], self.meter.live - self.m0 - self.earlier)
         return out
 
-    def _died(self, n: int) -> None:
+    def _died(self, n: int, key: int) -> None:
         self.death[n] = self.ops
+        if self.number.get(key) == n:
+            del self.number[key]
         saved = self.storages[n]
         self.unit_alive[saved.unit] -= saved.nbytes
         if saved.unit < self.tracker.stage:
@@ -480,7 +492,9 @@ class _Holding(StageListener, TorchDispatchMode):
         if saved is not None and saved.new:
             self.unit_alive[saved.unit] += saved.nbytes
             self.death.append(float("inf"))
-            self._finalizers.append(weakref.finalize(t.untyped_storage(), self._died, len(self.storages)))
+            self.readers.append(set())
+            self.number[saved.key] = len(self.storages)
+            self._finalizers.append(weakref.finalize(t.untyped_storage(), self._died, len(self.storages), saved.key))
             self.storages.append(saved)
         # nothing is returned: autograd keeps no reference, only the model's own code can
 
@@ -505,6 +519,7 @@ class Holding:
     recomputed_fwd_peak_bytes: int  # F_i's transient when autograd keeps none of U_i
     carried: set[int] = field(default_factory=set)  # indices in U_i of the storages in carry_bytes ...
     held: set[int] = field(default_factory=set)  # ... and in held_bytes
+    held_read_at: int = 0  # the first forward after F(i+1) that reads a storage in held_bytes (0: none does)
 
 
 def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int],
@@ -528,7 +543,9 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
     the memory pass's bytes live at each op).  Without op counts (CUDA's meter gives none), a
     storage alive at a stage's first op counts as held through the stage: a little
     conservative.  ``keeping``: stages (each with an in-stage option) whose kept ops' outputs
-    are held through their forward (their transient is then the option's)."""
+    are held through their forward (their transient is then the option's).  The pass also
+    notes which stages' ops read each saved storage, so that a held part's next reader after
+    ``F(i+1)`` is known (``held_read_at``: until then a schedule may take it off the device)."""
     persistent = persistent_tensors(runner.spec.module, runner.optimizer, runner.device)
     meter = make_meter(runner.device)
     holding = _Holding(runner.L, runner.tracker(persistent), meter, runner.device, keeping)
@@ -580,6 +597,11 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
             h.held_bytes += saved.nbytes
             h.held.add(saved.index)
             h.held_until = max(h.held_until, max(alive))
+    for saved, readers in zip(holding.storages, holding.readers):  # after F(i+1), the first forward reading the part
+        h = out[saved.unit]
+        if saved.index in h.held:
+            later = min((j for j in readers if j >= saved.unit + 2), default=0)
+            h.held_read_at = min(h.held_read_at, later) if h.held_read_at and later else h.held_read_at or later
     for j in range(1, runner.L + 1):
         out[j].recomputed_fwd_peak_bytes = max(0, holding.transient[j])
     return out[1:]
@@ -631,7 +653,9 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        statistics.median(t[3][i] for t in times),
                                        sum(r.nbytes for r in mem.casts[i]), recast_s[i], mem.new_held[i],
                                        mem.output_rebuilt[i], mem.inputs[i][1],
-                                       mem.shared_saves[i] if mem.shared_saves else ()))
+                                       mem.shared_saves[i] if mem.shared_saves else (),
+                                       tuple(sorted(held[i].held)) if held[i].held_read_at else (),
+                                       held[i].held_read_at))
     step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "

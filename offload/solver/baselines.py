@@ -43,7 +43,7 @@ from offload.step.actions import Offload
 from offload.step.chain import Chain
 from offload.step.simulate import simulate
 
-from .policy import (combine, cover_peaks, prefetch_latest, prefetch_lookahead, prefetch_on_demand,
+from .policy import (combine, with_restores, cover_peaks, prefetch_latest, prefetch_lookahead, prefetch_on_demand,
                      release_asap, release_next)
 
 Plan = list[Offload]
@@ -138,4 +138,4 @@ def swap_ranked(chain: Chain, budget: int, by_size: bool) -> Plan | None:
     release = release_asap(chain, units, budget)
     if release is None:
         return None
-    return combine(release, prefetch_latest(chain, units, budget))
+    return with_restores(chain, combine(release, prefetch_latest(chain, units, budget)))

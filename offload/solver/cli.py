@@ -57,6 +57,15 @@ def _print_crossing(chain: Chain) -> None:
         print(f"{int(k):>4} after {name}: {clipped(', '.join(printable(str(x)) for x in values), 400)}")
 
 
+def _print_restorable(chain: Chain) -> None:
+    """The held parts a schedule may take off the device with their units and bring back for
+    their next reader (``Offload.restore``)."""
+    if chain.restorable:
+        print("restorable  held parts that may leave the device with their unit and come back for their reader: "
+              + ", ".join(f"U{i} {format_bytes(chain.stage(i).held_bytes)} (read by F{chain.stage(i).held_read_at})"
+                          for i in chain.restorable))
+
+
 def _print_shared(chain: Chain) -> None:
     """The storages that stay on the device, in no unit, because a stage after the next saves them too."""
     shared = [(k, s.shared_saves) for k, s in enumerate(chain.stages, 1) if s.shared_saves]
@@ -100,6 +109,7 @@ def print_chain(chain: Chain) -> None:
               f"{s.need_from:>5}" + (f" {format_bytes(s.cast_bytes):>11}" if casts else ""))
     _print_crossing(chain)
     _print_shared(chain)
+    _print_restorable(chain)
     if chain.has_encodings:
         print()
         print("encodings   (unit size once encoded, encode / decode time)")
@@ -182,6 +192,10 @@ def _print_simulation(chain: Chain, sim: Simulation, base: int) -> None:
     _line("peak", f"{format_bytes(sim.peak_bytes + base)} at {sim.peak_op}" + (" (total)" if base else " (activations)"))
     _line("moved", f"D2H {format_bytes(sim.d2h_bytes)}, H2D {format_bytes(sim.h2d_bytes)}")
     _line("offloaded", f"{len(sim.offloads)} of {len(chain.offloadable)} offloadable units")
+    restored = [o for o in sim.offloads if o.restore]
+    if restored:
+        _line("restored", ", ".join(f"U{o.stage}'s held part off the device F{o.release + 1}..F{o.restore - 1}"
+                                    for o in restored))
     if sim.encode:
         _line("encoded", ", ".join(f"U{i} {name}" for i, name in sorted(sim.encode.items())))
     if sim.recompute:

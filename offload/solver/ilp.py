@@ -29,6 +29,15 @@ the fluid LP bound.  Each cut family has O(L^2) rows of O(L) terms, so beyond a 
 the pairs ``(k, j)`` closest together (and the whole-phase ones) are kept: any subset of
 valid cuts leaves the model exact, and the build stays O(L^2).
 
+A unit whose held part a schedule may take off the device (``chain.restorable``) gets one
+binary ``h_{i,p}`` per restore point ``p`` (``Offload.restore``: raw and released by
+``p - 2``, never with stage ``i + 1`` recomputed), and per forward op ``Fj`` it may miss a
+continuous ``v_{i,j} <= released by j - 1``, ``<= sum of h_{i,p} over p > j``, which the
+budget rows subtract (they only gain from it, so it takes the product's value).  The
+restores' H2D copies have a clock per (unit, point) slot in the order a step issues them
+(points first, then stages), issued as ``Fp`` may start (``w_{p-1}``), and the reader's
+start ``f_m`` (``>= w_{m-1}``) waits for the chosen one.
+
 With ``max_run > 0`` the model also chooses recomputation (docs/model.md, "Recomputation"):
 one binary ``g_{s,e}`` per run ``s..e`` of at most ``max_run`` stages, and one per in-stage
 option of a stage (a run of that stage re-run in part), a stage in at most one run and
@@ -175,6 +184,7 @@ class Model:
         self._release_windows()
         self._decisions()
         self._runs()
+        self._restores()
         self._casts()
         self._memory_rows()
         self._durations()
@@ -344,6 +354,35 @@ class Model:
                     row.add(self.x[i, o])
             self._row(f"one_fate_{i}", row, "<=", 1)
 
+    def _restores(self) -> None:
+        """``h_{i,p}`` (a constant for a decided unit) and ``v_{i,j}`` (module docstring)."""
+        chain = self.chain
+        self.h: dict[tuple[int, int], _Form] = {}
+        self.gone: dict[tuple[int, int], pulp.LpVariable] = {}
+        for i in chain.restorable:
+            d = self.decided.get(i)
+            if d is not None:
+                if d.offload is not None and d.offload.restore:
+                    self.h[i, d.offload.restore] = 1.0
+                continue
+            if i not in self.U:
+                continue
+            reader = int(chain.held_read[i])
+            points = range(i + 3, reader + 1)
+            for p in points:
+                v = self.h[i, p] = self._var(f"restore_{i}_{p}", True)
+                self._row(f"restore_after_release_{i}_{p}", _affine((v, 1.0)).add(self.released(i, RAW, p - 2), -1.0),
+                          "<=")
+            if not points:
+                continue
+            self._row(f"one_restore_{i}", _affine(*((self.h[i, p], 1.0) for p in points)).add(self.recomputed(i + 1)),
+                      "<=", 1)
+            for j in range(i + 2, min(reader, int(chain.held_until[i]) + 1)):
+                v = self.gone[i, j] = self._var(f"held_gone_{i}_{j}")
+                self._row(f"gone_after_release_{i}_{j}", _affine((v, 1.0)).add(self.released(i, RAW, j - 1), -1.0), "<=")
+                self._row(f"gone_until_restore_{i}_{j}", _affine((v, 1.0), *((self.h[i, p], -1.0) for p in points if p > j)),
+                          "<=")
+
     def _casts(self) -> None:
         """``k_i``: stage ``i``'s weight casts kept (whole models only), never in a recomputed run."""
         self.k = {i: self._var(f"casts_kept_{i}", True) for i in self.chain.castable} if not self.decided else {}
@@ -427,7 +466,7 @@ class Model:
         free = set(self.free)
         bare = replace(chain, stages=tuple(replace(s, saved_bytes=0) if i in free else s
                                            for i, s in enumerate(chain.stages, start=1)))
-        offloads = [Offload(i, min(d.offload.release, self.R.get(i, d.offload.release)), d.offload.prefetch)
+        offloads = [replace(d.offload, release=min(d.offload.release, self.R.get(i, d.offload.release)))
                     for i, d in self.decided.items() if d.offload is not None]
         return op_memory(bare, offloads, casts_kept=self.casts_fixed) / self.mu
 
@@ -452,6 +491,8 @@ class Model:
                         row.add(self.released(i, opt, j - 1), -max(0.0, self.size[i, opt] - held))
                     for opt in self.checkpoint_forms(i):  # an offloaded checkpoint, once released
                         row.add(self.released(i, opt, j - 1), -self.size[i, opt])
+                    if (i, j) in self.gone:  # its held part off the device
+                        row.add(self.gone[i, j], -self.chain.held[i] / self.mu)
                 if j not in self.decided:
                     row.add(self._extra(j, "fwd_extra_bytes"))
                 if j > 1 and j - 1 not in self.decided:
@@ -563,12 +604,18 @@ class Model:
     def _forward_times(self) -> None:
         L = self.chain.L
         self.w: list[_Form] = [0.0] + [self._var(f"w{j}") for j in range(1, L + 1)]
+        readers = {int(self.chain.held_read[i]) for i, _ in self.h}
+        # f_j: the start of F_j, after the waits for the held parts it reads (w_{j-1} where it has none)
+        self.fstart: list[_Form] = [0.0] + [self._var(f"f{j}") if j in readers else self.w[j - 1]
+                                            for j in range(1, L + 1)]
         self.d: dict[int, pulp.LpVariable] = {}
         prev = None
         issued = _Affine()  # when the host has issued F_j: F_j ends no earlier
         for j in range(1, L + 1):
             issued.add(self.forward_host(j))
-            end_f = _affine((self.w[j - 1], 1.0), (self.fdur[j], 1.0))
+            if j in readers:
+                self._row(f"after_releases_{j}", _affine((self.fstart[j], 1.0), (self.w[j - 1], -1.0)), ">=")
+            end_f = _affine((self.fstart[j], 1.0), (self.fdur[j], 1.0))
             self._row(f"forward_{j}", _affine((self.w[j], 1.0)).add(end_f, -1.0), ">=")
             host = issued.const > 0 or issued.terms
             if host:
@@ -592,6 +639,25 @@ class Model:
             for o in self.forms[i]:
                 row.add(self.released(i, o, j), -M)
             self._row(f"release_wait_{i}_{j}", row, ">=")
+        self._restore_times()
+
+    def _restore_times(self) -> None:
+        """The restores' H2D clocks, one per (unit, point) slot in issue order, and the readers' waits."""
+        self.rclock: dict[tuple[int, int], pulp.LpVariable] = {}
+        clock, backlog = None, 0.0
+        for i, p in sorted(self.h, key=lambda key: (key[1], key[0])):
+            v = self.rclock[i, p] = self._var(f"r{i}_{p}")
+            dur = self.chain.platform.h2d_s(float(self.chain.held[i])) / self.tau
+            backlog += dur
+            chosen = self.h[i, p]
+            self._row(f"restore_issue_{i}_{p}", _affine((v, 1.0), (self.w[p - 1], -1.0), (chosen, -dur)), ">=")
+            if clock is not None:
+                self._row(f"restore_fifo_{i}_{p}", _affine((v, 1.0), (clock, -1.0), (chosen, -dur)), ">=")
+            clock = v
+            # f_m >= clock - M (1 - h): issued no later than w_{m-1}, a clock is at most the copies so far past it
+            m = int(self.chain.held_read[i])
+            self._row(f"restore_wait_{i}_{p}", _affine((self.fstart[m], 1.0), (v, -1.0), (backlog, 1.0), (chosen, -backlog)),
+                      ">=")
 
     def _backward_times(self) -> None:
         L, need = self.chain.L, self.need
@@ -741,7 +807,7 @@ class Model:
         for i, v in self.k.items():
             v.setInitialValue(1 if i in kept else 0)
         L, tau = self.chain.L, self.tau
-        offloads = [Offload(o.stage, min(o.release, self.R.get(o.stage, o.release)), o.prefetch) for o in offloads]
+        offloads = [replace(o, release=min(o.release, self.R.get(o.stage, o.release))) for o in offloads]
         runs = [replace(r, release=min(r.release, max(self.R[r.first], self.first_release(r.first, _checkpoint_form(r)))))
                 if r.moves else r for r in runs]
         by = {o.stage: o for o in offloads}  # per slot what moves in it: (release, prefetch) and its form
@@ -759,9 +825,27 @@ class Model:
             v.setInitialValue(1 if mine(i, o) and by[i].release <= j else 0)
         for (i, o, j), v in self.y.items():
             v.setInitialValue(1 if mine(i, o) and by[i].prefetch >= j else 0)
+        restores = {(o.stage, o.restore) for o in offloads if o.restore}
+        for key, v in self.h.items():
+            if isinstance(v, pulp.LpVariable):
+                v.setInitialValue(1 if key in restores else 0)
+        back = {o.stage: o for o in offloads if o.restore}
+        for (i, j), v in self.gone.items():
+            v.setInitialValue(1 if i in back and back[i].release < j < back[i].restore else 0)
         sim = simulate(self.chain, offloads, encode=encode, recompute=runs, casts_kept=kept)
-        for j in range(1, L):  # w_j is the start of F_{j+1}; w_L the start of B_L before prefetch waits
-            self.w[j].setInitialValue(sim.start[j] / tau)
+        d2h_done = {c.stage: c.end for c in sim.copies if c.direction == "D2H"}
+        for j in range(1, L):  # w_j: F_{j+1} may start (its releases waited for); f_{j+1}: it starts
+            waits = [d2h_done[i] for i, o in by.items() if o.release == j and i in d2h_done]
+            self.w[j].setInitialValue(max([sim.end[j - 1]] + waits) / tau)
+        for j in range(1, L + 1):
+            if isinstance(self.fstart[j], pulp.LpVariable):
+                self.fstart[j].setInitialValue(sim.start[j - 1] / tau)
+        restore_end = {c.stage: c.end / tau for c in sim.copies if c.held}
+        clock = None
+        for i, p in sorted(self.rclock, key=lambda key: (key[1], key[0])):
+            base = _value(self.w[p - 1]) if clock is None else max(_value(self.w[p - 1]), clock)
+            clock = restore_end[i] if (i, p) in restores else base
+            self.rclock[i, p].setInitialValue(clock)
         last_release = max([sim.end[L - 1]] + [c.end for c in sim.copies if c.direction == "D2H"
                                                 and by[c.stage].release == L])
         self.w[L].setInitialValue(last_release / tau)
@@ -806,9 +890,10 @@ class Model:
         """The schedule in the solver's incumbent (binaries rounded), decided units included."""
         encode = {i: o for (i, o), v in self.c.items() if (v.varValue or 0) > 0.5}
         out = []
+        restores = {i: p for (i, p), v in self.h.items() if _value(v) > 0.5}
         for (i, o), v in self.x.items():
             if (v.varValue or 0) > 0.5 and (i, o) not in self.moving:
-                out.append(Offload(i, *self._points(i, o)))
+                out.append(Offload(i, *self._points(i, o), restores.get(i, 0) if o == RAW else 0))
         for i, d in self.decided.items():
             if d.encoding != RAW:
                 encode[i] = d.encoding

@@ -20,6 +20,8 @@ share them:
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 import time
 from typing import Callable, Iterable
@@ -29,7 +31,7 @@ import numpy as np
 from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain
 from offload.step.events import prefetch_order
-from offload.step.memory import floor_savings, forward_checkpoint_changes, op_memory
+from offload.step.memory import floor_offloads, floor_restore, floor_savings, forward_checkpoint_changes, op_memory
 from offload.step.recompute import forward_peak, moved_checkpoint_bytes
 
 Points = dict[int, int]
@@ -38,7 +40,8 @@ Points = dict[int, int]
 def floor_memory(chain: Chain, units: Iterable[int], runs: Iterable[Recompute] = ()) -> np.ndarray:
     """Per-op memory when ``units`` are released at once and fetched on demand: the least
     any schedule offloading exactly these units (and recomputing ``runs``) can hold."""
-    return op_memory(chain, [Offload(i, i + 1, int(chain.need[i])) for i in units], runs)
+    units = set(units)
+    return op_memory(chain, [o for o in floor_offloads(chain, runs) if o.stage in units], runs)
 
 
 def cover_peaks(chain: Chain, budget: int, pick: Callable[[np.ndarray, int], int],
@@ -71,7 +74,7 @@ def cover_peaks(chain: Chain, budget: int, pick: Callable[[np.ndarray, int], int
         i = int(pick(cands, excess))
         chosen.add(i)
         left[where[i]] = False
-        for lo, hi, saved in floor_savings(chain, i):
+        for lo, hi, saved in floor_savings(chain, i, restore=i + 1 not in rebuilt):
             mem[lo:hi] -= saved
 
 
@@ -101,8 +104,14 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
 
     def free(i: int, boundary: int, resident_bytes: int) -> int:
         """Bytes a release of ``i`` (``resident_bytes`` of it on the GPU) at ``boundary`` frees
-        now (the held part frees at held_until)."""
+        now (the held part frees at held_until; restored, ``restores``, it goes now and comes
+        back before its reader)."""
         until = int(chain.held_until[i])
+        if until > boundary and i not in recomputed and restores(chain, i, boundary, recomputed):
+            back = floor_restore(chain, i) - 1
+            held[back] = held.get(back, 0) - int(chain.held[i])
+            held[until] = held.get(until, 0) + int(chain.held[i])
+            return resident_bytes
         if until > boundary:
             held[until] = held.get(until, 0) + int(chain.held[i])
             return resident_bytes - int(chain.held[i])
@@ -153,6 +162,20 @@ def _checkpoint_changes(chain: Chain, runs: Iterable[Recompute]) -> np.ndarray:
         if run.moves:
             change[run.release + 1] -= moved_checkpoint_bytes(chain, run)
     return change
+
+
+def restores(chain: Chain, i: int, release: int, recomputed: set[int]) -> bool:
+    """Whether our heuristics take unit ``i``'s held part off the device at its release, to come
+    back at its reader (``memory.floor_restore``): where the class allows it after that release."""
+    back = floor_restore(chain, i)
+    return bool(back) and release + 2 <= back and i + 1 not in recomputed
+
+
+def with_restores(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute] = ()) -> list[Offload]:
+    """``offloads`` with the restores ``restores`` chooses (what ``release_asap`` counted)."""
+    rebuilt = {i for r in runs for i in r.stages}
+    return [replace(o, restore=floor_restore(chain, o.stage)) if restores(chain, o.stage, o.release, rebuilt) else o
+            for o in offloads]
 
 
 def release_next(chain: Chain, units: Iterable[int]) -> Points:
@@ -235,5 +258,5 @@ def plan_greedy(chain: Chain, units: Iterable[int], budget: int,
     release = release_asap(chain, units, budget, runs)
     if release is None or not set_fits(chain, units, budget, runs):
         return None
-    return combine(release, prefetch_earliest(chain, units, budget, runs))
+    return with_restores(chain, combine(release, prefetch_earliest(chain, units, budget, runs)), runs)
 

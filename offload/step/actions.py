@@ -30,11 +30,15 @@ Choice = Mapping[int, str]  # stage -> name of the encoding its unit uses
 
 @dataclass(frozen=True, order=True)
 class Offload:
-    """One offloaded unit: its stage, release point and prefetch point (1-based)."""
+    """One offloaded unit: its stage, release point and prefetch point (1-based), and where
+    its held part comes back (``restore > 0``: the part the model's own code holds leaves the
+    device at the release too, and an H2D copy issued at the start of ``F(restore)`` brings
+    it back for its next forward reader, ``held_read_at``; docs/model.md, "Held parts")."""
 
     stage: int
     release: int
     prefetch: int
+    restore: int = 0  # 0: the held part stays on the device until the model's code drops it
 
 
 @dataclass(frozen=True, order=True)
@@ -179,6 +183,34 @@ def check_offloads(chain: Chain, offloads: Iterable[Offload]) -> None:
         need = chain.stage(i).need_from
         if not need <= o.prefetch <= L:
             raise ScheduleRejected(f"stage {i}: prefetch point {o.prefetch} not in [{need}, {L}] (need_from={need})")
+        if o.restore:
+            _check_restore(chain, o)
+
+
+def _check_restore(chain: Chain, o: Offload) -> None:
+    """A held part leaves the device only where its chain stage says who reads it next, and comes
+    back after at least one forward without it, no later than that reader."""
+    i, at = o.stage, int(chain.held_read[o.stage])
+    if not at:
+        raise ScheduleRejected(f"stage {i} restores its held part, but its chain stage names no later forward that "
+                               "reads it (no held_read_at): the held part stays on the device",
+                               "solve again, or profile the model again to measure held_read_at")
+    if not o.release + 2 <= o.restore <= at:
+        raise ScheduleRejected(f"stage {i}: restore point {o.restore} not in [{o.release + 2}, {at}] (two forwards "
+                               f"after its release at {o.release}, at most its reader F{at})")
+
+
+def check_restores(offloads: Iterable[Offload], runs: Iterable[Recompute], encode: Mapping[int, str]) -> None:
+    """A unit whose held part leaves the device is stored raw (its copies are the held storages
+    themselves), and the stage after it is not recomputed (a re-run of it may read the held part)."""
+    rebuilt = {i for run in runs for i in run.stages}
+    for o in offloads:
+        if o.restore and o.stage in encode:
+            raise ScheduleRejected(f"stage {o.stage} restores its held part and is stored encoded: a held part leaves "
+                                   "the device raw")
+        if o.restore and o.stage + 1 in rebuilt:
+            raise ScheduleRejected(f"stage {o.stage} restores its held part, but stage {o.stage + 1} is recomputed: "
+                                   "its re-run may read the held part while it is off the device")
 
 
 def check_choice(chain: Chain, choice: Choice) -> None:

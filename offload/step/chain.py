@@ -133,6 +133,9 @@ class Stage:
     cast_bytes: int = 0  # weight casts (autocast) Fi makes and Bi reads: dropped and made again unless kept ...
     recast_s: float = 0.0  # ... what making them again costs Bi (part of bwd_s): docs/model.md, "Weight casts"
     shared_saves: tuple[int, ...] = ()  # Fi's first saves a stage after the next saves too: in no unit
+    held_saves: tuple[int, ...] = ()  # the storages of the unit held_bytes counts (indices in first-save order) ...
+    held_read_at: int = 0  # ... and the first forward after F(i+1) that reads one (0: none): an offloaded unit's
+    # held part may leave the device at its release and come back for that forward (``Offload.restore``)
 
     @property
     def recomputed_fwd_peak(self) -> int:
@@ -276,6 +279,8 @@ def _stage_document(s: Stage) -> dict:
         d["input_own_bytes"] = s.input_own_bytes
     if s.shared_saves:  # likewise
         d["shared_saves"] = list(s.shared_saves)
+    if s.held_read_at:  # likewise
+        d.update(held_saves=list(s.held_saves), held_read_at=s.held_read_at)
     return d
 
 
@@ -310,6 +315,7 @@ class Chain:
     bp = _column("bwd_peak_bytes")
     held = _column("held_bytes")
     held_until = _column("held_until")
+    held_read = _column("held_read_at")
     need = _column("need_from")
     x = _column("input_bytes")
     carry = _column("carried")
@@ -331,6 +337,12 @@ class Chain:
         """Units that a schedule may offload: ``i < L`` (a release point ``r > i`` must
         exist) and ``saved_bytes > 0``."""
         return tuple(i for i in range(1, self.L) if self.a[i] > 0)
+
+    @cached_property
+    def restorable(self) -> tuple[int, ...]:
+        """Offloadable units whose held part a schedule may take off the device at the release
+        and bring back for its next forward reader (``Offload.restore``; docs/model.md)."""
+        return tuple(i for i in self.offloadable if self.held_read[i])
 
     @cached_property
     def recomputable(self) -> frozenset[int]:

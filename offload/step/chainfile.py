@@ -5,7 +5,7 @@ with a message naming the field, never half-used.  A chain writes its own docume
 identity; the hash covers everything but
 ``source`` (provenance), the recipe included: a schedule binds to one chain and one way of
 rebuilding its model.  ``offload-chain/1`` files still load (their ``platform.channels`` is
-ignored: in this schedule class D2H and H2D copies never overlap); they carry no recipe,
+ignored: the model takes the two directions to copy at once); they carry no recipe,
 so they can be solved but not trained with.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "held_bytes", "held_until", "input_bytes", "recomputable", "rerun_output",
                "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes",
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
-               "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "shared_saves"}
+               "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "shared_saves",
+               "held_saves", "held_read_at"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note"}
@@ -39,15 +40,31 @@ _RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts
 _INPUT = re.compile(r"[^:]+:[a-z0-9]+\[[0-9,]*\]")
 
 
-def _shared_saves(raw: Any, ctx: str) -> tuple[int, ...]:
-    """A stage's ``shared_saves``: distinct storage indices, in increasing order."""
+def _indices(raw: Any, ctx: str) -> tuple[int, ...]:
+    """A stage's list of storage indices (``shared_saves``, ``held_saves``): distinct, in increasing order."""
     if not isinstance(raw, list):
-        raise FormatError(f"{ctx}.shared_saves must be a list of storage indices")
+        raise FormatError(f"{ctx} must be a list of storage indices")
     items = {str(j): x for j, x in enumerate(raw)}  # each element validated under its position
-    out = tuple(v.whole(items, str(j), f"{ctx}.shared_saves", 0, 2 ** 31) for j in range(len(raw)))
+    out = tuple(v.whole(items, str(j), ctx, 0, 2 ** 31) for j in range(len(raw)))
     if list(out) != sorted(set(out)):
-        raise FormatError(f"{ctx}.shared_saves must hold distinct indices in increasing order, got {list(out)}")
+        raise FormatError(f"{ctx} must hold distinct indices in increasing order, got {list(out)}")
     return out
+
+
+def _held_read_at(s: Mapping, ctx: str, i: int, L: int, held: int, until: int) -> tuple[tuple[int, ...], int]:
+    """A stage's ``held_saves`` and ``held_read_at``, together or neither: a forward after the
+    next that the held part lives to (at most the one after ``held_until``)."""
+    if ("held_saves" in s) != ("held_read_at" in s):
+        raise FormatError(f"{ctx}: held_saves and held_read_at go together (the held storages and their next reader)")
+    if "held_read_at" not in s:
+        return (), 0
+    if not held:
+        raise FormatError(f"{ctx}.held_read_at needs held_bytes: only a held part is read again by a later forward")
+    at = v.whole(s, "held_read_at", ctx, i + 2, min(until + 1, L))
+    saves = _indices(s["held_saves"], f"{ctx}.held_saves")
+    if not saves:
+        raise FormatError(f"{ctx}.held_saves must name the held storages (none given)")
+    return saves, at
 
 
 def _encodings(raw: Any, saved: int, ctx: str) -> tuple[Encoding, ...]:
@@ -169,16 +186,21 @@ def _stage(s: Any, i: int, L: int) -> Stage:
         raise FormatError(f"{ctx}.recast_s ({recast}) > bwd_s ({bwd_s}): the backward's time includes its recasts")
     carried = v.whole(s, "input_carried_bytes", ctx, 0, min(checkpoint, saved if carry is None else carry)) \
         if "input_carried_bytes" in s else 0
-    shared = _shared_saves(s["shared_saves"], ctx) if "shared_saves" in s else ()
+    shared = _indices(s["shared_saves"], f"{ctx}.shared_saves") if "shared_saves" in s else ()
+    held_saves, read_at = _held_read_at(s, ctx, i, L, held, until)
     encodings = _encodings(s.get("encodings", []), saved, ctx)
     both = sorted({t.index for e in encodings for t in e.tensors} & set(shared))
     if both:
         raise FormatError(f"{ctx}: storage #{both[0]} is both encoded and in shared_saves (which stay on the device, "
                           "in no unit)")
+    if set(held_saves) & set(shared):
+        raise FormatError(f"{ctx}: storage #{min(set(held_saves) & set(shared))} is in held_saves and in shared_saves "
+                          "(which are in no unit)")
     return Stage(name=v.string(s, "name", ctx, f"stage{i}"), kind=v.string(s, "kind", ctx, "layer"),
                  fwd_s=fwd_s, bwd_s=bwd_s, saved_bytes=saved,
                  fwd_peak_bytes=fwd_peak, bwd_peak_bytes=bwd_peak, need_from=need,
                  encodings=encodings, held_bytes=held, held_until=until, shared_saves=shared,
+                 held_saves=held_saves, held_read_at=read_at,
                  options=_options(s.get("options", []), saved, fwd_s, ctx),
                  input_bytes=checkpoint,
                  recomputable=v.flag(s, "recomputable", ctx, True), rerun_output=v.flag(s, "rerun_output", ctx, True),

@@ -81,6 +81,8 @@ def apply(chain: Chain, choice: Choice) -> Chain:
         for j in range(i, need + 1):
             st[j - 1]["bwd_peak_bytes"] += e.bwd_extra_bytes
         st[need - 1]["bwd_s"] += e.decode_s
-    stages = tuple(replace(s, encodings=(), held_bytes=min(s.held_bytes, fields["saved_bytes"]), **fields)
-                   for s, fields in zip(chain.stages, st))
+    raw = {"held_saves": (), "held_read_at": 0}  # an encoded unit's held part stays (``actions.check_restores``)
+    stages = tuple(replace(s, encodings=(), held_bytes=min(s.held_bytes, fields["saved_bytes"]), **fields,
+                           **(raw if i in choice else {}))
+                   for i, (s, fields) in enumerate(zip(chain.stages, st), start=1))
     return replace(chain, stages=stages)

@@ -11,7 +11,11 @@ happens, by these rules:
   its checkpoint takes the place of the unit in every rule below but the ``WAIT``);
 * then each unit whose release point is ``i`` is released (``RELEASE``, in stage order: the
   next op waits for its D2H copy, then the unit is freed); the releases at ``L`` ("turn")
-  come before ``BL``;
+  come before ``BL``; then those of them that restore their held part take it off the
+  device (``EVICT``, stage order: the storages the model's own code still holds);
+* before ``Fj``: the held parts whose restore point is ``j`` are copied back into their
+  storages (``RESTORE``, an H2D copy, stage order), then ``Fj`` waits for the copies of the
+  held parts it is the next to read (``RESTORED``, those whose ``held_read_at`` is ``j``);
 * before ``Bk``, ``k < L``: the device copies of ``U(k+1)`` are dropped (``FREE``: its
   moved, encoded or rebuilt storages, read for the last time by ``B(k+1)``);
 * then the prefetches whose point is ``k`` are issued (``H2D``) in ``prefetch_key`` order:
@@ -40,7 +44,8 @@ from .chain import Chain
 from .recompute import by_op
 
 FORWARD, BACKWARD = "forward", "backward"  # an op's compute
-ENCODE, D2H, RELEASE = "encode", "d2h", "release"
+ENCODE, D2H, RELEASE, EVICT = "encode", "d2h", "release", "evict"
+RESTORE, RESTORED = "restore", "restored"  # a held part's H2D copy before a forward, and that forward's wait for it
 FREE, H2D, RECOMPUTE, WAIT, DECODE = "free", "h2d", "recompute", "wait", "decode"
 CLOSING = frozenset({RELEASE, FREE})  # the backward boundary's events that end the op before it
 
@@ -118,24 +123,31 @@ def step_events(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomp
     fetched: dict[int, list[Event]] = {}
     waited: dict[int, list[int]] = {}
     decoded: dict[int, list[int]] = {}
+    restored: dict[int, list[Event]] = {}  # forward j -> the held parts copied back before it, and then waited for
     for o in offloads:
         released.setdefault(o.release, []).append(Event(RELEASE, o.stage))
         fetched.setdefault(o.prefetch, []).append(Event(H2D, o.stage))
         waited.setdefault(int(chain.need[o.stage]), []).append(o.stage)
+        if o.restore:
+            released[o.release].append(Event(EVICT, o.stage))
+            restored.setdefault(o.restore, []).append(Event(RESTORE, o.stage))
+            restored.setdefault(int(chain.held_read[o.stage]), []).append(Event(RESTORED, o.stage))
     for i, r in copied.items():
         released.setdefault(r.release, []).append(Event(RELEASE, i, run=r))
         fetched.setdefault(r.prefetch, []).append(Event(H2D, i, run=r))
     for i in sorted(encode):
         decoded.setdefault(int(chain.need[i]), []).append(i)
     seq: list[Event] = []
+    by_kind = {RELEASE: 0, EVICT: 1, RESTORE: 0, RESTORED: 1}  # at one boundary: every release before an eviction
     for j in range(1, L + 1):
+        seq += sorted(restored.get(j, ()), key=lambda e: (by_kind[e.kind], e.stage))
         seq.append(Event(FORWARD, j))
         if j in encode:
             seq.append(Event(ENCODE, j, encoding=encode[j]))
         if j in moved or j in copied:
             seq.append(Event(D2H, j, run=copied.get(j)))
         if j < L:
-            seq += sorted(released.get(j, ()), key=lambda e: e.stage)
+            seq += sorted(released.get(j, ()), key=lambda e: (by_kind[e.kind], e.stage))
     for k in range(L, 0, -1):
         if k == L:
             seq += sorted(released.get(L, ()), key=lambda e: e.stage)

@@ -76,15 +76,17 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
     kept = np.ones(L + 1, dtype=bool)
     kept[0] = False
 
-    def away(i: int, release: int, back: int, first: int) -> None:
+    def away(i: int, release: int, back: int, first: int, restore: int = 0) -> None:
         """Unit ``i`` resident through ``F(release)`` (``first`` bytes of it; its held part
-        through ``F(held_until)``), then again from ``B(back)`` to the end of ``Bi``."""
+        through ``F(held_until)``, or from ``F(restore)`` when it is taken off the device
+        meanwhile), then again from ``B(back)`` to the end of ``Bi``."""
         a = chain.a[i]
         kept[i] = False
         diff[i] += first  # F_{i+1} .. F_r
         diff[release] -= first
-        if chain.held_until[i] > release:  # the part the model's code holds: F_{r+1} .. F_held_until
-            diff[release] += chain.held[i]
+        held_from = restore - 1 if restore else release  # the op index of F_{r+1}, or of F_restore
+        if chain.held_until[i] > held_from:  # the part the model's code holds: from there .. F_held_until
+            diff[held_from] += chain.held[i]
             diff[chain.held_until[i]] -= chain.held[i]
         diff[2 * L - back] += a  # B_back .. B_i
         diff[2 * L - i + 1] -= a
@@ -105,7 +107,7 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
             diff[2 * L - run.prefetch] += moved
 
     for o in offloads:
-        away(o.stage, o.release, o.prefetch, chain.a[o.stage])
+        away(o.stage, o.release, o.prefetch, chain.a[o.stage], o.restore)
     for n, at_n in by_op(chain, runs).items():
         for run in at_n:
             for i in run.stages:
@@ -160,23 +162,40 @@ def op_memory(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
     return memory_profile(chain, offloads, runs, casts_kept)[0]
 
 
-def floor_savings(chain: Chain, i: int) -> list[tuple[int, int, int]]:
+def floor_restore(chain: Chain, i: int) -> int:
+    """Where the floor schedule brings unit ``i``'s held part back: at its reader, when that
+    leaves a forward without it after the release at ``i + 1`` (0: it stays)."""
+    at = int(chain.held_read[i])
+    return at if at >= i + 3 else 0
+
+
+def floor_savings(chain: Chain, i: int, restore: bool = True) -> list[tuple[int, int, int]]:
     """``(first op, stop op, bytes)``: what offloading unit ``i`` at once (released at ``i+1``,
-    fetched on demand) saves against keeping it, per run of ops (execution order); the part
-    the model's own code holds is saved only from ``F(held_until + 1)``."""
+    fetched on demand, with ``restore`` its held part off the device until its reader:
+    ``floor_offloads``) saves against keeping it, per run of ops (execution order); the
+    part the model's own code holds is saved only before ``F(restore)`` and from
+    ``F(held_until + 1)``."""
     first, stop, a = i + 1, 2 * chain.L - int(chain.need[i]), int(chain.a[i])
     until = int(chain.held_until[i])
+    back = floor_restore(chain, i) - 1 if restore else -1  # the op index of F_restore
+    if until > i + 1 and back > first:
+        return [(first, min(back, stop), a), (min(back, stop), min(until, stop), a - int(chain.held[i])),
+                (min(until, stop), stop, a)]
     if until > i + 1:
         return [(first, min(until, stop), a - int(chain.held[i])), (min(until, stop), stop, a)]
     return [(first, stop, a)]
 
 
-def floor_offloads(chain: Chain) -> list[Offload]:
-    """Every offloadable unit, released at once (``r = i+1``), fetched on demand.
+def floor_offloads(chain: Chain, runs: Iterable[Recompute] = ()) -> list[Offload]:
+    """Every offloadable unit, released at once (``r = i+1``), its held part off the device
+    until its reader (``floor_restore``; not where ``runs`` recompute the next stage), fetched
+    on demand.
 
     It holds the least memory at every op simultaneously, so its peak is the smallest
     budget any schedule of the class can meet."""
-    return [Offload(i, i + 1, int(chain.need[i])) for i in chain.offloadable]
+    rebuilt = {i for run in runs for i in run.stages}
+    return [Offload(i, i + 1, int(chain.need[i]), 0 if i + 1 in rebuilt else floor_restore(chain, i))
+            for i in chain.offloadable]
 
 
 def floor_bound_memory(chain: Chain, recompute: bool) -> np.ndarray:

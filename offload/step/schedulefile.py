@@ -3,7 +3,9 @@
 ``/2`` adds ``recompute``, the recomputed runs (each with an optional ``option``: an
 in-stage option of its one stage, and an optional ``checkpoint``: the release and prefetch
 points of its offloaded checkpoint), and ``casts_kept``, the stages whose weight casts are
-kept (optional: absent means none); ``/1`` files (offloads and encodings only) still load.
+kept (optional: absent means none), and an offload's optional ``restore``: the forward at
+whose start its held part comes back (absent: it stays on the device); ``/1`` files
+(offloads and encodings only) still load.
 
 ``"turn"`` in a file means ``L``: the boundary between the last forward and the first
 backward op.  A schedule whose chain hash differs from the chain it is used with is
@@ -18,7 +20,7 @@ from offload.errors import ChainMismatch, FormatError
 from offload.io import validate as v
 from offload.io.files import read_document, write_json
 
-from .actions import Offload, Recompute, check_casts, check_choice, check_offloads, check_recompute
+from .actions import Offload, Recompute, check_casts, check_choice, check_offloads, check_recompute, check_restores
 from .budget import SCOPES, Budget
 from .chain import Chain
 from .schedule import Schedule
@@ -97,15 +99,17 @@ def schedule_from_dict(d: Any, chain: Chain) -> Schedule:
     encode = _encode(d.get("encode", []))
     check_choice(chain, encode)
     offloads = []
-    for ctx, o in v.objects(d.get("offload"), "offload", {"stage", "release", "prefetch"}):
-        if set(o) != {"stage", "release", "prefetch"}:
-            raise FormatError(f"{ctx} must have exactly 'stage', 'release', 'prefetch'")
+    for ctx, o in v.objects(d.get("offload"), "offload", {"stage", "release", "prefetch", "restore"}):
+        if not {"stage", "release", "prefetch"} <= set(o):
+            raise FormatError(f"{ctx} must have 'stage', 'release' and 'prefetch' (and may have 'restore')")
         offloads.append(Offload(v.whole(o, "stage", ctx, 1, 2 ** 31), _point(o["release"], chain.L, f"{ctx}.release"),
-                                _point(o["prefetch"], chain.L, f"{ctx}.prefetch")))
+                                _point(o["prefetch"], chain.L, f"{ctx}.prefetch"),
+                                v.whole(o, "restore", ctx, 1, chain.L) if "restore" in o else 0))
     check_offloads(chain, offloads)
     runs = [_run(r, ctx, chain.L)
             for ctx, r in v.objects(d.get("recompute", []), "recompute", {"first", "last", "option", "checkpoint"})]
     check_recompute(chain, runs, offloads, encode)
+    check_restores(offloads, runs, encode)
     kept = d.get("casts_kept", [])
     if not isinstance(kept, list) or len(set(map(repr, kept))) != len(kept):
         raise FormatError(f"'casts_kept' must be a list of distinct stage numbers, got {kept!r}")
@@ -138,14 +142,21 @@ def schedule_to_dict(s: Schedule, chain: Chain) -> dict:
         "method": s.method,
         "solver": dict(s.solver),
         "predicted": dict(s.predicted),
-        "offload": [{"stage": o.stage, "release": "turn" if o.release == L else o.release,
-                     "prefetch": "turn" if o.prefetch == L else o.prefetch} for o in s.offloads],
+        "offload": [_offload_document(o, L) for o in s.offloads],
         "encode": [{"stage": i, "encoding": name} for i, name in sorted(s.encode.items())],
         "recompute": [_run_document(r, L) for r in s.recompute],
     }
     if s.casts_kept:  # absent otherwise: a schedule that keeps none reads as before
         doc["casts_kept"] = list(s.casts_kept)
     return doc
+
+
+def _offload_document(o: Offload, L: int) -> dict[str, Any]:
+    d: dict[str, Any] = {"stage": o.stage, "release": "turn" if o.release == L else o.release,
+                         "prefetch": "turn" if o.prefetch == L else o.prefetch}
+    if o.restore:  # absent otherwise: a schedule that restores nothing reads as before
+        d["restore"] = o.restore
+    return d
 
 
 def load_schedule(path: str | os.PathLike, chain: Chain) -> Schedule:

@@ -7,8 +7,9 @@ for that unit's D2H copy, an ``H2D`` is issued then (no earlier than its own D2H
 a ``RECOMPUTE`` re-runs its run's forward ops (an in-stage option the ops it re-runs), a ``WAIT`` waits for that unit's H2D copy.
 An offloaded checkpoint's copies (the events of a run) take its unit's place, with its
 moved bytes (``recompute.moved_checkpoint_bytes``), and its ``WAIT`` delays the rebuild.
-A ``D2H`` is issued as its forward op ends.  Copies run one at a time per direction, in
-issue order.  On a GPU the host issues the kernels: a second clock adds up each op's host
+A ``D2H`` is issued as its forward op ends.  A ``RESTORE`` copies a held part back (an H2D
+copy, issued before its forward op) and ``RESTORED`` waits for it; ``EVICT`` takes no time.
+Copies run one at a time per direction, in issue order.  On a GPU the host issues the kernels: a second clock adds up each op's host
 time (``fwd_host_s``/``bwd_host_s``; a recomputed stage's ``Fi`` adds what recording it
 costs, ``recording_host_s``, and its re-run takes ``rerun_host_s``), and an op cannot end
 before the host has issued it (its end is the later of the device's and the host's; the
@@ -26,11 +27,12 @@ import numpy as np
 
 from offload.errors import ScheduleRejected
 
-from .actions import Offload, Recompute, check_casts, check_offloads, check_recompute
+from .actions import Offload, Recompute, check_casts, check_offloads, check_recompute, check_restores
 from .budget import Budget
 from .chain import Chain
 from .encoding import apply
-from .events import BACKWARD, D2H, FORWARD, H2D, RECOMPUTE, RELEASE, WAIT, Event, StepEvents, step_events
+from .events import (BACKWARD, D2H, FORWARD, H2D, RECOMPUTE, RELEASE, RESTORE, RESTORED, WAIT, Event, StepEvents,
+                     step_events)
 from .intervals import hidden
 from .memory import memory_profile, op_name
 from .recompute import forward_seconds, moved_checkpoint_bytes, recording_host, run_seconds
@@ -55,6 +57,7 @@ class CopyRecord:
     end: float
     nbytes: int
     checkpoint: bool = False  # a recomputed run's checkpoint, not the stage's unit
+    held: bool = False  # the unit's held part, copied back before its next forward reader
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,7 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     runs = tuple(sorted(recompute))
     check_offloads(chain, offloads)
     check_recompute(chain, runs, offloads, encode)
+    check_restores(offloads, runs, encode)
     kept = tuple(sorted(casts_kept))
     check_casts(chain, kept, runs)
     events = step_events(chain, offloads, runs, encode)
@@ -191,6 +195,7 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     d2h_free = h2d_free = 0.0
     d2h_end = np.zeros(L + 1)
     h2d_end = np.zeros(L + 1)
+    restore_end = np.zeros(L + 1)
     ready = np.empty(2 * L)
     start = np.empty(2 * L)
     end = np.empty(2 * L)
@@ -234,6 +239,12 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
                 h += chain.rh[j]
         elif e.kind == WAIT:
             s = max(s, h2d_end[i])
+        elif e.kind == RESTORE:
+            c0, nbytes = max(s, h2d_free, d2h_end[i]), int(chain.held[i])
+            restore_end[i] = h2d_free = c0 + p.h2d_s(float(nbytes))
+            copies.append(CopyRecord(i, "H2D", float(s), float(c0), float(restore_end[i]), nbytes, held=True))
+        elif e.kind == RESTORED:
+            s = max(s, restore_end[i])
     sim = Simulation(chain, offloads, ready, start, end, memory, copies, encode, runs, recomputes, rt, events,
                      host_wait, kept)
     if budget is not None:

@@ -84,7 +84,7 @@ class _Stored:
     d2h: Copy | None = None
     h2d: Copy | None = None
     buffer: torch.Tensor | None = None  # readable bytes: prefetched, or resident when kept encoded
-    held: torch.Tensor | None = None  # a held part's storage, from its release to its restore's wait
+    model_storage: torch.Tensor | None = None  # of a held part the model's code holds: from the release to the restore
     restore: Copy | None = None  # its H2D copy back
     codec: tuple[Encoder, torch.dtype, int] | None = None  # encoder, dtype and element count of the raw storage
     readers: int = 0  # saved references not yet read by the backward
@@ -383,7 +383,7 @@ class _Step(StageListener):
             s.drop_aliases()
             self.backend.released(s.device)
             if sid in self.evicted.get(s.unit, ()):
-                s.held = s.device
+                s.model_storage = s.device
             s.device = None
             s.d2h.keep.clear()
 
@@ -394,15 +394,15 @@ class _Step(StageListener):
         for sid in sids:
             s = self.stored[sid]
             if kind == EVICT:
-                self.backend.evict(s.held)
+                self.backend.evict(s.model_storage)
             elif kind == RESTORE:
-                self.backend.restore(s.held, s.nbytes)
-                s.restore = self.backend.h2d(s.slot, s.held, s.d2h)
+                self.backend.restore(s.model_storage, s.nbytes)
+                s.restore = self.backend.h2d(s.slot, s.model_storage, s.d2h)
                 self.runtime.arena.set_guard(s.slot_index, s.restore)
                 self.runtime.h2d_bytes += s.nbytes
             else:
                 self.backend.wait(s.restore)
-                s.held = s.restore = None
+                s.model_storage = s.restore = None
 
     def _wait(self, sids: list[int]) -> None:
         """The compute stream waits for these storages' H2D copies."""

@@ -16,14 +16,17 @@ share them:
 * ``prefetch_latest``: the "no-overhead" rule of the swap papers: as late as the ideal
   timeline allows with serialized copies, earlier never, later if memory forces it.
 * fixed rules of the literature: release at ``i+1`` (vDNN/Layrub per-layer sync), prefetch
-  one op ahead or on demand.
+  one op ahead or on demand;
+* ``with_restores``: where ``release_asap`` releases a unit whose held part the chain lets
+  leave the device, it leaves and comes back at its reader (``restores``); the floor these
+  rules fit to (``floor_memory``) counts it so.  Not the best restore point (the MILP's),
+  the one with the least memory: its copy is exposed before the reader.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import math
 import time
+from dataclasses import replace
 from typing import Callable, Iterable
 
 import numpy as np
@@ -107,7 +110,7 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
         now (the held part frees at held_until; restored, ``restores``, it goes now and comes
         back before its reader)."""
         until = int(chain.held_until[i])
-        if until > boundary and i not in recomputed and restores(chain, i, boundary, recomputed):
+        if until > boundary and restores(chain, i, boundary, recomputed):
             back = floor_restore(chain, i) - 1
             held[back] = held.get(back, 0) - int(chain.held[i])
             held[until] = held.get(until, 0) + int(chain.held[i])
@@ -166,9 +169,10 @@ def _checkpoint_changes(chain: Chain, runs: Iterable[Recompute]) -> np.ndarray:
 
 def restores(chain: Chain, i: int, release: int, recomputed: set[int]) -> bool:
     """Whether our heuristics take unit ``i``'s held part off the device at its release, to come
-    back at its reader (``memory.floor_restore``): where the class allows it after that release."""
+    back at its reader (``memory.floor_restore``): where the class allows it after that
+    release (a unit offloaded, not recomputed, the next stage not recomputed either)."""
     back = floor_restore(chain, i)
-    return bool(back) and release + 2 <= back and i + 1 not in recomputed
+    return bool(back) and release + 2 <= back and not {i, i + 1} & recomputed
 
 
 def with_restores(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute] = ()) -> list[Offload]:

@@ -103,10 +103,13 @@ class CpuMeter(TorchDispatchMode):
         if nbytes == 0 or key in self._tracked or key in self._ignored:
             return
         self._tracked[key] = nbytes
+        self._grow(nbytes)
+        self._finalizers.append(weakref.finalize(storage, self._free, key))
+
+    def _grow(self, nbytes: int) -> None:
         self.live += nbytes
         if self.live > self.peak:
             self.peak, self.peak_op = self.live, self.ops
-        self._finalizers.append(weakref.finalize(storage, self._free, key))
 
     def _free(self, key: int) -> None:
         self.live -= self._tracked.pop(key, 0)
@@ -115,10 +118,8 @@ class CpuMeter(TorchDispatchMode):
         key = t.untyped_storage()._cdata
         if key in self._tracked:
             nbytes = t.untyped_storage().nbytes()
-            self.live += nbytes - self._tracked[key]
+            self._grow(nbytes - self._tracked[key])
             self._tracked[key] = nbytes
-            if self.live > self.peak:
-                self.peak, self.peak_op = self.live, self.ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1

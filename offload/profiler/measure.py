@@ -438,7 +438,7 @@ class _Holding(StageListener, TorchDispatchMode):
         self.first_op = [0] * (L + 2)  # per stage, its first op
         self.storages: list[Saved] = []
         self.death: list[float] = []  # per storage, the op at which it died (inf: alive at the end)
-        self.readers: list[set[int]] = []  # per storage, the stages whose forward ops read it
+        self.read_later: list[int] = []  # per storage, the first stage after the next whose forward reads it (0: none)
         self.number: dict[int, int] = {}  # a live storage's key -> its place in ``storages``
         self.transient = [0] * (L + 1)  # per F_j
         self.unit_alive = [0] * (L + 1)  # per unit, bytes of its storages alive now
@@ -471,8 +471,8 @@ class _Holding(StageListener, TorchDispatchMode):
         for t in tree_flatten((args, kwargs))[0]:
             if self.number and isinstance(t, torch.Tensor) and plain(t):
                 n = self.number.get(storage_key(t))
-                if n is not None:
-                    self.readers[n].add(self.tracker.stage)
+                if n is not None and not self.read_later[n] and self.tracker.stage >= self.storages[n].unit + 2:
+                    self.read_later[n] = self.tracker.stage
         out = func(*args, **(kwargs or {}))
         j = self.tracker.stage
         self.transient[j] = max(self.transient[j], self.meter.live - self.m0 - self.earlier)
@@ -492,7 +492,7 @@ class _Holding(StageListener, TorchDispatchMode):
         if saved is not None and saved.new:
             self.unit_alive[saved.unit] += saved.nbytes
             self.death.append(float("inf"))
-            self.readers.append(set())
+            self.read_later.append(0)
             self.number[saved.key] = len(self.storages)
             self._finalizers.append(weakref.finalize(t.untyped_storage(), self._died, len(self.storages), saved.key))
             self.storages.append(saved)
@@ -597,11 +597,10 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
             h.held_bytes += saved.nbytes
             h.held.add(saved.index)
             h.held_until = max(h.held_until, max(alive))
-    for saved, readers in zip(holding.storages, holding.readers):  # after F(i+1), the first forward reading the part
+    for saved, later in zip(holding.storages, holding.read_later):  # after F(i+1), the first forward reading the part
         h = out[saved.unit]
-        if saved.index in h.held:
-            later = min((j for j in readers if j >= saved.unit + 2), default=0)
-            h.held_read_at = min(h.held_read_at, later) if h.held_read_at and later else h.held_read_at or later
+        if later and saved.index in h.held:
+            h.held_read_at = min(h.held_read_at or later, later)
     for j in range(1, runner.L + 1):
         out[j].recomputed_fwd_peak_bytes = max(0, holding.transient[j])
     return out[1:]

@@ -825,11 +825,10 @@ class Model:
             v.setInitialValue(1 if mine(i, o) and by[i].release <= j else 0)
         for (i, o, j), v in self.y.items():
             v.setInitialValue(1 if mine(i, o) and by[i].prefetch >= j else 0)
-        restores = {(o.stage, o.restore) for o in offloads if o.restore}
-        for key, v in self.h.items():
+        back = {o.stage: o for o in offloads if o.restore}  # what restores its held part
+        for (i, p), v in self.h.items():
             if isinstance(v, pulp.LpVariable):
-                v.setInitialValue(1 if key in restores else 0)
-        back = {o.stage: o for o in offloads if o.restore}
+                v.setInitialValue(1 if i in back and back[i].restore == p else 0)
         for (i, j), v in self.gone.items():
             v.setInitialValue(1 if i in back and back[i].release < j < back[i].restore else 0)
         sim = simulate(self.chain, offloads, encode=encode, recompute=runs, casts_kept=kept)
@@ -844,7 +843,7 @@ class Model:
         clock = None
         for i, p in sorted(self.rclock, key=lambda key: (key[1], key[0])):
             base = _value(self.w[p - 1]) if clock is None else max(_value(self.w[p - 1]), clock)
-            clock = restore_end[i] if (i, p) in restores else base
+            clock = restore_end[i] if i in back and back[i].restore == p else base
             self.rclock[i, p].setInitialValue(clock)
         last_release = max([sim.end[L - 1]] + [c.end for c in sim.copies if c.direction == "D2H"
                                                 and by[c.stage].release == L])

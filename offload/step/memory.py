@@ -177,12 +177,10 @@ def floor_savings(chain: Chain, i: int, restore: bool = True) -> list[tuple[int,
     ``F(held_until + 1)``."""
     first, stop, a = i + 1, 2 * chain.L - int(chain.need[i]), int(chain.a[i])
     until = int(chain.held_until[i])
-    back = floor_restore(chain, i) - 1 if restore else -1  # the op index of F_restore
-    if until > i + 1 and back > first:
+    back = max(first, floor_restore(chain, i) - 1) if restore else first  # where the held part counts again
+    if until > i + 1:  # (a run may be empty)
         return [(first, min(back, stop), a), (min(back, stop), min(until, stop), a - int(chain.held[i])),
                 (min(until, stop), stop, a)]
-    if until > i + 1:
-        return [(first, min(until, stop), a - int(chain.held[i])), (min(until, stop), stop, a)]
     return [(first, stop, a)]
 
 

@@ -436,10 +436,14 @@ def test_a_skip_the_forward_reads_after_its_release_keeps_its_values(backend):
         spec.loss(run(*spec.args)).backward()
         return run, [p.grad for p in spec.module.parameters()]
     _, plain = grads(lambda m: plain_compile(m, backend))
-    ours, theirs = grads(lambda m: compile_scheduled(m, chain, make_schedule(chain, floor_offloads(chain)),
+    staying = [replace(o, restore=0) for o in floor_offloads(chain)]  # a compiled graph's skips stay on the device
+    ours, theirs = grads(lambda m: compile_scheduled(m, chain, make_schedule(chain, staying),
                                                      backend=backend, copy_backend="cpu-lazy"))
     assert all(torch.equal(a, b) for a, b in zip(plain, theirs))
     assert ours.partitioner.runtime.relaid == 0 and ours.partitioner.runtime.d2h_bytes > 0
+    with pytest.raises(ChainMismatch, match="cannot take a held part off the device"):  # the floor restores them
+        compile_scheduled(resolve(model, 2, options).module, chain, make_schedule(chain, floor_offloads(chain)),
+                          backend=backend)
 
 
 def test_a_prefetch_waits_for_the_gradient_sum_that_closes_the_stage_before():

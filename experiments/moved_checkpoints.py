@@ -26,7 +26,7 @@ from offload.step.memory import no_offload_peak
 
 def _cell(result: Result | None) -> str:
     if result is None:
-        return "nothing fits | |"
+        return "nothing fits |"
     runs = result.schedule.recompute
     return (f"{format_seconds(result.simulation.makespan_s)} ({result.status}) | {len(runs)} recomputed, "
             f"{sum(r.moves for r in runs)} checkpoints offloaded, {len(result.schedule.offloads)} units offloaded")

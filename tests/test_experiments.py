@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_executor, bench_overhead, casts, compiled, demo, moved_checkpoints, options
+from experiments import bench_executor, bench_overhead, casts, compiled, demo, held_parts, moved_checkpoints, options
 from offload.io.text import parse_budget
 from tests.runs import ROOT, options_paying
 
@@ -39,6 +39,14 @@ def test_the_options_table_at_a_tiny_size(capsys):
     assert "keeps" in out and "| 80% | checkpoint-matmuls |" in out and "| 80% | recompute-only + options |" in out
     assert "80%: predicted ≤ every other: True; measured ≤ every other within noise (interleaved): " in out
     assert "| 80% | checkpoint-blocks | " in out.split("Interleaved (2 rounds)")[1]
+
+
+def test_the_held_parts_table_at_a_tiny_size(capsys):
+    assert held_parts.main(["--width", "4", "--depth", "2", "--image", "32", "--budgets", "50", "--time-limit",
+                            "5"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 50% |"))
+    assert "held parts that may leave: U" in out and float(row.split("|")[-2]) <= 1 + 1e-3  # restoring never hurts
 
 
 @pytest.mark.slow  # a profile and eight solves: make test-all

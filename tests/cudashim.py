@@ -270,8 +270,10 @@ class FakeCuda:
         """Queue ``dst.copy_(src)`` on ``stream``: checked now (its place in the stream's
         order), run later; ``dst`` reads as poison until then."""
         epoch = stream.tick()
-        self.access(stream, src, "read", epoch, "copy_")
-        self.access(stream, dst, "write", epoch, "copy_")
+        # keyed by where each side starts: the host slots are views of the arena's one chunk, and two
+        # units' slots are two places to a copy engine (a whole device storage starts where its view does)
+        self.access_key(stream, src.data_ptr(), "read", epoch, "copy_")
+        self.access_key(stream, dst.data_ptr(), "write", epoch, "copy_")
         self.copies_issued += 1
         with self.outside():  # the poison is the fake's, not a compute op
             dst.view(torch.uint8).fill_(POISON)

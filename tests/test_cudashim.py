@@ -75,6 +75,10 @@ def checked(backend_class: type, cuda: FakeCuda) -> type:
         def released(self, src: torch.Tensor) -> None:
             cuda.freed(src)
             super().released(src)
+
+        def evict(self, held: torch.Tensor) -> None:  # a held part's memory goes back to the compute stream
+            cuda.freed(held)
+            super().evict(held)
     return Checked
 
 
@@ -138,6 +142,48 @@ def test_the_cuda_backend_is_race_free_and_bit_exact(chain, name, monkeypatch):
     sim = simulate(chain, sched.offloads, recompute=sched.recompute)
     assert moved == (2 * sim.d2h_bytes, 2 * sim.h2d_bytes) != (0, 0)
     assert cuda.copies_issued == cuda.copies_run > 0
+
+
+UNET = {"width": 4, "depth": 2, "image": 32}
+
+
+@pytest.fixture(scope="module")
+def unet():
+    """A U-Net whose first skip features leave the device with their unit and come back for
+    the up block that concatenates them (docs/model.md, "Held parts")."""
+    return profile("tests/models/unet.py:build", ProfileOptions(batch=2, repeats=1, warmup=1, device="cpu",
+                                                                encodings=False, options=UNET)).chain
+
+
+def test_a_held_part_leaves_and_comes_back_race_free_and_bit_exact(unet, monkeypatch):
+    """Evicted on the compute stream after the wait for its D2H copy, given its memory back on
+    the compute stream before its H2D copy, which the reader waits for: no race, no host wait,
+    gradients bit for bit, the restores' bytes moved as predicted."""
+    sched = make_schedule(unet, floor_offloads(unet))
+    assert any(o.restore for o in sched.offloads)
+    cuda, equal, moved = train_steps(unet, sched, backends.CudaBackend, monkeypatch)
+    assert cuda.races == [] and cuda.host_waits == [] and equal
+    sim = simulate(unet, sched.offloads)
+    assert moved == (2 * sim.d2h_bytes, 2 * sim.h2d_bytes) and sim.h2d_bytes > sim.d2h_bytes
+    assert cuda.copies_issued == cuda.copies_run > 0
+
+
+@pytest.mark.slow  # make test-all (time)
+def test_a_reader_that_skips_the_restores_wait_is_caught(unet, monkeypatch):
+    """The check has teeth: without the reader's wait for the restore's H2D copy, the up block
+    reads a storage the copy has not written."""
+    original = backends.CudaBackend.wait
+    skipped = []
+
+    def wait(self, copy):
+        if copy.direction == "h2d" and copy.nbytes in {unet.stage(i).held_bytes for i in unet.restorable} and not skipped:
+            skipped.append(copy)  # the first restore's wait (a prefetch of the same size comes in the backward)
+            return None
+        return original(self, copy)
+    monkeypatch.setattr(backends.CudaBackend, "wait", wait)
+    cuda, equal, _ = train_steps(unet, make_schedule(unet, floor_offloads(unet)), backends.CudaBackend, monkeypatch,
+                                 steps=1)
+    assert skipped and cuda.races and not equal
 
 
 def compiled_steps(chain, schedule, monkeypatch, steps=2):

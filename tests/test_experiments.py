@@ -41,6 +41,7 @@ def test_the_options_table_at_a_tiny_size(capsys):
     assert "| 80% | checkpoint-blocks | " in out.split("Interleaved (2 rounds)")[1]
 
 
+@pytest.mark.slow  # a profile and two solves: make test-all
 def test_the_held_parts_table_at_a_tiny_size(capsys):
     assert held_parts.main(["--width", "4", "--depth", "2", "--image", "32", "--budgets", "50", "--time-limit",
                             "5"]) == 0

@@ -166,6 +166,17 @@ def _inputs_without_gradient(graph: fx.Graph, forward_outputs: int) -> set[fx.No
     return {p for p, g in zip(primals, grads) if g is None}
 
 
+def _offloading_settings(on: bool, cuda: bool, bandwidth: float) -> dict[str, Any]:
+    """PyTorch's activation offloading pass switched on (``on``) or off for one partition, on
+    a side stream with deferred waits and prefetched reloads where the graph runs on CUDA.
+    Only the settings this torch has: 2.11 has the pass but not its bandwidth setting
+    (``activation_offload_cpu_gpu_bw``, 2.13), and a patch of a setting it lacks fails the
+    whole compile (seen on an H200 with torch 2.11)."""
+    wanted = {"enable_activation_offloading": on, "activation_offload_separate_stream": cuda,
+              "activation_offload_sink_wait": cuda, "activation_reload_prefetch": cuda,
+              "activation_offload_cpu_gpu_bw": bandwidth / 1e9}
+    return {k: v for k, v in wanted.items() if hasattr(config, k)}
+
 class SchedulePartitioner(CustomPartitionerFn):
     """AOTAutograd's partitioner for one (chain, schedule): the recompute tags (module
     docstring), then ``min_cut_rematerialization_partition``, then the copies (ours, placed
@@ -266,9 +277,7 @@ class SchedulePartitioner(CustomPartitionerFn):
         outputs = kwargs.get("num_fwd_outputs", 0)
         cuda = any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_cuda for n in gm.graph.nodes)
         pytorch = (self.copies == "pytorch" and bool(self.offloaded)) or self.copies == "pytorch-matmuls"
-        with config.patch(enable_activation_offloading=pytorch, activation_offload_separate_stream=cuda,
-                          activation_offload_sink_wait=cuda, activation_reload_prefetch=cuda,
-                          activation_offload_cpu_gpu_bw=self.bandwidth / 1e9):
+        with config.patch(_offloading_settings(pytorch, cuda, self.bandwidth)):
             self.graphs = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         saved = list(self.graphs[0].graph.find_nodes(op="output")[0].args[0][outputs:])
         moved: set[str] = set()

@@ -1,8 +1,8 @@
 """Where the copies run: CUDA streams, or the CPU (eager or lazy).
 
-The runtime asks a backend for five things: a D2H copy of a storage into a host slot, an
-H2D copy from the slot into a device buffer (after that D2H), a *wait* of the compute
-stream for a copy, a device buffer, and a storage that the model's own code holds taken
+The runtime asks a backend for five things: D2H copies of storages into host slots, H2D
+copies from the slots into device buffers (after those D2H), a *wait* of the compute
+stream for copies, a device buffer, and a storage that the model's own code holds taken
 off the device and given its memory back (``evict``, ``restore``: a held part, resized in
 place, so that the model's tensors see their bytes again after the H2D copy).  The stream/event rules (docs/executor.md) live in ``CudaBackend``:
 
@@ -16,6 +16,11 @@ place, so that the model's tensors see their bytes again after the H2D copy).  T
 * a held part is evicted on the compute stream after it waited for the D2H event, and
   restored (allocated) on the compute stream before its H2D copy, which the forward that
   reads it waits for.
+
+A unit's storages are copied as one batch (``d2h_many``, ``h2d_many``): on CUDA one event
+before and one after the batch, where a copy each would cost the host its events, stream
+switches and waits for every storage (the executor's host time per moved storage is in the
+model: ``Platform.copy_host_s``, measured by ``copy_host_seconds``).
 
 ``CpuEagerBackend`` runs every copy at once.  ``CpuLazyBackend`` runs a copy only when a
 wait (or an H2D that depends on it) forces it, and poisons what it hands out (device
@@ -77,6 +82,18 @@ class CpuEagerBackend:
 
     def wait(self, copy: Copy) -> None:
         copy.force()
+
+    def d2h_many(self, items: list[tuple[torch.Tensor, torch.Tensor, Copy | None]]) -> list[Copy]:
+        """``d2h`` of each (source, slot, guard)."""
+        return [self.d2h(*item) for item in items]
+
+    def h2d_many(self, items: list[tuple[torch.Tensor, torch.Tensor, Copy]]) -> list[Copy]:
+        """``h2d`` of each (slot, destination, after)."""
+        return [self.h2d(*item) for item in items]
+
+    def wait_many(self, copies: list[Copy]) -> None:
+        for copy in copies:
+            self.wait(copy)
 
     def evict(self, held: torch.Tensor) -> None:
         """Free the memory of a storage the model's own code still holds (its D2H waited for)."""
@@ -155,26 +172,44 @@ class CudaBackend:
         stream.wait_event(ev)
 
     def d2h(self, src: torch.Tensor, slot: torch.Tensor, guard: Copy | None) -> Copy:
-        self._after_compute(self.d2h_stream)
-        if guard is not None and guard.event is not None:
-            self.d2h_stream.wait_event(guard.event)
-        with torch.cuda.stream(self.d2h_stream):
-            slot.copy_(src, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(self.d2h_stream)
-        return Copy("d2h", src.numel(), event=done, keep=[src])
+        return self.d2h_many([(src, slot, guard)])[0]
 
     def h2d(self, slot: torch.Tensor, dst: torch.Tensor, after: Copy) -> Copy:
+        return self.h2d_many([(slot, dst, after)])[0]
+
+    def d2h_many(self, items: list[tuple[torch.Tensor, torch.Tensor, Copy | None]]) -> list[Copy]:
+        """The copies of a batch on the D2H stream, after the compute stream as it is now and
+        after each slot's last H2D; one event when all are done."""
+        self._after_compute(self.d2h_stream)
+        for event in _distinct(guard.event for _, _, guard in items if guard is not None):
+            self.d2h_stream.wait_event(event)
+        with torch.cuda.stream(self.d2h_stream):
+            for src, slot, _ in items:
+                slot.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.d2h_stream)
+        return [Copy("d2h", src.numel(), event=done, keep=[src]) for src, _, _ in items]
+
+    def h2d_many(self, items: list[tuple[torch.Tensor, torch.Tensor, Copy]]) -> list[Copy]:
+        """The copies of a batch on the H2D stream, after the compute stream as it is now (the
+        buffers were allocated there) and after each slot's D2H; one event when all are done."""
         self._after_compute(self.h2d_stream)
-        self.h2d_stream.wait_event(after.event)
+        for event in _distinct(after.event for _, _, after in items):
+            self.h2d_stream.wait_event(event)
         with torch.cuda.stream(self.h2d_stream):
-            dst.copy_(slot, non_blocking=True)
+            for slot, dst, _ in items:
+                dst.copy_(slot, non_blocking=True)
         done = torch.cuda.Event()
         done.record(self.h2d_stream)
-        return Copy("h2d", dst.numel(), event=done, after=after)
+        return [Copy("h2d", dst.numel(), event=done, after=after) for _, dst, after in items]
 
     def wait(self, copy: Copy) -> None:
-        self._compute().wait_event(copy.event)
+        self.wait_many([copy])
+
+    def wait_many(self, copies: list[Copy]) -> None:
+        compute = self._compute()
+        for event in _distinct(copy.event for copy in copies):
+            compute.wait_event(event)
 
     def evict(self, held: torch.Tensor) -> None:
         self._compute()
@@ -189,6 +224,15 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+def _distinct(events: Any) -> list[Any]:
+    """The events, each once (a batch's copies share one), ``None`` left out."""
+    seen: dict[int, Any] = {}
+    for event in events:
+        if event is not None:
+            seen.setdefault(id(event), event)
+    return list(seen.values())
 
 
 def _resize(held: torch.Tensor, nbytes: int) -> None:

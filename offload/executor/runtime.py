@@ -365,21 +365,22 @@ class _Step(StageListener):
                 self._wait(sids)
 
     def _offload(self, sids: list[int]) -> None:
-        """The D2H copies of these held storages into host slots."""
-        arena = self.runtime.arena
-        for sid in sids:
-            s = self.stored[sid]
+        """The D2H copies of these held storages into host slots, one batch."""
+        arena, stored = self.runtime.arena, [self.stored[sid] for sid in sids]
+        for s in stored:
             spare = s.nbytes // 8 if s.codec is not None and s.codec[0].variable_size else 0
             s.slot_index, s.slot = arena.slot(s.nbytes, spare=spare)
-            s.d2h = self.backend.d2h(s.device, s.slot, arena.guard(s.slot_index))
+        copies = self.backend.d2h_many([(s.device, s.slot, arena.guard(s.slot_index)) for s in stored])
+        for s, copy in zip(stored, copies):
+            s.d2h = copy
             self.runtime.d2h_bytes += s.nbytes
 
     def _release(self, sids: list[int]) -> None:
         """Wait for these storages' D2H copies, then drop the step's references to them (a held
         part's storage is kept aside for its eviction)."""
+        self.backend.wait_many([self.stored[sid].d2h for sid in sids])
         for sid in sids:
             s = self.stored[sid]
-            self.backend.wait(s.d2h)
             s.drop_aliases()
             self.backend.released(s.device)
             if sid in self.evicted.get(s.unit, ()):
@@ -406,16 +407,17 @@ class _Step(StageListener):
 
     def _wait(self, sids: list[int]) -> None:
         """The compute stream waits for these storages' H2D copies."""
-        for sid in sids:
-            self.backend.wait(self.stored[sid].h2d)
+        self.backend.wait_many([self.stored[sid].h2d for sid in sids])
 
     def _prefetch(self, sids: list[int]) -> None:
-        """The H2D copies of these held storages into fresh device buffers."""
-        for sid in sids:
-            s = self.stored[sid]
+        """The H2D copies of these held storages into fresh device buffers, one batch."""
+        stored = [self.stored[sid] for sid in sids]
+        for s in stored:
             s.buffer = self.backend.empty(s.nbytes)
-            s.h2d = self.backend.h2d(s.slot, s.buffer, s.d2h)
-            self.runtime.arena.set_guard(s.slot_index, s.h2d)
+        copies = self.backend.h2d_many([(s.slot, s.buffer, s.d2h) for s in stored])
+        for s, copy in zip(stored, copies):
+            s.h2d = copy
+            self.runtime.arena.set_guard(s.slot_index, copy)
             self.runtime.h2d_bytes += s.nbytes
 
     def backward_boundary(self, k: int) -> None:

@@ -498,3 +498,25 @@ def test_a_host_wait_in_an_encoder_is_caught(resnet, monkeypatch):
               if any(t.encoder == "sparse" for t in e.tensors)}
     with pytest.raises(ChainMismatch, match="sparse encoder, which reads its size back"):
         train_steps(resnet, make_schedule(resnet, [], encode=sparse), backends.CudaBackend, monkeypatch)
+
+
+def test_a_batch_of_copies_is_race_free_and_round_trips(monkeypatch):
+    """A unit's storages copied as one batch each way (one event before and after it): the
+    H2D of each waits for the batch's D2H, the next D2H into the same slots for the H2D's
+    reads, and the compute stream for each batch it reads."""
+    with FakeCuda(monkeypatch) as cuda:
+        backend = checked(backends.CudaBackend, cuda)(torch.device("cpu"))
+        first = [torch.randn(64).view(torch.uint8) for _ in range(3)]
+        second = [torch.randn(64).view(torch.uint8) for _ in range(3)]
+        slots = [torch.empty(256, dtype=torch.uint8) for _ in first]
+        d2h = backend.d2h_many([(src, slot, None) for src, slot in zip(first, slots)])
+        buffers = [backend.empty(256) for _ in first]
+        h2d = backend.h2d_many(list(zip(slots, buffers, d2h)))
+        again = backend.d2h_many(list(zip(second, slots, h2d)))
+        assert len({id(c.event) for c in d2h}) == 1 and len({id(c.event) for c in h2d}) == 1
+        backend.wait_many(h2d)
+        same = all(torch.equal(b.clone(), src) for b, src in zip(buffers, first))
+        backend.wait_many(again)
+        backend.wait_many(d2h)
+        torch.cuda.synchronize()
+    assert cuda.races == [] and same

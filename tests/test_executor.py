@@ -348,3 +348,16 @@ def test_a_rare_nondeterminism_is_sampled_until_it_shows():
     check.after_step()  # 2: the reference; 3-5: its re-runs, alike; 6 alike, 7 jitters
     assert check.mismatches[0] and check.noise_floors[0] > 0 and check.within_noise
     assert _Rare.calls == 7
+
+
+def test_the_host_time_per_storage_copied_is_timed_on_the_runtimes_own_steps(monkeypatch):
+    """``copy_host_s`` is what the runtime's own copy steps cost the host: each unit of the
+    round goes through ``_Step._offload``, ``_release``, ``_prefetch`` and ``_wait``."""
+    from offload.executor.copy_cost import copy_host_seconds
+    calls = []
+    for name in ("_offload", "_release", "_prefetch", "_wait"):
+        real = getattr(_Step, name)
+        monkeypatch.setattr(_Step, name, lambda step, sids, real=real, name=name: (calls.append(name), real(step, sids)))
+    seconds = copy_host_seconds(torch.device("cpu"), units=2, storages=3, nbytes=64, repeats=1)
+    assert 0 < seconds < 0.01
+    assert calls == 2 * (["_offload"] * 2 + ["_release"] * 2 + ["_prefetch", "_wait"] * 2)  # warm-up, one round

@@ -163,9 +163,9 @@ def quick(model: str, **kw) -> ProfileOptions:
     return ProfileOptions(batch=2, repeats=2, warmup=1, options=dict(SMALL.get(model, {})), **kw)
 
 
-def independent_saved_bytes(spec: ModelSpec) -> int:
-    """Bytes saved for backward by one forward of the model without any boundary, counted here
-    (weights, buffers and the input batch are never part of a unit)."""
+def independent_saved(spec: ModelSpec) -> dict[int, int]:
+    """The storages saved for backward by one forward of the model without any boundary, and
+    their bytes, counted here (weights, buffers and the input batch are never part of a unit)."""
     args, kwargs = spec.batch()
     skip = {t.untyped_storage().data_ptr() for t in itertools.chain(spec.module.parameters(), spec.module.buffers(),
                                                                      args, kwargs.values())}
@@ -180,7 +180,7 @@ def independent_saved_bytes(spec: ModelSpec) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = spec.loss(spec.module(*args, **kwargs))
     loss.backward()
-    return sum(storages.values())
+    return storages
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,9 @@ def profiled():
 @pytest.mark.parametrize("name", list(SMALL))
 def test_saved_bytes_equal_an_independent_count(profiled, name):
     p = profiled[name]
-    assert sum(s.saved_bytes for s in p.chain.stages) == independent_saved_bytes(p.spec)
+    storages = independent_saved(p.spec)
+    assert sum(s.saved_bytes for s in p.chain.stages) == sum(storages.values())
+    assert sum(s.storages for s in p.chain.stages) == len(storages)  # what moving every unit copies
 
 
 @pytest.mark.parametrize("name", list(SMALL))
@@ -216,6 +218,7 @@ def test_hand_counted_mlp():
     # saves is the loop's, in base_bytes); stage 2 saves its output (24 B) for the loss's square
     assert [s.saved_bytes for s in m.stages] == [64, 24]
     assert [s.need_from for s in m.stages] == [2, 2]
+    assert [s.storages for s in m.stages] == [1, 1]
     assert m.stages[0].fwd_peak_bytes == 64 + 64  # Linear 1's output and the ReLU's
     assert m.stages[1].fwd_peak_bytes >= 24 + 24 + 4  # output, square, mean (and the loss's backward to the output)
     assert m.base_bytes == 3 * (4 * 8 + 8 + 8 * 3 + 3) * 4 + 2 * 4 * 4  # weights, grads, SGD momentum; the batch
@@ -271,7 +274,7 @@ def test_user_model_with_control_flow_and_a_residual(user_file):
     # the residual `h + block(h)` is in forward, so each block's own output is no cut: the sums are
     # no module's output, the stages end where a module's output dominates the rest
     assert p.chain.L >= 2
-    assert sum(s.saved_bytes for s in p.chain.stages) == independent_saved_bytes(p.spec)
+    assert sum(s.saved_bytes for s in p.chain.stages) == sum(independent_saved(p.spec).values())
 
 
 def test_keyword_inputs_and_dict_outputs(user_file):
@@ -394,7 +397,7 @@ def test_package_module_reference(user_file, monkeypatch):
 def test_merge_to_a_stage_count():
     p = profile("resnet18", quick("resnet18", stages=4))
     assert p.chain.L == 4
-    assert sum(s.saved_bytes for s in p.chain.stages) == independent_saved_bytes(p.spec)
+    assert sum(s.saved_bytes for s in p.chain.stages) == sum(independent_saved(p.spec).values())
 
 
 @pytest.mark.parametrize("weights,count", [([1, 2, 3, 4, 5], 2), ([5, 1, 1, 1, 5, 1], 3), ([1] * 7, 7), ([3, 1], 5)])

@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 
 from offload.errors import ScheduleRejected
+from offload.solver.ilp import solve_ilp
 from offload.step.actions import Offload, Recompute
 from offload.step.budget import Budget
 from offload.step.chainfile import chain_from_dict
@@ -125,3 +126,25 @@ def test_a_copy_is_hidden_only_while_the_device_computes():
     sim = simulate(chain_from_dict(doc), [Offload(1, 2, 2)])
     assert [(c.direction, c.start, c.end) for c in sim.copies] == [("D2H", 1.5, 3.5), ("H2D", 10.0, 12.0)]
     assert sim.stall_s == 0.5 and sim.copy_overlap == 0.75
+
+
+def test_a_copy_costs_the_host_per_storage_and_starts_when_issued():
+    """The executor's host time per storage copied (``copy_host_s``, 0.5 s) on a host that
+    issues every op in 0.5 s: U1's four storages take the host 2 s to issue after F1 (issued
+    at 0.5), so its D2H starts at 2.5, not as F1 ends at 1, F2 is issued at 3.0 and the release
+    after it waits for the copy to 3.5; the H2D at B2 is issued 2 s later on the host, which
+    is still ahead of the device there.  1.5 s more than the same schedule uncharged."""
+    doc = chain_doc(platform={"d2h_bytes_per_s": 100.0, "h2d_bytes_per_s": 100.0, "latency_s": 0.0,
+                              "copy_host_s": 0.5})
+    for s in doc["stages"]:
+        s.update(fwd_host_s=0.5, bwd_host_s=0.5)
+    doc["stages"][0]["storages"] = 4
+    chain = chain_from_dict(doc)
+    sim = simulate(chain, [Offload(1, 2, 2)])
+    assert [(c.direction, c.start, c.end) for c in sim.copies] == [("D2H", 2.5, 3.5), ("H2D", 9.5, 10.5)]
+    assert list(sim.end[:2]) == [1.0, 3.0] and sim.makespan_s == 13.5
+    assert simulate(chain, []).makespan_s == 12.0  # nothing moved: nothing charged
+    doc["platform"].pop("copy_host_s")
+    assert simulate(chain_from_dict(doc), [Offload(1, 2, 2)]).makespan_s == 12.0
+    res = solve_ilp(chain, int(simulate(chain, [Offload(1, 2, 2)]).peak_bytes), gap=0.0)
+    assert res.objective_s == pytest.approx(simulate(chain, res.offloads).makespan_s, rel=1e-9)

@@ -155,6 +155,13 @@ class UnitTracker:
                 out[s.unit].append(s.index)
         return [tuple(v) for v in out[1:]]
 
+    def storage_counts(self, L: int) -> list[int]:
+        """Per stage ``1..L``, the storages of its unit (what a copy of the unit issues one each of)."""
+        counts = [0] * (L + 1)
+        for s in self.records:
+            counts[s.unit] += 1
+        return counts[1:]
+
     def units(self, L: int) -> tuple[list[int], list[int]]:
         """(bytes of each unit, need_from of each unit), stages ``1..L`` (a unit's ``need_from``
         is the latest last saver among its storages, at least its own stage)."""

@@ -7,6 +7,10 @@ directions are measured one at a time: in the schedule class every D2H copy ends
 the first prefetch starts, and only a held part's restore (a forward's H2D copy) may run
 beside D2H copies, where the model takes them to run at once, as a GPU's copy engines do.
 
+On CUDA the platform also carries the executor's host time per storage it copies
+(``offload.executor.copy_cost``): the host issues the copies between the model's kernels,
+and where it falls behind the device the step waits for it.
+
 On a machine without a GPU there is no link to measure.  The stand-in measures host
 memory-copy bandwidth (what the executor's CPU backend pays per copy) and says so in the
 platform's ``note``; ``--bandwidth`` plans for a real machine instead.
@@ -19,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from offload.executor.copy_cost import copy_host_seconds
 from offload.step.chain import Platform
 
 LARGE, SMALL = 256 * 2**20, 64 * 2**10
@@ -64,8 +69,9 @@ def _cuda_platform(device: torch.device, repeats: int, size: int) -> Platform:
     h2d_bw, h2d_lat = _fit(one("h2d", size), one("h2d", SMALL), size, SMALL)
     name = torch.cuda.get_device_name(device)
     note = (f"measured on {name}: pinned host buffers, {size // 2**20} MiB and {SMALL // 2**10} KiB copies, "
-            f"median of {repeats}")
-    return Platform(d2h_bytes_per_s=d2h_bw, h2d_bytes_per_s=h2d_bw, latency_s=(d2h_lat + h2d_lat) / 2, note=note)
+            f"median of {repeats}; the executor's host time per storage copied timed as it issues them")
+    return Platform(d2h_bytes_per_s=d2h_bw, h2d_bytes_per_s=h2d_bw, latency_s=(d2h_lat + h2d_lat) / 2, note=note,
+                    copy_host_s=copy_host_seconds(device, repeats=repeats))
 
 
 def _cpu_standin(repeats: int, size: int) -> Platform:

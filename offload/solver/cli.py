@@ -99,6 +99,9 @@ def print_chain(chain: Chain) -> None:
     p = chain.platform
     print(f"platform    D2H {p.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {p.h2d_bytes_per_s / 1e9:.2f} GB/s, "
           f"latency {format_seconds(p.latency_s)}" + (f" ({printable(p.note)})" if p.note else ""))
+    if p.copy_host_s:
+        print(f"host        the executor's {format_seconds(p.copy_host_s)} per storage copied, each way: "
+              f"{format_seconds(float(chain.ch.sum()))} to move every unit out (charged to the host's clock)")
     print()
     casts = bool(chain.castable)  # a column of the weight casts each stage makes again
     print(f"{'#':>4} {'name':<22} {'kind':<10} {'fwd':>10} {'bwd':>10} {'saved':>11} {'fwd peak':>11} {'bwd peak':>11} {'need':>5}"

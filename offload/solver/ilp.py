@@ -251,6 +251,10 @@ class Model:
                 self.size[r.first, form] = moved / self.mu
         self.dd = {(i, o): p.d2h_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.forms[i]}
         self.hd = {(i, o): p.h2d_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.forms[i]}
+        # the host's time to issue a slot's copy, either way: per storage (a checkpoint's: one)
+        self.ih = {(i, o): (p.copy_host_s if (i, o) in self.moving else float(chain.ch[i])) / self.tau
+                   for i in self.U for o in self.forms[i]}
+        self.copy_host = p.copy_host_s > 0
         self.f = self.chain.f / self.tau
         self.b = (self.chain.b - self.chain.rc) / self.tau  # each backward op at its shortest (casts kept)
 
@@ -265,6 +269,9 @@ class Model:
     def _max_h2d(self, i: int) -> float:
         return max(self.hd[i, o] for o in self.forms[i]) if self._moves(i) else 0.0
 
+    def _max_issue(self, i: int) -> float:
+        return max(self.ih[i, o] for o in self.forms[i]) if self._moves(i) else 0.0
+
     def _release_windows(self) -> None:
         """``R_i``: the first boundary by which ``Ui``'s copy has surely ended (later releases are
         dominated), and, for free units, the big-M of each earlier release wait, from a bound on
@@ -276,7 +283,7 @@ class Model:
         self.wait_at_L: set[int] = set()  # decided units released at L whose copy may still run then
         backlog = 0.0
         for i in range(1, L + 1):
-            backlog = max(0.0, backlog - f[i]) + self._max_d2h(i)
+            backlog = max(0.0, backlog - f[i]) + self._max_d2h(i) + self._max_issue(i)  # issued late: ends late
             if not self._moves(i):
                 continue
             # first j > i with ends[j-1] - ends[i-1] >= backlog
@@ -601,6 +608,13 @@ class Model:
             out.add(self.offloaded(i, o), self.dd[i, o])
         return out
 
+    def moved_issue(self, i: int) -> _Affine:
+        """The host's time to issue the copy in stage ``i``'s slot, one way (0 when nothing moves)."""
+        out = _Affine()
+        for o in self.forms[i]:
+            out.add(self.offloaded(i, o), self.ih[i, o])
+        return out
+
     def _forward_times(self) -> None:
         L = self.chain.L
         self.w: list[_Form] = [0.0] + [self._var(f"w{j}") for j in range(1, L + 1)]
@@ -624,6 +638,9 @@ class Model:
                 continue
             v = self.d[j] = self._var(f"d{j}")
             self._row(f"d2h_after_F{j}", _affine((v, 1.0)).add(end_f, -1.0).add(self.moved_d2h(j), -1.0), ">=")
+            if self.copy_host:  # issued after F_j, before F_(j+1): the copy starts no earlier
+                issued.add(self.moved_issue(j))
+                host = True
             if host:
                 self._row(f"d2h_host_{j}", _affine((v, 1.0)).add(self.moved_d2h(j), -1.0).add(issued, -1.0), ">=")
             if prev is not None:
@@ -666,15 +683,26 @@ class Model:
         self.issue.append(_affine((self.w[L], 1.0)))
         self.groups: list[tuple[int, list[int]]] = []
         self.clock: dict[tuple[int, int], pulp.LpVariable] = {}
-        h2d_total = sum(self._max_h2d(i) for i in range(1, L + 1))
+        h2d_total = sum(self._max_h2d(i) + self._max_issue(i) for i in range(1, L + 1))
         slots = self._slots()
         span, clock = 0.0, None  # span: bound on (H2D clock - issue time) within the current group
         bh, rh = self.chain.bh, self.chain.rh
         host = _Affine()  # when the host has issued B_k: B_k ends no earlier
         for j in range(1, L + 1):
             host.add(self.forward_host(j))
+            if self.copy_host and self._moves(j):
+                host.add(self.moved_issue(j))
+        fetching: dict[int, _Form] = {}  # k -> when the host starts issuing the prefetches at k (copy_host)
+        self.fetch_host: dict[int, tuple[pulp.LpVariable, _Affine]] = {}  # k -> that variable, its value's form
         for k in range(L, 0, -1):
             start = _affine((self.s[k], 1.0)).add(self.issue[k], -1.0)
+            if self.copy_host and slots.get(k):
+                v = fetching[k] = self._var(f"hb{k}")
+                self.fetch_host[k] = (v, _Affine().add(host))
+                self._row(f"h2d_host_{k}", _affine((v, 1.0)).add(host, -1.0), ">=")
+                for i in slots[k]:
+                    for o, m in self._prefetched_at(i, k).items():
+                        host.add(m, self.ih[i, o])
             host.add(float(bh[k]) / self.tau)
             for r in self.run_at.get(k, ()):  # rebuilt after the prefetches are issued
                 start.add(self.g[r], -run_seconds(self.chain, r) / self.tau)
@@ -688,7 +716,9 @@ class Model:
             if not members:
                 continue
             self.groups.append((k, members))
-            span = min(h2d_total, span + sum(self._max_h2d(i) for i in members))
+            # issued late (copy_host), a copy ends late as if it took longer
+            span = min(h2d_total, span + sum(self._max_h2d(i) + self._max_issue(i) for i in members))
+            issued = _affine((fetching[k], 1.0)) if k in fetching else None  # the host's clock through member n
             for n, i in enumerate(members):
                 v = self.clock[i, k] = self._var(f"c{i}_{k}")
                 moved = self._prefetched_at(i, k)
@@ -697,6 +727,10 @@ class Model:
                     dur.add(m, self.hd[i, o])
                 if n == 0:
                     self._row(f"h2d_issue_{i}_{k}", _affine((v, 1.0)).add(self.issue[k], -1.0).add(dur, -1.0), ">=")
+                if issued is not None:
+                    for o, m in moved.items():
+                        issued.add(m, self.ih[i, o])
+                    self._row(f"h2d_issued_{i}_{k}", _affine((v, 1.0)).add(issued, -1.0).add(dur, -1.0), ">=")
                 if clock is not None:
                     self._row(f"h2d_fifo_{i}_{k}", _affine((v, 1.0), (clock, -1.0)).add(dur, -1.0), ">=")
                 clock = v
@@ -848,11 +882,12 @@ class Model:
         last_release = max([sim.end[L - 1]] + [c.end for c in sim.copies if c.direction == "D2H"
                                                 and by[c.stage].release == L])
         self.w[L].setInitialValue(last_release / tau)
-        d2h = {c.stage: (c.end - c.start) / tau for c in sim.copies if c.direction == "D2H"}
         clock = 0.0
-        for i, v in self.d.items():
-            clock = max(clock, sim.end[i - 1] / tau) + d2h.get(i, 0.0)
+        for i, v in self.d.items():  # a copy's clock ends with it (issued when the host got to it)
+            clock = d2h_done[i] / tau if i in d2h_done else max(clock, sim.end[i - 1] / tau)
             v.setInitialValue(clock)
+        for v, form in self.fetch_host.values():
+            v.setInitialValue(form.const + sum(c * _value(var) for var, c in form.terms.items()))
         for j in range(1, L + 1):  # s_j ends B_j at its end, a wait for the host included
             self.s[j].setInitialValue((sim.start[2 * L - j] + sim.host_wait[2 * L - j]) / tau)
         h2d_end = {c.stage: c.end / tau for c in sim.copies if c.direction == "H2D"}

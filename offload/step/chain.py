@@ -129,6 +129,7 @@ class Stage:
     bwd_host_s: float = 0.0  # the same for Bi
     recording_host_s: float = 0.0  # host time Fi adds while the executor records it for a re-run (CUDA)
     rerun_host_s: float = 0.0  # host time to issue the executor's re-run of Fi (CUDA; 0: fwd_host_s)
+    storages: int = 0  # distinct storages in the unit: a copy of it issues one each (0: not counted)
     options: tuple[StageOption, ...] = ()  # in-stage options, measured: a recomputed run may choose one
     cast_bytes: int = 0  # weight casts (autocast) Fi makes and Bi reads: dropped and made again unless kept ...
     recast_s: float = 0.0  # ... what making them again costs Bi (part of bwd_s): docs/model.md, "Weight casts"
@@ -175,6 +176,9 @@ class Platform:
     h2d_bytes_per_s: float
     latency_s: float = 0.0
     note: str = ""
+    # the executor's host time per storage it copies, either way: its slot or buffer, the copy's
+    # issue, its events and the wait for it (CUDA, measured; 0: the host's part not charged)
+    copy_host_s: float = 0.0
 
     def d2h_s(self, nbytes: float) -> float:
         """Duration of one device-to-host copy of ``nbytes``."""
@@ -281,6 +285,8 @@ def _stage_document(s: Stage) -> dict:
         d["shared_saves"] = list(s.shared_saves)
     if s.held_read_at:  # likewise
         d.update(held_saves=list(s.held_saves), held_read_at=s.held_read_at)
+    if s.storages:  # likewise
+        d["storages"] = s.storages
     return d
 
 
@@ -329,6 +335,7 @@ class Chain:
     bh = _column("bwd_host_s", np.float64)
     rech = _column("recording_host_s", np.float64)
     rh = _column("rerun_host", np.float64)
+    ns = _column("storages")
     cb = _column("cast_bytes")
     rc = _column("recast_s", np.float64)
 
@@ -374,6 +381,13 @@ class Chain:
     def has_encodings(self) -> bool:
         return any(s.encodings for s in self.stages)
 
+    @cached_property
+    def ch(self) -> np.ndarray:
+        """Per unit, the host's time to issue its copies one way: ``copy_host_s`` per storage
+        (docs/model.md, "The host").  An offloaded checkpoint's copy is the input's storage:
+        ``copy_host_s`` once."""
+        return self.platform.copy_host_s * self.ns
+
     def d2h_s(self, i: int) -> float:
         return self.platform.d2h_s(float(self.a[i]))
 
@@ -416,6 +430,8 @@ class Chain:
                                     "latency_s": p.latency_s}
         if p.note:
             platform["note"] = p.note
+        if p.copy_host_s:  # absent otherwise: chains from before it keep their sha256
+            platform["copy_host_s"] = p.copy_host_s
         doc: dict[str, Any] = {"format": CHAIN_FORMAT, "name": self.name, "source": dict(self.source),
                                "platform": platform, "base_bytes": self.base_bytes,
                                "stages": [_stage_document(s) for s in self.stages]}

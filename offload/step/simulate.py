@@ -11,9 +11,10 @@ A ``D2H`` is issued as its forward op ends.  A ``RESTORE`` copies a held part ba
 copy, issued before its forward op) and ``RESTORED`` waits for it; ``EVICT`` takes no time.
 Copies run one at a time per direction, in issue order.  On a GPU the host issues the kernels: a second clock adds up each op's host
 time (``fwd_host_s``/``bwd_host_s``; a recomputed stage's ``Fi`` adds what recording it
-costs, ``recording_host_s``, and its re-run takes ``rerun_host_s``), and an op cannot end
-before the host has issued it (its end is the later of the device's and the host's; the
-host never waits for the device within a step).  Memory per op is ``memory``'s (it depends on the actions alone).  Encoded
+costs, ``recording_host_s``, and its re-run takes ``rerun_host_s``; a copy adds
+``copy_host_s`` per storage it moves, and starts no earlier than it was issued), and an op
+cannot end before the host has issued it (its end is the later of the device's and the
+host's; the host never waits for the device within a step).  Memory per op is ``memory``'s (it depends on the actions alone).  Encoded
 units are replayed on the derived chain of ``encoding.apply``, whose op times include the
 encoders and decoders (``ENCODE`` and ``DECODE`` take no time of their own).  A stage whose
 weight casts are kept runs ``Bi`` without recasting them (``recast_s`` less).
@@ -210,6 +211,10 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
         """The bytes a copy moves: the unit's, or the offloaded checkpoint's of a run."""
         return moved_checkpoint_bytes(chain, e.run) if e.run is not None else int(a[e.stage])
 
+    def issue(e: Event) -> float:
+        """The host's time to issue a copy: per storage, the unit's or the checkpoint's one."""
+        return p.copy_host_s if e.run is not None else float(chain.ch[e.stage])
+
     for e in events.sequence:
         i = e.stage
         if e.kind in (FORWARD, BACKWARD):
@@ -221,13 +226,15 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
             t = s = end[o] = max(done, h)
             o += 1
         elif e.kind == D2H:
-            c0, nbytes = max(t, d2h_free), moved(e)
+            h += issue(e)
+            c0, nbytes = max(t, d2h_free, h), moved(e)
             d2h_end[i] = d2h_free = c0 + p.d2h_s(float(nbytes))
             copies.append(CopyRecord(i, "D2H", float(t), float(c0), float(d2h_end[i]), nbytes, e.run is not None))
         elif e.kind == RELEASE:
             s = max(s, d2h_end[i])
         elif e.kind == H2D:
-            c0, nbytes = max(s, h2d_free, d2h_end[i]), moved(e)
+            h += issue(e)
+            c0, nbytes = max(s, h2d_free, d2h_end[i], h), moved(e)
             h2d_end[i] = h2d_free = c0 + p.h2d_s(float(nbytes))
             copies.append(CopyRecord(i, "H2D", float(s), float(c0), float(h2d_end[i]), nbytes, e.run is not None))
         elif e.kind == RECOMPUTE:

@@ -57,10 +57,10 @@ def test_a_stage_per_block(profiled, model):
     assert smallest_feasible_budget(chain) < 0.5 * no_offload_peak(chain)
 
 
-def _run(chain, share_of_range, backend):
+def _run(chain, share_of_range, backend, encodings="lossless"):
     floor, peak = smallest_feasible_budget(chain), no_offload_peak(chain)
     budget = floor + int(share_of_range * (peak - floor)) if share_of_range is not None else int(0.5 * peak)
-    sched = solve(chain, budget, "ilp", Options(time_limit_s=30, heuristic_time_s=0.1)).schedule
+    sched = solve(chain, budget, "ilp", Options(time_limit_s=30, heuristic_time_s=0.1, encodings=encodings)).schedule
     assert sched.offloads, "the schedule moves nothing"
     report, error = train(None, chain, sched, TrainOptions(steps=3, backend=backend, check_grads=True, op_memory=True))
     assert error is None
@@ -87,8 +87,12 @@ def test_trains_bit_exact_at_half_the_peak(profiled, model, backend):
 
 @pytest.mark.parametrize("model", ["llama", *(pytest.param(m, marks=SLOW) for m in ("gpt2", "bert", "vit"))])
 def test_half_the_blocks_frozen(profiled, model):
-    """Frozen blocks save nothing for backward (their floor is higher): halfway from the floor to the peak."""
-    _run(profiled(model, frozen=MODELS[model]["layers"] // 2), 0.5, "cpu-lazy")
+    """Frozen blocks save nothing for backward (their floor is higher): halfway from the floor to the peak.
+    Offloading alone: under load the time-limited solve may return a schedule that keeps a
+    unit encoded, whose forward the model books with the blobs on top of the raw storages it
+    measured (docs/encodings.md, "The model"): safe, but the executor's raw storages are gone
+    by the peak, so not within this test's tolerance, and not what this test is about."""
+    _run(profiled(model, frozen=MODELS[model]["layers"] // 2), 0.5, "cpu-lazy", encodings="none")
 
 
 @pytest.mark.parametrize("dropout, backend", [pytest.param(0.1, "cpu-eager", marks=SLOW),  # time: make test keeps

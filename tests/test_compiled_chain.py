@@ -1,6 +1,7 @@
 """A chain of the model compiled whole (``offload.profiler.compiled``): its units are what the
 compiled graph's copies move, its memory that graph's, so a schedule solved on it keeps its
 budget when ``compile_scheduled`` runs it."""
+import json
 import pickle
 import warnings
 from dataclasses import replace
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from offload.errors import ChainMismatch, ModelError, offload_cause
-from offload.executor import Offloaded
+from offload.executor import Offloaded, distributed
 from offload.executor.compiled import SchedulePartitioner, compile_scheduled
 from offload.executor.train import TrainOptions, train
 from offload.models import resolve
@@ -106,7 +107,7 @@ def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):
         profile("gpt", ProfileOptions(batch=4, options=GPT, whole_graph=True))
 
 
-def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_scheduled(aot):
+def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_scheduled(aot, tmp_path, monkeypatch):
     """``offload train`` on such a chain: the model compiled as one graph with the schedule in
     it, its allocations metered on the CPU (``AllocationMeter``), the bytes moved, the
     gradient check against the same compile without the schedule, ``--op-memory`` (the
@@ -134,8 +135,13 @@ def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_schedule
     assert all(b.error is None and b.step_s and b.activation_peak_bytes for b in compare.values())
     assert compare["no_offload"].activation_peak_bytes <= no_offload_peak(chain)  # aot_eager: as above
     assert compare["no_offload"].activation_peak_bytes > m.activation_peak_bytes
-    with pytest.raises(ChainMismatch, match="does not give --trace yet"):
-        train(None, chain, schedule, TrainOptions(steps=1, trace="t.json"))
+    traced, error = train(None, chain, schedule, TrainOptions(steps=1, backend="cpu-lazy", trace=str(tmp_path / "t.json")))
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert error is None and traced.trace["path"] == str(tmp_path / "t.json")
+    assert any(e.get("name") == "offload::d2h" for e in events)  # the compiled graph's own copy ops, traced
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    with pytest.raises(ChainMismatch, match="does not give --nproc yet"):  # before anything starts
+        train(None, chain, schedule, TrainOptions(steps=1))
 
 
 def test_the_partitioner_pickles_as_its_key(aot):

@@ -163,10 +163,9 @@ def _check_whole_graph(chain: Chain, opts: TrainOptions) -> None:
     yet is refused before anything runs."""
     if chain.recipe is None or not chain.recipe.whole_graph:  # (no recipe: refused where the model is built)
         return
-    asked = [flag for flag, on in (("--trace", opts.trace), ("--nproc", distributed.world_size() > 1)) if on]
-    if asked:
+    if distributed.world_size() > 1:
         raise ChainMismatch(f"chain {chain.name!r} was profiled as one compiled graph, whose run offload train does not "
-                            f"give {asked[0]} yet", f"train it without {asked[0]}, or profile without --whole-graph")
+                            "give --nproc yet", "train it without --nproc, or profile without --whole-graph")
 
 
 def _run_whole_graph(chain: Chain, schedule: Schedule, spec: ModelSpec, backend: str, trainer: Trainer) -> nn.Module:

@@ -70,6 +70,7 @@ recompute: $(INSTALL)
 # predicted vs measured step and peak, overlap, gradients, exit codes (experiments/results/
 # executor-<device>/summary.md).  On a machine without a GPU it runs its smoke sizes.
 gpu-bench: $(INSTALL)
+	$(PY) -m experiments.bench_overhead --copies
 	$(PY) -m experiments.bench_executor
 	$(PY) -m experiments.compiled --model llama
 
@@ -78,6 +79,7 @@ gpu-bench: $(INSTALL)
 # GPU tests.  Results land under experiments/.
 gpu: $(INSTALL)
 	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu: torch sees no CUDA GPU here')"
+	$(PY) -m experiments.bench_overhead --copies
 	$(PY) -m experiments.bench_executor
 	$(PY) -m experiments.compiled --model llama
 	$(PY) -m experiments.profile_zoo --device cuda

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from experiments import bench_executor, bench_overhead, casts, compiled, demo, held_parts, moved_checkpoints, options
+from offload.executor.backends import CpuEagerBackend
 from offload.io.text import parse_budget
 from tests.runs import ROOT, options_paying
 
@@ -26,6 +27,18 @@ def test_bench_overhead_prints_each_way_against_plain(capsys, model, ways):
     out = capsys.readouterr().out
     assert "saved tensors per step" in out and all(w in out for w in ("plain", "hooks", "offloaded, empty",
                                                                        "offloaded, floor", *ways))
+
+
+def test_bench_overhead_times_the_copies_both_ways(capsys, monkeypatch):
+    """``--copies``: the runtime's copy steps timed batched (the backend's ``d2h_many`` once a
+    unit) and one call per storage (its ``d2h`` alone)."""
+    batches = []
+    real = CpuEagerBackend.d2h_many
+    monkeypatch.setattr(CpuEagerBackend, "d2h_many", lambda self, items: (batches.append(len(items)), real(self, items))[1])
+    assert bench_overhead.main(["--copies"]) == 0
+    figures = {line.rsplit(None, 2)[0].strip(): float(line.split()[-2]) for line in capsys.readouterr().out.splitlines()[1:]}
+    assert set(figures) == {"one batch per unit", "one call per storage"} and all(v > 0 for v in figures.values())
+    assert set(batches) == {16} and len(batches) == 8 * (2 + 6)  # 8 units a round: the untimed call 2, the batched 6
 
 
 @pytest.mark.slow  # a profile, twelve solves and trainings: make test-all

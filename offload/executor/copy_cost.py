@@ -22,12 +22,12 @@ from types import SimpleNamespace
 import torch
 
 from .arena import HostArena
-from .backends import make_backend
+from .backends import CpuEagerBackend, CudaBackend, make_backend
 from .runtime import _bytes_of, _Step, _Stored
 
 
 def copy_host_seconds(device: torch.device, units: int = 8, storages: int = 16, nbytes: int = 64 * 2**10,
-                      repeats: int = 5) -> float:
+                      repeats: int = 5, backend: CpuEagerBackend | CudaBackend | None = None) -> float:
     """The host's seconds per storage and direction that the runtime spends moving ``units``
     units of ``storages`` storages of ``nbytes`` each out and back (the median of ``repeats``
     rounds after one warm-up; on the CPU its eager backend, whose copies run as they are
@@ -40,11 +40,12 @@ def copy_host_seconds(device: torch.device, units: int = 8, storages: int = 16, 
         nbytes: each storage's size: small, so that the copies take the device less time than
             the host takes to issue them, and the host's time is all that is timed.
         repeats: timed rounds.
+        backend: the copy backend (default: the device's, as ``Offloaded`` picks it).
 
     Returns:
         Seconds of host time per storage copied one way.
     """
-    backend = make_backend(None, device)
+    backend = backend or make_backend(None, device)
     arena = HostArena(units * storages * nbytes, backend.pin)
     tensors = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(units * storages)]
 

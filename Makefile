@@ -65,7 +65,8 @@ encodings: $(INSTALL)
 recompute: $(INSTALL)
 	$(PY) -m experiments.recompute
 
-# The executor benchmark: a conv net, an fp32 and a bf16 transformer at 30/50/70% of their peak,
+# The executor host time per storage copied (batched, and one call per storage), then the executor
+# benchmark: a conv net, an fp32 and a bf16 transformer at 30/50/70% of their peak,
 # offload-only, joint and per-block checkpointing, with no offloading and save_on_cpu beside:
 # predicted vs measured step and peak, overlap, gradients, exit codes (experiments/results/
 # executor-<device>/summary.md).  On a machine without a GPU it runs its smoke sizes.

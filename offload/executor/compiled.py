@@ -177,6 +177,7 @@ def _offloading_settings(on: bool, cuda: bool, bandwidth: float) -> dict[str, An
               "activation_offload_cpu_gpu_bw": bandwidth / 1e9}
     return {k: v for k, v in wanted.items() if hasattr(config, k)}
 
+
 class SchedulePartitioner(CustomPartitionerFn):
     """AOTAutograd's partitioner for one (chain, schedule): the recompute tags (module
     docstring), then ``min_cut_rematerialization_partition``, then the copies (ours, placed

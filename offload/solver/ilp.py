@@ -252,7 +252,7 @@ class Model:
         self.dd = {(i, o): p.d2h_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.forms[i]}
         self.hd = {(i, o): p.h2d_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.forms[i]}
         # the host's time to issue a slot's copy, either way: per storage (a checkpoint's: one)
-        self.ih = {(i, o): (p.copy_host_s if (i, o) in self.moving else float(chain.ch[i])) / self.tau
+        self.ih = {(i, o): chain.issue_host_s(i, checkpoint=(i, o) in self.moving) / self.tau
                    for i in self.U for o in self.forms[i]}
         self.copy_host = p.copy_host_s > 0
         self.f = self.chain.f / self.tau
@@ -692,12 +692,12 @@ class Model:
             host.add(self.forward_host(j))
             if self.copy_host and self._moves(j):
                 host.add(self.moved_issue(j))
-        fetching: dict[int, _Form] = {}  # k -> when the host starts issuing the prefetches at k (copy_host)
-        self.fetch_host: dict[int, tuple[pulp.LpVariable, _Affine]] = {}  # k -> that variable, its value's form
+        # k -> when the host starts issuing the prefetches at k (copy_host), and the form of its value
+        self.fetch_host: dict[int, tuple[pulp.LpVariable, _Affine]] = {}
         for k in range(L, 0, -1):
             start = _affine((self.s[k], 1.0)).add(self.issue[k], -1.0)
             if self.copy_host and slots.get(k):
-                v = fetching[k] = self._var(f"hb{k}")
+                v = self._var(f"hb{k}")
                 self.fetch_host[k] = (v, _Affine().add(host))
                 self._row(f"h2d_host_{k}", _affine((v, 1.0)).add(host, -1.0), ">=")
                 for i in slots[k]:
@@ -718,7 +718,7 @@ class Model:
             self.groups.append((k, members))
             # issued late (copy_host), a copy ends late as if it took longer
             span = min(h2d_total, span + sum(self._max_h2d(i) + self._max_issue(i) for i in members))
-            issued = _affine((fetching[k], 1.0)) if k in fetching else None  # the host's clock through member n
+            issued = _affine((self.fetch_host[k][0], 1.0)) if k in self.fetch_host else None  # host clock through member n
             for n, i in enumerate(members):
                 v = self.clock[i, k] = self._var(f"c{i}_{k}")
                 moved = self._prefetched_at(i, k)

@@ -384,9 +384,13 @@ class Chain:
     @cached_property
     def ch(self) -> np.ndarray:
         """Per unit, the host's time to issue its copies one way: ``copy_host_s`` per storage
-        (docs/model.md, "The host").  An offloaded checkpoint's copy is the input's storage:
-        ``copy_host_s`` once."""
+        (docs/model.md, "The host")."""
         return self.platform.copy_host_s * self.ns
+
+    def issue_host_s(self, i: int, checkpoint: bool = False) -> float:
+        """The host's time to issue one way the copy of unit ``i`` (``ch``), or of the checkpoint
+        a run starting at ``i`` offloads (its input's storage: ``copy_host_s`` once)."""
+        return self.platform.copy_host_s if checkpoint else float(self.ch[i])
 
     def d2h_s(self, i: int) -> float:
         return self.platform.d2h_s(float(self.a[i]))

@@ -212,8 +212,8 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
         return moved_checkpoint_bytes(chain, e.run) if e.run is not None else int(a[e.stage])
 
     def issue(e: Event) -> float:
-        """The host's time to issue a copy: per storage, the unit's or the checkpoint's one."""
-        return p.copy_host_s if e.run is not None else float(chain.ch[e.stage])
+        """The host's time to issue a copy: the unit's or the run's checkpoint's."""
+        return chain.issue_host_s(e.stage, checkpoint=e.run is not None)
 
     for e in events.sequence:
         i = e.stage

@@ -291,10 +291,11 @@ class StepRunner:
         del args, kwargs
 
     def forward(self, args: tuple, kwargs: dict, listener: StageListener | None,
-                pack: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
+                pack: Callable[[torch.Tensor], Any] | None = None,
+                unpack: Callable[[Any], torch.Tensor] = casts.unpack) -> torch.Tensor:
         """Forward and loss of one step; ``pack`` sees every tensor saved for backward."""
         # the executor's treatment of weight casts (dropped, made again when read) in every pass
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, casts.unpack) if pack else casts.hooks()
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack) if pack else casts.hooks()
         listening = self.staging.listening(listener) if listener else contextlib.nullcontext()
         with listening, hooks, self.spec.autocasting():
             return self.spec.loss(self.spec.module(*args, **kwargs))
@@ -412,7 +413,9 @@ class StepRunner:
                 return casts.pack(t)
             self.sync()
             clock.mark()
-            loss = self.forward(args, kwargs, listener, pack)
+            # behind torch.compiler.disable as the executor's hooks are: its cost on every saved
+            # tensor, both ways, is the executor's too (about 1 us each on the development CPU)
+            loss = self.forward(args, kwargs, listener, torch.compiler.disable(pack), torch.compiler.disable(casts.unpack))
             loss.backward()
             clock.mark()
         times, host = clock.intervals(), clock.host_intervals()  # F_1..F_L, then B_L..B_1

@@ -107,7 +107,7 @@ def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):
         profile("gpt", ProfileOptions(batch=4, options=GPT, whole_graph=True))
 
 
-def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_scheduled(aot, tmp_path, monkeypatch):
+def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_scheduled(aot, monkeypatch):
     """``offload train`` on such a chain: the model compiled as one graph with the schedule in
     it, its allocations metered on the CPU (``AllocationMeter``), the bytes moved, the
     gradient check against the same compile without the schedule, ``--op-memory`` (the
@@ -135,13 +135,22 @@ def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_schedule
     assert all(b.error is None and b.step_s and b.activation_peak_bytes for b in compare.values())
     assert compare["no_offload"].activation_peak_bytes <= no_offload_peak(chain)  # aot_eager: as above
     assert compare["no_offload"].activation_peak_bytes > m.activation_peak_bytes
-    traced, error = train(None, chain, schedule, TrainOptions(steps=1, backend="cpu-lazy", trace=str(tmp_path / "t.json")))
-    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
-    assert error is None and traced.trace["path"] == str(tmp_path / "t.json")
-    assert any(e.get("name") == "offload::d2h" for e in events)  # the compiled graph's own copy ops, traced
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     with pytest.raises(ChainMismatch, match="does not give --nproc yet"):  # before anything starts
         train(None, chain, schedule, TrainOptions(steps=1))
+
+
+@pytest.mark.slow  # one more compiled run: make test-all
+def test_offload_train_traces_a_step_of_the_compiled_graph(aot, tmp_path):
+    """``--trace`` on such a chain: one more step of the compiled run under ``torch.profiler``,
+    the graph's own copy ops in the trace."""
+    chain = aot.chain
+    schedule = make_schedule(chain, floor_offloads(chain)[:2])
+    torch._dynamo.reset()
+    report, error = train(None, chain, schedule, TrainOptions(steps=1, backend="cpu-lazy", trace=str(tmp_path / "t.json")))
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert error is None and report.trace["path"] == str(tmp_path / "t.json")
+    assert any(e.get("name") == "offload::d2h" for e in events)
 
 
 def test_the_partitioner_pickles_as_its_key(aot):

@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.installed
 # Python that already has everything (a machine without a package registry: docs/executor.md).
 INSTALL ?= $(STAMP)
 
-.PHONY: install test test-all bench demo reproduce encodings recompute realmodels gpu gpu-bench clean
+.PHONY: install test test-all bench demo reproduce encodings recompute realmodels gpu gpu-bench gpu-window clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -88,6 +88,23 @@ gpu: $(INSTALL)
 	$(PY) -m experiments.reproduce
 	$(PY) -m experiments.encodings
 	$(PY) -m pytest -q -m "gpu or cudashim" tests/test_executor_gpu.py tests/test_cudashim.py
+
+# One device window (under 10 minutes on an H100/H200, each part under its own limit, the next
+# part run whatever the last one did): the host's time per storage copied, ResNet-50's and the
+# bf16 Llama's rows that were over their predictions, then the GPU tests, each test's verdict
+# printed as it ends.  Results under $(GPU_OUT) (a device run passes GPU_OUT=$$OUT).
+GPU_OUT ?= experiments/results/executor-cuda/window
+BENCH_WINDOW := --repeats 2 --steps 5 --time-limit 15
+gpu-window: $(INSTALL)
+	mkdir -p $(GPU_OUT)
+	-timeout 60 $(PY) -m experiments.bench_overhead --copies | tee $(GPU_OUT)/copies.txt
+	-timeout 150 $(PY) -m experiments.bench_executor --models resnet50 --ways offload joint --shares 0.5 \
+		$(BENCH_WINDOW) --out $(GPU_OUT)/resnet50
+	-timeout 200 $(PY) -m experiments.bench_executor --models llama-bfloat16 --ways joint checkpoint --shares 0.3 \
+		$(BENCH_WINDOW) --out $(GPU_OUT)/llama-bfloat16
+	-timeout 150 $(PY) -m pytest -v -rf -p no:cacheprovider --tb=line -m "gpu or cudashim" \
+		tests/test_executor_gpu.py tests/test_cudashim.py > $(GPU_OUT)/gpu-tests.txt 2>&1
+	tail -5 $(GPU_OUT)/gpu-tests.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis demo

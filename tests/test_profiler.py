@@ -321,6 +321,7 @@ def test_a_frozen_backbone_is_said_for_what_it_is(user_file, head):
         assert "F1 (1) holds it" in warning and "a smaller batch" in warning and "--stages" not in warning
 
 
+@pytest.mark.slow  # make test-all (time: make test stays under 3 minutes in a fresh clone)
 def test_a_users_file_is_found_from_any_directory(user_file, tmp_path, monkeypatch, capsys):
     """Profiled as ``user_model.py:build`` in its own directory, the chain trains from another
     one (it records where the file was), takes the file again on the command line however

@@ -520,6 +520,7 @@ def test_a_second_backward_through_one_forward(chains):
             assert torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.slow  # make test-all (time: make test stays under 3 minutes in a fresh clone)
 def test_tensors_no_copy_engine_can_move_stay_where_they_are():
     """A saved tensor on another device, a sparse one and a subclass are never part of a
     unit, in the profile as in the run: offloading everything else is exact.  (The blocks

@@ -38,6 +38,7 @@ import time
 
 import torch
 
+from experiments.bench_executor import machine_name
 from offload.core.devices import pick_device
 from offload.executor import Offloaded
 from offload.executor.backends import make_backend
@@ -140,16 +141,12 @@ def _copies() -> int:
     device = pick_device(None)
     backend = make_backend(None, device)
     print(f"the executor's host time per storage copied, each way ({backend.name} backend, 8 units of 16 storages "
-          f"of 64 KiB, median of 5 rounds; {machine(device)}):")
+          f"of 64 KiB, median of 5 rounds; {machine_name(device.type)}):")
     copy_host_seconds(device, backend=backend, repeats=1)  # the process's first allocations and copies, untimed
     for name, way in (("one batch per unit", backend), ("one call per storage", _OneByOne(backend))):
         seconds = copy_host_seconds(device, backend=way)
         print(f"  {name:<22} {seconds * 1e6:8.1f} us")
     return 0
-
-
-def machine(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, torch {torch.__version__}"
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from offload.errors import InfeasibleBudget
+from experiments.moved_checkpoints import ilp_or_none
 from offload.io.text import format_bytes, format_seconds, parse_rate
 from offload.profiler.bandwidth import given_platform
 from offload.profiler.profile import ProfileOptions, profile
-from offload.solver.methods import Options, Result, solve
-from offload.step.chain import Chain
+from offload.solver.methods import Options, Result
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
 
 
@@ -31,13 +30,6 @@ def _cell(result: Result | None) -> str:
     restored = sum(1 for o in result.schedule.offloads if o.restore)
     return (f"{format_seconds(result.simulation.makespan_s)} ({result.status}) | {len(result.schedule.offloads)} "
             f"offloaded, {restored} held parts restored")
-
-
-def _solve(chain: Chain, budget: int, time_limit: float, recompute: bool) -> Result | None:
-    try:
-        return solve(chain, budget, "ilp", Options(time_limit_s=time_limit, recompute=recompute))
-    except InfeasibleBudget:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for share in (int(s) for s in args.budgets.split(",")):
         budget = peak * share // 100
-        ours, before = (_solve(c, budget, args.time_limit, args.recompute) for c in (chain, staying))
+        options = Options(time_limit_s=args.time_limit, recompute=args.recompute)
+        ours, before = (ilp_or_none(c, budget, options) for c in (chain, staying))
         ratio = f"{ours.simulation.makespan_s / before.simulation.makespan_s:.3f}" if ours and before else "-"
         print(f"| {share}% | {_cell(ours)} | {_cell(before)} | {ratio} |", flush=True)
     return 0

@@ -32,9 +32,10 @@ def _cell(result: Result | None) -> str:
             f"{sum(r.moves for r in runs)} checkpoints offloaded, {len(result.schedule.offloads)} units offloaded")
 
 
-def _solve(chain: Chain, budget: int, time_limit: float) -> Result | None:
+def ilp_or_none(chain: Chain, budget: int, options: Options) -> Result | None:
+    """The ILP's result for ``budget``, or ``None`` where nothing fits (a table's empty cell)."""
     try:
-        return solve(chain, budget, "ilp", Options(recompute=True, time_limit_s=time_limit))
+        return solve(chain, budget, "ilp", options)
     except InfeasibleBudget:
         return None
 
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for share in (int(s) for s in args.budgets.split(",")):
         budget = peak * share // 100
-        moved, still = _solve(chain, budget, args.time_limit), _solve(kept, budget, args.time_limit)
+        joint = Options(recompute=True, time_limit_s=args.time_limit)
+        moved, still = ilp_or_none(chain, budget, joint), ilp_or_none(kept, budget, joint)
         ratio = (f"{moved.simulation.makespan_s / still.simulation.makespan_s:.3f}" if moved and still else "-")
         print(f"| {share}% | {_cell(moved)} | {_cell(still)} | {ratio} |", flush=True)
     return 0

@@ -76,6 +76,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             st_["bwd_start_bytes"] = draw(st.integers(0, st_["bwd_peak_bytes"]))
             if draw(st.booleans()):
                 st_["recomputed_fwd_peak_bytes"] = draw(st.integers(0, st_["fwd_peak_bytes"]))
+            if draw(st.booleans()):  # its whole re-run, measured by replaying it
+                st_["rerun_peak_bytes"] = draw(st.integers(0, st_["fwd_peak_bytes"]))
         if inputs and draw(st.integers(0, 2)) == 0:
             st_ = stages[-1]
             st_["carry_bytes"] = draw(st.integers(0, saved))

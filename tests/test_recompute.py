@@ -85,6 +85,21 @@ def test_what_a_recomputed_stage_holds_as_measured():
     assert [(r.stage, r.op_stage, r.mem_bytes) for r in sim.recomputes] == [(2, 2, 270)]
 
 
+@pytest.mark.parametrize("runs, stage_two, rerun", [
+    # R2 holds U1, the checkpoint (30) and its measured re-run transient (50), not F2's (120)
+    ((Recompute(2, 2),), {"rerun_peak_bytes": 50}, [(2, 2, 180)]),
+    # a later stage of a run: its input, which R1 made, counts beside its transient: its own storage ...
+    ((Recompute(1, 2),), {"rerun_peak_bytes": 50, "input_own_bytes": 10}, [(1, 2, 150), (2, 2, 160)]),
+    # ... or its whole input_bytes where that is not known
+    ((Recompute(1, 2),), {"rerun_peak_bytes": 50}, [(1, 2, 150), (2, 2, 180)]),
+])
+def test_a_rerun_holds_its_measured_transient(runs, stage_two, rerun):
+    """``rerun_peak_bytes``: what re-running a stage holds over its checkpoint, measured by
+    replaying it (no weight cast held past its reader), in place of its forward's transient."""
+    sim = simulate(small_chain(**stage_two), [], recompute=runs)
+    assert [(r.stage, r.op_stage, r.mem_bytes) for r in sim.recomputes] == rerun
+
+
 def test_rebuild_overlaps_the_prefetch_it_issued(small):
     """B2 issues U1's prefetch, then re-runs F2 while the copy runs, then waits for it."""
     sim = simulate(small, [Offload(1, 2, 2)], recompute=[Recompute(2, 2)])
@@ -366,6 +381,41 @@ def test_a_replay_lets_go_of_what_it_rebuilt():
     del rebuilt, out
     gc.collect()
     assert all(ref() is None for ref in gone)
+
+
+def test_a_replay_under_autocast_holds_one_weight_cast_at_a_time():
+    """The replay runs without autocast's cache of weight casts: each cast dies with its reader
+    (the forward's cache held every cast of a bf16 Llama block through its re-run, more bytes
+    than the block saves), and the replay saves the same bits as the forward."""
+    import torch
+    from torch import nn
+
+    from offload.core import casts
+    from offload.core.meters import CpuMeter
+    from offload.core.rerun import StageRecorder
+
+    torch.manual_seed(0)
+    block = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+    x = torch.randn(2, 256, requires_grad=True)
+    cast = 256 * 256 * 2  # one weight in bf16
+    saved: list[torch.Tensor] = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        recorder = StageRecorder(1, x, torch.device("cpu"), set())
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = block(x)
+        program = recorder.finish(y)
+    forward = [t for t in saved if casts.recast(t) is None]
+    rebuilt: list = []
+    meter = CpuMeter()
+    with meter:
+        meter.track([x, *block.parameters()])
+        _, before = meter.boundary()
+        program.run(x, torch.device("cpu"), lambda t: rebuilt.append(casts.pack(t)))
+        peak, _ = meter.boundary()
+    kept = [t for t in rebuilt if isinstance(t, torch.Tensor)]
+    assert [torch.equal(a, b) for a, b in zip(kept, forward)] == [True] * len(forward) == [True] * len(kept)
+    activations = sum(t.untyped_storage().nbytes() for t in kept if t.untyped_storage().data_ptr() != x.data_ptr())
+    assert peak - before < activations + 2 * cast  # the cache would hold six
 
 
 def test_recording_leaves_no_global_hook_behind():

@@ -31,7 +31,10 @@ stage's re-run would have no input (``StageProgram.output`` is ``None``).
 Then ``StageProgram.run`` replays the calls on a new input, under the stage's recorded
 random state and autocast state, with grad mode on and the modules' buffers (BatchNorm's
 running statistics) put back afterwards: the same kernels on the same values, so every
-tensor it saves is bit-identical to what the forward saved, in the same order.  The
+tensor it saves is bit-identical to what the forward saved, in the same order.  Autocast's
+cache of weight casts is off in a replay: each cast dies with its reader instead of living
+through the stage (a weight read twice is cast twice, to the same bits; the replay's own
+graph never runs backward, so no gradient sees the second cast).  The
 profiler records every stage (``recomputable`` and ``input_bytes`` in the chain); the
 executor records the stages its schedule recomputes and replays them before their backward.
 A compiled module's calls are invisible to hooks added after compilation: such a stage is
@@ -154,7 +157,10 @@ class StageProgram:
                 torch.cuda.set_rng_state(self.rng[1], device)
             stack.enter_context(torch.enable_grad())
             for device_type, enabled, dtype in self.autocast:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+                # no cast cache: a weight's cast dies with its reader, where the cache would
+                # hold every cast of the stage through the re-run (its casts are as many bytes
+                # as its saves in a bf16 Llama block); the same cast, so the same bits
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: sink[0](t), _never_unpacked))
             last_read = self._last_reads()
             for n, call in enumerate(self.calls):

@@ -154,6 +154,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
         options: list[tuple[StageOption, ...]] = [() for _ in range(stages.L)]
         rerun_host: dict[int, float] = {}
         recording_host: dict[int, float] = {}
+        rerun_peak: dict[int, int] = {}
         eager = not opts.whole_graph  # a chain of the compiled graph offers neither encodings nor recomputation
         if opts.encodings and eager:
             encodings = [stage_encodings(s) for s in encodings_pass(runner)]
@@ -166,6 +167,8 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
             options = selective_pass(runner, result.stages)
             tick("in-stage options")
             again = [k for k, s in enumerate(result.stages, 1) if k < stages.L and s.recomputable]
+            rerun_peak = replays.rerun_peaks(runner, dict.fromkeys(again))
+            tick("re-runs' memory")
             if device.type == "cuda":
                 rerun_host, recording_host = replays.host_seconds(runner, again)
             tick("re-runs' host time")
@@ -173,7 +176,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     plat = opts.platform or measure_platform(device)
     tick("platform")
     chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, options, turned_off,
-                      rerun_host, recording_host)
+                      rerun_host, recording_host, rerun_peak)
     if opts.whole_graph:  # the cuts are the eager profile's; the rest that graph's
         with running(f"running {model}"):
             chain = whole_graph_chain(chain, spec, device, opts.compile, opts.repeats, opts.warmup, tick)
@@ -184,7 +187,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
 def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: Stages, m: Measurement,
               plat: Platform, spec: ModelSpec, encodings: list[tuple[Encoding, ...]],
               options: list[tuple[StageOption, ...]], turned_off: bool, rerun_host: dict[int, float],
-              recording_host: dict[int, float]) -> Chain:
+              recording_host: dict[int, float], rerun_peak: dict[int, int]) -> Chain:
     steps = sorted(m.step_s)
     ref = file_reference(model)
     source: dict[str, Any] = {
@@ -217,6 +220,7 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                   recomputable=s.recomputable, rerun_output=s.rerun_output or not s.recomputable,
                   carry_bytes=s.carry_bytes, bwd_start_bytes=s.bwd_start_bytes,
                   recomputed_fwd_peak_bytes=s.recomputed_fwd_peak_bytes if s.recomputable else None,
+                  rerun_peak_bytes=rerun_peak.get(k),
                   input_carried_bytes=s.input_carried_bytes, input_held_bytes=s.input_held_bytes,
                   rerun_held_bytes=s.rerun_held_bytes if s.recomputable else 0,
                   input_own_bytes=s.input_own_bytes if s.recomputable else 0,

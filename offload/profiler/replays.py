@@ -5,7 +5,8 @@ the forward: one forward (autograd keeping nothing) records the stages as the ex
 records a stage it re-runs (``recorded``: its calls, its input, and, for an in-stage option,
 its kept ops' outputs), and each recorded stage is then replayed as the executor replays it.
 The in-stage options' ratios and peaks (``profiler.selective``) are read on these replays,
-and so is the host's share of a recomputation on a GPU (``host_seconds``):
+and so are what a stage's re-run holds (``rerun_peaks``: its ``rerun_peak_bytes``, whole or
+with an option) and the host's share of a recomputation on a GPU (``host_seconds``):
 
 * ``rerun_host_s``: the host's seconds to issue a stage's re-run whole (the device
   synchronized before it, the clock read as the replay returns, before its kernels are
@@ -29,8 +30,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from offload.core import casts
 from offload.core.devices import persistent_tensors
-from offload.core.meters import Clock
+from offload.core.meters import Clock, make_meter
 from offload.core.rerun import StageProgram, StageRecorder
 from offload.core.selective import KeptOutputs
 from offload.core.units import UnitTracker
@@ -109,6 +111,33 @@ def recorded(runner: StepRunner, stages: dict[int, str | None], meter: Any = Non
             yield listener.recorded
 
 
+def _keeping(rebuilt: list[Any]) -> Callable[[torch.Tensor], None]:
+    """What a replay saves, kept in ``rebuilt`` as the executor keeps a rebuilt unit: a weight's
+    cast is not kept (it is made again when the backward reads it, ``offload.core.casts``)."""
+    return lambda t: rebuilt.append(casts.pack(t))
+
+
+def rerun_peaks(runner: StepRunner, stages: dict[int, str | None]) -> dict[int, int]:
+    """Per stage of ``stages`` (stage -> its option, ``None``: re-run whole), the most bytes its
+    re-run holds over its checkpoint (its input, the held tensors it reads) and, with an
+    option, the kept outputs: each replayed as the executor replays it, latest first, under
+    the meter, what it saves kept as the executor keeps the rebuilt unit."""
+    meter = make_meter(runner.device)
+    peaks: dict[int, int] = {}
+    with recorded(runner, stages, meter) as programs:
+        for k in sorted(programs, reverse=True):
+            program, kept, checkpoint = programs.pop(k)
+            rebuilt: list[Any] = []
+            _, before = meter.boundary()
+            with kept.serving() if kept is not None else contextlib.nullcontext():
+                y = program.run(checkpoint, runner.device, _keeping(rebuilt))
+            peak, _ = meter.boundary()
+            peaks[k] = max(0, peak - before)
+            del program, kept, checkpoint, rebuilt, y
+    meter.close()
+    return peaks
+
+
 def now(device: torch.device) -> float:
     """The host clock, once the device has done what it was given."""
     if device.type == "cuda":
@@ -124,10 +153,10 @@ def timed_replay(program: StageProgram, checkpoint: torch.Tensor | None, device:
     untimed plain replay: on the development machine a replay that follows a timed one ran
     up to 4x slower, whatever it ran."""
     program.run(checkpoint, device, lambda t: None)  # untimed
-    rebuilt: list[torch.Tensor] = []
+    rebuilt: list[Any] = []
     start = now(device)
     with within():
-        y = program.run(checkpoint, device, rebuilt.append)
+        y = program.run(checkpoint, device, _keeping(rebuilt))
     end = time.perf_counter() if issued else now(device)
     now(device)
     del y, rebuilt

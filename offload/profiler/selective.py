@@ -28,8 +28,8 @@ half the matmuls' bytes for re-running them).  This pass measures each:
 * ``fwd_peak_bytes``: the stage's forward transient when autograd keeps none of its unit and
   the kept outputs are held, as the executor runs it (the holding pass with ``KeptOutputs``);
 * ``rerun_peak_bytes``: what re-running it from its checkpoint, the kept outputs handed back,
-  holds over the checkpoint and the kept outputs (``_rerun_peaks``: each such stage replayed
-  as the executor replays it, metered).
+  holds over the checkpoint and the kept outputs (``replays.rerun_peaks``: each such stage
+  replayed as the executor replays it, metered).
 
 A stage's menu (``_menu``) holds the candidates of a stage that can be re-run
 (``recomputable``, not the last) that keep less than the whole unit and re-run less than
@@ -47,13 +47,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from offload.core.devices import persistent_tensors
-from offload.core.meters import make_meter
 from offload.core.selective import OPTIONS, KeepRule, KeptOutputs
 from offload.core.units import UnitTracker, plain, storage_key
 from offload.step.chain import StageOption
 
 from .measure import Boundaries, StageMeasurement, StepRunner, holding_pass
-from .replays import recorded, timed_replay
+from .replays import recorded, rerun_peaks, timed_replay
 
 
 class _KeptBytes(TorchDispatchMode):
@@ -107,7 +106,7 @@ def selective_pass(runner: StepRunner, stages: list[StageMeasurement]) -> list[t
         keeping = {k: option for k, menu in menus.items() if option in menu}
         if keeping:
             fwd = holding_pass(runner, None, [], [], keeping=keeping)
-            rerun = _rerun_peaks(runner, keeping)
+            rerun = rerun_peaks(runner, keeping)
             measured.update({(k, option): (fwd[k - 1].recomputed_fwd_peak_bytes, rerun[k]) for k in keeping})
     return [tuple(StageOption(o, *menus[k][o], *measured[k, o], s.fwd_s * max(1.0, ratios[k, o][1]))
                   for o in OPTIONS if o in menus[k]) for k, s in enumerate(stages, 1)]
@@ -129,26 +128,6 @@ def rerun_ratios(runner: StepRunner, candidates: list[tuple[int, str]]) -> dict[
         whole, part, recording = (min(column) for column in zip(*t))
         out[c] = (part / whole, recording / whole) if whole > 0 else (1.0, 1.0)
     return out
-
-
-def _rerun_peaks(runner: StepRunner, stages: dict[int, str]) -> dict[int, int]:
-    """Per stage of ``stages``, the most bytes its re-run with its option holds over its
-    checkpoint and kept outputs, replayed latest first under the meter, what it saves kept as
-    the executor keeps the rebuilt unit."""
-    meter = make_meter(runner.device)
-    peaks: dict[int, int] = {}
-    with recorded(runner, stages, meter) as programs:
-        for k in sorted(programs, reverse=True):
-            program, kept, checkpoint = programs.pop(k)
-            rebuilt: list[torch.Tensor] = []
-            _, before = meter.boundary()
-            with kept.serving():
-                y = program.run(checkpoint, runner.device, rebuilt.append)
-            peak, _ = meter.boundary()
-            peaks[k] = max(0, peak - before)
-            del program, kept, checkpoint, rebuilt, y
-    meter.close()
-    return peaks
 
 
 def _rerun_times(runner: StepRunner, stages: dict[int, str], reverse: bool) -> dict[int, tuple[float, float, float]]:

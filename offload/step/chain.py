@@ -121,6 +121,7 @@ class Stage:
     carry_bytes: int | None = None  # of the unit, alive through F(i+1) when autograd holds none of it (None: all)
     bwd_start_bytes: int = 0  # of Bi's transient, live when it starts (the gradient flowing in): a rebuild there holds it
     recomputed_fwd_peak_bytes: int | None = None  # Fi's transient when autograd keeps none of Ui (None: fwd_peak_bytes)
+    rerun_peak_bytes: int | None = None  # Fi re-run whole: its transient over its input, measured (None: fwd_peak_bytes)
     input_carried_bytes: int = 0  # of input_bytes, storages of Ui that carry_bytes counts too ...
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
     rerun_held_bytes: int = 0  # of input_bytes, held tensors its re-run reads and the stage before's does not
@@ -265,6 +266,8 @@ def _stage_document(s: Stage) -> dict:
         d["bwd_start_bytes"] = s.bwd_start_bytes
     if s.recomputed_fwd_peak_bytes is not None:
         d["recomputed_fwd_peak_bytes"] = s.recomputed_fwd_peak_bytes
+    if s.rerun_peak_bytes is not None:  # absent otherwise: chains from before it keep their sha256
+        d["rerun_peak_bytes"] = s.rerun_peak_bytes
     if s.fwd_host_s or s.bwd_host_s:  # absent otherwise: chains from before the host lane keep their sha256
         d.update(fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s)
     if s.recording_host_s or s.rerun_host_s:  # likewise: chains from before these were measured

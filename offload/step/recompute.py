@@ -103,10 +103,14 @@ def forward_peak(chain: Chain, run: Recompute, j: int) -> int:
 
 def rerun_peak(chain: Chain, run: Recompute, j: int) -> int:
     """The transient of re-running stage ``j`` in ``run``, over its checkpoint (and its kept
-    outputs): its forward's (an upper bound for an option, whose kept outputs exist already,
-    where it was not measured)."""
-    measured = _measured(chain, run, j, "rerun_peak_bytes")
-    return int(chain.fp[j]) if measured is None else measured
+    outputs): measured by replaying it (``rerun_peak_bytes``, the option's or the stage's),
+    with, for a later stage of the run, its input, which the re-run before made (its own
+    storage; the stage's whole ``input_bytes`` where that is not known); its forward's where
+    not measured (an upper bound: the replay keeps no weight cast past its reader)."""
+    measured = _measured(chain, run, j, "rerun_peak_bytes") if run.option else chain.stage(j).rerun_peak_bytes
+    if measured is None:
+        return int(chain.fp[j])
+    return measured if j == run.first else measured + int(chain.xo[j] or chain.x[j])
 
 
 def by_op(chain: Chain, runs: Iterable[Recompute]) -> dict[int, list[Recompute]]:

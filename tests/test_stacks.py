@@ -319,20 +319,26 @@ def test_under_autocast_the_backwards_transients_no_longer_grow_with_depth():
     casts = [s.cast_bytes for s in blocks]  # each layer's weights in bf16: made again by its backward
     assert len(set(casts)) == 1 and casts[0] > 4 * 128 * 128 * 2 // 2, casts
     assert all(0 < s.recast_s <= s.bwd_s for s in blocks)
-    assert chain.recipe.casts_cleared  # autocast's cache forgot each layer's casts at its end
+    assert chain.recipe.casts_cleared  # autocast's cache forgot each layer's casts at its end ...
+    assert chain.recipe.casts_uncached  # ... and held none past its reader (with the cache: 471,552 B over 356,352)
+    assert all(s.fwd_peak_bytes - s.saved_bytes < s.cast_bytes for s in blocks), \
+        [(s.fwd_peak_bytes, s.saved_bytes, s.cast_bytes) for s in blocks]
 
 
 @pytest.mark.slow  # make test-all (time)
-@pytest.mark.parametrize("shared", [1, 0])
-def test_a_weight_read_by_two_stages_keeps_autocasts_cache(shared):
+@pytest.mark.parametrize("shared, twice, cleared, uncached", [(1, 0, False, False), (0, 1, True, False),
+                                                              (0, 0, True, True)])
+def test_a_weight_read_twice_keeps_autocasts_cache(shared, twice, cleared, uncached):
     """A layer called in the first and the last stage: clearing autocast's cache between them
     would cast its weight twice, and its gradient would be summed in another precision; the
-    profiler finds it and keeps the cache (``casts_cleared`` false), and training matches
-    training without offloading bit for bit either way."""
+    profiler finds it and keeps the cache (``casts_cleared`` false).  A layer called twice in
+    one stage: the cache may be cleared at the boundaries but not turned off
+    (``casts_uncached`` false).  Training matches training without offloading bit for bit
+    every way."""
     model = str(runs.ROOT / "tests" / "models" / "shared_weight.py") + ":build"
     chain = profile(model, ProfileOptions(batch=4, repeats=1, warmup=1, autocast="bfloat16",
-                                          options={"shared": shared})).chain
-    assert chain.recipe.casts_cleared is not bool(shared)
+                                          options={"shared": shared, "twice": twice})).chain
+    assert (chain.recipe.casts_cleared, chain.recipe.casts_uncached) == (cleared, uncached)
     check_train(chain, *reversed(halfway(chain)))
 
 

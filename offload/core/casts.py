@@ -14,12 +14,15 @@ schedule may keep a stage's casts instead, where it has the memory (docs/model.m
 "Weight casts"; the executor then saves them as autograd would).
 
 Autocast's own cache would still hold each cast until the autocast region exits (the end of
-the forward, in a training loop): the stage boundaries clear it (``Staging.clear_casts``,
-the chain's ``Recipe.casts_cleared``), so a layer's casts die with its stage, in the forward
-as in the backward.  Not where a weight's cast is read by two stages (a layer called again
-later, tied projections): the second stage would cast it again, and its gradient would be
-summed in fp32 from two casts instead of in the low dtype before one cast, other bits; the
-profiler finds such a weight (``measure._CastsMade``) and keeps the cache there.
+the forward, in a training loop): it is off while the module's forward runs
+(``Staging.uncache_casts``, the chain's ``Recipe.casts_uncached``), so each cast dies with
+its reader.  Not where a weight is cast twice (read by two ops: a layer called again, tied
+projections): without the cache it would be cast again, and its gradient summed in fp32
+from two casts instead of in the low dtype before one cast, other bits.  There the stage
+boundaries clear the cache instead (``Staging.clear_casts``, ``Recipe.casts_cleared``), so
+a layer's casts die with its stage; not where the two reads are in two stages, where the
+cache is kept.  The profiler finds such weights (``measure._CastsMade``).  A re-run
+(``offload.core.rerun``) replays without the cache: its graph never runs backward.
 """
 from __future__ import annotations
 

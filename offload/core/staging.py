@@ -151,6 +151,11 @@ class Staging:
         # a layer's casts die with its stage (offload.core.casts); only where no weight's cast is
         # read by two stages (a second cast would change its gradient's rounding)
         self.clear_casts = False
+        # Under autocast: no cache of weight casts at all while the module's forward runs, so
+        # that each cast dies with its reader; only where no weight is cast twice (read by two
+        # ops: a second cast would change its gradient's rounding).  Restored as the forward ends
+        self.uncache_casts = False
+        self._cache_was: bool | None = None  # autocast's cache setting, while turned off
         self.calls: Counter[str] = Counter()
         self.seen = 0  # boundaries passed in the current forward
         self.forwarding = False
@@ -173,6 +178,17 @@ class Staging:
             yield
         finally:
             self.listener = previous
+            self._recache()  # a forward that raised
+
+    def _uncache(self) -> None:
+        if self.uncache_casts and self._cache_was is None:
+            self._cache_was = torch.is_autocast_cache_enabled()
+            torch.set_autocast_cache_enabled(False)
+
+    def _recache(self) -> None:
+        if self._cache_was is not None:
+            torch.set_autocast_cache_enabled(self._cache_was)
+            self._cache_was = None
 
     # -- hooks (under torch.compile each runs eagerly: a graph break at every boundary keeps
     # compiled regions inside stages, and the listener's copies out of the graph)
@@ -181,6 +197,7 @@ class Staging:
         if self.listener is not None:
             self.calls.clear()
             self.seen, self.forwarding = 0, True
+            self._uncache()
             self.listener.forward_start()
 
     @torch.compiler.disable
@@ -189,6 +206,7 @@ class Staging:
         if listener is None or not self.forwarding:
             return None
         self.forwarding = False
+        self._recache()
         if self.seen != self.L - 1:
             why = ("the model's calls differ from the profiled ones (control flow that depends on the input?)"
                    if self.seen else "if the model was compiled (torch.compile, .compile()), its compiled code does "

@@ -67,6 +67,7 @@ def stage_like_chain(module: nn.Module, chain: Chain) -> Staging:
         raise ChainMismatch(f"the model cannot be staged like chain {chain.name!r}: {exc.args[0]}",
                             "the chain was profiled from another model or version: profile it again") from None
     staging.clear_casts = chain.recipe.casts_cleared  # as profiled: the chain's memory counts on it
+    staging.uncache_casts = chain.recipe.casts_uncached  # the same
     return staging
 
 

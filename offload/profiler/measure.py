@@ -33,6 +33,7 @@ import contextlib
 import statistics
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator
 
@@ -100,7 +101,8 @@ class MemoryPass:
     rerun: list[str | None]  # per stage, why the executor cannot re-run it (None: it can)
     workspace: int = 0  # of m0, the bytes no tensor holds (CUDA: workspaces, the allocator's rounding)
     casts: list[list[casts.Recast]] = field(default_factory=list)  # per stage, the weight casts not saved
-    shared_casts: bool = False  # a weight cast in two stages (``_CastsMade``)
+    shared_casts: bool = False  # a weight cast in two stages (``_CastsMade``) ...
+    casts_twice: bool = False  # ... or twice in the forward
     shared_saves: list[tuple[int, ...]] = field(default_factory=list)  # per stage, found by the pass (``UnitTracker.shared_saves``)
     storages: list[int] = field(default_factory=list)  # per stage, the storages of its unit
 
@@ -123,6 +125,7 @@ class Measurement:
     notes: list[str] = field(default_factory=list)
     workspace_bytes: int = 0  # of base_bytes, held by no tensor (``Chain.workspace_bytes``)
     casts_cleared: bool = False  # autocast's cache cleared at every stage boundary (``Recipe.casts_cleared``)
+    casts_uncached: bool = False  # autocast's cache off in the forward (``Recipe.casts_uncached``)
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -247,21 +250,28 @@ class _Writes(TorchDispatchMode):
 
 
 class _CastsMade(TorchDispatchMode):
-    """The stages in which each weight was cast (autocast's ``_to_copy`` of a parameter): with
-    the cache cleared at the boundaries, a weight cast in two of them (read by both)."""
+    """The stages in which each weight was cast (autocast's ``_to_copy`` of a parameter), and
+    how many times: with the cache cleared at the boundaries, a weight cast in two of them
+    (read by both); with no cache, a weight cast twice (read by two ops)."""
 
     def __init__(self, tracker: UnitTracker) -> None:
         super().__init__()
         self.tracker = tracker
         self.stages: dict[int, set[int]] = {}
+        self.count: Counter[int] = Counter()
 
     @property
     def shared(self) -> bool:
         return any(len(s) > 1 for s in self.stages.values())
 
+    @property
+    def twice(self) -> bool:
+        return any(n > 1 for n in self.count.values())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.nn.Parameter):
             self.stages.setdefault(id(args[0]), set()).add(self.tracker.stage)
+            self.count[id(args[0])] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -391,7 +401,7 @@ class StepRunner:
                           peak_ops[:L] if exact else None, lives if exact else None, starts, bwd_starts,
                           listener.inputs, listener.own, listener.new_held, listener.output_rebuilt, listener.why,
                           workspace,
-                          [list(r.values()) for r in recasts], made.shared, tracker.shared_saves(L),
+                          [list(r.values()) for r in recasts], made.shared, made.twice, tracker.shared_saves(L),
                           tracker.storage_counts(L))
 
     def recast_seconds(self, recasts: list[casts.Recast]) -> float:
@@ -623,7 +633,10 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     update_s = runner.warmup(warmup)
     tick("warm-up")
     mem = runner.memory_pass()
-    if mem.shared_casts and runner.staging.clear_casts:  # a second cast would round its gradient otherwise
+    if mem.casts_twice and runner.staging.uncache_casts:  # a second cast would round its gradient otherwise
+        runner.staging.uncache_casts = False
+        mem = runner.memory_pass()
+    if mem.shared_casts and runner.staging.clear_casts:  # the same
         runner.staging.clear_casts = False
         mem = runner.memory_pass()
     if any(mem.shared_saves):  # storages a stage after the next saves too stay, in no unit (core.units)
@@ -666,4 +679,4 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "
              f"first: {fixed[0]}"] if fixed else []
     return Measurement(stages, m0, runner.base_parts(), step, update_s, notes, mem.workspace,
-                       runner.staging.clear_casts)
+                       runner.staging.clear_casts, runner.staging.uncache_casts)

@@ -104,6 +104,8 @@ def _measured(cap: Capture, cuts: list, spec: ModelSpec, device: torch.device, o
     stages = stages_at(cap, cuts)
     staging = Staging(spec.module, stages.cuts)
     staging.clear_casts = opts.autocast is not None  # unless measure finds a weight's cast read by two stages
+    # and no cast cached at all (eager: a compiled graph holds its casts as its own), unless a weight is cast twice
+    staging.uncache_casts = opts.autocast is not None and opts.compile is None
     runner = StepRunner(staging, spec, device, opts.optimizer)
     try:
         return stages, runner, measure(runner, opts.repeats, opts.warmup, tick)
@@ -213,6 +215,7 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                     optimizer=opts.optimizer, cuts=tuple(c.text for c in stages.cuts),
                     inputs=signature(spec.args, spec.kwargs), autocast=opts.autocast,
                     set_to_none=opts.set_to_none, cache_off=turned_off, casts_cleared=m.casts_cleared,
+                    casts_uncached=m.casts_uncached,
                     compile=opts.compile)
     rows = [Stage(name=info.name, kind=info.kind, fwd_s=s.fwd_s, bwd_s=s.bwd_s, saved_bytes=s.saved_bytes,
                   fwd_peak_bytes=s.fwd_peak_bytes, bwd_peak_bytes=s.bwd_peak_bytes, need_from=s.need_from, encodings=enc,

@@ -202,7 +202,8 @@ class Recipe:
     turned the model's key/value cache off (``cache_off``: its transformers config asked for
     one, ``use_cache=True``, which a training step has no use for and which keeps every block
     from being recomputed; training must turn it off too), and whether autocast's cache of
-    weight casts was cleared at every stage boundary (``casts_cleared``: training must too),
+    weight casts was cleared at every stage boundary (``casts_cleared``: training must too)
+    or off through the model's forward (``casts_uncached``: the same),
     and the ``torch.compile`` backend the model was profiled under (``compile``: its compiled
     stages save other tensors than its eager code, so training must compile it alike), and
     whether it was compiled as one graph (``whole_graph``: the chain's units and times are that
@@ -223,6 +224,7 @@ class Recipe:
     set_to_none: bool = False  # gradients freed between steps, allocated by the backward
     cache_off: bool = False  # the model's key/value cache (config.use_cache) turned off for training
     casts_cleared: bool = False  # autocast's cached weight casts forgotten at every stage boundary
+    casts_uncached: bool = False  # autocast's cache of weight casts off through the forward: each dies with its reader
 
 
 def _column(field: str, dtype: type = np.int64) -> cached_property:
@@ -456,6 +458,8 @@ class Chain:
                 doc["recipe"]["cache_off"] = True
             if r.casts_cleared:  # the same
                 doc["recipe"]["casts_cleared"] = True
+            if r.casts_uncached:  # the same
+                doc["recipe"]["casts_uncached"] = True
             if r.compile is not None:  # the same
                 doc["recipe"]["compile"] = r.compile
             if r.whole_graph:  # the same

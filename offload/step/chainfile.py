@@ -36,7 +36,7 @@ _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note", "copy_host_s"}
 _RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none",
-                "cache_off", "casts_cleared", "compile", "whole_graph"}
+                "cache_off", "casts_cleared", "casts_uncached", "compile", "whole_graph"}
 _INPUT = re.compile(r"[^:]+:[a-z0-9]+\[[0-9,]*\]")
 
 
@@ -153,6 +153,7 @@ def recipe_from_dict(d: Any) -> Recipe:
                   set_to_none=v.flag(d, "set_to_none", "recipe", False),
                   cache_off=v.flag(d, "cache_off", "recipe", False),
                   casts_cleared=v.flag(d, "casts_cleared", "recipe", False),
+                  casts_uncached=v.flag(d, "casts_uncached", "recipe", False),
                   compile=v.choice(d, "compile", "recipe", COMPILE_BACKENDS),
                   whole_graph=_whole_graph(d))
 

@@ -97,6 +97,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             st_ = stages[-1]
             st_["options"] = [{"name": "matmuls", "kept_bytes": draw(st.integers(0, saved)),
                                "recompute_s": draw(st.integers(0, round(st_["fwd_s"] * 1000))) / 1000}]
+            if host:  # the storages an offloaded checkpoint copies besides its input, each costing the host
+                st_["options"][0]["kept_storages"] = draw(st.integers(0, min(3, st_["options"][0]["kept_bytes"])))
             if draw(st.booleans()):  # measured: its forward and re-run transients
                 st_["options"][0].update(fwd_peak_bytes=draw(st.integers(0, st_["fwd_peak_bytes"] + saved)),
                                          rerun_peak_bytes=draw(st.integers(0, st_["fwd_peak_bytes"])),

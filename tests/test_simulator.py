@@ -148,3 +148,21 @@ def test_a_copy_costs_the_host_per_storage_and_starts_when_issued():
     assert simulate(chain_from_dict(doc), [Offload(1, 2, 2)]).makespan_s == 12.0
     res = solve_ilp(chain, int(simulate(chain, [Offload(1, 2, 2)]).peak_bytes), gap=0.0)
     assert res.objective_s == pytest.approx(simulate(chain, res.offloads).makespan_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("kept_storages, d2h_start, makespan", [(0, 2.0, 12.5), (2, 2.5, 12.7)])
+def test_an_offloaded_checkpoint_costs_the_host_its_kept_storages_too(kept_storages, d2h_start, makespan):
+    """Stage 2 re-run in part, its checkpoint offloaded after F2 (released at F3): the copy
+    holds the input's storage and the option's ``kept_storages``, each ``copy_host_s`` (0.5 s)
+    on a host issued to 1.0 s after F2; with two kept storages the D2H starts at 2.5, not as F2
+    ends at 2.0, ends at 3.2 (70 bytes), and F4 waits for it after the release."""
+    doc = chain_doc(platform={"d2h_bytes_per_s": 100.0, "h2d_bytes_per_s": 100.0, "latency_s": 0.0,
+                              "copy_host_s": 0.5})
+    for st_ in doc["stages"]:
+        st_.update(fwd_host_s=0.5, bwd_host_s=0.5)
+    doc["stages"][1].update(input_bytes=30, input_own_bytes=30, options=[
+        {"name": "matmuls", "kept_bytes": 40, "recompute_s": 0.5, "kept_storages": kept_storages}])
+    sim = simulate(chain_from_dict(doc), [], recompute=[Recompute(2, 2, "matmuls", release=3, prefetch=3)])
+    d2h = sim.copies[0]
+    assert (d2h.direction, d2h.issue, d2h.start) == ("D2H", 2.0, d2h_start)
+    assert sim.makespan_s == pytest.approx(makespan)

@@ -56,12 +56,14 @@ from .replays import recorded, rerun_peaks, timed_replay
 
 
 class _KeptBytes(TorchDispatchMode):
-    """Per stage and option, the bytes of what the option keeps of the stage's forward."""
+    """Per stage and option, the bytes of what the option keeps of the stage's forward, and its
+    storages (an offloaded checkpoint copies each)."""
 
     def __init__(self, tracker: UnitTracker, L: int) -> None:
         super().__init__()
         self.tracker = tracker
         self.kept = [[0] * len(OPTIONS) for _ in range(L)]  # per stage, per option
+        self.storages = [[0] * len(OPTIONS) for _ in range(L)]
         self.rules: dict[int, list[KeepRule]] = {}  # per stage, each option's rule over its forward
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -70,10 +72,11 @@ class _KeptBytes(TorchDispatchMode):
         kept = [rule(func, args, kwargs or {}) for rule in rules]
         out = func(*args, **(kwargs or {}))
         if any(kept):
-            nbytes = sum({storage_key(t): t.untyped_storage().nbytes() for t in tree_flatten(out)[0]
-                          if isinstance(t, torch.Tensor) and plain(t)}.values())
+            storages = {storage_key(t): t.untyped_storage().nbytes() for t in tree_flatten(out)[0]
+                        if isinstance(t, torch.Tensor) and plain(t)}
             for n, k in enumerate(kept):
-                self.kept[stage - 1][n] += nbytes if k else 0
+                self.kept[stage - 1][n] += sum(storages.values()) if k else 0
+                self.storages[stage - 1][n] += len(storages) if k else 0
         return out
 
 
@@ -108,7 +111,8 @@ def selective_pass(runner: StepRunner, stages: list[StageMeasurement]) -> list[t
             fwd = holding_pass(runner, None, [], [], keeping=keeping)
             rerun = rerun_peaks(runner, keeping)
             measured.update({(k, option): (fwd[k - 1].recomputed_fwd_peak_bytes, rerun[k]) for k in keeping})
-    return [tuple(StageOption(o, *menus[k][o], *measured[k, o], s.fwd_s * max(1.0, ratios[k, o][1]))
+    return [tuple(StageOption(o, *menus[k][o], *measured[k, o], s.fwd_s * max(1.0, ratios[k, o][1]),
+                              kept_storages=sizes.storages[k - 1][OPTIONS.index(o)])
                   for o in OPTIONS if o in menus[k]) for k, s in enumerate(stages, 1)]
 
 

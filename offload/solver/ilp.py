@@ -251,9 +251,9 @@ class Model:
                 self.size[r.first, form] = moved / self.mu
         self.dd = {(i, o): p.d2h_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.forms[i]}
         self.hd = {(i, o): p.h2d_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.forms[i]}
-        # the host's time to issue a slot's copy, either way: per storage (a checkpoint's: one)
-        self.ih = {(i, o): chain.issue_host_s(i, checkpoint=(i, o) in self.moving) / self.tau
-                   for i in self.U for o in self.forms[i]}
+        # the host's time to issue a slot's copy, either way: per storage
+        self.ih = {(i, o): chain.issue_host_s(i, checkpoint=self.moving[i, o].option if (i, o) in self.moving else None)
+                   / self.tau for i in self.U for o in self.forms[i]}
         self.copy_host = p.copy_host_s > 0
         self.f = self.chain.f / self.tau
         self.b = (self.chain.b - self.chain.rc) / self.tau  # each backward op at its shortest (casts kept)

@@ -98,6 +98,7 @@ class StageOption:
     fwd_peak_bytes: int | None = None  # Fi's transient with the kept outputs held (None: recomputed_fwd_peak + kept)
     rerun_peak_bytes: int | None = None  # the re-run's transient over its checkpoint and kept outputs (None: fwd_peak_bytes)
     fwd_s: float | None = None  # Fi's time while the option records what it keeps (None: the stage's fwd_s)
+    kept_storages: int = 0  # the distinct storages of the kept outputs: an offloaded checkpoint copies each (0: not counted)
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,8 @@ def _option_document(o: StageOption) -> dict[str, Any]:
     for key in ("fwd_peak_bytes", "rerun_peak_bytes", "fwd_s"):  # absent when not measured: older chains keep their sha256
         if getattr(o, key) is not None:
             d[key] = getattr(o, key)
+    if o.kept_storages:  # likewise
+        d["kept_storages"] = o.kept_storages
     return d
 
 
@@ -392,10 +395,14 @@ class Chain:
         (docs/model.md, "The host")."""
         return self.platform.copy_host_s * self.ns
 
-    def issue_host_s(self, i: int, checkpoint: bool = False) -> float:
+    def issue_host_s(self, i: int, checkpoint: str | None = None) -> float:
         """The host's time to issue one way the copy of unit ``i`` (``ch``), or of the checkpoint
-        a run starting at ``i`` offloads (its input's storage: ``copy_host_s`` once)."""
-        return self.platform.copy_host_s if checkpoint else float(self.ch[i])
+        a run of stage ``i`` with option ``checkpoint`` offloads (``""``: none; its input's
+        storage and the option's ``kept_storages``, ``copy_host_s`` each)."""
+        if checkpoint is None:
+            return float(self.ch[i])
+        kept = self.stage(i).option(checkpoint).kept_storages if checkpoint else 0
+        return self.platform.copy_host_s * (1 + kept)
 
     def d2h_s(self, i: int) -> float:
         return self.platform.d2h_s(float(self.a[i]))

@@ -105,7 +105,7 @@ def _options(raw: Any, saved: int, fwd_s: float, ctx: str) -> tuple[StageOption,
     at most the stage's forward."""
     out, names = [], set()
     for octx, o in v.objects(raw, f"{ctx}.options", {"name", "kept_bytes", "recompute_s", "fwd_peak_bytes",
-                                                     "rerun_peak_bytes", "fwd_s"}):
+                                                     "rerun_peak_bytes", "fwd_s", "kept_storages"}):
         name = v.string(o, "name", octx)
         if name in names:
             raise FormatError(f"{octx}.name {name!r} is used twice in this stage")
@@ -118,7 +118,8 @@ def _options(raw: Any, saved: int, fwd_s: float, ctx: str) -> tuple[StageOption,
         if forward is not None and forward < fwd_s:
             raise FormatError(f"{octx}.fwd_s ({forward}) < the stage's fwd_s ({fwd_s}): recording what an option keeps "
                               "adds to the forward")
-        out.append(StageOption(name, kept, rerun, *peaks, forward))
+        out.append(StageOption(name, kept, rerun, *peaks, forward,
+                               kept_storages=v.whole(o, "kept_storages", octx, 0, kept) if "kept_storages" in o else 0))
     return tuple(out)
 
 

@@ -213,7 +213,7 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
 
     def issue(e: Event) -> float:
         """The host's time to issue a copy: the unit's or the run's checkpoint's."""
-        return chain.issue_host_s(e.stage, checkpoint=e.run is not None)
+        return chain.issue_host_s(e.stage, checkpoint=e.run.option if e.run is not None else None)
 
     for e in events.sequence:
         i = e.stage

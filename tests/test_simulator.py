@@ -150,6 +150,25 @@ def test_a_copy_costs_the_host_per_storage_and_starts_when_issued():
     assert res.objective_s == pytest.approx(simulate(chain, res.offloads).makespan_s, rel=1e-9)
 
 
+@pytest.mark.parametrize("copy_host_s, restore_start, makespan", [(0.0, 3.0, 16.8), (0.5, 4.0, 17.8)])
+def test_a_restore_costs_the_host_per_storage_and_starts_when_issued(copy_host_s, restore_start, makespan):
+    """U1's held part leaves the device at its release (after F2) and comes back before F4,
+    which reads it, on a host that issues each forward in 1 s: charged 0.5 s for U1's one
+    storage each way, the D2H starts at 1.5, F3 ends at 3.5, and the restore is issued at
+    4.0 (3.5 + its own 0.5), ends at 4.8, where F4 starts."""
+    doc = chain_doc(platform={"d2h_bytes_per_s": 100.0, "h2d_bytes_per_s": 100.0, "latency_s": 0.0,
+                              "copy_host_s": copy_host_s})
+    doc["stages"].append(dict(doc["stages"][-1], name="s5"))
+    for st_ in doc["stages"]:
+        st_.update(fwd_host_s=1.0, bwd_host_s=0.5)
+    doc["stages"][0].update(held_bytes=80, held_until=4, held_saves=[0], held_read_at=4, storages=1)
+    sim = simulate(chain_from_dict(doc), [Offload(1, 2, 1, 4)])
+    restore = next(c for c in sim.copies if c.held)
+    assert (restore.start, restore.end) == pytest.approx((restore_start, restore_start + 0.8))
+    assert sim.start[3] == pytest.approx(restore.end)  # F4 waits for it
+    assert sim.makespan_s == pytest.approx(makespan)
+
+
 @pytest.mark.parametrize("kept_storages, d2h_start, makespan", [(0, 2.0, 12.5), (2, 2.5, 12.7)])
 def test_an_offloaded_checkpoint_costs_the_host_its_kept_storages_too(kept_storages, d2h_start, makespan):
     """Stage 2 re-run in part, its checkpoint offloaded after F2 (released at F3): the copy

@@ -35,8 +35,10 @@ binary ``h_{i,p}`` per restore point ``p`` (``Offload.restore``: raw and release
 continuous ``v_{i,j} <= released by j - 1``, ``<= sum of h_{i,p} over p > j``, which the
 budget rows subtract (they only gain from it, so it takes the product's value).  The
 restores' H2D copies have a clock per (unit, point) slot in the order a step issues them
-(points first, then stages), issued as ``Fp`` may start (``w_{p-1}``), and the reader's
-start ``f_m`` (``>= w_{m-1}``) waits for the chosen one.
+(points first, then stages), issued as ``Fp`` may start (``w_{p-1}``) and, on a host that
+pays ``copy_host_s`` per storage, no earlier than the host's clock there (its charge in the
+forward's host clock before ``Fp``), and the reader's start ``f_m`` (``>= w_{m-1}``) waits
+for the chosen one.
 
 With ``max_run > 0`` the model also chooses recomputation (docs/model.md, "Recomputation"):
 one binary ``g_{s,e}`` per run ``s..e`` of at most ``max_run`` stages, and one per in-stage
@@ -146,6 +148,11 @@ _Form = _Affine | pulp.LpVariable | float | int
 def _value(form: pulp.LpVariable | float) -> float:
     """A variable's value in the solver's incumbent, or a constant."""
     return (form.varValue or 0.0) if isinstance(form, pulp.LpVariable) else float(form)
+
+
+def _evaluated(form: _Affine) -> float:
+    """A linear form's value at its variables' values (the warm start's, or the incumbent's)."""
+    return form.const + sum(c * _value(var) for var, c in form.terms.items())
 
 
 def _affine(*parts: tuple[_Form, float]) -> _Affine:
@@ -608,6 +615,14 @@ class Model:
             out.add(self.offloaded(i, o), self.dd[i, o])
         return out
 
+    def restore_issue(self, j: int) -> _Affine:
+        """The host's time to issue the restores before ``Fj`` (model units; 0 when none is chosen)."""
+        out = _Affine()
+        for i, p in self.h:
+            if p == j:
+                out.add(self.h[i, p], self.chain.restore_host_s(i) / self.tau)
+        return out
+
     def moved_issue(self, i: int) -> _Affine:
         """The host's time to issue the copy in stage ``i``'s slot, one way (0 when nothing moves)."""
         out = _Affine()
@@ -623,9 +638,13 @@ class Model:
         self.fstart: list[_Form] = [0.0] + [self._var(f"f{j}") if j in readers else self.w[j - 1]
                                             for j in range(1, L + 1)]
         self.d: dict[int, pulp.LpVariable] = {}
+        self.restore_issued: dict[tuple[int, int], _Affine] = {}  # (unit, point) -> the host's clock as it issues it
         prev = None
         issued = _Affine()  # when the host has issued F_j: F_j ends no earlier
         for j in range(1, L + 1):
+            for i, p in sorted(key for key in self.h if key[1] == j):  # the restores before F_j, in stage order
+                issued.add(self.h[i, p], self.chain.restore_host_s(i) / self.tau)
+                self.restore_issued[i, p] = _Affine().add(issued)
             issued.add(self.forward_host(j))
             if j in readers:
                 self._row(f"after_releases_{j}", _affine((self.fstart[j], 1.0), (self.w[j - 1], -1.0)), ">=")
@@ -668,13 +687,18 @@ class Model:
             backlog += dur
             chosen = self.h[i, p]
             self._row(f"restore_issue_{i}_{p}", _affine((v, 1.0), (self.w[p - 1], -1.0), (chosen, -dur)), ">=")
+            host = self.restore_issued[i, p]
+            if host.const > 0 or host.terms:  # no earlier than the host issued it
+                self._row(f"restore_host_{i}_{p}", _affine((v, 1.0), (chosen, -dur)).add(host, -1.0), ">=")
             if clock is not None:
                 self._row(f"restore_fifo_{i}_{p}", _affine((v, 1.0), (clock, -1.0), (chosen, -dur)), ">=")
             clock = v
-            # f_m >= clock - M (1 - h): issued no later than w_{m-1}, a clock is at most the copies so far past it
+            # f_m >= clock - M (1 - h): issued no later than w_{m-1} (or by a host at most the copies issued
+            # since F_(p-1) ahead of it), a clock is at most the copies so far past it
             m = int(self.chain.held_read[i])
-            self._row(f"restore_wait_{i}_{p}", _affine((self.fstart[m], 1.0), (v, -1.0), (backlog, 1.0), (chosen, -backlog)),
-                      ">=")
+            restores = self.restore_issue(p)  # the most: every restore at p chosen
+            M = backlog + (self._max_issue(p - 1) if self.copy_host else 0.0) + restores.const + sum(restores.terms.values())
+            self._row(f"restore_wait_{i}_{p}", _affine((self.fstart[m], 1.0), (v, -1.0), (M, 1.0), (chosen, -M)), ">=")
 
     def _backward_times(self) -> None:
         L, need = self.chain.L, self.need
@@ -689,6 +713,7 @@ class Model:
         bh, rh = self.chain.bh, self.chain.rh
         host = _Affine()  # when the host has issued B_k: B_k ends no earlier
         for j in range(1, L + 1):
+            host.add(self.restore_issue(j))
             host.add(self.forward_host(j))
             if self.copy_host and self._moves(j):
                 host.add(self.moved_issue(j))
@@ -876,7 +901,7 @@ class Model:
         restore_end = {c.stage: c.end / tau for c in sim.copies if c.held}
         clock = None
         for i, p in sorted(self.rclock, key=lambda key: (key[1], key[0])):
-            base = _value(self.w[p - 1]) if clock is None else max(_value(self.w[p - 1]), clock)
+            base = max(_value(self.w[p - 1]), _evaluated(self.restore_issued[i, p]), *([] if clock is None else [clock]))
             clock = restore_end[i] if i in back and back[i].restore == p else base
             self.rclock[i, p].setInitialValue(clock)
         last_release = max([sim.end[L - 1]] + [c.end for c in sim.copies if c.direction == "D2H"
@@ -887,7 +912,7 @@ class Model:
             clock = d2h_done[i] / tau if i in d2h_done else max(clock, sim.end[i - 1] / tau)
             v.setInitialValue(clock)
         for v, form in self.fetch_host.values():
-            v.setInitialValue(form.const + sum(c * _value(var) for var, c in form.terms.items()))
+            v.setInitialValue(_evaluated(form))
         for j in range(1, L + 1):  # s_j ends B_j at its end, a wait for the host included
             self.s[j].setInitialValue((sim.start[2 * L - j] + sim.host_wait[2 * L - j]) / tau)
         h2d_end = {c.stage: c.end / tau for c in sim.copies if c.direction == "H2D"}

@@ -404,6 +404,11 @@ class Chain:
         kept = self.stage(i).option(checkpoint).kept_storages if checkpoint else 0
         return self.platform.copy_host_s * (1 + kept)
 
+    def restore_host_s(self, i: int) -> float:
+        """The host's time to issue the copy that restores unit ``i``'s held part: ``copy_host_s``
+        per storage of it (``held_saves``)."""
+        return self.platform.copy_host_s * len(self.stage(i).held_saves)
+
     def d2h_s(self, i: int) -> float:
         return self.platform.d2h_s(float(self.a[i]))
 

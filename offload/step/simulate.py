@@ -12,7 +12,8 @@ copy, issued before its forward op) and ``RESTORED`` waits for it; ``EVICT`` tak
 Copies run one at a time per direction, in issue order.  On a GPU the host issues the kernels: a second clock adds up each op's host
 time (``fwd_host_s``/``bwd_host_s``; a recomputed stage's ``Fi`` adds what recording it
 costs, ``recording_host_s``, and its re-run takes ``rerun_host_s``; a copy adds
-``copy_host_s`` per storage it moves, and starts no earlier than it was issued), and an op
+``copy_host_s`` per storage it moves, a held part's restore too, and starts no earlier than
+it was issued), and an op
 cannot end before the host has issued it (its end is the later of the device's and the
 host's; the host never waits for the device within a step).  Memory per op is ``memory``'s (it depends on the actions alone).  Encoded
 units are replayed on the derived chain of ``encoding.apply``, whose op times include the
@@ -247,7 +248,8 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
         elif e.kind == WAIT:
             s = max(s, h2d_end[i])
         elif e.kind == RESTORE:
-            c0, nbytes = max(s, h2d_free, d2h_end[i]), int(chain.held[i])
+            h += chain.restore_host_s(i)
+            c0, nbytes = max(s, h2d_free, d2h_end[i], h), int(chain.held[i])
             restore_end[i] = h2d_free = c0 + p.h2d_s(float(nbytes))
             copies.append(CopyRecord(i, "H2D", float(s), float(c0), float(restore_end[i]), nbytes, held=True))
         elif e.kind == RESTORED:

@@ -615,11 +615,12 @@ class Model:
             out.add(self.offloaded(i, o), self.dd[i, o])
         return out
 
-    def restore_issue(self, j: int) -> _Affine:
-        """The host's time to issue the restores before ``Fj`` (model units; 0 when none is chosen)."""
+    def restore_issue(self, j: int, upto: int | None = None) -> _Affine:
+        """The host's time to issue the restores before ``Fj`` (model units; 0 when none is
+        chosen), in stage order, through unit ``upto`` (``None``: all of them)."""
         out = _Affine()
         for i, p in self.h:
-            if p == j:
+            if p == j and (upto is None or i <= upto):
                 out.add(self.h[i, p], self.chain.restore_host_s(i) / self.tau)
         return out
 
@@ -642,9 +643,10 @@ class Model:
         prev = None
         issued = _Affine()  # when the host has issued F_j: F_j ends no earlier
         for j in range(1, L + 1):
-            for i, p in sorted(key for key in self.h if key[1] == j):  # the restores before F_j, in stage order
-                issued.add(self.h[i, p], self.chain.restore_host_s(i) / self.tau)
-                self.restore_issued[i, p] = _Affine().add(issued)
+            for i, p in self.h:  # each restore before F_j, issued after those of earlier stages
+                if p == j:
+                    self.restore_issued[i, p] = _Affine().add(issued).add(self.restore_issue(j, upto=i))
+            issued.add(self.restore_issue(j))
             issued.add(self.forward_host(j))
             if j in readers:
                 self._row(f"after_releases_{j}", _affine((self.fstart[j], 1.0), (self.w[j - 1], -1.0)), ">=")

@@ -107,6 +107,7 @@ def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):
         profile("gpt", ProfileOptions(batch=4, options=GPT, whole_graph=True))
 
 
+@pytest.mark.slow  # make test-all (time: a fresh clone's make test came to 2:57)
 def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_scheduled(aot, monkeypatch):
     """``offload train`` on such a chain: the model compiled as one graph with the schedule in
     it, its allocations metered on the CPU (``AllocationMeter``), the bytes moved, the

@@ -23,6 +23,8 @@ from offload.core.devices import deterministic_kernels
 from offload.executor.plan import StepPlan
 from offload.executor.runtime import _Step
 from offload.executor.train import TrainOptions, train
+from offload.executor.trainer import Trainer
+from offload.io.text import format_seconds
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
@@ -135,21 +137,30 @@ def test_out_of_memory_in_a_step_is_one_clear_error(chains, monkeypatch):
     assert report.steps_done == 0 and report.measured.step_s is None
 
 
-def test_compare_and_trace(chains, tmp_path):
+def test_compare_and_trace(chains, tmp_path, capsys):
     """--compare times the same steps without offloading, under save_on_cpu and with selective
-    checkpointing of the blocks; --trace writes a
-    Chrome trace (on the CPU it has no GPU copies, so no overlap figure)."""
+    checkpointing of the blocks, interleaved with ours (each ratio from the same rounds), and
+    prints the run's pace: the no-offload step over the chain's prediction of it; --trace
+    writes a Chrome trace (on the CPU it has no GPU copies, so no overlap figure)."""
+    from offload.executor.cli import _print_report
+
     chain = chains["gpt"]
     trace = tmp_path / "trace.json"
-    report, error = train(None, chain, schedules(chain)["solver"], TrainOptions(steps=1, compare=True, trace=str(trace)))
+    report, error = train(None, chain, schedules(chain)["solver"], TrainOptions(steps=2, compare=True, trace=str(trace)))
     assert error is None
     m, p = report.measured, report.predicted
     assert (m.d2h_bytes_per_step, m.h2d_bytes_per_step) == (p.d2h_bytes_per_step, p.h2d_bytes_per_step)  # traced step apart
+    ours = report.compare_our_step_times_s
+    assert len(ours) == 2 and len(m.step_times_s) == 2  # the rounds are not our timed steps
     for name in ("no_offload", "save_on_cpu", "selective_checkpoint"):
         other = report.compare[name]
-        assert other.error is None and len(other.step_times_s) == 1
-        assert report.compare[name].our_step_ratio == pytest.approx(
-            report.measured.step_s / other.step_s)
+        assert other.error is None and len(other.step_times_s) == 2
+        assert other.our_step_ratio == pytest.approx(sum(o / b for o, b in zip(ours, other.step_times_s)) / 2)
+    assert p.no_offload_step_s == chain.ideal_makespan_s
+    assert report.pace == report.compare["no_offload"].step_s / chain.ideal_makespan_s
+    _print_report(report)
+    pace = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("pace"))
+    assert f"{report.pace:.2f}x" in pace and f"predicted {format_seconds(report.pace * p.step_s)}" in pace
     assert report.compare["no_offload"].activation_peak_bytes >= report.measured.activation_peak_bytes
     # the matmul outputs kept, the rest rebuilt in the backward: less than without it, and not nothing
     assert 0 < report.compare["selective_checkpoint"].activation_peak_bytes < report.compare["no_offload"].activation_peak_bytes
@@ -157,6 +168,32 @@ def test_compare_and_trace(chains, tmp_path):
     assert any(e.get("name") == "aten::mm" for e in events)
     assert report.trace == {"path": str(trace), "copy_overlap": None, "device_time": None}  # no GPU work
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_interleaved_rounds_rotate_and_share_a_slow_moment(monkeypatch):
+    """--compare's rounds: one step of each way per round, the order rotated each round, so a
+    slow moment of the machine (here round 2, every step three times as long, on a fake clock)
+    falls on every way alike and each round's ratio stays the ways' own; a way that fails
+    runs no more rounds, the others go on."""
+    spec = resolve("mlp", 2, {"layers": 1, "width": 8, "features": 4, "classes": 2})
+    now = [0.0]
+    monkeypatch.setattr("offload.executor.trainer.time", SimpleNamespace(perf_counter=lambda: now[0]))
+    order = []
+
+    def way(name: str, cost: float):
+        def forward(args, kwargs):
+            if name == "c" and "c" in order:  # its second step: round 2
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+            order.append(name)
+            now[0] += cost * (3 if len(order) in (4, 5) else 1)  # round 2: b, (c), a
+            return spec.module(*args, **kwargs)
+        return forward, contextlib.nullcontext
+    trainer = Trainer(spec, [p for p in spec.module.parameters()], None, torch.device("cpu"))
+    times, errors = trainer.interleaved({"a": way("a", 2.0), "b": way("b", 1.0), "c": way("c", 4.0)}, 3)
+    assert order == ["a", "b", "c", "b", "a", "a", "b"]  # round 2 starts at b, round 3 at c (failed: skipped)
+    assert times == {"a": [2.0, 6.0, 2.0], "b": [1.0, 3.0, 1.0], "c": [4.0]}
+    assert [x / y for x, y in zip(times["a"], times["b"])] == [2.0, 2.0, 2.0]
+    assert set(errors) == {"c"} and "c: interleaved round 2" in str(errors["c"])
 
 
 def test_host_arena_is_never_device_memory_and_grows_a_slot_in_place():

@@ -1,6 +1,7 @@
 """What ``offload train`` compares a run with: the same model trained without offloading
-(gradients, bit for bit), the same steps without offloading and under ``save_on_cpu``
-(step time and peak), and a ``torch.profiler`` trace of one more step (copy overlap).
+(gradients, bit for bit), the same steps without offloading, under ``save_on_cpu`` and
+with selective checkpointing (step time, in rounds interleaved with ours, and peak), and a
+``torch.profiler`` trace of one more step (copy overlap).
 
 The gradient check is exact with dropout on: before each of our steps the random state
 (CPU and CUDA generators) is saved; the reference step replays it, so it draws the same
@@ -137,36 +138,73 @@ def _blocks(chain: Chain) -> list[str]:
     return [p for p in paths if not any(q.startswith(p + ".") for q in paths)]
 
 
-def compare_baselines(trainer: Trainer, steps: int, ours: Run, chain: Chain,
-                      compiled: str | None = None) -> dict[str, Baseline]:
+OURS = "offloaded"  # our way's name among the interleaved ones
+
+
+def compare_steps(trainer: Trainer, steps: int, compiled: bool) -> int:
+    """The steps ``compare_baselines`` runs (for the progress bar)."""
+    if compiled:
+        return len(BASELINES) * trainer.steps_per_measure(steps)
+    return len(BASELINES) * trainer.steps_per_measure(steps, timed=False) + (1 + len(BASELINES)) * steps
+
+
+def compare_baselines(trainer: Trainer, steps: int, ours: Run, ours_forward: Callable[[tuple, dict], Any],
+                      chain: Chain, compiled: str | None = None) -> tuple[dict[str, Baseline], list[float]]:
     """The same steps without offloading, under ``save_on_cpu`` and with op-level selective
     checkpointing of the chain's blocks (``offload.core.selective``), and our step time
-    against each.  ``compiled``: on a chain of the compiled graph, its backend: each way runs
-    the model compiled as ours is without the schedule (``plain_compile``), after a step that
-    compiles it (not measured), each way's context entered once for all its steps (the
-    checkpointed blocks patched anew at each step would be compiled anew at each)."""
+    against each.
+
+    Each way's memory is metered in ``steps`` steps of its own; then ``steps`` rounds each
+    time one step of ours (``ours_forward``) and of every way, in an order rotated each round
+    (``Trainer.interleaved``): a way's step time is the median of its rounds, and our ratio to
+    it the median of the rounds' ratios, so that a slow moment of the machine, which one way
+    after another would put on one of them only, falls on all alike.  ``compiled``: on a
+    chain of the compiled graph, its backend: each way runs the model compiled as ours is
+    without the schedule (``plain_compile``), after a step that compiles it (not measured),
+    one way after the other, each way's context entered once for all its steps (the
+    checkpointed blocks patched anew at each step would be compiled anew at each), and our
+    ratio is to ``ours``' timed steps.
+
+    Returns:
+        The baselines by ``BASELINES`` key, and our step times in the rounds (empty where the
+        ways ran one after the other)."""
     pin = trainer.device.type == "cuda"
     module = trainer.spec.module
     run = module if compiled is None else plain_compile(module, compiled)
     ways = {"no_offload": contextlib.nullcontext,
             "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin),
             "selective_checkpoint": lambda: selective_checkpointing(module, _blocks(chain))}
-    out: dict[str, Baseline] = {}
 
     def forward(args: tuple, kwargs: dict) -> Any:
         return run(*args, **kwargs)
+    runs: dict[str, Run] = {}
+    errors: dict[str, Exception | None] = {}
     for name, wrap in ways.items():
         if compiled is None:
-            result, error = trainer.measure(steps, forward, wrap, label=BASELINES[name])
+            runs[name], errors[name] = trainer.measure(steps, forward, wrap, label=BASELINES[name], timed=False)
         else:
             with wrap():
-                result, error = _compiled_way(trainer, steps, forward, BASELINES[name])
+                runs[name], errors[name] = _compiled_way(trainer, steps, forward, BASELINES[name])
+    ours_times: list[float] = []
+    if compiled is None:
+        fine = [name for name in ways if errors[name] is None]
+        times, failed = trainer.interleaved({OURS: (ours_forward, contextlib.nullcontext),
+                                             **{BASELINES[name]: (forward, ways[name]) for name in fine}}, steps)
+        ours_times = times[OURS]
+        for name in fine:
+            runs[name].step_s, errors[name] = times[BASELINES[name]], failed.get(BASELINES[name])
+    out: dict[str, Baseline] = {}
+    for name in ways:
+        result = runs[name]
         peak = max(result.peaks) if result.peaks else None
         step_s = statistics.median(result.step_s) if result.step_s else None
+        if ours_times and result.step_s:
+            ratio = statistics.median(o / b for o, b in zip(ours_times, result.step_s))
+        else:
+            ratio = statistics.median(ours.step_s) / step_s if step_s and ours.step_s else None
         out[name] = Baseline(step_s, result.step_s, peak, total(peak, chain),
-                             str(error) if error else None,
-                             statistics.median(ours.step_s) / step_s if step_s and ours.step_s else None)
-    return out
+                             str(errors[name]) if errors[name] else None, ratio)
+    return out, ours_times
 
 
 def _compiled_way(trainer: Trainer, steps: int, forward: Callable[[tuple, dict], Any], label: str

@@ -32,6 +32,29 @@ def _print_device_time(d: dict | None, p: Predicted) -> None:
               + " in the traced step: calls that may wait for the device")
 
 
+# A pace this far from 1 says that the machine ran at another speed than when it was profiled
+PACE_WARNING = 0.10
+
+
+def _print_pace(r: Report) -> None:
+    """This run's pace (``Report.set_compare``): the no-offload step measured against its
+    prediction, and ours predicted at that pace beside ours measured in the same rounds."""
+    if r.pace is None:
+        return
+    ours = r.compared_step_s
+    print(f"{'pace':<14}{r.pace:>15.2f}x   no offloading took {format_seconds(r.compare['no_offload'].step_s)} where "
+          f"the chain predicts {format_seconds(r.predicted.no_offload_step_s)}; at this pace ours is predicted "
+          f"{format_seconds(r.pace_predicted_s)}" + (f", measured {format_seconds(ours)} "
+                                                     f"({100 * (ours / r.pace_predicted_s - 1):+.1f}%)" if ours else ""))
+    if r.device == "cpu" and r.predicted.d2h_bytes_per_step:
+        print(f"{'':<14}on a CPU the copies are memcpy on the cores that compute: the chain's link runs them beside "
+              "the compute, this machine cannot (only a GPU judges their timing)")
+    if abs(r.pace - 1) > PACE_WARNING:
+        print(f"{'':<14}this run found the machine {'slower' if r.pace > 1 else 'faster'} than the profile did: every "
+              "predicted time above is off by that much (a loaded machine, another clock); profile again when "
+              "it runs as it will train")
+
+
 def _print_report(r: Report) -> None:
     m, p = r.measured, r.predicted
     print(printable(f"trained {r.model} for {r.steps_done} of {r.steps} steps with {r.method or 'the'} "
@@ -55,6 +78,9 @@ def _print_report(r: Report) -> None:
         print(f"{'encoded':<14}{format_bytes(m.encoded_bytes_per_step):>16}   per step, units "
               + ", ".join(f"U{i} {name}" for i, name in r.encoded_units.items())
               + (" (lossy)" if r.lossy else " (lossless)"))
+    if r.compare_our_step_times_s:
+        print(f"{'compare':<14}{len(r.compare_our_step_times_s):>16}   rounds of one step of ours and of each "
+              "way below, in turn: each ratio is the median of the rounds'")
     for name, label in BASELINES.items():
         other = (r.compare or {}).get(name)
         if other and other.step_s:
@@ -62,6 +88,7 @@ def _print_report(r: Report) -> None:
                   f"step takes {other.our_step_ratio:.2f}x its time")
         elif other:
             print(f"{label:<14}{'failed':>16}   {other.error}")
+    _print_pace(r)
     if m.op_peak_bytes:
         over = {op: b - p.op_bytes[op] for op, b in m.op_peak_bytes.items() if b > p.op_bytes[op]}
         worst = max(over, key=over.get) if over else None

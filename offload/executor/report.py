@@ -80,6 +80,7 @@ class Predicted:
     copy_overlap: float | None  # the share of copy time hidden under compute (None: no copies)
     op_bytes: dict[str, int] | None = None  # per op, activation bytes (--op-memory)
     host_wait_s: float = 0.0  # the device waiting for the host to issue its work (a chain profiled on CUDA)
+    no_offload_step_s: float | None = None  # the chain's step without offloading (its ideal makespan)
 
 
 @dataclass
@@ -118,6 +119,8 @@ class Report:
     grads_within_noise: bool | None = None  # bit for bit, or within the noise floor at every step
     deterministic: bool | None = None  # deterministic kernels were asked for (CUDA, with the gradient check)
     compare: dict[str, Baseline] | None = None  # BASELINES
+    compare_our_step_times_s: list[float] | None = None  # ours in the rounds --compare interleaved (empty: not)
+    pace: float | None = None  # --compare's no-offload step over the chain's prediction of it (set_compare)
     trace: dict[str, Any] | None = None  # path, copy_overlap, device_time (offload.executor.traces)
     error: str | None = None  # the step that failed its budget or ran out of memory
     over_prediction: str | None = None  # the measured activation peak above the predicted one: by how much, and why
@@ -130,12 +133,36 @@ class Report:
                               activation_peak_bytes=sim.peak_bytes,
                               total_peak_bytes=total(sim.peak_bytes, chain), d2h_bytes_per_step=sim.d2h_bytes,
                               h2d_bytes_per_step=sim.h2d_bytes, copy_overlap=sim.copy_overlap,
-                              op_bytes={o.name: o.mem_bytes for o in sim.ops} if op_memory else None)
+                              op_bytes={o.name: o.mem_bytes for o in sim.ops} if op_memory else None,
+                              no_offload_step_s=chain.ideal_makespan_s)
         return cls(chain=chain.name, chain_sha256=chain.sha256, method=schedule.method, backend=backend,
                    device=str(device), budget=schedule.budget, base_bytes=chain.base_bytes, predicted=predicted,
                    model=chain.recipe.model if chain.recipe else None,
                    encoded_units={str(i): name for i, name in sorted(schedule.encode.items())},
                    lossy=bool(lossy_stages(chain, schedule.encode)))
+
+    def set_compare(self, baselines: dict[str, Baseline], our_step_times_s: list[float]) -> None:
+        """``offload train --compare``'s baselines, our step times in its interleaved rounds, and
+        this run's ``pace``: the no-offload step as measured over the chain's prediction of it.
+        The profile and this run may see the machine at other speeds (a loaded CPU, another
+        clock); the pace says by how much, and our step predicted at this pace
+        (``pace_predicted_s``) sets the schedule's own error apart from the machine's."""
+        self.compare, self.compare_our_step_times_s = baselines, our_step_times_s
+        plain = baselines.get("no_offload")
+        if plain is not None and plain.step_s and self.predicted.no_offload_step_s:
+            self.pace = plain.step_s / self.predicted.no_offload_step_s
+
+    @property
+    def pace_predicted_s(self) -> float | None:
+        """Our step as predicted, at this run's ``pace``."""
+        return None if self.pace is None else self.pace * self.predicted.step_s
+
+    @property
+    def compared_step_s(self) -> float | None:
+        """Our step as measured beside the baselines: the median of the interleaved rounds, else
+        of our timed steps."""
+        rounds = self.compare_our_step_times_s
+        return statistics.median(rounds) if rounds else self.measured.step_s
 
     def judge_peak(self, freed_grads: int = 0) -> None:
         """Say so (``over_prediction``, and a warning) when the measured activation peak is above

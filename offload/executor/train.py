@@ -30,10 +30,10 @@ from offload.step.schedule import Schedule
 from . import distributed
 from .api import Offloaded
 from .backends import default_backend
-from .checks import GradCheck, compare_baselines, trace_step
+from .checks import GradCheck, compare_baselines, compare_steps, trace_step
 from .compiled import SchedulePartitioner, compile_scheduled, plain_compile
 from .marked import MarkedRun
-from .report import BASELINES, Report
+from .report import Report
 from .trainer import Run, Trainer
 
 
@@ -208,7 +208,8 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
     trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes,
                       elsewhere=check.tensors() if check is not None else None, compiled=whole)
     if opts.progress is not None:
-        total = trainer.steps_per_measure(opts.steps) * (1 + len(BASELINES) * opts.compare) + bool(opts.trace)
+        total = (trainer.steps_per_measure(opts.steps) + bool(opts.trace)
+                 + (compare_steps(trainer, opts.steps, whole) if opts.compare else 0))
         trainer.tick = lambda what: opts.progress(what, total)
     run = None
     try:  # the front door of every user's loop: the schedule is the chain's, the batch the profiled one
@@ -228,7 +229,8 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         error = _over_budget(steps, schedule, chain)
     _measured(report, steps, run, chain)
     if completed and opts.compare:
-        report.compare = compare_baselines(trainer, opts.steps, steps, chain, chain.recipe.compile if whole else None)
+        report.set_compare(*compare_baselines(trainer, opts.steps, steps, lambda args, kwargs: run(*args, **kwargs),
+                                              chain, chain.recipe.compile if whole else None))
     if completed and opts.trace:
         report.trace = trace_step(opts.trace, trainer, run)
     if check is not None:

@@ -94,10 +94,6 @@ class Trainer:
         self.untracked_after: int | None = None
         self.elsewhere = list(elsewhere or [])  # device tensors the run keeps beside the model (a reference copy)
 
-    def steps_per_measure(self, steps: int) -> int:
-        """The steps one ``measure`` of ``steps`` runs (on the CPU the timed ones come on top)."""
-        return steps if self.device.type == "cuda" else 2 * steps
-
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # every stream, the copy streams included
@@ -124,37 +120,71 @@ class Trainer:
             self.optimizer.step()
         self.spec.zero_grads(self.params)
 
+    def steps_per_measure(self, steps: int, timed: bool = True) -> int:
+        """The steps one ``measure`` of ``steps`` runs (on the CPU the timed ones come on top)."""
+        return steps if self.device.type == "cuda" or not timed else 2 * steps
+
     def measure(self, steps: int, forward: Forward, wrap: Callable[[], ContextManager] = contextlib.nullcontext,
                 hooks: StepHooks | None = None, runtime: OffloadRuntime | None = None,
-                probe: bool = False, label: str = "") -> tuple[Run, OffloadError | None]:
-        """``steps`` steps with memory metered, then (on the CPU) ``steps`` more timed without the
-        meter, after the metered ones warmed up; on a GPU the metered steps are timed, the first
-        left out as a warm-up (``warmup_s``).  On running out of memory: the steps before it,
-        and the error.  With ``probe``, the first step's memory is read at every op's end too
-        (``run.op_peaks``, from ``runtime``).  ``label`` names the way of training in ``tick``."""
+                probe: bool = False, label: str = "", timed: bool = True) -> tuple[Run, OffloadError | None]:
+        """``steps`` steps with memory metered, then (on the CPU, unless not ``timed``) ``steps``
+        more timed without the meter, after the metered ones warmed up; on a GPU the metered
+        steps are timed, the first left out as a warm-up (``warmup_s``).  On running out of
+        memory: the steps before it, and the error.  With ``probe``, the first step's memory is
+        read at every op's end too (``run.op_peaks``, from ``runtime``).  ``label`` names the way
+        of training in ``tick``."""
         run, error = self._metered(steps, forward, wrap, hooks or StepHooks(), runtime, probe, label)
         if self.device.type == "cuda":
             if len(run.step_s) > 1:  # the first step is a warm-up (kernel choice, allocator growth)
                 run.warmup_s, run.step_s = run.step_s[0], run.step_s[1:]
-        elif error is None:
+        elif error is None and timed:
             run.metered_step_s = run.step_s
             run.step_s, error = self._timed(steps, forward, wrap, label)
         return run, error
+
+    def interleaved(self, ways: dict[str, tuple[Forward, Callable[[], ContextManager]]], rounds: int
+                    ) -> tuple[dict[str, list[float]], dict[str, OffloadError]]:
+        """``rounds`` rounds of one timed step of each way (name -> forward, context), the order
+        rotated each round, so that a slow moment of the machine falls on every way alike: the
+        ratio of two ways' steps in one round is what it measures (``checks.compare_baselines``).
+        Returns each way's step times, in round order, and the error of a way that failed (it
+        runs no more rounds)."""
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        errors: dict[str, OffloadError] = {}
+        names = list(ways)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                if name in errors:
+                    continue
+                forward, wrap = ways[name]
+                try:
+                    times[name].append(self._time_step(forward, wrap, f"{name}: interleaved round {r + 1}"))
+                except OffloadError as exc:
+                    errors[name] = exc
+                    continue
+                self.finish_step()
+                self.tick(f"{name} interleaved round {r + 1}/{rounds}")
+        return times, errors
+
+    def _time_step(self, forward: Forward, wrap: Callable[[], ContextManager], what: str) -> float:
+        """One step timed without a meter (``OffloadError`` where it fails); the optimizer not run."""
+        with step_errors(what):
+            batch = self.spec.batch()
+            self.synchronize()
+            t0 = time.perf_counter()
+            self.one_step(forward, batch, wrap)
+            self.synchronize()
+            elapsed = time.perf_counter() - t0
+            del batch
+            gc.collect()  # outside the timed window: a full collection costs ~0.15 s
+        return elapsed
 
     def _timed(self, steps: int, forward: Forward, wrap: Callable[[], ContextManager],
                label: str) -> tuple[list[float], OffloadError | None]:
         times: list[float] = []
         for step in range(1, steps + 1):
             try:
-                with step_errors(f"timed step {step}"):
-                    batch = self.spec.batch()
-                    self.synchronize()
-                    t0 = time.perf_counter()
-                    self.one_step(forward, batch, wrap)
-                    self.synchronize()
-                    times.append(time.perf_counter() - t0)
-                    del batch
-                    gc.collect()  # outside the timed window: a full collection costs ~0.15 s
+                times.append(self._time_step(forward, wrap, f"timed step {step}"))
             except OffloadError as exc:
                 return times, exc
             self.finish_step()

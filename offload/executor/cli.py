@@ -42,8 +42,9 @@ def _print_pace(r: Report) -> None:
     if r.pace is None:
         return
     ours = r.compared_step_s
+    where = "the profile timed it at" if r.predicted.no_offload_profiled else "the chain predicts"
     print(f"{'pace':<14}{r.pace:>15.2f}x   no offloading took {format_seconds(r.compare['no_offload'].step_s)} where "
-          f"the chain predicts {format_seconds(r.predicted.no_offload_step_s)}; at this pace ours is predicted "
+          f"{where} {format_seconds(r.predicted.no_offload_step_s)}; at this pace ours is predicted "
           f"{format_seconds(r.pace_predicted_s)}" + (f", measured {format_seconds(ours)} "
                                                      f"({100 * (ours / r.pace_predicted_s - 1):+.1f}%)" if ours else ""))
     if r.device == "cpu" and r.predicted.d2h_bytes_per_step:

@@ -80,7 +80,10 @@ class Predicted:
     copy_overlap: float | None  # the share of copy time hidden under compute (None: no copies)
     op_bytes: dict[str, int] | None = None  # per op, activation bytes (--op-memory)
     host_wait_s: float = 0.0  # the device waiting for the host to issue its work (a chain profiled on CUDA)
-    no_offload_step_s: float | None = None  # the chain's step without offloading (its ideal makespan)
+    # the step without offloading as the chain has it: timed plainly by the profile beside its
+    # timed steps (``source.plain_step_s``, ``no_offload_profiled``), else the chain's ideal makespan
+    no_offload_step_s: float | None = None
+    no_offload_profiled: bool = False
 
 
 @dataclass
@@ -120,7 +123,7 @@ class Report:
     deterministic: bool | None = None  # deterministic kernels were asked for (CUDA, with the gradient check)
     compare: dict[str, Baseline] | None = None  # BASELINES
     compare_our_step_times_s: list[float] | None = None  # ours in the rounds --compare interleaved (empty: not)
-    pace: float | None = None  # --compare's no-offload step over the chain's prediction of it (set_compare)
+    pace: float | None = None  # --compare's no-offload step over the chain's (set_compare)
     trace: dict[str, Any] | None = None  # path, copy_overlap, device_time (offload.executor.traces)
     error: str | None = None  # the step that failed its budget or ran out of memory
     over_prediction: str | None = None  # the measured activation peak above the predicted one: by how much, and why
@@ -129,12 +132,14 @@ class Report:
     def start(cls, chain: Chain, schedule: Schedule, backend: str, device: Any, op_memory: bool = False) -> "Report":
         """A report of ``schedule`` on ``chain``, its prediction made, nothing measured yet."""
         sim = schedule.simulate(chain)
+        plain = chain.source.get("plain_step_s")
         predicted = Predicted(step_s=sim.makespan_s, stall_s=sim.stall_s, host_wait_s=sim.host_wait_s,
                               activation_peak_bytes=sim.peak_bytes,
                               total_peak_bytes=total(sim.peak_bytes, chain), d2h_bytes_per_step=sim.d2h_bytes,
                               h2d_bytes_per_step=sim.h2d_bytes, copy_overlap=sim.copy_overlap,
                               op_bytes={o.name: o.mem_bytes for o in sim.ops} if op_memory else None,
-                              no_offload_step_s=chain.ideal_makespan_s)
+                              no_offload_step_s=plain["median"] if plain else chain.ideal_makespan_s,
+                              no_offload_profiled=bool(plain))
         return cls(chain=chain.name, chain_sha256=chain.sha256, method=schedule.method, backend=backend,
                    device=str(device), budget=schedule.budget, base_bytes=chain.base_bytes, predicted=predicted,
                    model=chain.recipe.model if chain.recipe else None,
@@ -143,7 +148,8 @@ class Report:
 
     def set_compare(self, baselines: dict[str, Baseline], our_step_times_s: list[float]) -> None:
         """``offload train --compare``'s baselines, our step times in its interleaved rounds, and
-        this run's ``pace``: the no-offload step as measured over the chain's prediction of it.
+        this run's ``pace``: the no-offload step as measured over the chain's
+        (``Predicted.no_offload_step_s``: the same step as the profile timed it).
         The profile and this run may see the machine at other speeds (a loaded CPU, another
         clock); the pace says by how much, and our step predicted at this pace
         (``pace_predicted_s``) sets the schedule's own error apart from the machine's."""

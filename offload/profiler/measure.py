@@ -126,6 +126,7 @@ class Measurement:
     workspace_bytes: int = 0  # of base_bytes, held by no tensor (``Chain.workspace_bytes``)
     casts_cleared: bool = False  # autocast's cache cleared at every stage boundary (``Recipe.casts_cleared``)
     casts_uncached: bool = False  # autocast's cache off in the forward (``Recipe.casts_uncached``)
+    plain_step_s: list[float] = field(default_factory=list)  # the step as plain PyTorch runs it, beside each repeat
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -333,6 +334,23 @@ class StepRunner:
                 update_s = time.perf_counter() - t
             self.zero_grads()
         return update_s
+
+    def plain_step(self) -> float:
+        """One step (forward, loss, backward) timed as plain PyTorch runs it: no saved-tensor hook,
+        no listener, autocast's cache as it is.  ``offload train --compare`` times the same
+        step as its ``no offloading`` baseline: the two say how the machine's pace moved
+        between the profile and the run (``Report.pace``)."""
+        with self.batch() as (args, kwargs):
+            self.sync()
+            t0 = time.perf_counter()
+            with self.spec.autocasting():
+                loss = self.spec.loss(self.spec.module(*args, **kwargs))
+            loss.backward()
+            self.sync()
+            elapsed = time.perf_counter() - t0
+        del loss
+        self.zero_grads()
+        return elapsed
 
     def base_parts(self) -> dict[str, int]:
         m = self.spec.module
@@ -649,9 +667,10 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     m0, peak_f, peak_b, saved, need = mem.m0, mem.fwd_peaks, mem.bwd_peaks, mem.saved, mem.need
     held = holding_pass(runner, mem.peak_ops, peak_f, mem.starts, op_lives=mem.op_lives)
     tick("memory pass")
-    times = []
-    for _ in range(repeats):
+    times, plain = [], []
+    for _ in range(repeats):  # each timed step beside a plain one: both see the machine at one pace
         times.append(runner.timing_pass())
+        plain.append(runner.plain_step())
         tick("timed steps")
     recast_s = [runner.recast_seconds(r) for r in mem.casts]
     stages = []
@@ -679,4 +698,4 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "
              f"first: {fixed[0]}"] if fixed else []
     return Measurement(stages, m0, runner.base_parts(), step, update_s, notes, mem.workspace,
-                       runner.staging.clear_casts, runner.staging.uncache_casts)
+                       runner.staging.clear_casts, runner.staging.uncache_casts, plain)

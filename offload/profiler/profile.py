@@ -203,6 +203,8 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
         "step_s": {"median": statistics.median(steps), "min": steps[0], "max": steps[-1],
                    "spread": spread(steps)},
         "optimizer_step_s": m.optimizer_step_s,
+        **({"plain_step_s": {"median": statistics.median(m.plain_step_s), "min": min(m.plain_step_s),
+                             "max": max(m.plain_step_s)}} if m.plain_step_s else {}),
         "base": m.base_parts,
         "profiled_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "measured_by": "offload profile",

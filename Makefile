@@ -56,6 +56,7 @@ reproduce: $(INSTALL)
 realmodels: $(INSTALL)
 	$(PY) -m experiments.realmodels
 	$(PY) -m experiments.realmodels --set non-chains
+	$(PY) -m experiments.realmodels --set decoders
 
 # Encoding + offloading vs offloading alone on the zoo CNNs (experiments/results/encodings/).
 encodings: $(INSTALL)

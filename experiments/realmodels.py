@@ -2,6 +2,7 @@
 
     python -m experiments.realmodels          # or: make realmodels (a few minutes on 2 CPU cores)
     python -m experiments.realmodels --set non-chains
+    python -m experiments.realmodels --set decoders
 
 ``transformers`` (the default set): GPT-2, a Llama-style decoder, BERT and ViT from
 transformers (small configs, random weights, dropout on, keyword inputs, the loss from
@@ -9,8 +10,9 @@ transformers (small configs, random weights, dropout on, keyword inputs, the los
 boundaries several values cross (``tests/models/``): a transformers T5 (encoder-decoder), a
 U-Net with skip connections, transformers' Mixtral (mixture of experts; and profiled with
 ``--split-blocks``, each layer's attention and sparse MoE block a stage), and a frozen
-backbone under a trainable head.  Each is profiled (``offload profile``), solved by the ILP
-(with recomputation for the non-chains, against offloading alone) at 50% of its no-offload
+backbone under a trainable head.  ``decoders``: transformers decoders the zoo does not build
+(``tests/models/decoders.py``: Qwen3, GPT-NeoX, Gemma 2, Mamba), under bf16 autocast.  Each is profiled (``offload profile``), solved by the ILP
+(with recomputation for the non-chains and the decoders, against offloading alone) at 50% of its no-offload
 activation peak (halfway between its floor and its peak when its floor is higher; with
 recomputation the joint floor, the least budget the joint MILP meets, bisected), and
 trained 3 steps with ``--check-grads --op-memory`` on the lazy CPU backend.  One row per model in ``experiments/results/realmodels/<set>.csv``: stages, the
@@ -52,18 +54,24 @@ NON_CHAINS = {  # tag -> (model, options, blocks, --split-blocks)
 }
 
 
-def sets() -> dict[str, list[tuple[str, str, dict, int, int, bool]]]:
-    """Per set, its runs: (tag, model, options, blocks, frozen blocks, --split-blocks)."""
-    transformers = [(m + (f"-frozen{f}" if f else ""), m, {**o, "frozen": f}, o["layers"], f, False)
+DECODERS = {"layers": 4, "width": 128, "seq": 64}  # tests/models/decoders.py, under bf16 autocast
+
+
+def sets() -> dict[str, list[tuple[str, str, dict, int, int, bool, str | None]]]:
+    """Per set, its runs: (tag, model, options, blocks, frozen blocks, --split-blocks, --autocast)."""
+    transformers = [(m + (f"-frozen{f}" if f else ""), m, {**o, "frozen": f}, o["layers"], f, False, None)
                     for m, o in TRANSFORMERS.items() for f in (0, o["layers"] // 2)]
     return {"transformers": transformers,
-            "non-chains": [(tag, m, o, n, 0, split) for tag, (m, o, n, split) in NON_CHAINS.items()]}
+            "non-chains": [(tag, m, o, n, 0, split, None) for tag, (m, o, n, split) in NON_CHAINS.items()],
+            "decoders": [(arch, f"{_MODELS / 'decoders.py'}:build", {**DECODERS, "arch": arch}, DECODERS["layers"], 0,
+                          False, "bfloat16") for arch in ("qwen3", "neox", "gemma2", "mamba")]}
 
 
-def run(tag: str, model: str, options: dict, blocks: int, frozen: int, split: bool, batch: int, device: str | None,
-        out: Path, recompute: bool = False) -> dict:
+def run(tag: str, model: str, options: dict, blocks: int, frozen: int, split: bool, autocast: str | None, batch: int,
+        device: str | None, out: Path, recompute: bool = False) -> dict:
     t0 = time.perf_counter()
-    prof = profile(model, ProfileOptions(batch=batch, device=device, repeats=3, options=options, split_blocks=split))
+    prof = profile(model, ProfileOptions(batch=batch, device=device, repeats=3, options=options, split_blocks=split,
+                                         autocast=autocast))
     chain = prof.chain
     save_chain(chain, out / f"{tag}-chain.json")
     peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
@@ -103,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for run_args in sets()[args.set]:  # the models that are not chains with recomputation, the others without
-        rows.append(run(*run_args, args.batch, args.device, args.out, recompute=args.set == "non-chains"))
+    for run_args in sets()[args.set]:  # the transformers set without recomputation, the others with it
+        rows.append(run(*run_args, args.batch, args.device, args.out, recompute=args.set != "transformers"))
         r = rows[-1]
         print(f"{r['model']:<16} {r['stages']:>3} stages  peak {format_bytes(r['no_offload_peak_bytes']):>10}  floor "
               f"{100 * r['floor_share']:5.1f}% (joint {100 * r['joint_floor_share']:4.1f}%)  budget {100 * r['budget_share']:4.0f}%  peak measured/predicted "

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_executor, bench_overhead, casts, compiled, demo, held_parts, moved_checkpoints, options
+from experiments import (bench_executor, bench_overhead, casts, compiled, demo, held_parts, interleaved, moved_checkpoints,
+                         options)
 from offload.executor.backends import CpuEagerBackend
 from offload.io.text import parse_budget
 from tests.runs import ROOT, options_paying
@@ -179,3 +180,25 @@ def test_the_compiled_table_at_a_tiny_size(tmp_path, capsys):
     for way in ("compile_scheduled, its own chain, empty", "compile_scheduled, its own chain, ilp"):
         measured, predicted = (parse_budget(rows[way][i].rstrip(" |"), 0) for i in (5, 6))
         assert predicted - 64 * 1024 <= measured <= predicted, way
+
+
+def test_interleaved_schedules_at_a_tiny_size(tmp_path, capsys):
+    """``experiments.interleaved``: a chain's schedules in alternate steps, each one's predicted
+    and measured ratio to the first; a missing schedule is one error line, no traceback."""
+    from offload.profiler.profile import ProfileOptions, profile
+    from offload.step.chainfile import save_chain
+    from offload.step.memory import floor_offloads
+    from offload.step.schedule import make_schedule
+    from offload.step.schedulefile import save_schedule
+
+    chain = profile("mlp", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options={
+        "layers": 2, "width": 32, "features": 16, "classes": 4})).chain
+    save_chain(chain, tmp_path / "c.json")
+    paths = [tmp_path / "empty.json", tmp_path / "floor.json"]
+    for path, offloads in zip(paths, ([], floor_offloads(chain))):
+        save_schedule(make_schedule(chain, offloads), chain, path)
+    assert interleaved.main([str(tmp_path / "c.json"), *map(str, paths), "--rounds", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tmp_path}")]
+    assert len(rows) == 2 and rows[0].split("|")[3].strip() == rows[0].split("|")[5].strip() == "1.000"
+    assert interleaved.main([str(tmp_path / "c.json"), str(tmp_path / "missing.json")]) == 2
+    assert capsys.readouterr().err.startswith("experiments.interleaved: error: schedule file not found")

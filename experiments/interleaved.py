@@ -27,7 +27,7 @@ from offload.core.devices import pick_device
 from offload.errors import OffloadError
 from offload.executor import Offloaded
 from offload.executor.train import build_like_chain
-from offload.executor.trainer import Trainer
+from offload.executor.trainer import Trainer, young_heap
 from offload.io.text import format_seconds
 from offload.step.chainfile import load_chain
 from offload.step.schedulefile import load_schedule
@@ -62,9 +62,9 @@ def _run(args: argparse.Namespace) -> int:
         ways[path] = ((lambda r: lambda a, k: r(*a, **k))(run), contextlib.nullcontext)
         predicted[path] = schedule.simulate(chain).makespan_s
     trainer = Trainer(spec, [], None, device)
-    for forward, wrap in ways.values():  # warm-up: the host arena, the allocator
-        trainer.one_step(forward, spec.batch(), wrap)
-    times, errors = trainer.interleaved(ways, args.rounds)
+    with young_heap():
+        trainer.interleaved(ways, 1)  # the warm-up round: the host arenas, the allocator
+        times, errors = trainer.interleaved(ways, args.rounds)
     first = args.schedules[0]
     print(f"{chain.name}: {args.rounds} rounds, one step of each schedule per round, order rotated")
     print("| schedule | predicted step | predicted ratio | measured step (median) | measured ratio (median of rounds) |")

@@ -34,7 +34,7 @@ from .checks import GradCheck, compare_baselines, compare_steps, trace_step
 from .compiled import SchedulePartitioner, compile_scheduled, plain_compile
 from .marked import MarkedRun
 from .report import Report
-from .trainer import Run, Trainer
+from .trainer import Run, Trainer, young_heap
 
 
 @dataclass
@@ -153,7 +153,7 @@ def train(model: str | None, chain: Chain, schedule: Schedule, opts: TrainOption
     report = Report.start(chain, schedule, backend, device, op_memory=opts.op_memory)
     report.ranks, report.steps = ranks, opts.steps
     kernels = deterministic_kernels(device) if opts.check_grads else contextlib.nullcontext(None)
-    with kernels as report.deterministic:  # both runs of a step give the same bits on CUDA too
+    with kernels as report.deterministic, young_heap():  # both runs of a step give the same bits on CUDA too
         error = _steps(report, chain, schedule, opts, device, spec, params, optimizer, backend)
     return report, error
 

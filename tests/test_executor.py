@@ -171,6 +171,21 @@ def test_compare_and_trace(chains, tmp_path, capsys):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_step_far_from_its_prediction_points_to_compare(chains, capsys):
+    """Without --compare, a measured step more than 10% from its prediction says how to tell
+    the machine's pace from the schedule's error; within 10%, nothing."""
+    from offload.executor.cli import _print_report
+    from offload.executor.report import Report
+
+    chain = chains["gpt"]
+    report = Report.start(chain, schedules(chain)["none"], "cpu-eager", "cpu")
+    report.measured.activation_peak_bytes = 0
+    for factor, said in ((1.3, True), (1.05, False)):
+        report.measured.set_times([factor * report.predicted.step_s])
+        _print_report(report)
+        assert ("--compare times the no-offload step" in capsys.readouterr().out) is said
+
+
 def test_interleaved_rounds_rotate_and_share_a_slow_moment(monkeypatch):
     """--compare's rounds: one step of each way per round, the order rotated each round, so a
     slow moment of the machine (here round 2, every step three times as long, on a fake clock)

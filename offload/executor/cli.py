@@ -68,6 +68,9 @@ def _print_report(r: Report) -> None:
         print(f"{'step time':<14}{format_seconds(m.step_s):>16}{format_seconds(p.step_s):>16}"
               f"   (min {format_seconds(min(m.step_times_s))}, max {format_seconds(max(m.step_times_s))}"
               + (f"; step 1, a warm-up, {format_seconds(m.warmup_s)} left out)" if m.warmup_s is not None else ")"))
+        if r.compare is None and p.step_s and abs(m.step_s / p.step_s - 1) > PACE_WARNING:
+            print(f"{'':<14}{100 * (m.step_s / p.step_s - 1):+.0f}% from the prediction: --compare times the no-offload "
+                  "step beside ours and says how much of that is the machine's pace")
     print(f"{'peak memory':<14}{format_bytes(r.in_scope(m)):>16}{format_bytes(r.in_scope(p)):>16}"
           + (f"   budget {format_bytes(r.budget.nbytes)} ({r.budget.scope})" if r.budget else ""))
     if m.reserved_peak_bytes is not None:

@@ -41,7 +41,10 @@ again on one process, one step of each row in turn (``--rounds`` rounds, the ord
 each round, the rows' modules sharing one set of weights), and each round's step of ours
 is divided by the same round's step of each other row.  Ours is at or below a row within
 noise when the median of those paired ratios is at most 1 plus half their interquartile
-range; the table after the verdicts prints the medians and ranges.  On a CPU the copies are
+range; the table after the verdicts prints the medians and ranges.  The no-offload schedule
+trains in those rounds too, and a last table sets each row's step over its step, the median
+of the rounds' ratios, beside the simulator's ratio: the model's error at the run's pace,
+which a machine slower or faster than during the profile does not move.  On a CPU the copies are
 memcpy on the cores that compute, so schedules that offload are measured on a stand-in
 link; the recompute-only rows are what this machine can judge.
 
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"{format_seconds(base.step_s)} | {format_bytes(base.activation_peak_bytes)} "
                      f"({100 * base.activation_peak_bytes / peak:.0f}%) | | | |" if base.step_s
                      else f"failed: {base.error} | | | | |"))
-    verdicts, pairs = [], []
+    verdicts, pairs, errors = [], [], []
     for share in (int(s) for s in args.budgets.split(",")):
         budget = peak * share // 100
         rows = [r for r in fixed if r.result.simulation.peak_bytes <= budget]
@@ -223,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             print(line(peak, f"{share}%", row, platform is not None), flush=True)
         trained = [r for r in rows if r.step_s is not None]
         if args.train and any(r.method == "joint + options" for r in trained) and len(trained) > 1:
-            interleave(chain, trained, args.rounds)
+            plain = Row("none", reference.result)  # the no-offload step in the same rounds: the pace
+            interleave(chain, trained + [plain], args.rounds)
+            errors += [_error(share, r, plain) for r in trained]
         verdict, lines = _verdict(share, rows)
         verdicts.append(verdict)
         pairs += lines
@@ -236,7 +241,23 @@ def main(argv: list[str] | None = None) -> int:
         print("| budget | row | median ratio | interquartile range | within noise |")
         print("|---|---|---|---|---|")
         print("\n".join(pairs))
+    if errors:
+        print()
+        print(f"The model's error at this run's pace: each row's step over the no-offload schedule's in the same "
+              f"round ({args.rounds} rounds), beside the simulator's ratio")
+        print()
+        print("| budget | row | predicted ratio | measured ratio (median) | error |")
+        print("|---|---|---|---|---|")
+        print("\n".join(errors))
     return 0
+
+
+def _error(share: int, row: Row, plain: Row) -> str:
+    """A table line: ``row``'s step over the no-offload schedule's, predicted and measured (the
+    median of the interleaved rounds' ratios, which the machine's pace does not move)."""
+    predicted = row.predicted_s / plain.predicted_s
+    measured = statistics.median(a / b for a, b in zip(row.rounds, plain.rounds))
+    return f"| {share}% | {row.method} | {predicted:.3f} | {measured:.3f} | {100 * (measured / predicted - 1):+.1f}% |"
 
 
 def _verdict(share: int, rows: list[Row]) -> tuple[str, list[str]]:

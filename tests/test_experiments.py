@@ -53,6 +53,8 @@ def test_the_options_table_at_a_tiny_size(capsys):
     assert "keeps" in out and "| 80% | checkpoint-matmuls |" in out and "| 80% | recompute-only + options |" in out
     assert "80%: predicted ≤ every other: True; measured ≤ every other within noise (interleaved): " in out
     assert "| 80% | checkpoint-blocks | " in out.split("Interleaved (2 rounds)")[1]
+    errors = out.split("The model's error at this run's pace")[1]  # each row beside the no-offload step, same rounds
+    assert "| 80% | joint + options | " in errors and "| 80% | checkpoint-blocks | " in errors
 
 
 @pytest.mark.slow  # a profile and two solves: make test-all

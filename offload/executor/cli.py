@@ -37,8 +37,9 @@ PACE_WARNING = 0.10
 
 
 def _print_pace(r: Report) -> None:
-    """This run's pace (``Report.set_compare``): the no-offload step measured against its
-    prediction, and ours predicted at that pace beside ours measured in the same rounds."""
+    """This run's pace (``Report.set_compare``): the no-offload step measured against the same
+    step as the chain has it (timed by the profile, else predicted), and ours predicted at that
+    pace beside ours measured in the same rounds."""
     if r.pace is None:
         return
     ours = r.compared_step_s

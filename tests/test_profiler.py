@@ -423,13 +423,21 @@ def test_cli_profile_writes_chain_and_graphml(tmp_path):
     assert stages == set(range(1, chain.L + 1))
 
 
-def test_cli_bandwidth_override(tmp_path):
+def test_cli_bandwidth_override(tmp_path, capsys):
+    """--bandwidth and --latency are the platform's; and the profile times a plain PyTorch step
+    beside each timed one (``source.plain_step_s``), which ``show`` prints beside the hooked step."""
     out = tmp_path / "c.json"
-    assert main(["profile", "mlp", "--batch", "2", "-O", "layers=2", "--repeats", "1", "-q",
+    assert main(["profile", "mlp", "--batch", "2", "-O", "layers=2", "--repeats", "2", "-q",
                  "--bandwidth", "25GB/s,20GB/s", "--latency", "10us", "-o", str(out)]) == 0
-    p = json.loads(out.read_text())["platform"]
+    doc = json.loads(out.read_text())
+    p = doc["platform"]
     assert (p["d2h_bytes_per_s"], p["h2d_bytes_per_s"], p["latency_s"]) == (25e9, 20e9, pytest.approx(1e-5))
     assert "not measured" in p["note"]
+    plain = doc["source"]["plain_step_s"]
+    assert 0 < plain["min"] <= plain["median"] <= plain["max"]
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    assert "as plain PyTorch runs it, timed beside the profile's steps" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("model,message", [

@@ -160,6 +160,12 @@ def print_chain(chain: Chain) -> None:
     else:
         _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times"
               + (", no weight cast made again)" if chain.castable else ")"))
+    plain, hooked = chain.source.get("plain_step_s"), chain.source.get("step_s")
+    if plain and hooked:  # what the executor's hooks on every saved tensor cost, before anything moves
+        _line("plain", f"step {format_seconds(plain['median'])} as plain PyTorch runs it, timed beside the profile's "
+              f"steps ({format_seconds(hooked['median'])} with the executor's hooks on every saved tensor, "
+              f"{100 * (hooked['median'] / plain['median'] - 1):+.0f}%; `train --compare` holds its no-offload step "
+              "against it)")
     _line("smallest", f"feasible activation budget {format_bytes(plain_floor)} ({plain_floor} B, "
           f"{100 * plain_floor / peak:.1f}% of the peak)" if peak else "feasible budget 0 B")
     for mode in ("lossless", "lossy"):

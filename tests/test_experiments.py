@@ -204,3 +204,21 @@ def test_interleaved_schedules_at_a_tiny_size(tmp_path, capsys):
     assert len(rows) == 2 and rows[0].split("|")[3].strip() == rows[0].split("|")[5].strip() == "1.000"
     assert interleaved.main([str(tmp_path / "c.json"), str(tmp_path / "missing.json")]) == 2
     assert capsys.readouterr().err.startswith("experiments.interleaved: error: schedule file not found")
+
+
+def test_the_options_verdict_ties_two_rows_that_run_the_same_schedule():
+    """Two methods that chose the same actions run one program twice: ours measured 4% above the
+    other is noise, which the verdict does not hold against ours; another schedule as far off is."""
+    from types import SimpleNamespace
+
+    from offload.step.actions import Offload
+    from offload.step.schedule import Schedule
+
+    def row(method, offloads, rounds):
+        sched = Schedule("c", "0" * 64, tuple(offloads))
+        return options.Row(method, SimpleNamespace(schedule=sched, simulation=SimpleNamespace(makespan_s=1.0)),
+                           rounds=rounds)
+    ours = row("joint + options", [Offload(1, 2, 1)], [1.04] * 8)
+    same, other = row("joint per-block", [Offload(1, 2, 1)], [1.0] * 8), row("recompute-only", [], [1.0] * 8)
+    verdict, lines = options._verdict(60, [ours, same, other])
+    assert "(not: recompute-only)" in verdict and "(the same schedule)" in lines[0] and lines[1].endswith("False |")

@@ -43,12 +43,12 @@ is divided by the same round's step of each other row.  Ours is at or below a ro
 noise when the median of those paired ratios is at most 1 plus half their interquartile
 range (or runs the same schedule as ours: two rows whose methods chose the same actions
 measure nothing but the noise against each other); the table after the verdicts prints the
-medians and ranges.  The no-offload schedule
-trains in those rounds too, and a last table sets each row's step over its step, the median
-of the rounds' ratios, beside the simulator's ratio: the model's error at the run's pace,
-which a machine slower or faster than during the profile does not move.  On a CPU the copies are
-memcpy on the cores that compute, so schedules that offload are measured on a stand-in
-link; the recompute-only rows are what this machine can judge.
+medians and ranges.  The no-offload schedule trains in those rounds too, and a last table
+sets each row's step over its step, the median of the rounds' ratios, beside the
+simulator's ratio: the model's error at the run's pace, which a machine slower or faster
+than during the profile does not move.  On a CPU the copies are memcpy on the cores that
+compute, so schedules that offload are measured on a stand-in link; the recompute-only rows
+are what this machine can judge.
 
 """
 from __future__ import annotations

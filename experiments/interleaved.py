@@ -5,8 +5,8 @@ beside the simulator's.
 
 On a loaded machine two schedules timed one after the other can differ by the machine's
 moods more than by their own costs.  Here the chain's model is built once from its recipe
-(as ``offload train`` builds it), copied for each schedule, each copy wrapped in
-``Offloaded`` with its schedule, and each round runs one step of every schedule in an order
+(as ``offload train`` builds it), copied for each schedule (the copies sharing its
+weights), each copy wrapped in ``Offloaded`` with its schedule, and each round runs one step of every schedule in an order
 rotated round by round (``Trainer.interleaved``): a schedule's ratio to the first is the
 median of the rounds' ratios, which a slow moment shares.  The predicted ratio is the
 simulator's makespan over the first schedule's: a measured ratio far from it is the model's
@@ -20,6 +20,7 @@ import contextlib
 import copy
 import statistics
 import sys
+from typing import Any, Callable
 
 import torch
 
@@ -29,7 +30,9 @@ from offload.executor import Offloaded
 from offload.executor.train import build_like_chain
 from offload.executor.trainer import Trainer, young_heap
 from offload.io.text import format_seconds
+from offload.step.chain import Chain
 from offload.step.chainfile import load_chain
+from offload.step.schedule import Schedule
 from offload.step.schedulefile import load_schedule
 
 
@@ -47,35 +50,50 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
 
 
-def _run(args: argparse.Namespace) -> int:
-    chain = load_chain(args.chain)
-    device = pick_device(args.device)
+def interleave_schedules(chain: Chain, schedules: list[Schedule], rounds: int, device: torch.device
+                         ) -> tuple[list[list[float]], dict[int, OffloadError]]:
+    """``rounds`` rounds of one step of each schedule, after a warm-up round, the order rotated
+    each round (``Trainer.interleaved``), each on its own copy of the chain's model (built from
+    its recipe) under ``Offloaded``, the copies sharing one set of weights and buffers: no
+    optimizer, the gradients zeroed between steps, so every round trains the same step.
+
+    Returns:
+        Each schedule's step times, in round order, and the error of a schedule that failed
+        (by its place in ``schedules``)."""
     spec = build_like_chain(chain, device)
-    ways, predicted = {}, {}
-    for path in args.schedules:
-        schedule = load_schedule(path, chain)
-        module = copy.deepcopy(spec.module)
-        for p in module.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        run = Offloaded(module, chain, schedule)
-        ways[path] = ((lambda r: lambda a, k: r(*a, **k))(run), contextlib.nullcontext)
-        predicted[path] = schedule.simulate(chain).makespan_s
-    trainer = Trainer(spec, [], None, device)
+    shared = {id(t): t for t in [*spec.module.parameters(), *spec.module.buffers()]}
+    params = [p for p in spec.module.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None if spec.set_to_none else torch.zeros_like(p)
+    ways = {str(n): (_forward(Offloaded(copy.deepcopy(spec.module, memo=dict(shared)), chain, schedule)),
+                     contextlib.nullcontext) for n, schedule in enumerate(schedules)}
+    trainer = Trainer(spec, params, None, device)
     with young_heap():
         trainer.interleaved(ways, 1)  # the warm-up round: the host arenas, the allocator
-        times, errors = trainer.interleaved(ways, args.rounds)
-    first = args.schedules[0]
+        times, errors = trainer.interleaved(ways, rounds)
+    return [times[str(n)] for n in range(len(schedules))], {int(n): e for n, e in errors.items()}
+
+
+def _forward(run: Offloaded) -> Callable[[tuple, dict], Any]:
+    return lambda args, kwargs: run(*args, **kwargs)
+
+
+def _run(args: argparse.Namespace) -> int:
+    chain = load_chain(args.chain)
+    schedules = [load_schedule(path, chain) for path in args.schedules]
+    predicted = [schedule.simulate(chain).makespan_s for schedule in schedules]
+    times, errors = interleave_schedules(chain, schedules, args.rounds, pick_device(args.device))
     print(f"{chain.name}: {args.rounds} rounds, one step of each schedule per round, order rotated")
     print("| schedule | predicted step | predicted ratio | measured step (median) | measured ratio (median of rounds) |")
     print("|---|---|---|---|---|")
-    for path in args.schedules:
-        if path in errors:
-            print(f"| {path} | {format_seconds(predicted[path])} | | failed: {errors[path]} | |")
+    for n, path in enumerate(args.schedules):
+        if n in errors:
+            print(f"| {path} | {format_seconds(predicted[n])} | | failed: {errors[n]} | |")
             continue
-        ratio = statistics.median(a / b for a, b in zip(times[path], times[first]))
-        print(f"| {path} | {format_seconds(predicted[path])} | {predicted[path] / predicted[first]:.3f} | "
-              f"{format_seconds(statistics.median(times[path]))} | {ratio:.3f} |")
+        ratios = [a / b for a, b in zip(times[n], times[0])]  # none where the first failed at once
+        print(f"| {path} | {format_seconds(predicted[n])} | {predicted[n] / predicted[0]:.3f} | "
+              f"{format_seconds(statistics.median(times[n]))} | "
+              + (f"{statistics.median(ratios):.3f} |" if ratios else "- |"))
     return 0
 
 

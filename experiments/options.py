@@ -54,18 +54,14 @@ are what this machine can judge.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
 
 import torch
 
+from experiments.interleaved import interleave_schedules
 from offload.errors import InfeasibleBudget
-from offload.executor import Offloaded
-from offload.executor.train import TrainOptions, build_like_chain, train
-from offload.executor.trainer import Trainer, young_heap
+from offload.executor.train import TrainOptions, train
 from offload.io.text import format_bytes, format_seconds, parse_rate
 from offload.profiler.bandwidth import given_platform
 from offload.profiler.profile import ProfileOptions, profile
@@ -112,29 +108,14 @@ def measure(chain: Chain, row: Row, args: argparse.Namespace, compare: bool = Fa
 
 
 def interleave(chain: Chain, rows: list[Row], rounds: int) -> None:
-    """Train ``rows``' schedules one step each in turn, ``rounds`` times after a warm-up round (the
-    order rotated each round: ``Trainer.interleaved``), on copies of one module sharing its
-    weights (the steps' work is the schedules' alone: no optimizer, the gradients zeroed
-    between steps); each row's step per round into ``row.rounds``."""
-    spec = build_like_chain(chain, torch.device("cpu"))
-    shared = {id(t): t for t in [*spec.module.parameters(), *spec.module.buffers()]}
-    params = [p for p in spec.module.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None if spec.set_to_none else torch.zeros_like(p)
-    ways = {str(n): (_forward(Offloaded(copy.deepcopy(spec.module, memo=dict(shared)), chain, row.result.schedule)),
-                     contextlib.nullcontext) for n, row in enumerate(rows)}
-    trainer = Trainer(spec, params, None, torch.device("cpu"))
-    with young_heap():
-        trainer.interleaved(ways, 1)  # the warm-up round
-        times, errors = trainer.interleaved(ways, rounds)
+    """Train ``rows``' schedules one step each in turn, ``rounds`` times after a warm-up round
+    (``experiments.interleaved.interleave_schedules``: the order rotated each round, on copies
+    of one module sharing its weights); each row's step per round into ``row.rounds``."""
+    times, errors = interleave_schedules(chain, [row.result.schedule for row in rows], rounds, torch.device("cpu"))
     if errors:
         raise next(iter(errors.values()))
-    for n, row in enumerate(rows):
-        row.rounds.extend(times[str(n)])
-
-
-def _forward(run: Offloaded) -> Callable[[tuple, dict], Any]:
-    return lambda args, kwargs: run(*args, **kwargs)
+    for row, took in zip(rows, times):
+        row.rounds.extend(took)
 
 
 def paired(ours: Row, other: Row) -> tuple[float, float, float]:

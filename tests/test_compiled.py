@@ -472,3 +472,20 @@ def test_a_prefetch_waits_for_the_gradient_sum_that_closes_the_stage_before():
     for h2d in (n for n in graph.nodes if n.target is H2D_OP):
         start = min(b for b in begins.values() if b > at[h2d])  # of the stage it is issued for
         assert not [n for n in unstaged if at[h2d] < at[n] < start], h2d.name
+
+
+def test_random_state_off_the_graphs_device_is_in_no_unit():
+    """SDPA's random seed and offset on CUDA are traced on the ``meta`` device and made on the
+    host, where its backward reads them: in a unit, they were copied to the device and read
+    through a device pointer (a segfault on an H200).  Like Inductor's seeds, they are in no
+    unit, and so no copy and no checkpoint moves them."""
+    from torch import fx
+
+    from offload.executor.compiled_copies import value_units
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    out = graph.call_function(torch.ops.aten.relu.default, (x,))
+    seed = graph.call_function(torch.ops.aten.clone.default, (x,))
+    out.meta["val"], seed.meta["val"] = torch.empty(4), torch.empty((), dtype=torch.int64, device="meta")
+    assert value_units({out: 1, seed: 1}, {}, set()) == {out.name: 1}

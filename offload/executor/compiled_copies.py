@@ -35,8 +35,9 @@ model, or that holds values of several dtypes.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -66,10 +67,15 @@ def value_units(stages: Mapping[fx.Node, int], back: Mapping[str, int], recomput
     partitioner moved into the forward graph (it reads forward values only: a transpose of
     attention probabilities for a matmul's backward) is in its own stage's unit.  Inductor's
     random seeds are in none: they are the step's random state, not an activation (the
-    eager executor moves none), and its generated kernels read them where they are."""
+    eager executor moves none), and its generated kernels read them where they are.  Nor is
+    a value off the graph's device: SDPA's random seed and offset on CUDA, which the tracer
+    puts on the ``meta`` device and the kernels make on the host (its backward reads them
+    there: moved to the device, they would be read through a device pointer, a segfault on
+    the H200), as ``offload.core.units`` leaves out what is not on the model's device."""
+    device = _graph_device(stages)
     units = {}
     for n, k in stages.items():
-        if n.target is torch.ops.prims.inductor_seeds.default:
+        if _random_state(n, device):
             continue
         # a recomputed stage's forward node reads it in the backward, where it runs again
         readers = {back[u.name] if u.name in back else stages[u] for u in n.users
@@ -78,6 +84,19 @@ def value_units(stages: Mapping[fx.Node, int], back: Mapping[str, int], recomput
         if kept or not readers:
             units[n.name] = min(kept, default=k)
     return {**back, **units}
+
+
+def _graph_device(nodes: Iterable[fx.Node]) -> torch.device | None:
+    """The device most of the nodes' tensor values are on (the model's)."""
+    devices = Counter(v.device for n in nodes if isinstance(v := n.meta.get("val"), torch.Tensor))
+    return devices.most_common(1)[0][0] if devices else None
+
+
+def _random_state(node: fx.Node, device: torch.device | None) -> bool:
+    """Whether ``node``'s value is random state that no copy moves (``value_units``)."""
+    value = node.meta.get("val")
+    return node.target is torch.ops.prims.inductor_seeds.default or (
+        isinstance(value, torch.Tensor) and value.device != device)
 
 
 @dataclass
@@ -207,11 +226,11 @@ def _checkpoints(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
     run's input, and what its in-stage option or its random ops keep), not taken by a unit
     that moves.  What other stages read too (a rotary table, a mask) stays, as the eager
     executor's held tensors do, and so do the graph's inputs (weights the run reads: the
-    module holds them) and Inductor's random seeds."""
+    module holds them) and the step's random state (``value_units``)."""
     readers = {n.name: list(n.users) for n in backward.graph.find_nodes(op="placeholder")}
+    device = _graph_device(forward.graph.nodes)
     groups = {ref: values for ref, values in _saved_storages(forward, num_fwd_outputs).items()
-              if all(v.op == "call_function" and v.target is not torch.ops.prims.inductor_seeds.default
-                     for v in values)}
+              if all(v.op == "call_function" and not _random_state(v, device) for v in values)}
     out = []
     for run in runs:
         inside = range(run.first, run.last + 1)

@@ -90,22 +90,12 @@ gpu: $(INSTALL)
 	$(PY) -m experiments.encodings
 	$(PY) -m pytest -q -m "gpu or cudashim" tests/test_executor_gpu.py tests/test_cudashim.py
 
-# One device window (under 10 minutes on an H100/H200, each part under its own limit, the next
-# part run whatever the last one did): the host's time per storage copied, ResNet-50's and the
-# bf16 Llama's rows that were over their predictions, then the GPU tests, each test's verdict
-# printed as it ends.  Results under $(GPU_OUT) (a device run passes GPU_OUT=$$OUT).
+# One device window (under 10 minutes on an H100/H200): what is still to be measured on a GPU,
+# each part under its own limit (experiments/gpu_window.sh says which); results under $(GPU_OUT),
+# at most 8 files (a device run passes GPU_OUT=$$OUT).
 GPU_OUT ?= experiments/results/executor-cuda/window
-BENCH_WINDOW := --repeats 2 --steps 5 --time-limit 15
 gpu-window: $(INSTALL)
-	mkdir -p $(GPU_OUT)
-	-timeout 60 $(PY) -m experiments.bench_overhead --copies | tee $(GPU_OUT)/copies.txt
-	-timeout 150 $(PY) -m experiments.bench_executor --models resnet50 --ways offload joint --shares 0.5 \
-		$(BENCH_WINDOW) --out $(GPU_OUT)/resnet50
-	-timeout 200 $(PY) -m experiments.bench_executor --models llama-bfloat16 --ways joint checkpoint --shares 0.3 \
-		$(BENCH_WINDOW) --out $(GPU_OUT)/llama-bfloat16
-	-timeout 150 $(PY) -m pytest -v -rf -p no:cacheprovider --tb=line -m "gpu or cudashim" \
-		tests/test_executor_gpu.py tests/test_cudashim.py > $(GPU_OUT)/gpu-tests.txt 2>&1
-	tail -5 $(GPU_OUT)/gpu-tests.txt
+	bash experiments/gpu_window.sh $(GPU_OUT) $(PY)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis demo

@@ -1,0 +1,51 @@
+#!/bin/bash
+# One device window (`make gpu-window`): what is still to be measured on a GPU, each part under
+# its own limit and the whole under WINDOW_S seconds (560), the next part run whatever the last
+# one did.  Usage: experiments/gpu_window.sh RESULTS [PYTHON]
+#
+# 1. the compiled path's GPU tests (#35; a segfault of its copies on CUDA fixed on the CPU since
+#    the last window), each test under its own limit so that a hang fails it and the run goes on;
+# 2. the compiled benchmark under faulthandler (where it crashes, the stack says where);
+# 3. #33's table on the bf16 Llama, resumed from the rows and the chain of the last window
+#    (RESUME): the cells it did not reach, in order, as many as the limit lets run;
+# 4. the other GPU tests.
+# RESULTS gets at most 8 files (what a device run brings back): machine.txt, log.txt, the two
+# test logs and bench.tgz (every benchmark's folder and log, packed after each part).
+set -u
+R=${1:?usage: experiments/gpu_window.sh RESULTS [PYTHON]}
+PY=${2:-python3}
+RESUME=${RESUME:-experiments/results/executor-cuda/h200/fourth/bf16}
+W=$(mktemp -d)
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1
+T0=$(date +%s); END=$(( T0 + ${WINDOW_S:-560} ))
+el() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$R/log.txt"; }
+left() { local l=$(( END - $(date +%s) )); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }
+pack() { (cd "$W" && tar czf "$R/bench.tgz" --exclude='*-trace.json' .); }
+PER_TEST=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 60")
+PYTEST="$PY -m pytest -v -rf -p no:cacheprovider --tb=short $PER_TEST"
+
+{ nvidia-smi -L; $PY -c "import torch, transformers, pulp; print(torch.__version__, torch.version.cuda, transformers.__version__, pulp.__version__)"; git log -1 --format=%H; } > "$R/machine.txt" 2>&1
+
+el compiled-tests
+timeout "$(left 150)" $PYTEST -m "gpu or cudashim" -k compiled tests/test_executor_gpu.py tests/test_cudashim.py > "$R/tests-compiled.txt" 2>&1
+echo "rc $?" >> "$R/tests-compiled.txt"
+
+el compiled
+timeout "$(left 120)" $PY -X faulthandler -m experiments.compiled --model llama --layers 4 --width 1024 --batch 8 \
+    --steps 5 --out "$W/compiled" > "$W/compiled.log" 2>&1
+echo "rc $?" >> "$W/compiled.log"; pack
+
+el bf16
+cp -r "$RESUME" "$W/bf16"
+timeout "$(left 200)" $PY -m experiments.bench_executor --models llama-bfloat16 --resume --out "$W/bf16" \
+    --ways joint checkpoint matmuls checkpoint_offload --shares 0.2 0.3 0.5 0.7 --repeats 2 --steps 5 --time-limit 15 \
+    > "$W/bf16.log" 2>&1
+echo "rc $?" >> "$W/bf16.log"; pack
+
+el tests
+timeout "$(left 150)" $PYTEST -m "gpu or cudashim" -k "not compiled" tests/test_executor_gpu.py tests/test_cudashim.py \
+    > "$R/tests.txt" 2>&1
+echo "rc $?" >> "$R/tests.txt"
+pack; el done
+tail -n 3 "$R/tests-compiled.txt" "$R/tests.txt"

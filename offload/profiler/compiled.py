@@ -106,6 +106,8 @@ def _chain(chain: Chain, partitioner: SchedulePartitioner, backend: str, seconds
                         "no encoder runs in a graph); train it with compile_scheduled or offload train"],
               "step_s": {"median": statistics.median(steps), "min": steps[0], "max": steps[-1]},
               "eager_step_s": chain.source.get("step_s")}
-    source.pop("plain_step_s", None)  # the eager model's: not this graph's (a report's pace falls back to the ideal step)
+    # the step a plain compile of the model takes, as `train --compare` times it for the pace: this
+    # graph's own (no saved-tensor hook runs in it; its stage marks only read the clock)
+    source["plain_step_s"] = source["step_s"]
     recipe = replace(chain.recipe, compile=backend, whole_graph=True)
     return make_chain(chain.name, stages, chain.platform, chain.base_bytes, source, recipe, chain.workspace_bytes)

@@ -161,7 +161,7 @@ def print_chain(chain: Chain) -> None:
         _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times"
               + (", no weight cast made again)" if chain.castable else ")"))
     plain, hooked = chain.source.get("plain_step_s"), chain.source.get("step_s")
-    if plain and hooked:  # what the executor's hooks on every saved tensor cost, before anything moves
+    if plain and hooked and not (chain.recipe and chain.recipe.whole_graph):  # the hooks' cost (no hook in a graph)
         _line("plain", f"step {format_seconds(plain['median'])} as plain PyTorch runs it, timed beside the profile's "
               f"steps ({format_seconds(hooked['median'])} with the executor's hooks on every saved tensor, "
               f"{100 * (hooked['median'] / plain['median'] - 1):+.0f}%; `train --compare` holds its no-offload step "

@@ -22,6 +22,14 @@ Prints each one's median step, its ratio to ``plain`` and the overhead per saved
     python -m experiments.bench_overhead --layers 12 --width 64
     python -m experiments.bench_overhead --model llama   # the transformers Llama in bf16 autocast
 
+``--hooks`` times the executor's pack and unpack hooks themselves, call by call, on the
+device (cuda where there is one), for each saved tensor a unit keeps and each one it hands
+to the runtime (moved, or rebuilt by a re-run: the schedules that move the floor's units
+and that re-run every block): the per-tensor host time a handled unit adds, which the
+chain's profiled times (kept units only) do not hold (issue #33)::
+
+    python -m experiments.bench_overhead --hooks --model llama
+
 ``--copies`` measures instead the host's time per storage the executor moves (what the
 profiler writes as the chain's ``copy_host_s``: ``offload.executor.copy_cost``), on CUDA
 where there is one: a unit's copies issued as one batch, as the executor issues them, and
@@ -33,8 +41,10 @@ wait; on an H200 the ResNet-50 joint row's stages took 75-146 us a storage moved
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from typing import Iterator
 
 import torch
 
@@ -43,6 +53,7 @@ from offload.core.devices import pick_device
 from offload.executor import Offloaded
 from offload.executor.backends import make_backend
 from offload.executor.copy_cost import copy_host_seconds
+from offload.executor.runtime import _Handle, _Step
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.step.actions import Recompute
@@ -60,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40, help="timed steps of each way, interleaved (40)")
+    ap.add_argument("--hooks", action="store_true",
+                    help="the host's time per call of the executor's pack and unpack hooks, kept and handled tensors "
+                         "(cuda if available)")
     ap.add_argument("--copies", action="store_true",
                     help="the host's time per storage copied, batched and one call per storage (cuda if available)")
     args = ap.parse_args(argv)
@@ -69,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     autocast = "bfloat16" if args.model == "llama" else None
     if args.model == "llama":
         options.update(kv_heads=2, dropout=0.1)
+    if args.hooks:
+        return _hooks(args.model, options, autocast, args.batch, args.steps)
     chain = profile(args.model, ProfileOptions(batch=args.batch, repeats=1, warmup=1, device="cpu", options=options,
                                                autocast=autocast)).chain
     spec = resolve(args.model, args.batch, options)
@@ -135,6 +151,60 @@ class _OneByOne:
     def wait_many(self, copies: list) -> None:
         for copy in copies:
             self.backend.wait(copy)
+
+
+@contextlib.contextmanager
+def _timing_hooks(calls: dict[str, list[float]]) -> Iterator[None]:
+    """In this block, every call of ``_Step.pack`` and ``_Step.unpack`` timed into ``calls``
+    under ``pack kept``, ``pack handled``, ``unpack kept`` or ``unpack handled`` (handled: the
+    pack returned the runtime's handle, a moved or rebuilt unit's tensor)."""
+    pack, unpack = _Step.pack, _Step.unpack
+
+    def timed_pack(self, t):
+        t0 = time.perf_counter()
+        out = pack(self, t)
+        calls["pack handled" if isinstance(out, _Handle) else "pack kept"].append(time.perf_counter() - t0)
+        return out
+
+    def timed_unpack(packed):
+        t0 = time.perf_counter()
+        out = unpack(packed)
+        calls["unpack handled" if isinstance(packed, _Handle) else "unpack kept"].append(time.perf_counter() - t0)
+        return out
+    _Step.pack, _Step.unpack = timed_pack, staticmethod(timed_unpack)
+    try:
+        yield
+    finally:
+        _Step.pack, _Step.unpack = pack, staticmethod(unpack)
+
+
+def _hooks(model: str, options: dict, autocast: str | None, batch: int, steps: int) -> int:
+    device = pick_device(None)
+    chain = profile(model, ProfileOptions(batch=batch, repeats=1, warmup=1, device=device.type, options=options,
+                                          autocast=autocast, encodings=False)).chain
+    spec = resolve(model, batch, options)
+    spec.autocast = autocast
+    spec.place(device, torch.float32)
+    schedules = {"nothing moved": make_schedule(chain, []), "floor offloaded": make_schedule(chain, floor_offloads(chain)),
+                 "every block re-run": make_schedule(chain, [], [Recompute(i, i) for i in sorted(chain.recomputable)])}
+    kinds = ("pack kept", "pack handled", "unpack kept", "unpack handled")
+    print(f"the executor's hooks, host time per call (median of {steps} steps; the timer's own cost included): "
+          f"{model}, {chain.L} stages, {machine_name(device.type)}")
+    print(f"{'schedule':<20}" + "".join(f"{k:>20}" for k in kinds))
+    for name, schedule in schedules.items():
+        run = Offloaded(spec.module, chain, schedule)
+        calls: dict[str, list[float]] = {k: [] for k in kinds}
+        for step in range(steps + 1):
+            args, kwargs = spec.batch()
+            with _timing_hooks(calls) if step else contextlib.nullcontext():  # step 0 warms up
+                with spec.autocasting():
+                    loss = spec.loss(run(*args, **kwargs))
+                loss.backward()
+            spec.zero_grads(list(spec.module.parameters()))
+        cells = [f"{statistics.median(calls[k]) * 1e6:6.1f} us x{len(calls[k]) // steps:<4}" if calls[k] else "-"
+                 for k in kinds]
+        print(f"{name:<20}" + "".join(f"{c:>20}" for c in cells))
+    return 0
 
 
 def _copies() -> int:

@@ -6,9 +6,11 @@
 # 1. the compiled path's GPU tests (#35; a segfault of its copies on CUDA fixed on the CPU since
 #    the last window), each test under its own limit so that a hang fails it and the run goes on;
 # 2. the compiled benchmark under faulthandler (where it crashes, the stack says where);
-# 3. #33's table on the bf16 Llama, resumed from the rows and the chain of the last window
+# 3. the executor's pack and unpack hooks timed call by call on that host, kept and handled
+#    tensors (#33: the host's work per handled tensor, not in the model yet);
+# 4. #33's table on the bf16 Llama, resumed from the rows and the chain of the last window
 #    (RESUME): the cells it did not reach, in order, as many as the limit lets run;
-# 4. the other GPU tests.
+# 5. the other GPU tests.
 # RESULTS gets at most 8 files (what a device run brings back): machine.txt, log.txt, the two
 # test logs and bench.tgz (every benchmark's folder and log, packed after each part).
 set -u
@@ -35,6 +37,10 @@ el compiled
 timeout "$(left 120)" $PY -X faulthandler -m experiments.compiled --model llama --layers 4 --width 1024 --batch 8 \
     --steps 5 --out "$W/compiled" > "$W/compiled.log" 2>&1
 echo "rc $?" >> "$W/compiled.log"; pack
+
+el hooks
+timeout "$(left 60)" $PY -m experiments.bench_overhead --hooks --model llama --steps 10 > "$W/hooks.txt" 2>&1
+echo "rc $?" >> "$W/hooks.txt"; pack
 
 el bf16
 cp -r "$RESUME" "$W/bf16"

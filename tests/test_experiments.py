@@ -30,6 +30,16 @@ def test_bench_overhead_prints_each_way_against_plain(capsys, model, ways):
                                                                        "offloaded, floor", *ways))
 
 
+def test_bench_overhead_times_the_hooks_kept_and_handled(capsys):
+    """``--hooks``: every pack and unpack of a step timed; with nothing moved every tensor is
+    kept, with units offloaded or re-run some are handed to the runtime both ways."""
+    assert bench_overhead.main(["--hooks", "--layers", "2", "--steps", "1"]) == 0
+    rows = {line[:20].strip(): line[20:].split("us")[:-1] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert set(rows) == {"nothing moved", "floor offloaded", "every block re-run"}
+    assert len(rows["nothing moved"]) == 2  # kept only: the handled columns are '-'
+    assert len(rows["floor offloaded"]) == len(rows["every block re-run"]) == 4
+
+
 def test_bench_overhead_times_the_copies_both_ways(capsys, monkeypatch):
     """``--copies``: the runtime's copy steps timed batched (the backend's ``d2h_many`` once a
     unit) and one call per storage (its ``d2h`` alone)."""

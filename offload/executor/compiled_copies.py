@@ -75,7 +75,7 @@ def value_units(stages: Mapping[fx.Node, int], back: Mapping[str, int], recomput
     device = _graph_device(stages)
     units = {}
     for n, k in stages.items():
-        if _random_state(n, device):
+        if _never_moved(n, device):
             continue
         # a recomputed stage's forward node reads it in the backward, where it runs again
         readers = {back[u.name] if u.name in back else stages[u] for u in n.users
@@ -92,8 +92,9 @@ def _graph_device(nodes: Iterable[fx.Node]) -> torch.device | None:
     return devices.most_common(1)[0][0] if devices else None
 
 
-def _random_state(node: fx.Node, device: torch.device | None) -> bool:
-    """Whether ``node``'s value is random state that no copy moves (``value_units``)."""
+def _never_moved(node: fx.Node, device: torch.device | None) -> bool:
+    """Whether no copy moves ``node``'s value: Inductor's random seeds, or a value off the
+    graph's ``device`` (``value_units``)."""
     value = node.meta.get("val")
     return node.target is torch.ops.prims.inductor_seeds.default or (
         isinstance(value, torch.Tensor) and value.device != device)
@@ -226,11 +227,11 @@ def _checkpoints(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
     run's input, and what its in-stage option or its random ops keep), not taken by a unit
     that moves.  What other stages read too (a rotary table, a mask) stays, as the eager
     executor's held tensors do, and so do the graph's inputs (weights the run reads: the
-    module holds them) and the step's random state (``value_units``)."""
+    module holds them) and what no copy moves (``value_units``)."""
     readers = {n.name: list(n.users) for n in backward.graph.find_nodes(op="placeholder")}
     device = _graph_device(forward.graph.nodes)
     groups = {ref: values for ref, values in _saved_storages(forward, num_fwd_outputs).items()
-              if all(v.op == "call_function" and not _random_state(v, device) for v in values)}
+              if all(v.op == "call_function" and not _never_moved(v, device) for v in values)}
     out = []
     for run in runs:
         inside = range(run.first, run.last + 1)

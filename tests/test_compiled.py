@@ -489,3 +489,16 @@ def test_random_state_off_the_graphs_device_is_in_no_unit():
     seed = graph.call_function(torch.ops.aten.clone.default, (x,))
     out.meta["val"], seed.meta["val"] = torch.empty(4), torch.empty((), dtype=torch.int64, device="meta")
     assert value_units({out: 1, seed: 1}, {}, set()) == {out.name: 1}
+
+
+def test_a_copy_of_a_value_off_the_graphs_device_is_refused():
+    """The copies' backend is the graph's device's: a value elsewhere reaching ``offload::d2h``
+    (a host-side seed, had it been placed) is refused, not copied through the wrong backend
+    (the first value copied used to choose the backend: a host one made it the CPU's)."""
+    from offload.executor.graph_copies import GraphCopies
+
+    copies = GraphCopies(None)
+    copies.device = torch.device("cuda")  # a graph placed on a GPU; the value on the host
+    with pytest.raises(RuntimeError, match="should not have been placed"):
+        torch.ops.offload.d2h([torch.zeros(4)], [1, 4, 1, 0], 4, copies.number, 0)
+    assert copies.backend is None

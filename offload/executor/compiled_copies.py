@@ -313,6 +313,7 @@ def place_copies(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
     taken = {StorageWeakRef(s.values[0].meta["val"].untyped_storage()) for s in moving}
     moving += _checkpoints(forward, backward, num_fwd_outputs, list(runs), stages, back_stages, taken)
     copies.planned_bytes = sum(s.nbytes for s in moving)
+    copies.device = _graph_device(forward.graph.nodes)
     # keys in the order the forward issues the D2H copies (the arena's slots are handed out so)
     issued = [s for e in events.of(D2H) for s in moving if s.owner == (e.stage, e.run)]
     placed = PlacedCopies(copies, sorted(offloaded), list(runs), issued, stay)

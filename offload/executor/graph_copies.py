@@ -107,6 +107,7 @@ class GraphCopies:
         self.number = next(_NUMBERS)
         self.backend_name = backend
         self.planned_bytes = 0  # what the forward moves per step (the arena's plan), once placed
+        self.device: torch.device | None = None  # the graph's, once placed: every copied value's
         self.backend: CpuEagerBackend | CudaBackend | None = None
         self.arena: HostArena | None = None
         self._out: dict[int, tuple[Copy, int, torch.Tensor]] = {}  # key -> (its D2H, slot index, slot)
@@ -124,6 +125,9 @@ class GraphCopies:
 
     def copy_out(self, values: list[torch.Tensor], layout: list[int], length: int, key: int) -> torch.Tensor:
         x = values[0]
+        if x.device != self.device:  # the backend is the device's: a value elsewhere would go through the wrong one
+            raise RuntimeError(f"offload::d2h: value {key} of the compiled graph is on {x.device}, where the graph's "
+                               f"values it copies are on {self.device}: it should not have been placed")
         if self.backend is None:
             self._start(x.device)
         if key == 0:

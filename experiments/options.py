@@ -251,7 +251,9 @@ def _verdict(share: int, rows: list[Row]) -> tuple[str, list[str]]:
         return f"{share}%: nothing of ours fits", []
     others = [r for r in rows if r is not ours]
     predicted = all(ours.predicted_s <= r.predicted_s * (1 + 1e-9) for r in others)
-    said, lines, over = f"{share}%: predicted ≤ every other: {predicted}", [], []
+    unproven = "" if predicted or ours.result.status == "optimal" else \
+        f" (the ILP stopped at its time limit, {ours.result.status}: give it more with --time-limit)"
+    said, lines, over = f"{share}%: predicted ≤ every other: {predicted}{unproven}", [], []
     for r in others:
         if ours.rounds and r.rounds:
             median, q1, q3 = paired(ours, r)

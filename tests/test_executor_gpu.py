@@ -161,6 +161,37 @@ def test_a_compiled_graphs_copies_on_cuda_streams(backend):
     assert runtime.backend.name == "cuda" and runtime.d2h_bytes == runtime.h2d_bytes == 3 * runtime.planned_bytes > 0
 
 
+def test_a_compiled_llama_with_attention_dropout_keeps_its_random_state_on_the_host():
+    """A transformers Llama with attention dropout under Inductor: SDPA saves its random seed
+    and offset on the host, where its backward reads them.  Our copies once moved them with
+    their unit, and the backward read a device pointer on the host (a segfault of the whole
+    process on an H200).  Now they stay: steps run, no host wait after the first, the planned
+    bytes move each way, and the loss is finite."""
+    from offload.executor.compiled import compile_scheduled
+    from offload.models import resolve
+
+    options = {"layers": 2, "width": 256, "heads": 4, "kv_heads": 2, "seq": 128, "vocab": 500, "dropout": 0.1}
+    chain = profile("llama", ProfileOptions(batch=2, device="cuda", repeats=1, warmup=1, encodings=False,
+                                            options=options)).chain
+    torch._dynamo.reset()
+    spec = resolve("llama", 2, options)
+    spec.place(torch.device("cuda"), torch.float32)
+    module = compile_scheduled(spec.module, chain, make_schedule(chain, floor_offloads(chain)))
+    for step in range(3):
+        args, kwargs = spec.batch()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if step else "default")
+        try:
+            loss = spec.loss(module(*args, **kwargs))
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        spec.zero_grads(list(spec.module.parameters()))
+    assert torch.isfinite(loss).item()
+    runtime = module.partitioner.runtime
+    assert runtime.backend.name == "cuda" and runtime.d2h_bytes == runtime.h2d_bytes == 3 * runtime.planned_bytes > 0
+
+
 def test_data_parallel_on_nccl(tmp_path):
     """DDP on either side of ``Offloaded`` and FSDP2 on NCCL, a rank per GPU (one rank where the
     machine has one GPU): gradients and weights bit for bit those without offloading, the

@@ -221,7 +221,7 @@ def _ilp(ctx: _Context) -> Planned:
         target -= peak - budget + 1
     else:
         raise SolverFailure("the ILP's schedules exceed the budget after 3 tightened solves (numerical trouble)")
-    if _span(chain, found) > warm_span:
+    if _span(chain, found) > warm_span * (1 + 1e-9):  # worse, not a rounding of the same time
         return replace(warm, info={**info, "status": "feasible", "note": "the solver's incumbent was worse than the warm start; the warm start is returned"})
     return replace(found, info={**info, "status": "optimal" if out.proven and target == budget else "feasible"})
 

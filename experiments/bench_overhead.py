@@ -41,10 +41,8 @@ wait; on an H200 the ResNet-50 joint row's stages took 75-146 us a storage moved
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
-from typing import Iterator
 
 import torch
 
@@ -53,7 +51,7 @@ from offload.core.devices import pick_device
 from offload.executor import Offloaded
 from offload.executor.backends import make_backend
 from offload.executor.copy_cost import copy_host_seconds
-from offload.executor.runtime import _Handle, _Step
+from offload.executor.handle_cost import KINDS, handle_host_seconds, hook_calls, schedules
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.step.actions import Recompute
@@ -153,31 +151,6 @@ class _OneByOne:
             self.backend.wait(copy)
 
 
-@contextlib.contextmanager
-def _timing_hooks(calls: dict[str, list[float]]) -> Iterator[None]:
-    """In this block, every call of ``_Step.pack`` and ``_Step.unpack`` timed into ``calls``
-    under ``pack kept``, ``pack handled``, ``unpack kept`` or ``unpack handled`` (handled: the
-    pack returned the runtime's handle, a moved or rebuilt unit's tensor)."""
-    pack, unpack = _Step.pack, _Step.unpack
-
-    def timed_pack(self, t):
-        t0 = time.perf_counter()
-        out = pack(self, t)
-        calls["pack handled" if isinstance(out, _Handle) else "pack kept"].append(time.perf_counter() - t0)
-        return out
-
-    def timed_unpack(packed):
-        t0 = time.perf_counter()
-        out = unpack(packed)
-        calls["unpack handled" if isinstance(packed, _Handle) else "unpack kept"].append(time.perf_counter() - t0)
-        return out
-    _Step.pack, _Step.unpack = timed_pack, staticmethod(timed_unpack)
-    try:
-        yield
-    finally:
-        _Step.pack, _Step.unpack = pack, staticmethod(unpack)
-
-
 def _hooks(model: str, options: dict, autocast: str | None, batch: int, steps: int) -> int:
     device = pick_device(None)
     chain = profile(model, ProfileOptions(batch=batch, repeats=1, warmup=1, device=device.type, options=options,
@@ -185,25 +158,16 @@ def _hooks(model: str, options: dict, autocast: str | None, batch: int, steps: i
     spec = resolve(model, batch, options)
     spec.autocast = autocast
     spec.place(device, torch.float32)
-    schedules = {"nothing moved": make_schedule(chain, []), "floor offloaded": make_schedule(chain, floor_offloads(chain)),
-                 "every block re-run": make_schedule(chain, [], [Recompute(i, i) for i in sorted(chain.recomputable)])}
-    kinds = ("pack kept", "pack handled", "unpack kept", "unpack handled")
     print(f"the executor's hooks, host time per call (median of {steps} steps; the timer's own cost included): "
           f"{model}, {chain.L} stages, {machine_name(device.type)}")
-    print(f"{'schedule':<20}" + "".join(f"{k:>20}" for k in kinds))
-    for name, schedule in schedules.items():
-        run = Offloaded(spec.module, chain, schedule)
-        calls: dict[str, list[float]] = {k: [] for k in kinds}
-        for step in range(steps + 1):
-            args, kwargs = spec.batch()
-            with _timing_hooks(calls) if step else contextlib.nullcontext():  # step 0 warms up
-                with spec.autocasting():
-                    loss = spec.loss(run(*args, **kwargs))
-                loss.backward()
-            spec.zero_grads(list(spec.module.parameters()))
+    print(f"{'schedule':<20}" + "".join(f"{k:>20}" for k in KINDS))
+    for name, schedule in schedules(chain).items():
+        calls = hook_calls(spec, chain, schedule, steps)
         cells = [f"{statistics.median(calls[k]) * 1e6:6.1f} us x{len(calls[k]) // steps:<4}" if calls[k] else "-"
-                 for k in kinds]
+                 for k in KINDS]
         print(f"{name:<20}" + "".join(f"{c:>20}" for c in cells))
+    print(f"handle_host_s, as the profiler writes it on CUDA: {handle_host_seconds(spec, chain, steps) * 1e6:.1f} us "
+          "per handled tensor, each way")
     return 0
 
 

@@ -63,6 +63,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             stages[-1].update(fwd_host_s=draw(st.integers(0, 15)) / 1000, bwd_host_s=draw(st.integers(0, 25)) / 1000)
             if saved:  # the storages a copy of the unit issues, each costing the host copy_host_s
                 stages[-1]["storages"] = draw(st.integers(1, min(saved, 4)))
+                # its saved tensors, each costing the host handle_host_s each way when the unit is handled
+                stages[-1]["saves"] = draw(st.integers(stages[-1]["storages"], 6))
             if inputs and draw(st.booleans()):  # the executor's recording and re-run, measured
                 stages[-1].update(recording_host_s=draw(st.integers(0, 5)) / 1000,
                                   rerun_host_s=draw(st.integers(0, 20)) / 1000)
@@ -110,7 +112,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             "d2h_bytes_per_s": draw(st.sampled_from([4e3, 1e4, 3e4, 1e5])),
             "h2d_bytes_per_s": draw(st.sampled_from([4e3, 1e4, 3e4, 1e5])),
             "latency_s": draw(st.sampled_from([0.0, 1e-4])),
-            **({"copy_host_s": draw(st.sampled_from([0.0, 1e-3, 4e-3]))} if host else {}),
+            **({"copy_host_s": draw(st.sampled_from([0.0, 1e-3, 4e-3])),
+                "handle_host_s": draw(st.sampled_from([0.0, 5e-4, 2e-3]))} if host else {}),
         },
         "base_bytes": draw(st.integers(0, 1000)),
         "stages": stages,

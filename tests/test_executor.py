@@ -404,6 +404,30 @@ def test_a_rare_nondeterminism_is_sampled_until_it_shows():
     assert _Rare.calls == 7
 
 
+@pytest.mark.parametrize("model", ["gpt", pytest.param("resnet18", marks=pytest.mark.slow)])  # resnet18: make test-all
+def test_the_saves_a_profile_counts_are_the_tensors_the_runtime_handles(chains, model):
+    """``Stage.saves`` is what ``handle_host_s`` is charged per: each is a tensor the runtime's
+    pack hook hands a handle for, and its unpack reads back, in every step where its unit is
+    offloaded (the floor's units) or rebuilt (every block re-run); with nothing moved, none."""
+    from offload.executor.handle_cost import handle_host_seconds, hook_calls
+    from offload.executor.handle_cost import schedules as timed_schedules
+
+    chain = chains[model]
+    spec = resolve(model, 2, OPTIONS[model])
+    plans = timed_schedules(chain)
+    for name, schedule in plans.items():
+        handled = {o.stage for o in schedule.offloads} | {j for r in schedule.recompute for j in r.stages}
+        calls = hook_calls(spec, chain, schedule, steps=2)
+        expected = 2 * sum(chain.stage(i).saves for i in handled)
+        assert len(calls["pack handled"]) == len(calls["unpack handled"]) == expected, name
+        assert expected > 0 or name == "nothing moved"
+    assert handle_host_seconds(spec, chain, steps=1) >= 0.0
+    from offload.profiler.profile import _with_handle_host  # what the profiler does with it on CUDA
+    timed = _with_handle_host(chain, spec, model)
+    assert timed.stages == chain.stages and timed.platform.handle_host_s >= 0.0
+    assert (timed.platform.handle_host_s > 0) == (timed.sha256 != chain.sha256)  # 0 is written as absent
+
+
 def test_the_host_time_per_storage_copied_is_timed_on_the_runtimes_own_steps(monkeypatch):
     """``copy_host_s`` is what the runtime's own copy steps cost the host: each unit of the
     round goes through ``_Step._offload``, ``_release``, ``_prefetch`` and ``_wait``."""

@@ -128,16 +128,22 @@ def test_a_copy_is_hidden_only_while_the_device_computes():
     assert sim.stall_s == 0.5 and sim.copy_overlap == 0.75
 
 
+def _host_doc(fwd_host_s: float, bwd_host_s: float, **platform: float) -> dict:
+    """``chain_doc``'s four stages on a host that issues each forward and backward in these
+    times, the platform's executor host costs as given."""
+    doc = chain_doc(platform={"d2h_bytes_per_s": 100.0, "h2d_bytes_per_s": 100.0, "latency_s": 0.0, **platform})
+    for s in doc["stages"]:
+        s.update(fwd_host_s=fwd_host_s, bwd_host_s=bwd_host_s)
+    return doc
+
+
 def test_a_copy_costs_the_host_per_storage_and_starts_when_issued():
     """The executor's host time per storage copied (``copy_host_s``, 0.5 s) on a host that
     issues every op in 0.5 s: U1's four storages take the host 2 s to issue after F1 (issued
     at 0.5), so its D2H starts at 2.5, not as F1 ends at 1, F2 is issued at 3.0 and the release
     after it waits for the copy to 3.5; the H2D at B2 is issued 2 s later on the host, which
     is still ahead of the device there.  1.5 s more than the same schedule uncharged."""
-    doc = chain_doc(platform={"d2h_bytes_per_s": 100.0, "h2d_bytes_per_s": 100.0, "latency_s": 0.0,
-                              "copy_host_s": 0.5})
-    for s in doc["stages"]:
-        s.update(fwd_host_s=0.5, bwd_host_s=0.5)
+    doc = _host_doc(0.5, 0.5, copy_host_s=0.5)
     doc["stages"][0]["storages"] = 4
     chain = chain_from_dict(doc)
     sim = simulate(chain, [Offload(1, 2, 2)])
@@ -148,6 +154,28 @@ def test_a_copy_costs_the_host_per_storage_and_starts_when_issued():
     assert simulate(chain_from_dict(doc), [Offload(1, 2, 2)]).makespan_s == 12.0
     res = solve_ilp(chain, int(simulate(chain, [Offload(1, 2, 2)]).peak_bytes), gap=0.0)
     assert res.objective_s == pytest.approx(simulate(chain, res.offloads).makespan_s, rel=1e-9)
+
+
+def test_a_handled_unit_costs_the_host_per_saved_tensor_both_ways():
+    """``handle_host_s`` (0.5 s) per saved tensor of a unit the executor handles, here U2's two
+    rebuilt by a re-run: 1 s more host time in F2 and in B2.  The host, 0.1 s behind the
+    device at each op, then issues F2 at 2.8 and B2 at 12.2, and the step ends 1.2 s later
+    than uncharged; nothing handled, nothing charged; the MILP's objective is the replay's."""
+    doc = _host_doc(0.9, 1.9, handle_host_s=0.5)
+    doc["stages"][1]["saves"] = 2
+    chain = chain_from_dict(doc)
+    sim = simulate(chain, [], recompute=[Recompute(2, 2)])
+    assert sim.end[1] == pytest.approx(2.8) and sim.makespan_s == pytest.approx(14.2)
+    assert simulate(chain, []).makespan_s == pytest.approx(12.0)
+    uncharged = {**doc, "platform": {k: v for k, v in doc["platform"].items() if k != "handle_host_s"}}
+    assert simulate(chain_from_dict(uncharged), [], recompute=[Recompute(2, 2)]).makespan_s == pytest.approx(13.0)
+    doc["stages"][0]["saves"] = 4  # offloading U1 instead costs F1 and B1 2 s of host time each
+    chain = chain_from_dict(doc)
+    res = solve_ilp(chain, int(sim.peak_bytes), gap=0.0, max_run=1)
+    chosen = simulate(chain, res.offloads, recompute=res.recompute)
+    assert res.outcome.proven and (res.offloads or res.recompute)  # something is handled to fit
+    assert res.objective_s == pytest.approx(chosen.makespan_s, rel=1e-9)
+    assert chosen.makespan_s <= simulate(chain, [], recompute=[Recompute(2, 2)]).makespan_s
 
 
 @pytest.mark.parametrize("copy_host_s, restore_start, makespan", [(0.0, 3.0, 16.8), (0.5, 4.0, 17.8)])

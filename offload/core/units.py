@@ -102,6 +102,7 @@ class UnitTracker:
         self.last: list[int] = []  # per record, the last stage that saved it
         self.count: dict[int, int] = {}  # unit -> storages so far
         self.unit_bytes: dict[int, int] = {}  # unit -> bytes so far
+        self.saves: dict[int, int] = {}  # unit -> its storages' saves so far (each a handle when the unit is handled)
         self._staying: dict[int, weakref.ref] = {}  # live storage key -> the storage, of those that stay
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -121,6 +122,7 @@ class UnitTracker:
             n = self._known[key]
             self.last[n] = self.stage
             known = self.records[n]
+            self.saves[known.unit] += 1
             return Saved(key, known.unit, known.index, known.nbytes, False)
         stays = self._staying.get(key)
         if stays is not None and stays() is storage:
@@ -137,6 +139,7 @@ class UnitTracker:
         saved = Saved(key, self.stage, index, storage.nbytes(), True)
         self._known[key] = len(self.records)
         self.records.append(saved)
+        self.saves[self.stage] = self.saves.get(self.stage, 0) + 1
         self.last.append(self.stage)
         return saved
 
@@ -161,6 +164,10 @@ class UnitTracker:
         for s in self.records:
             counts[s.unit] += 1
         return counts[1:]
+
+    def save_counts(self, L: int) -> list[int]:
+        """Per stage ``1..L``, the saves of its unit's storages (``Stage.saves``)."""
+        return [self.saves.get(k, 0) for k in range(1, L + 1)]
 
     def units(self, L: int) -> tuple[list[int], list[int]]:
         """(bytes of each unit, need_from of each unit), stages ``1..L`` (a unit's ``need_from``

@@ -79,6 +79,7 @@ class StageMeasurement:
     held_saves: tuple[int, ...] = ()  # the storages held_bytes counts ...
     held_read_at: int = 0  # ... and the first forward after the next that reads one (0: none)
     storages: int = 0  # the storages of its unit
+    saves: int = 0  # the saves of those storages in a step
 
 
 @dataclass
@@ -105,6 +106,7 @@ class MemoryPass:
     casts_twice: bool = False  # ... or twice in the forward
     shared_saves: list[tuple[int, ...]] = field(default_factory=list)  # per stage, found by the pass (``UnitTracker.shared_saves``)
     storages: list[int] = field(default_factory=list)  # per stage, the storages of its unit
+    saves: list[int] = field(default_factory=list)  # per stage, the saves of its unit's storages
 
     def widened(self, other: "MemoryPass") -> "MemoryPass":
         """This pass with each stage's peak (over its own ``m0``) the larger of the two passes'
@@ -420,7 +422,7 @@ class StepRunner:
                           listener.inputs, listener.own, listener.new_held, listener.output_rebuilt, listener.why,
                           workspace,
                           [list(r.values()) for r in recasts], made.shared, made.twice, tracker.shared_saves(L),
-                          tracker.storage_counts(L))
+                          tracker.storage_counts(L), tracker.save_counts(L))
 
     def recast_seconds(self, recasts: list[casts.Recast]) -> float:
         """What making a stage's weight casts again costs its backward: the casts, timed."""
@@ -692,7 +694,8 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        mem.output_rebuilt[i], mem.inputs[i][1],
                                        mem.shared_saves[i] if mem.shared_saves else (),
                                        tuple(sorted(held[i].held)) if held[i].held_read_at else (),
-                                       held[i].held_read_at, mem.storages[i] if mem.storages else 0))
+                                       held[i].held_read_at, mem.storages[i] if mem.storages else 0,
+                                       mem.saves[i] if mem.saves else 0))
     step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "

@@ -13,7 +13,7 @@ import functools
 import platform as pyplatform
 import statistics
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -22,7 +22,8 @@ from torch import nn
 from offload.core.devices import DTYPES, OPTIMIZERS, pick_device, running
 from offload.core.encoders import ENCODERS, usable_on
 from offload.core.staging import Staging
-from offload.errors import ModelError
+from offload.errors import ModelError, OffloadError
+from offload.executor.handle_cost import handle_host_seconds
 from offload.io.text import format_bytes, printable
 from offload.models import ModelSpec, resolve
 from offload.models.resolve import file_reference, file_sha256
@@ -179,11 +180,28 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     tick("platform")
     chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, options, turned_off,
                       rerun_host, recording_host, rerun_peak)
+    if device.type == "cuda" and eager and opts.platform is None:  # the runtime's hooks on handled tensors, timed
+        chain = _with_handle_host(chain, spec, model)
+        tick("handled tensors' host time")
     if opts.whole_graph:  # the cuts are the eager profile's; the rest that graph's
         with running(f"running {model}"):
             chain = whole_graph_chain(chain, spec, device, opts.compile, opts.repeats, opts.warmup, tick)
         return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, user_module))
     return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, user_module) + timing_warnings(result))
+
+
+def _with_handle_host(chain: Chain, spec: ModelSpec, model: str) -> Chain:
+    """``chain`` with its platform's ``handle_host_s`` timed on the model (``offload.executor.
+    handle_cost``); where the executor cannot train it so, 0 (not charged), with a note."""
+    source = dict(chain.source)
+    try:
+        with running(f"running {model}"):
+            plat = replace(chain.platform, handle_host_s=handle_host_seconds(spec, chain))
+    except OffloadError as exc:
+        plat = chain.platform
+        source["notes"] = [*source.get("notes", ()), f"the executor's hooks could not be timed on this model ({exc}): "
+                           "its host time per handled tensor is not charged"]
+    return make_chain(chain.name, chain.stages, plat, chain.base_bytes, source, chain.recipe, chain.workspace_bytes)
 
 
 def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: Stages, m: Measurement,
@@ -233,7 +251,7 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                   recording_host_s=recording_host.get(k, 0.0),
                   cast_bytes=s.cast_bytes, recast_s=min(s.recast_s, s.bwd_s) if s.cast_bytes else 0.0, options=opt,
                   shared_saves=s.shared_saves, held_saves=s.held_saves, held_read_at=s.held_read_at,
-                  storages=s.storages)
+                  storages=s.storages, saves=s.saves)
             for k, (info, s, enc, opt) in enumerate(zip(stages.stages, m.stages, encodings, options), 1)]
     return make_chain(opts.name or f"{_model_label(model)}-b{opts.batch}", rows, plat, m.base_bytes, source, recipe,
                       m.workspace_bytes)

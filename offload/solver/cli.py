@@ -102,6 +102,10 @@ def print_chain(chain: Chain) -> None:
     if p.copy_host_s:
         print(f"host        the executor's {format_seconds(p.copy_host_s)} per storage copied, each way: "
               f"{format_seconds(float(chain.ch.sum()))} to move every unit out (charged to the host's clock)")
+    if p.handle_host_s:
+        print(f"host        the executor's {format_seconds(p.handle_host_s)} per saved tensor of a unit it moves, "
+              f"encodes or rebuilds, each way: {format_seconds(float(p.handle_host_s * chain.hh.sum()))} to handle "
+              "every unit (charged to the host's clock)")
     print()
     casts = bool(chain.castable)  # a column of the weight casts each stage makes again
     print(f"{'#':>4} {'name':<22} {'kind':<10} {'fwd':>10} {'bwd':>10} {'saved':>11} {'fwd peak':>11} {'bwd peak':>11} {'need':>5}"

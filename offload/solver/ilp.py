@@ -413,11 +413,26 @@ class Model:
         """1 if stage ``i`` is in a recomputed run."""
         return _affine(*((v, 1.0) for r, v in self.g.items() if r.first <= i <= r.last))
 
+    def handled(self, i: int) -> _Affine:
+        """1 if unit ``i``'s saved tensors pass to the executor: rebuilt, encoded or offloaded
+        (one fate at most, ``_runs``; offloaded encoded is encoded)."""
+        out = self.recomputed(i)
+        for o in self.opts[i]:
+            out.add(self.chosen(i, o) if o != RAW else self.offloaded(i, RAW))
+        return out
+
+    def handling(self, i: int) -> _Affine:
+        """The host's time, each way, that handling unit ``i``'s saved tensors adds (model units)."""
+        return _Affine().add(self.handled(i), self.chain.handle_host_s(i) / self.tau)
+
     def forward_host(self, j: int) -> _Affine:
-        """The host's time to issue ``Fj`` (model units): recording it for a re-run costs more."""
+        """The host's time to issue ``Fj`` (model units): recording it for a re-run costs more,
+        and so does handing its unit's saved tensors to the executor."""
         out = _Affine(float(self.chain.fh[j]) / self.tau)
         if self.chain.rech[j]:
             out.add(self.recomputed(j), float(self.chain.rech[j]) / self.tau)
+        if self.chain.handle_host_s(j):
+            out.add(self.handling(j))
         return out
 
     def chosen(self, i: int, o: str) -> _Form:
@@ -731,6 +746,8 @@ class Model:
                     for o, m in self._prefetched_at(i, k).items():
                         host.add(m, self.ih[i, o])
             host.add(float(bh[k]) / self.tau)
+            if self.chain.handle_host_s(k):
+                host.add(self.handling(k))
             for r in self.run_at.get(k, ()):  # rebuilt after the prefetches are issued
                 start.add(self.g[r], -run_seconds(self.chain, r) / self.tau)
                 host.add(self.g[r], float(rh[r.first:r.last + 1].sum()) / self.tau)

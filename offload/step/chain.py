@@ -132,6 +132,7 @@ class Stage:
     recording_host_s: float = 0.0  # host time Fi adds while the executor records it for a re-run (CUDA)
     rerun_host_s: float = 0.0  # host time to issue the executor's re-run of Fi (CUDA; 0: fwd_host_s)
     storages: int = 0  # distinct storages in the unit: a copy of it issues one each (0: not counted)
+    saves: int = 0  # saved tensors of the unit's storages in a step: each a handle when it moves or is rebuilt (0: not counted)
     options: tuple[StageOption, ...] = ()  # in-stage options, measured: a recomputed run may choose one
     cast_bytes: int = 0  # weight casts (autocast) Fi makes and Bi reads: dropped and made again unless kept ...
     recast_s: float = 0.0  # ... what making them again costs Bi (part of bwd_s): docs/model.md, "Weight casts"
@@ -181,6 +182,9 @@ class Platform:
     # the executor's host time per storage it copies, either way: its slot or buffer, the copy's
     # issue, its events and the wait for it (CUDA, measured; 0: the host's part not charged)
     copy_host_s: float = 0.0
+    # the executor's host time per saved tensor of a unit it moves, encodes or rebuilds, each way,
+    # beyond the profiled hooks': the handle at pack, its checks and view at unpack (CUDA, measured)
+    handle_host_s: float = 0.0
 
     def d2h_s(self, nbytes: float) -> float:
         """Duration of one device-to-host copy of ``nbytes``."""
@@ -295,6 +299,8 @@ def _stage_document(s: Stage) -> dict:
         d.update(held_saves=list(s.held_saves), held_read_at=s.held_read_at)
     if s.storages:  # likewise
         d["storages"] = s.storages
+    if s.saves:  # likewise
+        d["saves"] = s.saves
     return d
 
 
@@ -344,6 +350,7 @@ class Chain:
     rech = _column("recording_host_s", np.float64)
     rh = _column("rerun_host", np.float64)
     ns = _column("storages")
+    hh = _column("saves", np.float64)
     cb = _column("cast_bytes")
     rc = _column("recast_s", np.float64)
 
@@ -404,6 +411,11 @@ class Chain:
         kept = self.stage(i).option(checkpoint).kept_storages if checkpoint else 0
         return self.platform.copy_host_s * (1 + kept)
 
+    def handle_host_s(self, i: int) -> float:
+        """The host's time, each way, that unit ``i``'s saved tensors add when the executor
+        handles them (its unit moved, encoded or rebuilt): ``handle_host_s`` per save."""
+        return self.platform.handle_host_s * float(self.hh[i])
+
     def restore_host_s(self, i: int) -> float:
         """The host's time to issue the copy that restores unit ``i``'s held part: ``copy_host_s``
         per storage of it (``held_saves``)."""
@@ -453,6 +465,8 @@ class Chain:
             platform["note"] = p.note
         if p.copy_host_s:  # absent otherwise: chains from before it keep their sha256
             platform["copy_host_s"] = p.copy_host_s
+        if p.handle_host_s:  # likewise
+            platform["handle_host_s"] = p.handle_host_s
         doc: dict[str, Any] = {"format": CHAIN_FORMAT, "name": self.name, "source": dict(self.source),
                                "platform": platform, "base_bytes": self.base_bytes,
                                "stages": [_stage_document(s) for s in self.stages]}

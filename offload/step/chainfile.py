@@ -31,10 +31,10 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes", "rerun_peak_bytes",
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
                "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "shared_saves",
-               "held_saves", "held_read_at", "storages"}
+               "held_saves", "held_read_at", "storages", "saves"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
-_PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note", "copy_host_s"}
+_PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note", "copy_host_s", "handle_host_s"}
 _RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none",
                 "cache_off", "casts_cleared", "casts_uncached", "compile", "whole_graph"}
 _INPUT = re.compile(r"[^:]+:[a-z0-9]+\[[0-9,]*\]")
@@ -133,7 +133,8 @@ def platform_from_dict(d: Any, legacy: bool = False) -> Platform:
     return Platform(d2h_bytes_per_s=v.bandwidth(d, "d2h_bytes_per_s", "platform"),
                     h2d_bytes_per_s=v.bandwidth(d, "h2d_bytes_per_s", "platform"),
                     latency_s=v.seconds(d, "latency_s", "platform") if "latency_s" in d else 0.0, note=note,
-                    copy_host_s=v.seconds(d, "copy_host_s", "platform") if "copy_host_s" in d else 0.0)
+                    copy_host_s=v.seconds(d, "copy_host_s", "platform") if "copy_host_s" in d else 0.0,
+                    handle_host_s=v.seconds(d, "handle_host_s", "platform") if "handle_host_s" in d else 0.0)
 
 
 def recipe_from_dict(d: Any) -> Recipe:
@@ -220,6 +221,7 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                  recording_host_s=v.seconds(s, "recording_host_s", ctx) if "recording_host_s" in s else 0.0,
                  rerun_host_s=v.seconds(s, "rerun_host_s", ctx) if "rerun_host_s" in s else 0.0,
                  storages=v.whole(s, "storages", ctx, 0, saved) if "storages" in s else 0,
+                 saves=v.whole(s, "saves", ctx) if "saves" in s else 0,
                  cast_bytes=v.nbytes(s, "cast_bytes", ctx) if "cast_bytes" in s else 0, recast_s=recast)
 
 

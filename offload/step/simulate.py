@@ -13,7 +13,8 @@ Copies run one at a time per direction, in issue order.  On a GPU the host issue
 time (``fwd_host_s``/``bwd_host_s``; a recomputed stage's ``Fi`` adds what recording it
 costs, ``recording_host_s``, and its re-run takes ``rerun_host_s``; a copy adds
 ``copy_host_s`` per storage it moves, a held part's restore too, and starts no earlier than
-it was issued), and an op
+it was issued; a unit moved, encoded or rebuilt adds ``handle_host_s`` per saved tensor of it
+to ``Fi`` and to ``Bi``, ``handling_host``), and an op
 cannot end before the host has issued it (its end is the later of the device's and the
 host's; the host never waits for the device within a step).  Memory per op is ``memory``'s (it depends on the actions alone).  Encoded
 units are replayed on the derived chain of ``encoding.apply``, whose op times include the
@@ -168,6 +169,18 @@ class Simulation:
             )
 
 
+def handling_host(chain: Chain, offloads: Iterable[Offload], encode: Mapping[int, str],
+                  runs: Iterable[Recompute]) -> np.ndarray:
+    """Per stage (index 0 unused), the host time each way that its unit's saved tensors add
+    when the executor handles them, its unit moved, encoded or rebuilt by a re-run
+    (``Chain.handle_host_s``): charged to ``Fi`` and to ``Bi``."""
+    out = np.zeros(chain.L + 1)
+    if chain.platform.handle_host_s:
+        for i in {o.stage for o in offloads} | set(encode) | {j for r in runs for j in r.stages}:
+            out[i] = chain.handle_host_s(i)
+    return out
+
+
 def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | None = None,
              encode: Mapping[int, str] | None = None, recompute: Iterable[Recompute] = (),
              casts_kept: Iterable[int] = ()) -> Simulation:
@@ -187,8 +200,10 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     memory, rebuilt_memory = memory_profile(chain, offloads, runs, kept)
     sub_memory = {j: nbytes for _, j, nbytes in rebuilt_memory}
     L, p = chain.L, chain.platform
-    a, bh = chain.a, chain.bh
-    fh = chain.fh + recording_host(chain, runs)
+    a = chain.a
+    handling = handling_host(chain, offloads, encode, runs)
+    fh = chain.fh + recording_host(chain, runs) + handling
+    bh = chain.bh + handling
     f = chain.f.copy()
     for run in runs:  # a stage re-run in part records what it keeps as its forward runs
         f[run.first] = forward_seconds(chain, run, run.first)

@@ -129,7 +129,7 @@ class GraphCopies:
             raise RuntimeError(f"offload::d2h: value {key} of the compiled graph is on {x.device}, where the graph's "
                                f"values it copies are on {self.device}: it should not have been placed")
         if self.backend is None:
-            self._start(x.device)
+            self._start(self.device)
         if key == 0:
             self.arena.start_step()
             self.steps += 1

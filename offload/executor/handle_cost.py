@@ -90,12 +90,15 @@ def handle_host_seconds(spec: ModelSpec, chain: Chain, steps: int = 2) -> float:
         chain: its chain (the schedules' units and stages).
         steps: timed steps under each schedule.
     """
-    plans = schedules(chain)
-    kept = hook_calls(spec, chain, plans.pop("nothing moved"), steps)
-    handled: dict[str, list[float]] = {k: [] for k in KINDS}
-    for schedule in plans.values():
-        for k, v in hook_calls(spec, chain, schedule, steps).items():
-            handled[k] += v
+    return extra_per_tensor({name: hook_calls(spec, chain, schedule, steps)
+                             for name, schedule in schedules(chain).items()})
+
+
+def extra_per_tensor(calls: dict[str, dict[str, list[float]]]) -> float:
+    """``handle_host_seconds`` from the hooks' calls timed under each of ``schedules``' plans (by
+    name): kept tensors' with nothing moved, handled ones' under the other plans."""
+    kept = calls["nothing moved"]
+    handled = {k: [t for name, c in calls.items() if name != "nothing moved" for t in c[k]] for k in KINDS}
     if not (handled["pack handled"] and handled["unpack handled"] and kept["pack kept"] and kept["unpack kept"]):
         return 0.0
     extra = (statistics.median(handled["pack handled"]) - statistics.median(kept["pack kept"])

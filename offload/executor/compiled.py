@@ -29,8 +29,12 @@ one graph instead and hands AOTAutograd a partitioner built from (chain, schedul
   free at the release point, H2D at the prefetch point, the wait before ``B(need)``; run by
   the same backends (CUDA streams and events, or the checking CPU ones) and the same pinned
   host arena.  A unit is what the eager executor calls one: the storages first saved for
-  ``Bk``'s ops.  Each op takes the last value of the stage it follows as an input it does not
-  read, so that Inductor's scheduler keeps it there;
+  ``Bk``'s ops.  Each op at a boundary takes every value the stages before it hand on as
+  inputs it does not read (``compiled_copies.handed_on``), so that Inductor's scheduler
+  neither runs it earlier nor fuses work of the stage before into a kernel after it; and the
+  forward makes each moved value where the graph does, in the graph's layout (Inductor
+  would otherwise leave a value that only our copy reads to be made again inside a later
+  kernel, from inputs it then holds: a dropout's random numbers);
 
 * **offloads, placed by PyTorch** (``copies="pytorch"``, the baseline): the units' forward
   nodes are marked ``should_offload`` and PyTorch's own activation offloading

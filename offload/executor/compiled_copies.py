@@ -47,7 +47,7 @@ from offload.core.devices import allocated_bytes
 from offload.step.actions import Recompute
 from offload.step.events import D2H, H2D, RELEASE, WAIT, StepEvents
 
-from .graph_copies import D2H_OP, H2D_OP, MARK_OP, RELEASE_OP, WAIT_OP, GraphCopies
+from .graph_copies import D2H_OP, H2D_OP, MARK_OP, OPS, RELEASE_OP, WAIT_OP, GraphCopies
 
 
 def backward_stages(joint: fx.Graph, stages: Mapping[fx.Node, int]) -> dict[str, int]:
@@ -352,7 +352,7 @@ def place_marks(forward: fx.GraphModule, backward: fx.GraphModule, L: int, stage
     region = _regions(graph, back_stages, L)
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     if nodes:
-        _call(graph, nodes[0], False, MARK_OP, (number, L + 1, None), "mark_backward", None)
+        _call(graph, nodes[0], False, MARK_OP, (number, L + 1, []), "mark_backward", None)
     output = graph.find_nodes(op="output")[0]
     for k in range(L, 0, -1):
         done = [n for n in region if region[n] >= k]
@@ -360,7 +360,7 @@ def place_marks(forward: fx.GraphModule, backward: fx.GraphModule, L: int, stage
         at = ahead[0] if ahead and k > 1 else output
         while _fetching(at.prev):  # B(k-1)'s prefetches and waits begin it, as the model has them
             at = at.prev
-        _call(graph, at, False, MARK_OP, (number, 2 * L - k + 2, _last_tensor(done)), f"mark_B{k}", None)
+        _call(graph, at, False, MARK_OP, (number, 2 * L - k + 2, handed_on(done)), f"mark_B{k}", None)
     _done(forward, backward)
 
 
@@ -445,18 +445,32 @@ def _last_tensor(nodes: list[fx.Node]) -> fx.Node | None:
     return next((n for n in reversed(nodes) if isinstance(n.meta.get("val"), torch.Tensor)), None)
 
 
+def handed_on(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The ``after`` of an op at the boundary that ``nodes`` end: their tensor values that a
+    later computing node reads, and the last of them.  Taking them all, the op comes after
+    every node whose work a later one needs, and Inductor cannot fuse such a node into a
+    kernel past the boundary (the fused kernel would need the op, the op the kernel): a
+    backward node of ``B(k+1)`` fused with ``Bk``'s first would wait for ``Bk``'s prefetches
+    and hold them through its own work, which the model counts in ``B(k+1)``."""
+    inside, ours = set(nodes), (*OPS, MARK_OP)
+    out = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)
+           and any(u.op == "call_function" and u not in inside and u.target not in ours for u in n.users)]
+    last = _last_tensor(nodes)
+    return out + [last] if last is not None and last not in out else out
+
+
 def _flat(val: torch.Tensor, length: int, device: torch.device | str) -> torch.Tensor:
     """The fake value of ``length`` elements of ``val``'s dtype, flat, on ``device``."""
     with val.fake_mode:
         return torch.empty(length, dtype=val.dtype, device=device)
 
 
-def _forward_end(graph: fx.Graph, stages: Mapping[str, int], k: int, L: int) -> tuple[fx.Node, bool, fx.Node | None]:
+def _forward_end(graph: fx.Graph, stages: Mapping[str, int], k: int, L: int) -> tuple[fx.Node, bool, list[fx.Node]]:
     """Where ``Fk`` ends in the forward graph: the node an op placed there goes after (or, for
-    ``k = L``, before: the graph's output), and the last value before it (its ``after``)."""
+    ``k = L``, before: the graph's output), and what the stages up to ``k`` hand on (its ``after``)."""
     before = [n for n in graph.nodes if stages.get(n.name, k + 1) <= k]
     at, after = (before[-1], True) if before and k < L else (graph.find_nodes(op="output")[0], False)
-    return at, after, _last_tensor(before)
+    return at, after, handed_on(before)
 
 
 def _place_forward(forward: fx.GraphModule, events: StepEvents, stages: Mapping[str, int],
@@ -476,6 +490,8 @@ def _place_forward(forward: fx.GraphModule, events: StepEvents, stages: Mapping[
             for key, s in by_owner.get((e.stage, e.run), ()):
                 first = s.values[0]
                 if e.kind == D2H:
+                    for v in s.values:
+                        v.meta["inductor_realize_to_strides"] = True
                     lo, hi = s.extent
                     node = copied[key] = _call(graph, at, after, D2H_OP, (s.values, s.layout, hi - lo, number, key, end),
                                                f"d2h_{s.name}", _flat(first.meta["val"], hi - lo, "cpu"))
@@ -504,7 +520,7 @@ def _place_backward(backward: fx.GraphModule, events: StepEvents, stages: Mappin
     for k in range(events.L, 0, -1):
         first_of_k = next((n for n in region if region[n] <= k), graph.find_nodes(op="output")[0])
         at = _backward_start(first_of_k, stages).prev  # B(k+1) is done there, its gradient sums too
-        end = _last_tensor(_up_to(graph, at))
+        end = handed_on(_up_to(graph, at))
         for e in events.before_backward(k):
             if e.kind not in (H2D, WAIT):
                 continue
@@ -512,15 +528,16 @@ def _place_backward(backward: fx.GraphModule, events: StepEvents, stages: Mappin
                 host = inputs[s.name]
                 if e.kind == H2D:
                     val = s.values[0].meta["val"]
-                    at = end = fetched[key] = _call(graph, at, True, H2D_OP, (host, val.device, number, key, end),
-                                                    f"h2d_{s.name}", _flat(val, host.meta["val"].numel(), val.device))
+                    at = fetched[key] = _call(graph, at, True, H2D_OP, (host, val.device, number, key, end),
+                                              f"h2d_{s.name}", _flat(val, host.meta["val"].numel(), val.device))
+                    end = [at]
                 else:
-                    end = _place_wait(graph, s, [inputs[v.name] for v in s.values], fetched[key], first_of_k, end,
-                                      number, key, placed)
+                    end = [_place_wait(graph, s, [inputs[v.name] for v in s.values], fetched[key], first_of_k, end,
+                                       number, key, placed)]
 
 
 def _place_wait(graph: fx.Graph, s: _Storage, inputs: list[fx.Node], h2d: fx.Node, first_of_k: fx.Node,
-                end: fx.Node | None, number: int, key: int, placed: PlacedCopies) -> fx.Node:
+                end: list[fx.Node], number: int, key: int, placed: PlacedCopies) -> fx.Node:
     """The wait for ``h2d`` before ``first_of_k`` (after ``end``) or the storage's first
     reader, whichever comes first; each of its values read as a view of the buffer from there.
     Returns the wait."""
@@ -528,10 +545,10 @@ def _place_wait(graph: fx.Graph, s: _Storage, inputs: list[fx.Node], h2d: fx.Nod
     readers = [u for x in inputs for u in x.users if u is not h2d]
     at = min([first_of_k, *readers], key=order.__getitem__)
     if at is not first_of_k:  # right before that reader: after what comes before it
-        end = _last_tensor([n for n in graph.nodes if order[n] < order[at] and n.op == "call_function"])
+        end = handed_on([n for n in graph.nodes if order[n] < order[at] and n.op == "call_function"])
     if order[at] < order[h2d]:  # the compiled backward reads it before the schedule's prefetch point
         at.prepend(h2d)
-        h2d.update_arg(4, None)
+        h2d.update_arg(4, [])
         placed.late.append(s.name)
     wait = _call(graph, at, False, WAIT_OP, (h2d, number, key, end), f"fetched_{s.name}", h2d.meta["val"])
     lo, _ = s.extent

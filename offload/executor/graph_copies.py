@@ -9,11 +9,12 @@ value's place in the forward's order:
   saved in one storage into the key's slot of the host arena, ``length`` elements laid out
   as ``layout`` says (per value: its size, stride and offset, the graph's), issued on the
   backend (CUDA: the D2H stream, after the compute stream as it is now); ``host`` is the
-  slot, flat.  Where the compiler laid the values out as the graph does (the usual case),
-  the copy is that extent of their storage; where it did not (Inductor may give a view
-  other strides than the graph's, which the backward's views of the fetched buffer would
+  slot, flat.  Where the compiler laid the values out as the graph does (always, where it
+  honours ``compiled_copies``' request to make them at the graph's strides), the copy is
+  that extent of their storage; where it did not (Inductor gave some views of a Llama other
+  strides than the graph's, which the backward's views of the fetched buffer would
   misread), the values are first put into the graph's layout in a device buffer, on the
-  compute stream (``GraphCopies.relaid``);
+  compute stream, and a warning says so (``GraphCopies.relaid``);
 * ``offload::release(host, x, copies, key) -> host``: the compute stream waits for that
   copy and the runtime lets go of the copy's source (the graph frees ``x`` after its last
   use: this op is one, so no block is reused before the copy has read it; a later forward
@@ -28,10 +29,12 @@ value's place in the forward's order:
 * ``offload::mark(copies, index)``: a stage boundary reached (the profiler's, for a chain of
   the compiled graph: ``offload.profiler.compiled``), handed to ``GraphCopies.marks``.
 
-Each takes an ``after`` tensor it does not read: the value of the op it must come after
-(the last of ``Fk`` for a copy at ``Fk``'s end), a data dependency that keeps Inductor's
-scheduler, which orders a graph's nodes by their dependencies only, from moving it
-earlier.
+Each takes ``after`` tensors it does not read: at a stage boundary, every value the ops
+before it hand on to later ones (``compiled_copies.handed_on``), else the op before it.
+Inductor's scheduler orders a graph's nodes by their dependencies only: these keep it from
+moving the op earlier, and from fusing an op before the boundary into a kernel after it
+(that kernel would have to come after the op, and the op after it), which would move the
+op's work, and what it holds, past the boundary.
 
 The backends are ``Offloaded``'s (``offload.executor.backends``: CUDA streams and events, or
 the CPU eager and lazy ones, the lazy one poisoning a buffer until its copy is waited for),
@@ -53,11 +56,11 @@ from .arena import HostArena
 from .backends import Copy, CpuEagerBackend, CudaBackend, make_backend
 
 _LIB = torch.library.Library("offload", "DEF")
-_LIB.define("d2h(Tensor[] values, int[] layout, int length, int copies, int key, Tensor? after=None) -> Tensor")
-_LIB.define("release(Tensor(a) host, Tensor x, int copies, int key, Tensor? after=None) -> Tensor(a)")
-_LIB.define("h2d(Tensor host, Device device, int copies, int key, Tensor? after=None) -> Tensor")
-_LIB.define("wait(Tensor(a) x, int copies, int key, Tensor? after=None) -> Tensor(a)")
-_LIB.define("mark(int copies, int index, Tensor? after=None) -> ()")
+_LIB.define("d2h(Tensor[] values, int[] layout, int length, int copies, int key, Tensor[] after) -> Tensor")
+_LIB.define("release(Tensor(a) host, Tensor x, int copies, int key, Tensor[] after) -> Tensor(a)")
+_LIB.define("h2d(Tensor host, Device device, int copies, int key, Tensor[] after) -> Tensor")
+_LIB.define("wait(Tensor(a) x, int copies, int key, Tensor[] after) -> Tensor(a)")
+_LIB.define("mark(int copies, int index, Tensor[] after) -> ()")
 
 OPS = (torch.ops.offload.d2h.default, torch.ops.offload.release.default, torch.ops.offload.h2d.default,
        torch.ops.offload.wait.default)
@@ -198,61 +201,61 @@ def _impl(name: str) -> Callable[[Callable], Callable]:
 
 @_impl("d2h")
 def _d2h(values: list[torch.Tensor], layout: list[int], length: int, number: int, key: int,
-         after: torch.Tensor | None = None) -> torch.Tensor:
+         after: list[torch.Tensor]) -> torch.Tensor:
     return copies(number).copy_out(values, layout, length, key)
 
 
 @_impl("release")
 def _release(host: torch.Tensor, x: torch.Tensor, number: int, key: int,
-        after: torch.Tensor | None = None) -> torch.Tensor:
+        after: list[torch.Tensor]) -> torch.Tensor:
     copies(number).release(x, key)
     return host
 
 
 @_impl("h2d")
 def _h2d(host: torch.Tensor, device: torch.device, number: int, key: int,
-        after: torch.Tensor | None = None) -> torch.Tensor:
+        after: list[torch.Tensor]) -> torch.Tensor:
     return copies(number).copy_in(host, key)
 
 
 @_impl("wait")
 def _wait(x: torch.Tensor, number: int, key: int,
-        after: torch.Tensor | None = None) -> torch.Tensor:
+        after: list[torch.Tensor]) -> torch.Tensor:
     copies(number).wait(key)
     return x
 
 
 @_impl("mark")
-def _mark(number: int, index: int, after: torch.Tensor | None = None) -> None:
+def _mark(number: int, index: int, after: list[torch.Tensor]) -> None:
     copies(number).mark(index)
 
 
 @torch.library.register_fake("offload::d2h", lib=_LIB)
 def _d2h_fake(values: list[torch.Tensor], layout: list[int], length: int, number: int, key: int,
-              after: torch.Tensor | None = None) -> torch.Tensor:
+              after: list[torch.Tensor]) -> torch.Tensor:
     return torch.empty(length, dtype=values[0].dtype, device="cpu")
 
 
 @torch.library.register_fake("offload::release", lib=_LIB)
 def _release_fake(host: torch.Tensor, x: torch.Tensor, number: int, key: int,
-        after: torch.Tensor | None = None) -> torch.Tensor:
+        after: list[torch.Tensor]) -> torch.Tensor:
     return host
 
 
 @torch.library.register_fake("offload::h2d", lib=_LIB)
 def _h2d_fake(host: torch.Tensor, device: torch.device, number: int, key: int,
-        after: torch.Tensor | None = None) -> torch.Tensor:
+        after: list[torch.Tensor]) -> torch.Tensor:
     return torch.empty(host.size(), dtype=host.dtype, device=device)
 
 
 @torch.library.register_fake("offload::wait", lib=_LIB)
 def _wait_fake(x: torch.Tensor, number: int, key: int,
-        after: torch.Tensor | None = None) -> torch.Tensor:
+        after: list[torch.Tensor]) -> torch.Tensor:
     return x
 
 
 @torch.library.register_fake("offload::mark", lib=_LIB)
-def _mark_fake(number: int, index: int, after: torch.Tensor | None = None) -> None:
+def _mark_fake(number: int, index: int, after: list[torch.Tensor]) -> None:
     return None
 
 

@@ -59,7 +59,8 @@ this one (the compiled forward saves other, fewer tensors, and the compiled back
 back every weight gradient at its end): its budget is no promise here, and a warning says
 so.  A chain profiled from this graph (``offload.profiler.compiled``, ``recipe.whole_graph``)
 is: its units are what our copies move (checked as the graph is partitioned), its memory and
-times this graph's.  Not here yet: encodings (refused), recomputation on such a chain.
+times this graph's, and the run has the profile's marks at its stage boundaries (reading
+nothing: they keep Inductor's kernels on the sides of the boundaries the profile measured).  Not here yet: encodings (refused), recomputation on such a chain.
 """
 from __future__ import annotations
 
@@ -295,7 +296,7 @@ class SchedulePartitioner(CustomPartitionerFn):
             self.placed = place_copies(*self.graphs, outputs, self.events, stages, self.units, self.back_stages,
                                        set(self.offloaded), self.runtime, [r for r in self.runs if r.moves])
             moved = self.placed.values
-        if self.marks:  # then the boundaries marked
+        if self.marks or self.whole:  # then the boundaries marked, for the profiler's clock or as the profile had them
             place_marks(*self.graphs, self.events.L, stages, self.back_stages, self.runtime.number)
         self.saved = self._saved(saved, moved)
         self._check_moved()

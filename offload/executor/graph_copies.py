@@ -26,8 +26,11 @@ value's place in the forward's order:
   D2H), flat like ``host``;
 * ``offload::wait(buffer, copies, key) -> buffer``: the compute stream waits for that H2D
   copy (an alias, so the views every reader reads come after it);
-* ``offload::mark(copies, index)``: a stage boundary reached (the profiler's, for a chain of
-  the compiled graph: ``offload.profiler.compiled``), handed to ``GraphCopies.marks``.
+* ``offload::mark(copies, index)``: a stage boundary reached, handed to ``GraphCopies.marks``
+  when the profiler listens (for a chain of the compiled graph: ``offload.profiler.compiled``),
+  else nothing.  A run of such a chain has them where its profile had them: as the copies'
+  ops do, each keeps Inductor from fusing work across its boundary (``after``), so the run's
+  kernels are the profile's, copies or not.
 
 Each takes ``after`` tensors it does not read: at a stage boundary, every value the ops
 before it hand on to later ones (``compiled_copies.handed_on``), else the op before it.
@@ -186,9 +189,8 @@ class GraphCopies:
 
 
     def mark(self, index: int) -> None:
-        if self.marks is None:
-            raise RuntimeError(f"offload::mark: boundary {index} of a compiled graph has no profiler to tell")
-        self.marks(index)
+        if self.marks is not None:
+            self.marks(index)
 
 
 def copies(number: int) -> GraphCopies:

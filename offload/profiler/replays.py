@@ -17,7 +17,9 @@ with an option) and the host's share of a recomputation on a GPU (``host_seconds
   forward (module hooks on every call): a recorded forward's host time per stage less a
   plain one's, both forward-only.
 
-Each is the least of two passes; latest stage first, each timed replay after an untimed one
+Each is the median of three passes (``HOST_PASSES``), as the forward's host time is the
+median of the timed steps: the least of two charged a re-run less than its forward's host
+time on the same footing; latest stage first, each timed replay after an untimed one
 (``timed_replay``).
 On a CPU the host is the device: its ops run as they are issued, the re-run's time is in
 the forward's, and neither is measured.
@@ -25,6 +27,7 @@ the forward's, and neither is measured.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from typing import Any, Callable, Iterator
 
@@ -41,6 +44,7 @@ from offload.models.spec import tensors_in
 from .measure import Boundaries, StepRunner
 
 Recorded = tuple[StageProgram, KeptOutputs | None, torch.Tensor | None]  # the program, what it keeps, its checkpoint
+HOST_PASSES = 3  # passes of the host's clocks (``host_seconds``): their median is taken
 
 
 class _Replaying(Boundaries):
@@ -172,7 +176,7 @@ def host_seconds(runner: StepRunner, stages: list[int]) -> tuple[dict[int, float
         return {}, {}
     reruns: dict[int, list[float]] = {k: [] for k in stages}
     plain, recording = [], []
-    for _ in range(2):
+    for _ in range(HOST_PASSES):
         plain.append(_forward_host(runner, {}))
         clock = Clock(runner.device)
         with recorded(runner, dict.fromkeys(stages), on_boundary=clock.mark) as programs:
@@ -181,8 +185,9 @@ def host_seconds(runner: StepRunner, stages: list[int]) -> tuple[dict[int, float
                 program, _, checkpoint = programs.pop(k)
                 reruns[k].append(timed_replay(program, checkpoint, runner.device, issued=True))
                 del program, checkpoint
-    base, rec = [min(c) for c in zip(*plain)], [min(c) for c in zip(*recording)]
-    return {k: min(t) for k, t in reruns.items() if t}, {k: max(0.0, rec[k - 1] - base[k - 1]) for k in stages}
+    base, rec = [statistics.median(c) for c in zip(*plain)], [statistics.median(c) for c in zip(*recording)]
+    return ({k: statistics.median(t) for k, t in reruns.items() if t},
+            {k: max(0.0, rec[k - 1] - base[k - 1]) for k in stages})
 
 
 def _forward_host(runner: StepRunner, stages: dict[int, str | None]) -> list[float]:

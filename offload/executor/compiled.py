@@ -265,10 +265,11 @@ class SchedulePartitioner(CustomPartitionerFn):
             if k in run_of:
                 n, run = run_of[k]
                 node.meta["ac_graph_id"] = n
+                read_later = any(stages.get(u, 0) > run.last for u in node.users)
                 if node.target is operator.getitem and node.args[0].name in self.tags:
-                    policy = self.tags[node.args[0].name]  # a value of a multi-output op: as the op
-                elif _random(node) or any(a in fixed for a in node.all_input_nodes) or any(
-                        stages.get(u, 0) > run.last and stages[u] not in run_of for u in node.users) or (
+                    # a value of a multi-output op: as the op, or saved where a later stage reads it
+                    policy = CheckpointPolicy.MUST_SAVE if read_later else self.tags[node.args[0].name]
+                elif _random(node) or any(a in fixed for a in node.all_input_nodes) or read_later or (
                         n in rules and isinstance(node.target, torch._ops.OpOverload)
                         and rules[n](node.target, node.args, node.kwargs)):
                     policy = CheckpointPolicy.MUST_SAVE

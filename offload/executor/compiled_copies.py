@@ -333,15 +333,22 @@ def _done(*graphs: fx.GraphModule) -> None:
         gm.recompile()
 
 
+def rerun_mark(L: int, j: int) -> int:
+    """The mark that ends ``Rj``, the re-run of a recomputed stage ``j`` in the backward: after
+    its recomputed ops, before what waits for them (marks past the step's end, ``2L + 2``)."""
+    return 2 * L + 2 + j
+
+
 def place_marks(forward: fx.GraphModule, backward: fx.GraphModule, L: int, stages: Mapping[str, int],
                 back_stages: Mapping[str, int], number: int) -> None:
     """The profiler's marks (``offload::mark``) at the stage boundaries of the partitioned
     graphs: index ``k`` as ``Fk`` ends (``L``: before the forward's output), ``L + 1`` as the
-    backward begins, ``2L - k + 2`` as ``Bk`` ends (``1``: before the backward's output).  Each
-    comes after the last value before it (``after``), as the copies do; with copies in the
-    graph, a stage's D2H copies and the releases due at its end come before its mark, the
-    prefetches and waits of the next backward stage after it (the model's order: an op's
-    interval holds what the model counts in it)."""
+    backward begins, ``2L - k + 2`` as ``Bk`` ends (``1``: before the backward's output), and
+    ``rerun_mark(L, j)`` after the recomputed ops of a stage ``j`` that ``B(k-1)``'s re-runs
+    rebuild.  Each comes after what the ops before it hand on (``after``), as the copies do;
+    with copies in the graph, a stage's D2H copies and the releases due at its end come
+    before its mark, the prefetches, re-runs and waits of the next backward stage after it
+    (the model's order: an op's interval holds what the model counts in it)."""
     graph = forward.graph
     for k in range(1, L + 1):
         at, after, end = _forward_end(graph, stages, k, L)
@@ -355,12 +362,22 @@ def place_marks(forward: fx.GraphModule, backward: fx.GraphModule, L: int, stage
         _call(graph, nodes[0], False, MARK_OP, (number, L + 1, []), "mark_backward", None)
     output = graph.find_nodes(op="output")[0]
     for k in range(L, 0, -1):
-        done = [n for n in region if region[n] >= k]
         ahead = [n for n in region if region[n] < k]
-        at = ahead[0] if ahead and k > 1 else output
-        while _fetching(at.prev):  # B(k-1)'s prefetches and waits begin it, as the model has them
+        first = ahead[0] if ahead and k > 1 else output
+        at = first
+        # B(k-1)'s prefetches, re-runs and waits begin it, as the model has them
+        while at.prev.op == "call_function" and (at.prev.name in stages or _fetching(at.prev)):
             at = at.prev
-        _call(graph, at, False, MARK_OP, (number, 2 * L - k + 2, handed_on(done)), f"mark_B{k}", None)
+        block = []
+        while at is not first:
+            block.append(at)
+            at = at.next
+        at = block[0] if block else first
+        _call(graph, at, False, MARK_OP, (number, 2 * L - k + 2, handed_on(_up_to(graph, at.prev))), f"mark_B{k}", None)
+        last = {stages[n.name]: i for i, n in enumerate(block) if n.name in stages}
+        for j, i in last.items():
+            _call(graph, block[i], True, MARK_OP, (number, rerun_mark(L, j), handed_on(_up_to(graph, block[i]))),
+                  f"mark_R{j}", None)
     _done(forward, backward)
 
 
@@ -445,17 +462,20 @@ def _last_tensor(nodes: list[fx.Node]) -> fx.Node | None:
     return next((n for n in reversed(nodes) if isinstance(n.meta.get("val"), torch.Tensor)), None)
 
 
-def handed_on(nodes: list[fx.Node]) -> list[fx.Node]:
-    """The ``after`` of an op at the boundary that ``nodes`` end: their tensor values that a
-    later computing node reads, and the last of them.  Taking them all, the op comes after
-    every node whose work a later one needs, and Inductor cannot fuse such a node into a
-    kernel past the boundary (the fused kernel would need the op, the op the kernel): a
-    backward node of ``B(k+1)`` fused with ``Bk``'s first would wait for ``Bk``'s prefetches
-    and hold them through its own work, which the model counts in ``B(k+1)``."""
-    inside, ours = set(nodes), (*OPS, MARK_OP)
-    out = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)
+def handed_on(prefix: list[fx.Node]) -> list[fx.Node]:
+    """The ``after`` of an op placed right after ``prefix`` (the graph's calls up to there):
+    the values computed there that a computing node after it reads, and the last value.
+    Taking them all, the op comes after every node whose work a later one needs, and
+    Inductor cannot fuse such a node into a kernel past the boundary (the fused kernel would
+    need the op, the op the kernel): a backward node of ``B(k+1)`` fused with ``Bk``'s first
+    would wait for ``Bk``'s prefetches and hold them through its own work, which the model
+    counts in ``B(k+1)``.  Only readers after the boundary count: a value whose readers are
+    all before it is done with (taken at every later boundary, it was held to the last one:
+    2 MB over a GPT-2's backward)."""
+    inside, ours = set(prefix), (*OPS, MARK_OP)
+    out = [n for n in prefix if isinstance(n.meta.get("val"), torch.Tensor)
            and any(u.op == "call_function" and u not in inside and u.target not in ours for u in n.users)]
-    last = _last_tensor(nodes)
+    last = _last_tensor(prefix)
     return out + [last] if last is not None and last not in out else out
 
 
@@ -467,10 +487,14 @@ def _flat(val: torch.Tensor, length: int, device: torch.device | str) -> torch.T
 
 def _forward_end(graph: fx.Graph, stages: Mapping[str, int], k: int, L: int) -> tuple[fx.Node, bool, list[fx.Node]]:
     """Where ``Fk`` ends in the forward graph: the node an op placed there goes after (or, for
-    ``k = L``, before: the graph's output), and what the stages up to ``k`` hand on (its ``after``)."""
+    ``k = L``, before: the graph's output), and its ``after``: the last value before it.  Not
+    all that the stages hand on (``handed_on``), as in the backward: Inductor may then fuse
+    work of ``Fk`` into a kernel of ``F(k+1)``, as it does in the profile, whose marks take
+    the same; made to finish first, a GPT-2 block's forward held 128 KiB more."""
     before = [n for n in graph.nodes if stages.get(n.name, k + 1) <= k]
     at, after = (before[-1], True) if before and k < L else (graph.find_nodes(op="output")[0], False)
-    return at, after, handed_on(before)
+    last = _last_tensor(before)
+    return at, after, [last] if last is not None else []
 
 
 def _place_forward(forward: fx.GraphModule, events: StepEvents, stages: Mapping[str, int],

@@ -333,22 +333,15 @@ def _done(*graphs: fx.GraphModule) -> None:
         gm.recompile()
 
 
-def rerun_mark(L: int, j: int) -> int:
-    """The mark that ends ``Rj``, the re-run of a recomputed stage ``j`` in the backward: after
-    its recomputed ops, before what waits for them (marks past the step's end, ``2L + 2``)."""
-    return 2 * L + 2 + j
-
-
 def place_marks(forward: fx.GraphModule, backward: fx.GraphModule, L: int, stages: Mapping[str, int],
                 back_stages: Mapping[str, int], number: int) -> None:
     """The profiler's marks (``offload::mark``) at the stage boundaries of the partitioned
     graphs: index ``k`` as ``Fk`` ends (``L``: before the forward's output), ``L + 1`` as the
-    backward begins, ``2L - k + 2`` as ``Bk`` ends (``1``: before the backward's output), and
-    ``rerun_mark(L, j)`` after the recomputed ops of a stage ``j`` that ``B(k-1)``'s re-runs
-    rebuild.  Each comes after what the ops before it hand on (``after``), as the copies do;
-    with copies in the graph, a stage's D2H copies and the releases due at its end come
-    before its mark, the prefetches, re-runs and waits of the next backward stage after it
-    (the model's order: an op's interval holds what the model counts in it)."""
+    backward begins, ``2L - k + 2`` as ``Bk`` ends (``1``: before the backward's output).  Each
+    comes after the ops before it as the copies do (``after``); with copies in the graph, a
+    stage's D2H copies and the releases due at its end come before its mark, the prefetches,
+    re-runs and waits of the next backward stage after it (the model's order: an op's
+    interval holds what the model counts in it)."""
     graph = forward.graph
     for k in range(1, L + 1):
         at, after, end = _forward_end(graph, stages, k, L)
@@ -368,16 +361,7 @@ def place_marks(forward: fx.GraphModule, backward: fx.GraphModule, L: int, stage
         # B(k-1)'s prefetches, re-runs and waits begin it, as the model has them
         while at.prev.op == "call_function" and (at.prev.name in stages or _fetching(at.prev)):
             at = at.prev
-        block = []
-        while at is not first:
-            block.append(at)
-            at = at.next
-        at = block[0] if block else first
         _call(graph, at, False, MARK_OP, (number, 2 * L - k + 2, handed_on(_up_to(graph, at.prev))), f"mark_B{k}", None)
-        last = {stages[n.name]: i for i, n in enumerate(block) if n.name in stages}
-        for j, i in last.items():
-            _call(graph, block[i], True, MARK_OP, (number, rerun_mark(L, j), handed_on(_up_to(graph, block[i]))),
-                  f"mark_R{j}", None)
     _done(forward, backward)
 
 

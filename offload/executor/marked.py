@@ -21,14 +21,8 @@ from offload.step.chain import Chain
 from offload.step.memory import op_name
 
 from .compiled import SchedulePartitioner, compile_with
-from .compiled_copies import rerun_mark
 
 MARK = "offload.mark."  # the CPU marks' names in torch.profiler's trace
-
-
-def mark_count(L: int) -> int:
-    """How many marks a step of ``L`` stages may reach (``rerun_mark`` of every stage too)."""
-    return rerun_mark(L, L) + 1
 
 
 def intervals(L: int) -> list[tuple[int, int]]:
@@ -49,10 +43,8 @@ class Marks:
         self.clock: list[Any] = [None] * count
         self.now = [0] * count
         self.peak = [0] * count
-        self.order: list[int] = []  # the marks as reached (a re-run's comes inside its op's span)
 
     def __call__(self, index: int) -> None:
-        self.order.append(index)
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -70,14 +62,11 @@ class Marks:
         return self.clock[b] - self.clock[a]
 
     def cuda_peaks(self, spans: list[tuple[int, int]]) -> list[int]:
-        """Per span of marks, the most bytes allocated in it beyond those at mark 0 (CUDA): the
-        peaks read at the marks reached after its first up to its last."""
-        at = {index: n for n, index in enumerate(self.order)}
-        return [max(self.peak[i] for i in self.order[at[a] + 1:at[b] + 1]) - self.now[0] for a, b in spans]
+        """Per span of marks, the most bytes allocated in it beyond those at mark 0 (CUDA)."""
+        return [max(self.peak[a + 1:b + 1]) - self.now[0] for a, b in spans]
 
-    def missing(self, count: int) -> list[int]:
-        """The marks below ``count`` (those every step reaches) not reached."""
-        return [i for i, c in enumerate(self.clock[:count]) if c is None]
+    def missing(self) -> list[int]:
+        return [i for i, c in enumerate(self.clock) if c is None]
 
 
 def _cpu_peaks(prof: torch.profiler.profile, count: int, spans: list[tuple[int, int]]) -> list[int]:
@@ -112,7 +101,7 @@ class MarkedRun:
     def step(self) -> Marks:
         """One step (the first compiles), and the readings at its marks."""
         L, spec = self.L, self.spec
-        marks = Marks(self.device, mark_count(L))
+        marks = Marks(self.device, 2 * L + 3)
         spec.zero_grads(self.params)
         args, kwargs = spec.batch()
         self.partitioner.runtime.marks = marks
@@ -123,25 +112,24 @@ class MarkedRun:
         marks(2 * L + 2)
         if marks.cuda:
             torch.cuda.synchronize(self.device)
-        if marks.missing(2 * L + 3):
-            raise RuntimeError(f"the compiled step reached no mark {marks.missing(2 * L + 3)[0]}")
+        if marks.missing():
+            raise RuntimeError(f"the compiled step reached no mark {marks.missing()[0]}")
         return marks
 
-    def seconds(self, spans: list[tuple[int, int]] | None = None) -> list[float]:
-        """Each op's time in one step (or each span's of ``spans``, between two marks)."""
+    def seconds(self) -> list[float]:
+        """Each op's time in one step."""
         marks = self.step()
-        return [marks.seconds(a, b) for a, b in spans or intervals(self.L)]
+        return [marks.seconds(a, b) for a, b in intervals(self.L)]
 
     def op_peaks(self, chain: Chain) -> dict[str, int]:
         """``peaks`` by op name (``F1`` … ``B1``), as the eager executor's ``--op-memory`` reads them."""
         return {op_name(chain, o): peak for o, peak in enumerate(self.peaks())}
 
-    def peaks(self, spans: list[tuple[int, int]] | None = None) -> list[int]:
-        """Per op (or span of ``spans``), the most bytes allocated in one step's interval of it
-        beyond those allocated as the step began."""
-        spans = spans or intervals(self.L)
+    def peaks(self) -> list[int]:
+        """Per op, the most bytes allocated in one step's interval of it beyond those allocated
+        as the step began."""
         if self.device.type == "cuda":
-            return self.step().cuda_peaks(spans)
+            return self.step().cuda_peaks(intervals(self.L))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             self.step()
-        return _cpu_peaks(prof, mark_count(self.L), spans)
+        return _cpu_peaks(prof, 2 * self.L + 3, intervals(self.L))

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", choices=["aot_eager", "inductor"], action="append")
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args(argv)
-    print(f"{machine_name()}; GPT, {args.layers} layers, batch {BATCH}\n")
+    print(f"{machine_name(torch.device('cpu'))}; GPT, {args.layers} layers, batch {BATCH}\n")
     print("| backend | schedule | recomputed | offloaded | predicted peak | measured peak | most an op held over its prediction |")
     print("|---|---|---|---|---|---|---|")
     for backend in args.backend or ["aot_eager", "inductor"]:

@@ -480,8 +480,10 @@ PLANNED_OPTIONS = {"reorder_for_peak_memory": False, "layout_optimization": Fals
 
 def plain_compile(module: nn.Module, backend: str) -> nn.Module:
     """``module`` compiled as ``compile_with`` compiles it, but without a partitioner: the
-    step whose gradients a scheduled one matches bit for bit.  With Inductor that is under
-    ``PLANNED_OPTIONS``: a plain ``torch.compile`` lays a conv net out channels last, and
+    step whose gradients a schedule of an eager chain keeps bit for bit (one of a chain of the
+    compiled graph keeps those of the same compile with an empty schedule, whose stage marks
+    this one lacks), and the baselines' (``offload train --compare``).  With Inductor that is
+    under ``PLANNED_OPTIONS``: a plain ``torch.compile`` lays a conv net out channels last, and
     its kernels then round otherwise."""
     if backend == "inductor":
         return torch.compile(module, backend=backend, options=dict(PLANNED_OPTIONS))

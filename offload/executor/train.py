@@ -25,13 +25,13 @@ from offload.models import ModelSpec, resolve
 from offload.models.resolve import file_reference, file_sha256
 from offload.models.spec import cache_off
 from offload.step.chain import Chain
-from offload.step.schedule import Schedule
+from offload.step.schedule import Schedule, make_schedule
 
 from . import distributed
 from .api import Offloaded
 from .backends import default_backend
 from .checks import GradCheck, compare_baselines, compare_steps, trace_step
-from .compiled import SchedulePartitioner, compile_scheduled, plain_compile
+from .compiled import SchedulePartitioner, compile_scheduled
 from .marked import MarkedRun
 from .report import Report
 from .trainer import Run, Trainer, young_heap
@@ -202,8 +202,9 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         reference = _rank_model(chain, device)
         if ranks > 1:  # all-reduced like ours
             reference.module = distributed.wrap(reference.module)
-        if whole:  # compiled as ours is, without the schedule
-            reference.module = plain_compile(reference.module, chain.recipe.compile)
+        if whole:  # compiled as ours is, marks at its stage boundaries included, without the schedule
+            reference.module = compile_scheduled(reference.module, chain, make_schedule(chain, []),
+                                                 backend=chain.recipe.compile, fullgraph=False)
         check = GradCheck(reference, params, device)
     trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes,
                       elsewhere=check.tensors() if check is not None else None, compiled=whole)

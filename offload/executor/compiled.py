@@ -29,9 +29,10 @@ one graph instead and hands AOTAutograd a partitioner built from (chain, schedul
   free at the release point, H2D at the prefetch point, the wait before ``B(need)``; run by
   the same backends (CUDA streams and events, or the checking CPU ones) and the same pinned
   host arena.  A unit is what the eager executor calls one: the storages first saved for
-  ``Bk``'s ops.  Each op at a boundary takes every value the stages before it hand on as
-  inputs it does not read (``compiled_copies.handed_on``), so that Inductor's scheduler
-  neither runs it earlier nor fuses work of the stage before into a kernel after it; and the
+  ``Bk``'s ops.  Each op takes inputs it does not read, so that Inductor's scheduler does
+  not run it earlier: the last value of the stage it follows, and in the backward every
+  value the graph before it hands on (``compiled_copies.handed_on``), so that no work of
+  the stage before is fused into a kernel after it; and the
   forward makes each moved value where the graph does, in the graph's layout (Inductor
   would otherwise leave a value that only our copy reads to be made again inside a later
   kernel, from inputs it then holds: a dropout's random numbers);
@@ -60,7 +61,9 @@ back every weight gradient at its end): its budget is no promise here, and a war
 so.  A chain profiled from this graph (``offload.profiler.compiled``, ``recipe.whole_graph``)
 is: its units are what our copies move (checked as the graph is partitioned), its memory and
 times this graph's, and the run has the profile's marks at its stage boundaries (reading
-nothing: they keep Inductor's kernels on the sides of the boundaries the profile measured).  Not here yet: encodings (refused), recomputation on such a chain.
+nothing: they keep Inductor's kernels on the sides of the boundaries the profile measured).
+Not here yet: encodings (refused), recomputation on such a chain
+(``experiments.compiled_recompute`` measured why).
 """
 from __future__ import annotations
 

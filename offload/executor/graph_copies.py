@@ -32,12 +32,13 @@ value's place in the forward's order:
   ops do, each keeps Inductor from fusing work across its boundary (``after``), so the run's
   kernels are the profile's, copies or not.
 
-Each takes ``after`` tensors it does not read: at a stage boundary, every value the ops
-before it hand on to later ones (``compiled_copies.handed_on``), else the op before it.
-Inductor's scheduler orders a graph's nodes by their dependencies only: these keep it from
-moving the op earlier, and from fusing an op before the boundary into a kernel after it
-(that kernel would have to come after the op, and the op after it), which would move the
-op's work, and what it holds, past the boundary.
+Each takes ``after`` tensors it does not read: at a forward boundary the last value of the
+stage it ends, at a backward one every value the graph before it hands on to later ops
+(``compiled_copies.handed_on``), else the op before it.  Inductor's scheduler orders a
+graph's nodes by their dependencies only: these keep it from moving the op earlier, and in
+the backward from fusing an op before the boundary into a kernel after it (that kernel
+would have to come after the op, and the op after it), which would move the op's work, and
+what it holds, past the boundary.
 
 The backends are ``Offloaded``'s (``offload.executor.backends``: CUDA streams and events, or
 the CPU eager and lazy ones, the lazy one poisoning a buffer until its copy is waited for),

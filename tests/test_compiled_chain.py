@@ -162,22 +162,19 @@ def test_the_partitioner_pickles_as_its_key(aot):
     assert pickle.loads(pickle.dumps(one)) == one.uuid()
 
 
-@pytest.fixture(scope="module")
-def inductor():
-    return whole("inductor")
-
-
-def test_each_op_of_a_just_in_time_schedule_keeps_its_prediction_under_inductor(inductor):
-    """Every unit released at once and fetched just in time (the floor schedule) on the GPT's
+def test_each_op_of_a_just_in_time_schedule_keeps_its_prediction_under_inductor():
+    """Every unit released at once and fetched just in time (the floor schedule) on a GPT's
     Inductor chain: every op's memory (``--op-memory``) at or below its prediction.  Two of
-    Inductor's choices broke it: a dropout mask that only our D2H read was not realized where
-    the graph makes it, so Inductor kept the random numbers for a later kernel to make the
-    mask again (+64 KiB through F3 and F4); and a node of ``B4`` fused into ``B3``'s first
-    kernel, after ``B3``'s prefetches (``U3`` held through ``B4``'s work: +1 MB)."""
-    chain = inductor.chain
+    Inductor's choices broke it (on two layers): a dropout mask that only our D2H read was not
+    made where the graph makes it, so Inductor kept the random numbers for a later kernel to
+    make the mask again (+64 KiB through F3 and F4); and a node of ``B4`` fused into ``B3``'s
+    first kernel, after ``B3``'s prefetches (``U3`` held through ``B4``'s work: +1 MB)."""
+    one_layer = {**GPT, "layers": 1}
+    chain = profile("gpt", ProfileOptions(batch=4, repeats=1, warmup=1, encodings=False, options=one_layer,
+                                          compile="inductor", whole_graph=True)).chain
     schedule = make_schedule(chain, floor_offloads(chain))
     torch.manual_seed(1)
-    run = MarkedRun(resolve("gpt", 4, GPT), SchedulePartitioner(chain, schedule, copy_backend="cpu-lazy", marks=True),
+    run = MarkedRun(resolve("gpt", 4, one_layer), SchedulePartitioner(chain, schedule, copy_backend="cpu-lazy", marks=True),
                     torch.device("cpu"), "inductor")
     run.step()  # compiles, makes the gradients
     ops = run.op_peaks(chain)  # what offload train --op-memory reads
@@ -186,8 +183,8 @@ def test_each_op_of_a_just_in_time_schedule_keeps_its_prediction_under_inductor(
 
 
 @pytest.mark.slow
-def test_a_schedule_solved_on_the_compiled_chain_keeps_its_budget_compiled(inductor):
-    chain = inductor.chain
+def test_a_schedule_solved_on_the_compiled_chain_keeps_its_budget_compiled():
+    chain = whole("inductor").chain
     peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
     assert floor < peak
     budget = floor + (peak - floor) // 2

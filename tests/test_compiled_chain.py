@@ -162,6 +162,7 @@ def test_the_partitioner_pickles_as_its_key(aot):
     assert pickle.loads(pickle.dumps(one)) == one.uuid()
 
 
+@pytest.mark.slow  # make test-all (time: two Inductor compiles, 10 s)
 def test_each_op_of_a_just_in_time_schedule_keeps_its_prediction_under_inductor():
     """Every unit released at once and fetched just in time (the floor schedule) on a GPT's
     Inductor chain: every op's memory (``--op-memory``) at or below its prediction.  Two of

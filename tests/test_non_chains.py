@@ -129,6 +129,7 @@ def test_the_ilp_takes_a_held_part_off_the_device_where_the_budget_needs_it():
         simulate(chain, [Offload(1, 2, 1, 3)])
 
 
+@pytest.mark.slow  # make test-all (time): the property tests draw held parts on every run
 def test_the_ilp_is_brute_force_on_a_unet():
     """A U-Net merged to five stages (boundaries crossed by skip features): the joint MILP's
     optimum is the brute force's (offloaded checkpoints included) near its floor and between

@@ -31,12 +31,11 @@ import argparse
 from dataclasses import replace
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from experiments.bench_executor import machine_name
 from offload.core.devices import allocated_bytes
 from offload.executor.compiled import SchedulePartitioner
-from offload.executor.compiled_copies import _regions
+from offload.executor.compiled_copies import _checkpoints
 from offload.executor.marked import MarkedRun
 from offload.io.text import format_bytes
 from offload.models import resolve
@@ -69,26 +68,21 @@ def marked(chain: Chain, schedule: Schedule, options: dict, backend: str) -> Mar
     return run
 
 
-def checkpoints(run: MarkedRun, recomputed: list[int]) -> tuple[dict[int, int], dict[int, int]]:
-    """Per recomputed stage, the bytes of the saved storages only its run reads in the
-    backward, and of those the ones its own forward made."""
+def checkpoints(run: MarkedRun, runs: list[Recompute]) -> tuple[dict[int, int], dict[int, int]]:
+    """Per run (by its stage), the bytes of the saved storages only it reads in the backward,
+    as the compiled copies find an offloaded checkpoint's (``compiled_copies._checkpoints``),
+    each whole as the allocator counts it, and of those the ones its own forward made."""
     p = run.partitioner
     forward, backward = p.graphs
-    inputs = {n.name: n for n in backward.graph.find_nodes(op="placeholder")}
-    saved = [n for n in forward.graph.find_nodes(op="output")[0].args[0]
-             if isinstance(n, torch.fx.Node) and n.name in inputs and n.op == "call_function"]
-    region = _regions(backward.graph, p.back_stages, p.events.L)
-    whole, own, seen = dict.fromkeys(recomputed, 0), dict.fromkeys(recomputed, 0), set()
-    for n in saved:
-        storage = n.meta["val"].untyped_storage()
-        if StorageWeakRef(storage) in seen:
-            continue
-        seen.add(StorageWeakRef(storage))
-        readers = {p.stages.get(u.name, region.get(u)) for u in inputs[n.name].users}
-        if len(readers) == 1 and (k := readers.pop()) in whole:
-            nbytes = allocated_bytes(storage.nbytes(), n.meta["val"].device)
-            whole[k] += nbytes
-            own[k] += nbytes if p.stages.get(n.name) == k else 0
+    inputs = {n.name for n in backward.graph.find_nodes(op="placeholder")}
+    outputs = forward.graph.find_nodes(op="output")[0].args[0]
+    model_outputs = next(i for i, n in enumerate(outputs) if isinstance(n, torch.fx.Node) and n.name in inputs)
+    whole, own = {r.first: 0 for r in runs}, {r.first: 0 for r in runs}
+    for s in _checkpoints(forward, backward, model_outputs, runs, p.stages, p.back_stages, set()):
+        value = s.values[0].meta["val"]
+        nbytes = allocated_bytes(value.untyped_storage().nbytes(), value.device)
+        whole[s.run.first] += nbytes
+        own[s.run.first] += nbytes if p.stages.get(s.values[0].name) == s.run.first else 0
     return whole, own
 
 
@@ -101,7 +95,7 @@ def recomputing_chain(chain: Chain, options: dict, backend: str) -> Chain:
     for part in (list(range(1, L, 2)), list(range(2, L, 2))):
         runs = [Recompute(k, k) for k in part]
         run = marked(base, make_schedule(base, [], recompute=runs), options, backend)
-        whole, own = checkpoints(run, part)
+        whole, own = checkpoints(run, runs)
         measured = run.peaks()
         costs = {k: dict(input_bytes=whole[k], input_own_bytes=whole[k] - own[k], rerun_held_bytes=own[k]) for k in part}
         fitted = with_fields(base, costs)

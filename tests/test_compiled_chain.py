@@ -5,6 +5,7 @@ import json
 import pickle
 import warnings
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +20,7 @@ from offload.core.meters import allocated_peak
 from offload.executor.marked import MarkedRun, Marks, intervals
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
+from offload.step.actions import Offload
 from offload.step.chainfile import make_chain
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
@@ -181,6 +183,45 @@ def test_each_op_of_a_just_in_time_schedule_keeps_its_prediction_under_inductor(
     ops = run.op_peaks(chain)  # what offload train --op-memory reads
     predicted = {o.name: o.mem_bytes for o in schedule.simulate(chain).ops}
     assert all(ops[op] <= predicted[op] for op in predicted), {op: ops[op] - predicted[op] for op in predicted}
+
+
+SHARED_GATE = str(Path(__file__).parent / "models" / "shared_gate.py") + ":build"
+
+
+def each_op_over_its_prediction(backend):
+    """Per schedule offloading one unit of the shared-gate model, at each prefetch point: how
+    much each op's memory (``--op-memory``) is over its prediction."""
+    chain = profile(SHARED_GATE, ProfileOptions(batch=8, repeats=1, warmup=1, encodings=False, compile=backend,
+                                                whole_graph=True)).chain
+    out = {}
+    for i in chain.offloadable:
+        for p in range(chain.stage(i).need_from, chain.L + 1):
+            schedule = make_schedule(chain, [Offload(i, min(i + 1, chain.L), p)])
+            run = MarkedRun(resolve(SHARED_GATE, 8, {}), SchedulePartitioner(chain, schedule, copy_backend="cpu-lazy",
+                                                                             marks=True), torch.device("cpu"), backend)
+            run.step()
+            ops = run.op_peaks(chain)
+            out[f"U{i} fetched at B{p}"] = {o.name: ops[o.name] - o.mem_bytes for o in schedule.simulate(chain).ops}
+    return chain, out
+
+
+def test_a_unit_read_by_later_backward_stages_is_needed_from_the_first_of_them():
+    """The first block's gate is its unit's, and every block's backward reads it: the unit is
+    needed from the last block's backward (a chain that said its own would let a schedule fetch
+    it there, and the compiled backward read it three stages earlier, held unpredicted)."""
+    chain, over = each_op_over_its_prediction("aot_eager")
+    assert chain.stage(2).need_from == chain.L
+    assert all(v <= 0 for ops in over.values() for v in ops.values()), over
+
+
+@pytest.mark.slow  # make test-all (Inductor compiles, 10 s)
+def test_each_op_of_each_single_offload_keeps_its_prediction_under_inductor():
+    """The same under Inductor, which computed the gate's ``clone`` again in every block's
+    kernels unless made to keep it (the gate held to the last block: 32 B over), and fused a
+    block's product with the block before's backward unless the kept units were handed on as
+    fetched ones (``offload::ready``: 2 KiB over where a fetch split that kernel)."""
+    _, over = each_op_over_its_prediction("inductor")
+    assert all(v <= 0 for ops in over.values() for v in ops.values()), over
 
 
 @pytest.mark.slow

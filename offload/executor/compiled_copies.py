@@ -23,7 +23,9 @@ compiled step does what ``Offloaded`` does at its stage boundaries:
   through it: 311 KiB over a BERT op's prediction); the wait for a unit before the first
   node of ``B(need)``, or before a reader of it that comes earlier (then the H2D too, if its
   point came after that reader: ``late``); each value is read as a view (``as_strided``) of
-  its storage's buffer.
+  its storage's buffer.  On a chain of the compiled graph, which counts a unit as needed
+  from its storages' first backward reader (``counted_storages``), no reader comes earlier,
+  and the units that stay are handed to the backward at the same place (``place_ready``).
 
 A storage is copied over the extent its saved values cover, not whole: Inductor may put a
 value in a larger buffer than the value needs, or in a part of another's; and the copy holds
@@ -47,7 +49,7 @@ from offload.core.devices import allocated_bytes
 from offload.step.actions import Recompute
 from offload.step.events import D2H, H2D, RELEASE, WAIT, StepEvents
 
-from .graph_copies import D2H_OP, H2D_OP, MARK_OP, OPS, RELEASE_OP, WAIT_OP, GraphCopies
+from .graph_copies import ALL_OPS, D2H_OP, H2D_OP, MARK_OP, READY_OP, RELEASE_OP, WAIT_OP, GraphCopies
 
 
 def backward_stages(joint: fx.Graph, stages: Mapping[fx.Node, int]) -> dict[str, int]:
@@ -263,17 +265,20 @@ class UnitStorage:
     (``offload.profiler.compiled``): ``nbytes`` the whole storage (what freeing it frees, as
     the device's allocator counts it), ``held_until`` the last stage whose forward reads it
     (the graph keeps it that long, released or not; the forward's end, ``L``, for a reader
-    the partitioner put there)."""
+    the partitioner put there), ``need_from`` the first backward stage that reads it (the
+    largest: a causal mask that every attention backward reads is needed from the last's,
+    though it is its first stage's unit)."""
 
     unit: int
     name: str
     nbytes: int
     held_until: int
+    need_from: int
 
 
-def counted_storages(forward: fx.GraphModule, moving: Sequence[_Storage], stages: Mapping[str, int], L: int
-                     ) -> list[UnitStorage]:
-    """``moving`` (``movable``'s) with the bytes and the holding a chain counts."""
+def counted_storages(forward: fx.GraphModule, backward: fx.GraphModule, moving: Sequence[_Storage],
+                     stages: Mapping[str, int], back_stages: Mapping[str, int], L: int) -> list[UnitStorage]:
+    """``moving`` (``movable``'s) with the bytes, the holding and the need a chain counts."""
     readers: dict[StorageWeakRef, int] = {}
     for node in forward.graph.nodes:
         value = node.meta.get("val")
@@ -282,13 +287,46 @@ def counted_storages(forward: fx.GraphModule, moving: Sequence[_Storage], stages
         ref = StorageWeakRef(value.untyped_storage())
         read = [stages.get(u.name, L) for u in node.users if u.op == "call_function"]
         readers[ref] = max([readers.get(ref, 0), *read])
+    needed = _needed_from(backward.graph, back_stages, L)
     out = []
     for s in moving:
         value = s.values[0].meta["val"]
         ref = StorageWeakRef(value.untyped_storage())
         out.append(UnitStorage(s.unit, s.name, allocated_bytes(value.untyped_storage().nbytes(), value.device),
-                               max(s.unit, readers.get(ref, 0))))
+                               max(s.unit, readers.get(ref, 0)),
+                               max([s.unit, *(needed.get(v.name, 0) for v in s.values)])))
     return out
+
+
+_CONVERSIONS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def keep_crossing(forward: fx.GraphModule, stages: Mapping[str, int], L: int) -> None:
+    """Make Inductor keep each value computed elementwise in a stage that a later stage reads
+    (``inductor_realize_to_strides``), instead of computing it again inside each reader's
+    kernel from the values it is made of: those would then be read, and held, where the graph
+    reads only the value (a gate ``expand``ed and ``clone``d in the first block, read by every
+    block's product: each product's kernel read the gate itself, held to the last block, 32 B
+    over).  Values read later are then held as ``counted_storages`` reads the graph."""
+    for node in forward.graph.nodes:
+        target = node.target
+        if (node.op == "call_function" and node.name in stages and isinstance(target, torch._ops.OpOverload)
+                and (torch.Tag.pointwise in target.tags or target in _CONVERSIONS)
+                and any(stages.get(u.name, L) > stages[node.name] for u in node.users if u.op == "call_function")):
+            node.meta["inductor_realize_to_strides"] = True
+
+
+def _needed_from(graph: fx.Graph, back_stages: Mapping[str, int], L: int) -> dict[str, int]:
+    """Each input of the backward graph -> the stage whose backward reads it first (its
+    first reader's region, ``_regions``: a node between stages is in the one before it)."""
+    current, needed = L, {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.name in back_stages:
+            current = min(current, back_stages[n.name])
+        for x in n.all_input_nodes:
+            if x.op == "placeholder" and n.op != "output":
+                needed.setdefault(x.name, current)
+    return needed
 
 
 def place_copies(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, events: StepEvents,
@@ -317,7 +355,8 @@ def place_copies(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
     # keys in the order the forward issues the D2H copies (the arena's slots are handed out so)
     issued = [s for e in events.of(D2H) for s in moving if s.owner == (e.stage, e.run)]
     placed = PlacedCopies(copies, sorted(offloaded), list(runs), issued, stay)
-    placed.counted = counted_storages(forward, [s for s in issued if s.run is None], stages, events.L)
+    placed.counted = counted_storages(forward, backward, [s for s in issued if s.run is None], stages, back_stages,
+                                      events.L)
     by_owner: dict[tuple[int, Recompute | None], list[tuple[int, _Storage]]] = {}
     for key, s in enumerate(issued):
         by_owner.setdefault(s.owner, []).append((key, s))
@@ -391,7 +430,7 @@ def _fetching(node: fx.Node) -> bool:
         return False
     if node.target is torch.ops.aten.as_strided.default:
         return _fetching(node.args[0])
-    return node.target in (H2D_OP, WAIT_OP)
+    return node.target in (H2D_OP, WAIT_OP, READY_OP)
 
 
 def _regions(graph: fx.Graph, back_stages: Mapping[str, int], L: int) -> dict[fx.Node, int]:
@@ -456,9 +495,9 @@ def handed_on(prefix: list[fx.Node]) -> list[fx.Node]:
     counts in ``B(k+1)``.  Only readers after the boundary count: a value whose readers are
     all before it is done with (taken at every later boundary, it was held to the last one:
     2 MB over a GPT-2's backward)."""
-    inside, ours = set(prefix), (*OPS, MARK_OP)
+    inside = set(prefix)
     out = [n for n in prefix if isinstance(n.meta.get("val"), torch.Tensor)
-           and any(u.op == "call_function" and u not in inside and u.target not in ours for u in n.users)]
+           and any(u.op == "call_function" and u not in inside and u.target not in ALL_OPS for u in n.users)]
     last = _last_tensor(prefix)
     return out + [last] if last is not None and last not in out else out
 
@@ -549,21 +588,61 @@ def _place_wait(graph: fx.Graph, s: _Storage, inputs: list[fx.Node], h2d: fx.Nod
     """The wait for ``h2d`` before ``first_of_k`` (after ``end``) or the storage's first
     reader, whichever comes first; each of its values read as a view of the buffer from there.
     Returns the wait."""
+    at, end = _first_read(graph, inputs, first_of_k, end, skip=h2d)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    readers = [u for x in inputs for u in x.users if u is not h2d]
-    at = min([first_of_k, *readers], key=order.__getitem__)
-    if at is not first_of_k:  # right before that reader: after what comes before it
-        end = handed_on([n for n in graph.nodes if order[n] < order[at] and n.op == "call_function"])
     if order[at] < order[h2d]:  # the compiled backward reads it before the schedule's prefetch point
         at.prepend(h2d)
         h2d.update_arg(4, [])
         placed.late.append(s.name)
     wait = _call(graph, at, False, WAIT_OP, (h2d, number, key, end), f"fetched_{s.name}", h2d.meta["val"])
-    lo, _ = s.extent
+    _read_through(graph, at, wait, s, inputs, s.extent[0], skip=h2d)
+    return wait
+
+
+def _first_read(graph: fx.Graph, inputs: list[fx.Node], first_of_k: fx.Node, end: list[fx.Node],
+                skip: fx.Node | None = None) -> tuple[fx.Node, list[fx.Node]]:
+    """Where an op handing ``inputs`` (a storage's values) to the backward goes, and its
+    ``after``: before ``first_of_k``, after ``end``; or before the first reader (but ``skip``)
+    if it comes earlier, after the value before that reader."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    readers = [u for x in inputs for u in x.users if u is not skip]
+    at = min([first_of_k, *readers], key=order.__getitem__)
+    if at is not first_of_k:
+        last = _last_tensor([n for n in graph.nodes if order[n] < order[at] and n.op == "call_function"])
+        end = [last] if last is not None else []
+    return at, end
+
+
+def _read_through(graph: fx.Graph, at: fx.Node, handed: fx.Node, s: _Storage, inputs: list[fx.Node], lo: int,
+                  skip: fx.Node | None = None) -> None:
+    """Each of ``s``'s values (``inputs``) read, but by ``skip`` and ``handed``, as a view of ``handed``, its
+    storage from element ``lo`` on, made right before ``at``."""
     for x, value in zip(inputs, s.values):
         val = value.meta["val"]
         view = _call(graph, at, False, torch.ops.aten.as_strided.default,
-                     (wait, list(val.size()), list(val.stride()), val.storage_offset() - lo), f"{value.name}_back", val)
-        for u in [u for u in x.users if u is not h2d]:
+                     (handed, list(val.size()), list(val.stride()), val.storage_offset() - lo), f"{value.name}_back", val)
+        for u in [u for u in x.users if u not in (skip, handed)]:
             u.replace_input_with(x, view)
-    return wait
+
+
+def place_ready(backward: fx.GraphModule, staying: Sequence[_Storage], need: Mapping[int, int],
+                back_stages: Mapping[str, int], stages: Mapping[str, int], L: int) -> None:
+    """The units' storages that ``staying`` names (those a schedule does not move) handed to
+    the backward where a fetched one would be: ``offload::ready`` (an alias) before the first
+    node of ``B(need)`` of its unit, as a wait, and read through it as views, as a fetched
+    one is.  Inductor fuses and orders the backward's kernels by what they read: with the
+    values of every unit handed on so, a schedule's copies change none (readers of a kept
+    value pulled into ``B(k+1)``'s kernels, as without these, hold a buffer there that a run
+    fetching the value at ``Bk`` holds in ``Bk``: 2 KiB over a block's prediction)."""
+    graph = backward.graph
+    inputs = {n.name: n for n in graph.find_nodes(op="placeholder")}
+    region = _regions(graph, back_stages, L)
+    for k in range(L, 0, -1):
+        first_of_k = next((n for n in region if region[n] <= k), graph.find_nodes(op="output")[0])
+        for s in (s for s in staying if need[s.unit] == k and s.name in inputs):
+            values = [inputs[v.name] for v in s.values]
+            at = _backward_start(first_of_k, stages)
+            at, end = _first_read(graph, values, first_of_k, handed_on(_up_to(graph, at.prev)))
+            ready = _call(graph, at, False, READY_OP, (values[0], end), f"ready_{s.name}", s.values[0].meta["val"])
+            _read_through(graph, at, ready, s, values, 0)
+    _done(backward)

@@ -30,7 +30,10 @@ value's place in the forward's order:
   when the profiler listens (for a chain of the compiled graph: ``offload.profiler.compiled``),
   else nothing.  A run of such a chain has them where its profile had them: as the copies'
   ops do, each keeps Inductor from fusing work across its boundary (``after``), so the run's
-  kernels are the profile's, copies or not.
+  kernels are the profile's, copies or not;
+* ``offload::ready(x) -> x``: on such a chain, a saved value that stays on the device handed
+  to the backward where its wait would be, were it fetched (``compiled_copies.place_ready``):
+  the backward's kernels then read every unit as a fetched one, moved or not.
 
 Each takes ``after`` tensors it does not read: at a forward boundary the last value of the
 stage it ends, at a backward one every value the graph before it hands on to later ops
@@ -65,11 +68,14 @@ _LIB.define("release(Tensor(a) host, Tensor x, int copies, int key, Tensor[] aft
 _LIB.define("h2d(Tensor host, Device device, int copies, int key, Tensor[] after) -> Tensor")
 _LIB.define("wait(Tensor(a) x, int copies, int key, Tensor[] after) -> Tensor(a)")
 _LIB.define("mark(int copies, int index, Tensor[] after) -> ()")
+_LIB.define("ready(Tensor(a) x, Tensor[] after) -> Tensor(a)")
 
 OPS = (torch.ops.offload.d2h.default, torch.ops.offload.release.default, torch.ops.offload.h2d.default,
        torch.ops.offload.wait.default)
 D2H_OP, RELEASE_OP, H2D_OP, WAIT_OP = OPS
 MARK_OP = torch.ops.offload.mark.default
+READY_OP = torch.ops.offload.ready.default
+ALL_OPS = (*OPS, MARK_OP, READY_OP)
 
 _ALL: "weakref.WeakValueDictionary[int, GraphCopies]" = weakref.WeakValueDictionary()
 _NUMBERS = itertools.count(1)
@@ -233,6 +239,11 @@ def _mark(number: int, index: int, after: list[torch.Tensor]) -> None:
     copies(number).mark(index)
 
 
+@_impl("ready")
+def _ready(x: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
+    return x
+
+
 @torch.library.register_fake("offload::d2h", lib=_LIB)
 def _d2h_fake(values: list[torch.Tensor], layout: list[int], length: int, number: int, key: int,
               after: list[torch.Tensor]) -> torch.Tensor:
@@ -262,5 +273,10 @@ def _mark_fake(number: int, index: int, after: list[torch.Tensor]) -> None:
     return None
 
 
-for _op in (*OPS, MARK_OP):
+@torch.library.register_fake("offload::ready", lib=_LIB)
+def _ready_fake(x: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
+    return x
+
+
+for _op in ALL_OPS:
     has_side_effect(_op)

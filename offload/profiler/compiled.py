@@ -7,12 +7,15 @@ the eager model predicts neither.  So, with the cuts the eager profile found:
 
 * the model is compiled as ``compile_scheduled`` compiles it (one graph, the same
   partitioner, Inductor's ``compiled.PLANNED_OPTIONS``), with no schedule and with the
-  profiler's marks (``offload::mark``) at its stage boundaries (``compiled_copies.place_marks``);
+  profiler's marks (``offload::mark``) at its stage boundaries (``compiled_copies.place_marks``),
+  every unit's storages handed to the backward as if fetched (``compiled_copies.place_ready``);
 * a **unit** is what the copies would move of a stage (``compiled_copies.movable``, every
   stage as if offloaded): the saved storages whose first backward reader is the stage's,
   whole (what freeing one frees), those the copies cannot move (the model's output, values
   of several dtypes) left to the ops' memory; a storage that a later stage's forward reads
-  too is held through it (``held_bytes``/``held_until``: the graph keeps it);
+  too is held through it (``held_bytes``/``held_until``: the graph keeps it, and Inductor
+  keeps each elementwise value a later stage reads, ``compiled_copies.keep_crossing``); a
+  unit is needed from the first backward stage that reads any of its storages (``need_from``);
 * **times**: between the marks of each op, medians over the timed steps (CUDA events on the
   compute stream, ``perf_counter`` on the CPU); ``FL`` counts the loss, ``B1`` what follows
   the graph (the gradients accumulated into ``.grad``), as the eager profile counts them;
@@ -86,9 +89,10 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
 def _chain(chain: Chain, partitioner: SchedulePartitioner, backend: str, seconds: list[float], peaks: list[int],
            steps: list[float]) -> Chain:
     L = chain.L
-    units, held, until = [0] * (L + 1), [0] * (L + 1), [0] * (L + 1)
+    units, held, until, need = [0] * (L + 1), [0] * (L + 1), [0] * (L + 1), list(range(L + 1))
     for s in partitioner.counted:
         units[s.unit] += s.nbytes
+        need[s.unit] = max(need[s.unit], s.need_from)
         if s.held_until >= s.unit + 2:
             held[s.unit] += s.nbytes
             until[s.unit] = max(until[s.unit], s.held_until)
@@ -97,7 +101,7 @@ def _chain(chain: Chain, partitioner: SchedulePartitioner, backend: str, seconds
         before = sum(units[1:k])
         stages.append(Stage(name=old.name, kind=old.kind, fwd_s=seconds[k - 1], bwd_s=seconds[2 * L - k],
                             saved_bytes=units[k], fwd_peak_bytes=max(units[k], peaks[k - 1] - before),
-                            bwd_peak_bytes=max(0, peaks[2 * L - k] - before - units[k]), need_from=k,
+                            bwd_peak_bytes=max(0, peaks[2 * L - k] - before - units[k]), need_from=need[k],
                             held_bytes=held[k], held_until=until[k] if held[k] else 0, recomputable=False))
     steps = sorted(steps)
     source = {**chain.source, "graph": f"one graph compiled by {backend}: units, times and memory measured there "

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from experiments.compiled_op_memory import excess
 from offload.errors import ChainMismatch, ModelError, offload_cause
 from offload.executor import Offloaded, distributed
 from offload.executor.compiled import SchedulePartitioner, compile_scheduled
@@ -20,7 +21,6 @@ from offload.core.meters import allocated_peak
 from offload.executor.marked import MarkedRun, Marks, intervals
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
-from offload.step.actions import Offload
 from offload.step.chainfile import make_chain
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
@@ -191,18 +191,7 @@ SHARED_GATE = str(Path(__file__).parent / "models" / "shared_gate.py") + ":build
 def each_op_over_its_prediction(backend):
     """Per schedule offloading one unit of the shared-gate model, at each prefetch point: how
     much each op's memory (``--op-memory``) is over its prediction."""
-    chain = profile(SHARED_GATE, ProfileOptions(batch=8, repeats=1, warmup=1, encodings=False, compile=backend,
-                                                whole_graph=True)).chain
-    out = {}
-    for i in chain.offloadable:
-        for p in range(chain.stage(i).need_from, chain.L + 1):
-            schedule = make_schedule(chain, [Offload(i, min(i + 1, chain.L), p)])
-            run = MarkedRun(resolve(SHARED_GATE, 8, {}), SchedulePartitioner(chain, schedule, copy_backend="cpu-lazy",
-                                                                             marks=True), torch.device("cpu"), backend)
-            run.step()
-            ops = run.op_peaks(chain)
-            out[f"U{i} fetched at B{p}"] = {o.name: ops[o.name] - o.mem_bytes for o in schedule.simulate(chain).ops}
-    return chain, out
+    return excess(SHARED_GATE, {}, 8, backend, every_point=True)
 
 
 def test_a_unit_read_by_later_backward_stages_is_needed_from_the_first_of_them():

@@ -69,18 +69,24 @@ def row(tag: str) -> str:
             + (f" {str(error)[:80]}" if error and not held else ""))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def chosen_models(argv: list[str] | None, description: str) -> list[str]:
+    """The models an experiment on ``MODELS`` is asked for on its command line (all by default)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("models", nargs="*", metavar="MODEL", help=f"some of {', '.join(MODELS)} (default: all)")
     args = ap.parse_args(argv)
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
         ap.error(f"unknown model {unknown[0]!r}: choose from {', '.join(MODELS)}")
+    return args.models or list(MODELS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    models = chosen_models(argv, __doc__.splitlines()[0])
     print(f"{machine_name('cpu')}; batch 2; 2 steps of offload train each")
     print("| model | stages | peak | floor | budget | offloaded | predicted peak | measured peak | budget held "
           "| relaid | largest op over its prediction | gradients | time |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for tag in args.models or list(MODELS):
+    for tag in models:
         try:
             print(row(tag), flush=True)
         except Exception as exc:  # a model the path cannot take: its row says why

@@ -14,13 +14,12 @@ schedule, which op) and the most under (the prediction's slack).
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
 from experiments.bench_executor import machine_name
-from experiments.compiled_models import MODELS
+from experiments.compiled_models import MODELS, chosen_models
 from offload.executor.compiled import SchedulePartitioner
 from offload.executor.marked import MarkedRun
 from offload.io.text import format_bytes
@@ -72,17 +71,12 @@ def row(tag: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("models", nargs="*", metavar="MODEL", help=f"some of {', '.join(MODELS)} (default: all)")
-    args = ap.parse_args(argv)
-    unknown = [m for m in args.models if m not in MODELS]
-    if unknown:
-        ap.error(f"unknown model {unknown[0]!r}: choose from {', '.join(MODELS)}")
+    models = chosen_models(argv, __doc__.splitlines()[0])
     print(f"{machine_name('cpu')}; batch {BATCH}; one step of each schedule, op by op")
     print("| model | stages | schedules | schedules with an op over | most over (schedule, op) "
           "| most under (schedule, op) | time |")
     print("|---|---|---|---|---|---|---|")
-    for tag in args.models or list(MODELS):
+    for tag in models:
         print(row(tag), flush=True)
     return 0
 

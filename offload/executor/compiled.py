@@ -92,7 +92,7 @@ from offload.step.schedule import Schedule
 
 from .api import PathLike, chain_and_schedule, cut_sites
 from .compiled_copies import (PlacedCopies, UnitStorage, backward_stages, counted_storages, keep_crossing, movable,
-                              place_copies, place_marks, place_ready, value_units)
+                              place_copies, place_marks, place_ready, unit_needs, value_units)
 from .graph_copies import ALL_OPS, GraphCopies
 
 _PROCESS = uuid.uuid4().hex  # in every partitioner's key: no compiled graph of another process is reused
@@ -302,11 +302,8 @@ class SchedulePartitioner(CustomPartitionerFn):
                                        set(self.offloaded), self.runtime, [r for r in self.runs if r.moves])
             moved = self.placed.values
         if self.marks or self.whole:  # the units that stay handed to the backward as if fetched, the boundaries marked
-            need: dict[int, int] = {}
-            for c in self.counted:
-                need[c.unit] = max(need.get(c.unit, c.unit), c.need_from)
-            place_ready(self.graphs[1], [s for s in moving if s.name not in moved], need, self.back_stages, stages,
-                        self.events.L)
+            place_ready(self.graphs[1], [s for s in moving if s.name not in moved], unit_needs(self.counted),
+                        self.back_stages, stages, self.events.L)
             place_marks(*self.graphs, self.events.L, stages, self.back_stages, self.runtime.number)
         self.saved = self._saved(saved, moved)
         self._check_moved()

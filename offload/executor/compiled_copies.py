@@ -298,6 +298,14 @@ def counted_storages(forward: fx.GraphModule, backward: fx.GraphModule, moving: 
     return out
 
 
+def unit_needs(counted: Sequence[UnitStorage]) -> dict[int, int]:
+    """Unit -> its ``need_from``: the first backward stage that reads any of its storages."""
+    need: dict[int, int] = {}
+    for c in counted:
+        need[c.unit] = max(need.get(c.unit, c.unit), c.need_from)
+    return need
+
+
 _CONVERSIONS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
 

@@ -41,6 +41,7 @@ import torch
 from offload.core.devices import running
 from offload.errors import offload_cause
 from offload.executor.compiled import SchedulePartitioner
+from offload.executor.compiled_copies import unit_needs
 from offload.executor.marked import MarkedRun
 from offload.models.spec import ModelSpec
 from offload.step.chain import Chain, Stage
@@ -89,10 +90,10 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
 def _chain(chain: Chain, partitioner: SchedulePartitioner, backend: str, seconds: list[float], peaks: list[int],
            steps: list[float]) -> Chain:
     L = chain.L
-    units, held, until, need = [0] * (L + 1), [0] * (L + 1), [0] * (L + 1), list(range(L + 1))
+    units, held, until = [0] * (L + 1), [0] * (L + 1), [0] * (L + 1)
+    need = unit_needs(partitioner.counted)
     for s in partitioner.counted:
         units[s.unit] += s.nbytes
-        need[s.unit] = max(need[s.unit], s.need_from)
         if s.held_until >= s.unit + 2:
             held[s.unit] += s.nbytes
             until[s.unit] = max(until[s.unit], s.held_until)
@@ -101,7 +102,7 @@ def _chain(chain: Chain, partitioner: SchedulePartitioner, backend: str, seconds
         before = sum(units[1:k])
         stages.append(Stage(name=old.name, kind=old.kind, fwd_s=seconds[k - 1], bwd_s=seconds[2 * L - k],
                             saved_bytes=units[k], fwd_peak_bytes=max(units[k], peaks[k - 1] - before),
-                            bwd_peak_bytes=max(0, peaks[2 * L - k] - before - units[k]), need_from=need[k],
+                            bwd_peak_bytes=max(0, peaks[2 * L - k] - before - units[k]), need_from=need.get(k, k),
                             held_bytes=held[k], held_until=until[k] if held[k] else 0, recomputable=False))
     steps = sorted(steps)
     source = {**chain.source, "graph": f"one graph compiled by {backend}: units, times and memory measured there "

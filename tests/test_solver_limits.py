@@ -129,12 +129,19 @@ def long_solve(tmp_path):
     return path
 
 
+def _ctrl_c_as_in_a_terminal():
+    """SIGINT at its default in the command, as a terminal starts it: a test run started in the
+    background by a shell without job control inherits SIGINT ignored, and so would the
+    command, which then rightly ignores Ctrl-C (as under ``nohup``)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_after(cmd, wait_for, cwd, delay=1.0, signum=signal.SIGINT, group=True):
     """Start ``cmd`` in its own process group, wait until stderr shows ``wait_for``, then send
     ``signum`` to the group (SIGINT: what Ctrl-C does) or, not ``group``, to the command alone
     (what ``kill`` does); returns (seconds to exit, return code, stderr)."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     seen = ""
     while wait_for not in seen:
         line = proc.stderr.readline()

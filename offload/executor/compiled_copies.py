@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -327,10 +327,8 @@ def keep_crossing(forward: fx.GraphModule, stages: Mapping[str, int], L: int) ->
 def _needed_from(graph: fx.Graph, back_stages: Mapping[str, int], L: int) -> dict[str, int]:
     """Each input of the backward graph -> the stage whose backward reads it first (its
     first reader's region, ``_regions``: a node between stages is in the one before it)."""
-    current, needed = L, {}
-    for n in graph.nodes:
-        if n.op == "call_function" and n.name in back_stages:
-            current = min(current, back_stages[n.name])
+    needed: dict[str, int] = {}
+    for n, current in _walk_regions(graph, back_stages, L):
         for x in n.all_input_nodes:
             if x.op == "placeholder" and n.op != "output":
                 needed.setdefault(x.name, current)
@@ -444,12 +442,17 @@ def _fetching(node: fx.Node) -> bool:
 def _regions(graph: fx.Graph, back_stages: Mapping[str, int], L: int) -> dict[fx.Node, int]:
     """A backward node -> the stage whose backward it is in: a stage's backward begins with its
     first node, and a node of a later stage past that point (a gradient sum) is in the earlier one."""
-    region: dict[fx.Node, int] = {}
+    return {n: current for n, current in _walk_regions(graph, back_stages, L)
+            if n.op == "call_function" and n.name in back_stages}
+
+
+def _walk_regions(graph: fx.Graph, back_stages: Mapping[str, int], L: int) -> Iterator[tuple[fx.Node, int]]:
+    """Each node of a backward graph with the stage whose backward it is in (``_regions``)."""
     current = L
     for n in graph.nodes:
         if n.op == "call_function" and n.name in back_stages:
-            current = region[n] = min(current, back_stages[n.name])
-    return region
+            current = min(current, back_stages[n.name])
+        yield n, current
 
 
 def _hoist(graph: fx.Graph, values: list[fx.Node], k: int, stages: dict[str, int]) -> bool:

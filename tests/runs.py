@@ -76,14 +76,19 @@ def allowance(chain, sched, op):
     return TOLERANCE + shared
 
 
+def blob_slack(chain, sched, stages) -> int:
+    """The eighth of the blobs of ``stages``' encodings in ``sched`` whose size follows the data
+    (``sparse``: dropout masks draw other zeros every step, so its blob differs from the
+    profiled one by a few bytes), which the host arena keeps spare for them."""
+    sizes = [(t.encoder, t.encoded_bytes) for i in stages if i in sched.encode
+             for t in chain.stage(i).encoding(sched.encode[i]).tensors]
+    return sum(n // 8 for encoder, n in sizes if ENCODERS[encoder].variable_size)
+
+
 def moved_as_predicted(chain, sched, measured, predicted) -> bool:
     """Bytes moved per step equal to the prediction, to the byte, except where a unit is offloaded
-    with an encoder whose blob's size follows the data (``sparse``: dropout masks draw other
-    zeros every step, so its blob differs from the profiled one by a few bytes): there by at
-    most the eighth of those blobs that the host arena keeps spare for them."""
-    sizes = [(t.encoder, t.encoded_bytes) for o in sched.offloads if o.stage in sched.encode
-             for t in chain.stage(o.stage).encoding(sched.encode[o.stage]).tensors]
-    slack = sum(n // 8 for encoder, n in sizes if ENCODERS[encoder].variable_size)
+    with an encoder whose blob's size follows the data: there by at most ``blob_slack``."""
+    slack = blob_slack(chain, sched, [o.stage for o in sched.offloads])
     return all(abs(m - p) <= slack for m, p in zip(measured, predicted))
 
 

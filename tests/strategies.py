@@ -10,8 +10,10 @@ from offload.step.chainfile import chain_from_dict
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
 
 
-def _encodings(draw, saved: int) -> list[dict]:
-    """0-2 encodings of part of a unit: one or two storages, any size ratio, either kind."""
+def _encodings(draw, saved: int, reads: int) -> list[dict]:
+    """0-2 encodings of part of a unit: one or two storages, any size ratio, either kind; half
+    of them with the op memory measured (``reads``: backward ops from the stage's to its
+    ``need_from``'s), an op freeing at most the covered bytes."""
     if saved == 0 or draw(st.integers(0, 3)) == 0:
         return []
     out = []
@@ -25,6 +27,10 @@ def _encodings(draw, saved: int) -> list[dict]:
                             "encoded_bytes": draw(st.integers(0, rest + 5)), "output": False})
         out.append({"name": f"enc{n}", "lossless": draw(st.integers(0, 3)) > 0, "encode_s": draw(st.integers(0, 3)) / 1000,
                     "decode_s": draw(st.integers(0, 3)) / 1000, "tensors": tensors})
+        if draw(st.booleans()):
+            held = st.integers(-sum(t["bytes"] for t in tensors), 30)
+            out[-1].update(fwd_held_bytes=draw(held), next_held_bytes=draw(held),
+                           bwd_held_bytes=[draw(held) for _ in range(reads)])
     return out
 
 
@@ -45,15 +51,16 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
     stages = []
     for i in range(1, L + 1):
         saved = draw(st.integers(0, 100))
+        need = draw(st.integers(i, L)) if draw(st.booleans()) else i
         stages.append({
             "fwd_s": draw(st.integers(1, 10)) / 1000,
             "bwd_s": draw(st.integers(1, 20)) / 1000,
             "saved_bytes": saved,
             "fwd_peak_bytes": saved + draw(st.integers(0, 60)),
             "bwd_peak_bytes": draw(st.integers(0, 60)),
-            "need_from": draw(st.integers(i, L)) if draw(st.booleans()) else i,
+            "need_from": need,
             "kind": draw(st.sampled_from(["conv", "linear", "block"])),
-            "encodings": _encodings(draw, saved) if encodings else [],
+            "encodings": _encodings(draw, saved, need - i + 1) if encodings else [],
             "input_bytes": draw(st.integers(0, 60)) if inputs and i > 1 else 0,
         })
         if casts and draw(st.booleans()):

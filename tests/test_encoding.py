@@ -73,6 +73,19 @@ def test_lossy_encodings_only_with_the_flag(encoded_four):
     assert gist.schedule.encode == {2: "mask", 3: "bf16"} and gist.schedule.predicted["lossy"]
 
 
+def test_measured_op_memory_replaces_the_bound(encoded_four):
+    """What the profiler measured an encoded unit's ops to hold (``encoded_memory``) is what the
+    derived chain adds, op by op, in place of the bound; it survives the chain file."""
+    doc = encoded_four.document()
+    doc["stages"][1]["encodings"][0].update(fwd_held_bytes=-30, next_held_bytes=5, bwd_held_bytes=[-70])
+    measured = chain_from_dict(doc)
+    assert chain_from_dict(measured.document()) == measured and measured.sha256 != encoded_four.sha256
+    bound, exact = encoding.apply(encoded_four, {2: "mask"}), encoding.apply(measured, {2: "mask"})
+    assert exact.stage(2).fwd_peak_bytes == bound.stage(2).fwd_peak_bytes - 10 - 30  # the blob of 10 B was the bound
+    assert exact.stage(3).fwd_peak_bytes == bound.stage(3).fwd_peak_bytes + 5
+    assert exact.stage(2).bwd_peak_bytes == bound.stage(2).bwd_peak_bytes - 80 - 70
+
+
 def test_old_chains_keep_their_hash_and_files(four):
     assert "encodings" not in four.document()["stages"][0]
     doc = chain_doc()
@@ -87,6 +100,9 @@ def test_old_chains_keep_their_hash_and_files(four):
     (lambda e: e.update(lossless="yes"), "must be true or false"),
     (lambda e: e.update(encode_s=-1), r"encode_s. must be in \[0"),
     (lambda e: e.update(colour=1), "unknown field"),
+    (lambda e: e.update(fwd_held_bytes=-101), r"fwd_held_bytes. must be in \[-100,"),
+    (lambda e: e.update(bwd_held_bytes=[0, 0]), "one value per backward op from this stage's to its need_from's"),
+    (lambda e: e.update(bwd_held_bytes=[0.5]), "must be a whole number"),
 ])
 def test_bad_encodings_are_refused_with_the_field(mutate, message):
     doc = chain_doc()

@@ -185,8 +185,9 @@ def independent_saved(spec: ModelSpec) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def profiled():
-    """Each small zoo model profiled once, shared by the tests below."""
-    return {name: profile(name, quick(name)) for name in SMALL}
+    """Each small zoo model profiled once, shared by the tests below (which read no encodings:
+    tests/test_encoders.py profiles them)."""
+    return {name: profile(name, quick(name, encodings=False)) for name in SMALL}
 
 
 @pytest.mark.parametrize("name", list(SMALL))

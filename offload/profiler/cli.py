@@ -49,7 +49,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                           set_to_none=args.set_to_none, keep_cache=args.keep_cache, compile=args.compile,
                           whole_graph=args.whole_graph, split_blocks=args.split_blocks)
     per_measure = 2 + opts.repeats  # warm-up, memory pass, the timed steps (twice with --stages)
-    with tqdm(total=4 + per_measure * (2 if opts.stages else 1) + opts.encodings, desc=f"profiling {args.model}",
+    with tqdm(total=4 + per_measure * (2 if opts.stages else 1) + 2 * opts.encodings, desc=f"profiling {args.model}",
               unit="step", file=sys.stderr, disable=args.quiet, leave=False) as bar:
         def tick(phase: str) -> None:
             bar.set_postfix_str(f"{phase} done")

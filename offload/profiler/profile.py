@@ -36,6 +36,7 @@ from offload.step.names import AUTOCAST, COMPILE_BACKENDS, WHOLE_GRAPH_BACKENDS
 from .bandwidth import measure_platform
 from .capture import Capture, capture
 from .encodable import encodings_pass, stage_encodings
+from .encoded_memory import measured_encodings
 from .linearize import Stages, default_cuts, merge_to, stages_at
 from .measure import Measurement, StepRunner, measure, spread
 from . import replays
@@ -180,6 +181,10 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     tick("platform")
     chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, options, turned_off,
                       rerun_host, recording_host, rerun_peak)
+    if any(s.encodings for s in chain.stages):  # what the executor's encoded units hold, op by op
+        with running(f"running {model}"):
+            chain = measured_encodings(chain, spec, device)
+        tick("encoded units' memory")
     if device.type == "cuda" and eager and opts.platform is None:  # the runtime's hooks on handled tensors, timed
         chain = _with_handle_host(chain, spec, model)
         tick("handled tensors' host time")

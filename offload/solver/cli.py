@@ -119,12 +119,16 @@ def print_chain(chain: Chain) -> None:
     _print_restorable(chain)
     if chain.has_encodings:
         print()
-        print("encodings   (unit size once encoded, encode / decode time)")
+        print("encodings   (unit size once encoded, encode / decode time, what Fi holds over its raw peak: measured "
+              "with the encoding on, or the bound)")
         for i, s in enumerate(chain.stages, start=1):
             for e in s.encodings:
+                held = e.fwd_extra_bytes
                 print(f"{i:>4} {printable(e.name):<12} {'lossless' if e.lossless else 'lossy':<9} "
                       f"{format_bytes(encoded_bytes(chain, i, e)):>11} of {format_bytes(s.saved_bytes):<11} "
                       f"{format_seconds(e.encode_s):>10} / {format_seconds(e.decode_s):<10} "
+                      f"Fi {'+' if held >= 0 else '-'}{format_bytes(abs(held))}"
+                      f"{' (bound)' if e.fwd_held_bytes is None else ''}  "
                       + ", ".join(f"{t.encoder}#{t.index}" for t in e.tensors))
     if any(s.options for s in chain.stages):
         print()

@@ -69,7 +69,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import pulp
@@ -480,12 +480,13 @@ class Model:
             return self.x[i, o]
         return self.y[i, o, j] if j <= self.cap[i] else 0.0
 
-    def _extra(self, i: int, what: str) -> _Affine:
-        """Bytes an encoding adds in its raw windows (``offload.step.encoding``), for a free unit."""
+    def _extra(self, i: int, held: Callable[[Encoding], int]) -> _Affine:
+        """Bytes an encoding adds in its raw windows (``offload.step.encoding``), for a free
+        unit: ``held(encoding)`` at the op the row is for."""
         out = _Affine()
         if i not in self.decided:
             for o in self.opts[i][1:]:
-                out.add(self.c[i, o], getattr(self.enc[i, o], what) / self.mu)
+                out.add(self.c[i, o], held(self.enc[i, o]) / self.mu)
         return out
 
     # ------------------------------------------------------------------ memory
@@ -523,9 +524,9 @@ class Model:
                     if (i, j) in self.gone:  # its held part off the device
                         row.add(self.gone[i, j], -self.chain.held[i] / self.mu)
                 if j not in self.decided:
-                    row.add(self._extra(j, "fwd_extra_bytes"))
+                    row.add(self._extra(j, lambda e: e.fwd_extra_bytes))
                 if j > 1 and j - 1 not in self.decided:
-                    row.add(self._extra(j - 1, "output_bytes"))
+                    row.add(self._extra(j - 1, lambda e: e.next_extra_bytes))
                 row.add(self.casts(j))
                 for r, g in self.g.items():
                     s, e = r.first, r.last
@@ -553,7 +554,7 @@ class Model:
                             row.add(self.offloaded(i, opt), -self.size[i, opt])
                             row.add(self.fetched(i, opt, j), self.size[i, opt])
                     if j <= need[i]:
-                        decoding.add(self._extra(i, "bwd_extra_bytes"))
+                        decoding.add(self._extra(i, lambda e, after=j - i: e.bwd_extra(after)))
                 row.add(self.casts(j))
                 for n, at_n in self.run_at.items():
                     if n < j:  # not rebuilt yet: the checkpoint instead of the units

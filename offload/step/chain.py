@@ -40,13 +40,22 @@ class EncodedTensor:
 class Encoding:
     """One way to store part of a unit in fewer bytes (Gist, Layrub): which storages, with
     which encoders, what it costs (``encode_s`` in the forward, ``decode_s`` in the backward)
-    and whether gradients stay bit-exact (``lossless``)."""
+    and whether gradients stay bit-exact (``lossless``).
+
+    What its ops hold beyond the encoded unit (``fwd_extra_bytes``, ``next_extra_bytes``,
+    ``bwd_extra``) is measured where the profiler ran the executor with the encoding on
+    (``offload.profiler.encoded_memory``: ``fwd_held_bytes``, ``next_held_bytes``,
+    ``bwd_held_bytes``, possibly negative: a covered raw storage dies as the forward drops it,
+    a decoded one once its last reader has read it); else an upper bound (docs/encodings.md)."""
 
     name: str
     lossless: bool
     encode_s: float
     decode_s: float
     tensors: tuple[EncodedTensor, ...]
+    fwd_held_bytes: int | None = None  # Fi: bytes over its raw peak, measured with the encoding on
+    next_held_bytes: int | None = None  # F(i+1): the same
+    bwd_held_bytes: tuple[int, ...] | None = None  # Bi, B(i+1) .. B(need_i): each op's, over its transient
 
     @property
     def covered_bytes(self) -> int:
@@ -70,14 +79,23 @@ class Encoding:
 
     @property
     def fwd_extra_bytes(self) -> int:
-        """What ``Fi`` holds on top of its raw peak: the encoded copies and the encoder's workspace."""
-        return self.encoded_bytes + self.workspace_bytes
+        """What ``Fi`` holds on top of its raw peak: measured, else the bound, the encoded copies
+        and the encoder's workspace."""
+        return self.encoded_bytes + self.workspace_bytes if self.fwd_held_bytes is None else self.fwd_held_bytes
 
     @property
-    def bwd_extra_bytes(self) -> int:
-        """What ``B(need_i) .. Bi`` hold on top of the encoded unit: the decoded storages and
-        the decoder's workspace."""
-        return self.covered_bytes + self.workspace_bytes
+    def next_extra_bytes(self) -> int:
+        """What ``F(i+1)`` holds on top of its raw peak: measured, else the bound, the covered
+        raw output (alive as its input)."""
+        return self.output_bytes if self.next_held_bytes is None else self.next_held_bytes
+
+    def bwd_extra(self, after: int) -> int:
+        """What ``B(i + after)`` (``after`` from 0 to ``need_i - i``) holds on top of its
+        transient and the encoded unit: measured, else the bound, the decoded storages and the
+        decoder's workspace."""
+        if self.bwd_held_bytes is None:
+            return self.covered_bytes + self.workspace_bytes
+        return self.bwd_held_bytes[after]
 
 
 MATMULS = "matmuls"  # the option that keeps what the expensive ops output (torchtitan's "save the matmuls")
@@ -242,8 +260,21 @@ def _column(field: str, dtype: type = np.int64) -> cached_property:
 def _encodings_document(encodings: tuple[Encoding, ...]) -> list[dict]:
     return [{"name": e.name, "lossless": e.lossless, "encode_s": e.encode_s, "decode_s": e.decode_s,
              "tensors": [{"index": t.index, "encoder": t.encoder, "bytes": t.nbytes, "encoded_bytes": t.encoded_bytes,
-                          "output": t.output, "workspace_bytes": t.workspace_bytes} for t in e.tensors]}
+                          "output": t.output, "workspace_bytes": t.workspace_bytes} for t in e.tensors],
+             **_measured_document(e)}
             for e in encodings]
+
+
+def _measured_document(e: Encoding) -> dict[str, Any]:
+    """An encoding's measured op memory: absent where it is not measured (older chains keep their sha256)."""
+    d: dict[str, Any] = {}
+    if e.fwd_held_bytes is not None:
+        d["fwd_held_bytes"] = e.fwd_held_bytes
+    if e.next_held_bytes is not None:
+        d["next_held_bytes"] = e.next_held_bytes
+    if e.bwd_held_bytes is not None:
+        d["bwd_held_bytes"] = list(e.bwd_held_bytes)
+    return d
 
 
 def _option_document(o: StageOption) -> dict[str, Any]:

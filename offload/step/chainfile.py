@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import replace
 from typing import Any, Mapping
 
 from offload.errors import FormatError
@@ -32,7 +33,8 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
                "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "shared_saves",
                "held_saves", "held_read_at", "storages", "saves"}
-_ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors"}
+_ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors", "fwd_held_bytes", "next_held_bytes",
+                  "bwd_held_bytes"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note", "copy_host_s", "handle_host_s"}
 _RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none",
@@ -67,8 +69,9 @@ def _held_read_at(s: Mapping, ctx: str, i: int, L: int, held: int, until: int) -
     return saves, at
 
 
-def _encodings(raw: Any, saved: int, ctx: str) -> tuple[Encoding, ...]:
-    """A stage's ``encodings``: names unique, encoders known, sizes consistent with the unit."""
+def _encodings(raw: Any, saved: int, reads: int, ctx: str) -> tuple[Encoding, ...]:
+    """A stage's ``encodings``: names unique, encoders known, sizes consistent with the unit, an
+    op memory measured for each of its ``reads`` backward ops where one is."""
     out, names = [], set()
     for ectx, e in v.objects(raw, f"{ctx}.encodings", _ENCODING_KEYS):
         name = v.string(e, "name", ectx)
@@ -96,8 +99,24 @@ def _encodings(raw: Any, saved: int, ctx: str) -> tuple[Encoding, ...]:
                        v.seconds(e, "decode_s", ectx), tuple(tensors))
         if enc.covered_bytes > saved:
             raise FormatError(f"{ectx} covers {enc.covered_bytes} bytes, more than the unit's saved_bytes ({saved})")
-        out.append(enc)
+        out.append(_measured(e, enc, reads, ectx))
     return tuple(out)
+
+
+def _measured(e: Mapping, enc: Encoding, reads: int, ctx: str) -> Encoding:
+    """``enc`` with the op memory measured with it on, where given: an op frees at most the
+    raw bytes the encoding covers; one value per backward op from ``Bi`` to ``B(need_from)``."""
+    low = -enc.covered_bytes
+    fwd = v.whole(e, "fwd_held_bytes", ctx, low) if "fwd_held_bytes" in e else None
+    nxt = v.whole(e, "next_held_bytes", ctx, low) if "next_held_bytes" in e else None
+    bwd = None
+    if "bwd_held_bytes" in e:
+        raw = e["bwd_held_bytes"]
+        if not isinstance(raw, list) or len(raw) != reads:
+            raise FormatError(f"{ctx}.bwd_held_bytes must list one value per backward op from this stage's to its "
+                              f"need_from's ({reads}), got {raw!r}")
+        bwd = tuple(v.whole({"b": b}, "b", f"{ctx}.bwd_held_bytes[{k}]", low) for k, b in enumerate(raw))
+    return replace(enc, fwd_held_bytes=fwd, next_held_bytes=nxt, bwd_held_bytes=bwd)
 
 
 def _options(raw: Any, saved: int, fwd_s: float, ctx: str) -> tuple[StageOption, ...]:
@@ -192,7 +211,7 @@ def _stage(s: Any, i: int, L: int) -> Stage:
         if "input_carried_bytes" in s else 0
     shared = _indices(s["shared_saves"], f"{ctx}.shared_saves") if "shared_saves" in s else ()
     held_saves, read_at = _held_read_at(s, ctx, i, L, held, until)
-    encodings = _encodings(s.get("encodings", []), saved, ctx)
+    encodings = _encodings(s.get("encodings", []), saved, need - i + 1, ctx)
     both = sorted({t.index for e in encodings for t in e.tensors} & set(shared))
     if both:
         raise FormatError(f"{ctx}: storage #{both[0]} is both encoded and in shared_saves (which stay on the device, "

@@ -14,6 +14,10 @@ are the stage's output, encoded into ``Q`` bytes) means:
   to ``Bi`` the decoded storages live next to the encoded unit, with the workspace
   (``+ P + W``).
 
+Those three are bounds; where the profiler measured what the ops held with the encoding on
+(``offload.profiler.encoded_memory``) the measured bytes replace them (``Encoding.
+fwd_extra_bytes``, ``next_extra_bytes``, ``bwd_extra``).
+
 Each of these is a change of the stage fields, so a choice of encodings turns a chain into
 a plain derived chain (``apply``) on which the simulator, the timing rules and the
 heuristics run unchanged; the ILP chooses encodings jointly (``offload.solver.ilp``), and its
@@ -77,9 +81,9 @@ def apply(chain: Chain, choice: Choice) -> Chain:
         me["fwd_peak_bytes"] += e.fwd_extra_bytes
         me["fwd_s"] += e.encode_s
         if i < chain.L:
-            st[i]["fwd_peak_bytes"] += e.output_bytes
+            st[i]["fwd_peak_bytes"] += e.next_extra_bytes
         for j in range(i, need + 1):
-            st[j - 1]["bwd_peak_bytes"] += e.bwd_extra_bytes
+            st[j - 1]["bwd_peak_bytes"] += e.bwd_extra(j - i)
         st[need - 1]["bwd_s"] += e.decode_s
     raw = {"held_saves": (), "held_read_at": 0}  # an encoded unit's held part stays (``actions.check_restores``)
     stages = tuple(replace(s, encodings=(), held_bytes=min(s.held_bytes, fields["saved_bytes"]), **fields,

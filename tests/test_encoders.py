@@ -229,3 +229,18 @@ def test_which_encoders_synchronize(name):
     with HostWaits() as syncs:
         encoder.decode(encoder.encode(x), x.dtype, x.numel())
     assert (syncs.seen == []) == (name != "sparse") == (not encoder.variable_size), syncs.seen
+
+
+def test_encoded_memory_the_executor_cannot_measure_keeps_the_bounds_with_a_note(monkeypatch):
+    """A model the executor refuses to train encoded still profiles: its encodings keep their
+    bounds, and the chain says why."""
+    from offload.errors import ChainMismatch
+    from offload.profiler import profile as profiling
+
+    def refuse(chain, spec, device):
+        raise ChainMismatch("the executor refuses this model", "profile it again")
+    monkeypatch.setattr(profiling, "measured_encodings", refuse)
+    chain = profile("mlp", ProfileOptions(batch=2, repeats=1, warmup=1, options=OPTIONS["mlp"])).chain
+    assert chain.has_encodings and all(e.fwd_held_bytes is None for s in chain.stages for e in s.encodings)
+    assert any("could not be measured on this model (the executor refuses this model" in n
+               for n in chain.source["notes"])

@@ -182,8 +182,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, options, turned_off,
                       rerun_host, recording_host, rerun_peak)
     if any(s.encodings for s in chain.stages):  # what the executor's encoded units hold, op by op
-        with running(f"running {model}"):
-            chain = measured_encodings(chain, spec, device)
+        chain = _with_encoded_memory(chain, spec, device, model)
         tick("encoded units' memory")
     if device.type == "cuda" and eager and opts.platform is None:  # the runtime's hooks on handled tensors, timed
         chain = _with_handle_host(chain, spec, model)
@@ -195,18 +194,34 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, user_module) + timing_warnings(result))
 
 
+def _with_encoded_memory(chain: Chain, spec: ModelSpec, device: torch.device, model: str) -> Chain:
+    """``chain`` with its encodings' op memory measured (``encoded_memory``); where the executor
+    cannot train the model so, their bounds, with a note."""
+    return _by_the_executor(chain, model, lambda: measured_encodings(chain, spec, device),
+                            "the encoded units' memory could not be measured on this model ({}): their bounds stand")
+
+
 def _with_handle_host(chain: Chain, spec: ModelSpec, model: str) -> Chain:
     """``chain`` with its platform's ``handle_host_s`` timed on the model (``offload.executor.
     handle_cost``); where the executor cannot train it so, 0 (not charged), with a note."""
-    source = dict(chain.source)
+    def timed() -> Chain:
+        plat = replace(chain.platform, handle_host_s=handle_host_seconds(spec, chain))
+        return make_chain(chain.name, chain.stages, plat, chain.base_bytes, chain.source, chain.recipe,
+                          chain.workspace_bytes)
+    return _by_the_executor(chain, model, timed, "the executor's hooks could not be timed on this model ({}): its host "
+                                                 "time per handled tensor is not charged")
+
+
+def _by_the_executor(chain: Chain, model: str, measured: Callable[[], Chain], note: str) -> Chain:
+    """``measured()``, a chain the executor measured on the model; where it cannot train the
+    model so (an ``OffloadError``), ``chain`` with ``note`` (formatted with the error)."""
     try:
         with running(f"running {model}"):
-            plat = replace(chain.platform, handle_host_s=handle_host_seconds(spec, chain))
+            return measured()
     except OffloadError as exc:
-        plat = chain.platform
-        source["notes"] = [*source.get("notes", ()), f"the executor's hooks could not be timed on this model ({exc}): "
-                           "its host time per handled tensor is not charged"]
-    return make_chain(chain.name, chain.stages, plat, chain.base_bytes, source, chain.recipe, chain.workspace_bytes)
+        source = {**chain.source, "notes": [*chain.source.get("notes", ()), note.format(exc)]}
+        return make_chain(chain.name, chain.stages, chain.platform, chain.base_bytes, source, chain.recipe,
+                          chain.workspace_bytes)
 
 
 def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: Stages, m: Measurement,

@@ -15,10 +15,19 @@ the measured platform and on the link-bound what-if of the reproduction
 
 Outputs in ``experiments/results/encodings/``: ``smallest.csv``, ``at_budgets_by_platform.csv`` (one sweep
 row per platform and cell, with status, gap and encoded units), ``encodings.png``; the tables are printed.
+
+``--bound`` drops what the profiler measured an encoded unit's ops to hold
+(``offload.profiler.encoded_memory``) and solves with the bound the chain falls back to: the
+same chains run both ways tell what the measurement buys::
+
+    python -m experiments.profile_zoo --set small --device cpu --repeats 3 --out /tmp/zoo
+    python -m experiments.encodings --chains /tmp/zoo --out /tmp/measured
+    python -m experiments.encodings --chains /tmp/zoo --out /tmp/bound --bound
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from offload.analysis.plots import plot_bars
@@ -28,6 +37,7 @@ from offload.solver import encoded_floor
 from offload.solver.methods import Options
 from offload.step import encoding
 from offload.step.chain import Chain
+from offload.step.chainfile import make_chain
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
 from offload.step.simulate import simulate
 
@@ -35,6 +45,14 @@ from .reproduce import link_bound, slowdown_cell, slowdown_panels, sweep_parser,
 
 OUT = Path(__file__).parent / "results" / "encodings"
 SHARES = (0.5, 0.3)
+
+
+def bound(chain: Chain) -> Chain:
+    """``chain`` with its encodings' measured op memory dropped: the bound stands (docs/encodings.md)."""
+    unmeasured = dict(fwd_held_bytes=None, next_held_bytes=None, bwd_held_bytes=None)
+    stages = [replace(s, encodings=tuple(replace(e, **unmeasured) for e in s.encodings)) for s in chain.stages]
+    return make_chain(chain.name, stages, chain.platform, chain.base_bytes, chain.source, chain.recipe,
+                      chain.workspace_bytes)
 
 
 def smallest_budgets(chain: Chain) -> dict:
@@ -50,8 +68,10 @@ def smallest_budgets(chain: Chain) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = sweep_parser(__doc__, OUT, time_limit=60)
+    ap.add_argument("--bound", action="store_true",
+                    help="drop the encodings' measured op memory: solve with the bound instead")
     args = ap.parse_args(argv)
-    chains = [c for c in zoo_chains(args.chains) if c.has_encodings]
+    chains = [bound(c) if args.bound else c for c in zoo_chains(args.chains) if c.has_encodings]
     if not chains:
         ap.error(f"no chain with encodings in {args.chains}: profile them with python -m experiments.profile_zoo "
                  f"--set small --out {args.chains}")

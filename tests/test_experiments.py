@@ -144,8 +144,10 @@ def test_encodings_experiment_compares_modes(tmp_path, capsys):
 
     folder = tmp_path / "chains"
     folder.mkdir()
-    save_chain(profile("resnet18", ProfileOptions(batch=2, repeats=1, warmup=1, options={"image": 32})).chain,
-               folder / "resnet18-b2-32px-cpu.json")
+    chain = profile("resnet18", ProfileOptions(batch=2, repeats=1, warmup=1, options={"image": 32})).chain
+    save_chain(chain, folder / "resnet18-b2-32px-cpu.json")
+    measured = lambda c: [e.fwd_held_bytes is not None for s in c.stages for e in s.encodings]  # noqa: E731
+    assert all(measured(chain)) and not any(measured(encodings.bound(chain)))  # --bound: what a solve gets without
     assert encodings.main(["--chains", str(folder), "--out", str(tmp_path / "out"), "--time-limit", "20",
                            "--jobs", "1"]) == 0
     out = capsys.readouterr().out

@@ -86,16 +86,20 @@ def _groups(chain: Chain, stages: list[int]) -> list[list[int]]:
 
 def _corrected(chain: Chain, i: int, e: Encoding, error: dict[str, int]) -> Encoding:
     """``e`` holding in each op of its window what it held over the prediction (``error``: per op,
-    measured less predicted, both as changes from the step with nothing encoded)."""
+    measured less predicted, both as changes from the step with nothing encoded); an op frees at
+    most the covered bytes (a reading below is the meter's noise: the larger value is kept)."""
     need = chain.stage(i).need_from
-    return replace(e, fwd_held_bytes=e.fwd_extra_bytes + error[f"F{i}"],
-                   next_held_bytes=e.next_extra_bytes + error[f"F{i + 1}"] if i < chain.L else None,
-                   bwd_held_bytes=tuple(e.bwd_extra(j - i) + error[f"B{j}"] for j in range(i, need + 1)))
+
+    def held(bound: int, op: str) -> int:
+        return max(bound + error[op], -e.covered_bytes)
+    return replace(e, fwd_held_bytes=held(e.fwd_extra_bytes, f"F{i}"),
+                   next_held_bytes=held(e.next_extra_bytes, f"F{i + 1}") if i < chain.L else None,
+                   bwd_held_bytes=tuple(held(e.bwd_extra(j - i), f"B{j}") for j in range(i, need + 1)))
 
 
 def _op_changes(chain: Chain, spec: ModelSpec, device: torch.device, choice: dict[int, str]) -> dict[str, int]:
-    """Per op, its measured peak less the simulator's, in one step with ``choice`` encoded
-    (after one step unmetered): the part of an op's memory the chain does not predict."""
+    """Per op, its measured peak less the simulator's, in one step with ``choice`` encoded: the
+    part of an op's memory the chain does not predict."""
     schedule = make_schedule(chain, [], encode=choice)
     predicted = {o.name: o.mem_bytes for o in schedule.simulate(chain).ops}
     measured = _op_peaks(chain, spec, device, schedule)

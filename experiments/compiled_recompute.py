@@ -18,8 +18,9 @@ stage, each its own run, so that a run's neighbours are kept as in most schedule
   (``recomputed_fwd_peak_bytes``): fitted so that the simulator gives that compile's
   measured memory of the stage's forward op exactly.
 
-Runs are single stages (``rerun_output=False``), nothing is carried into the next forward
-(``carry_bytes=0``), and a re-run's transient is its forward's.  Then seven schedules
+Runs are single stages (``rerun_output=False``), what the next forward holds beyond its
+prediction is what the stage carries into it (``carry_bytes``: under Inductor its output
+buffer, read there), and a re-run's transient is its forward's.  Then seven schedules
 (those two, all stages, the inner ones, recomputation with offloads, and the joint ILP's at
 two budgets) are compiled with marks and each op's measured memory is set against the
 simulator's.  The table says, per schedule, the most an op held over its prediction: where
@@ -102,7 +103,8 @@ def recomputing_chain(chain: Chain, options: dict, backend: str) -> Chain:
         predicted, _ = memory_profile(fitted, [], runs)
         for k in part:
             fields[k] = {**costs[k], "recomputed_fwd_peak_bytes":
-                         int(fitted.rfp[k]) + measured[k - 1] - int(predicted[k - 1])}
+                         int(fitted.rfp[k]) + measured[k - 1] - int(predicted[k - 1]),
+                         "carry_bytes": min(int(chain.a[k]), max(0, measured[k] - int(predicted[k])))}
     return with_fields(base, fields)
 
 

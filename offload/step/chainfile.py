@@ -115,7 +115,8 @@ def _measured(e: Mapping, enc: Encoding, reads: int, ctx: str) -> Encoding:
         if not isinstance(raw, list) or len(raw) != reads:
             raise FormatError(f"{ctx}.bwd_held_bytes must list one value per backward op from this stage's to its "
                               f"need_from's ({reads}), got {raw!r}")
-        bwd = tuple(v.whole({"b": b}, "b", f"{ctx}.bwd_held_bytes[{k}]", low) for k, b in enumerate(raw))
+        items = {str(k): b for k, b in enumerate(raw)}  # each element validated under its position, as _indices does
+        bwd = tuple(v.whole(items, str(k), f"{ctx}.bwd_held_bytes", low) for k in range(len(raw)))
     return replace(enc, fwd_held_bytes=fwd, next_held_bytes=nxt, bwd_held_bytes=bwd)
 
 

@@ -77,12 +77,10 @@ def allowance(chain, sched, op):
 
 
 def blob_slack(chain, sched, stages) -> int:
-    """The eighth of the blobs of ``stages``' encodings in ``sched`` whose size follows the data
-    (``sparse``: dropout masks draw other zeros every step, so its blob differs from the
-    profiled one by a few bytes), which the host arena keeps spare for them."""
-    sizes = [(t.encoder, t.encoded_bytes) for i in stages if i in sched.encode
-             for t in chain.stage(i).encoding(sched.encode[i]).tensors]
-    return sum(n // 8 for encoder, n in sizes if ENCODERS[encoder].variable_size)
+    """What the blobs of ``stages``' encodings in ``sched`` may differ from the profiled ones by
+    (``Encoder.spare_bytes``: ``sparse`` follows the data)."""
+    return sum(ENCODERS[t.encoder].spare_bytes(t.encoded_bytes) for i in stages if i in sched.encode
+               for t in chain.stage(i).encoding(sched.encode[i]).tensors)
 
 
 def moved_as_predicted(chain, sched, measured, predicted) -> bool:

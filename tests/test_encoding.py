@@ -291,3 +291,24 @@ def test_a_start_that_highs_presolve_misreads_is_solved_again():
     res = solve(chain, 202, "ilp", LOSSY)
     assert res.status == "optimal" and res.simulation.makespan_s == pytest.approx(0.009)
     assert res.simulation.makespan_s == pytest.approx(brute_force(chain, 202, "lossy"))
+
+
+def test_a_peak_above_its_prediction_within_what_sparse_blobs_may_vary_says_so(encoded_four):
+    """A ``sparse`` blob's size follows the data, so a step may hold a little more than the
+    profiled blob: the report allows an eighth of each (``blob_slack_bytes``) and says so when
+    an excess is within it; fixed-size encoders allow nothing."""
+    from offload.executor.report import Report
+    from offload.step.schedule import make_schedule
+
+    doc = encoded_four.document()
+    doc["stages"][1]["encodings"].append({**mask(name="sparse"), "tensors": [
+        {"index": 0, "encoder": "sparse", "bytes": 80, "encoded_bytes": 40}]})
+    chain = chain_from_dict(doc)
+    for name, slack in (("mask", 0), ("sparse", 5)):
+        report = Report.start(chain, make_schedule(chain, [], encode={2: name}), "cpu-eager", "cpu")
+        assert report.predicted.blob_slack_bytes == slack
+        for over in (1, 6):
+            report.measured.activation_peak_bytes = report.predicted.activation_peak_bytes + over
+            with pytest.warns(UserWarning, match="above the predicted"):
+                report.judge_peak()
+            assert ("sparse: its size follows the data" in report.over_prediction) == (over <= slack), (name, over)

@@ -51,6 +51,12 @@ class Encoder:
     variable_size: bool = False  # the blob's size follows the data: read back on the host (a GPU synchronizes)
     round_trips: bool = False  # decode(encode(x)) is x bit for bit, whatever x holds
 
+    def spare_bytes(self, nbytes: int) -> int:
+        """How much a blob profiled at ``nbytes`` may grow in another step: an eighth where its
+        size follows the data (dropout draws other zeros every step, training moves a ReLU's),
+        which the host arena keeps spare and the run's report allows for; else 0."""
+        return nbytes // 8 if self.variable_size else 0
+
 
 @functools.lru_cache(maxsize=None)
 def _bits(device: torch.device) -> torch.Tensor:

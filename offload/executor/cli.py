@@ -97,8 +97,10 @@ def _print_report(r: Report) -> None:
     if m.op_peak_bytes:
         over = {op: b - p.op_bytes[op] for op, b in m.op_peak_bytes.items() if b > p.op_bytes[op]}
         worst = max(over, key=over.get) if over else None
+        blobs = r.within_blob_slack(over[worst]) if over else ""
         print("op memory     " + (f"all {len(m.op_peak_bytes)} ops within their prediction (one step)" if not over else
-                                   f"{len(over)} op(s) above their prediction in one step, most {format_bytes(over[worst])} at {worst}"))
+                                   f"{len(over)} op(s) above their prediction in one step, most {format_bytes(over[worst])} at {worst}"
+                                   + (f": {blobs}" if blobs else "")))
     if r.trace:
         overlap = r.trace["copy_overlap"]
         print(f"trace         {r.trace['path']}" + (

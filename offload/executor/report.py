@@ -84,6 +84,9 @@ class Predicted:
     # timed steps (``source.plain_step_s``, ``no_offload_profiled``), else the chain's ideal makespan
     no_offload_step_s: float | None = None
     no_offload_profiled: bool = False
+    # what the encoded units' blobs may differ from the profiled ones by, all of them together
+    # (``Encoder.spare_bytes``: ``sparse`` follows the data; 0 for every encoder a GPU runs)
+    blob_slack_bytes: int = 0
 
 
 @dataclass
@@ -131,6 +134,7 @@ class Report:
     @classmethod
     def start(cls, chain: Chain, schedule: Schedule, backend: str, device: Any, op_memory: bool = False) -> "Report":
         """A report of ``schedule`` on ``chain``, its prediction made, nothing measured yet."""
+        from offload.core.encoders import ENCODERS  # torch: not loaded by the command line's start (offload show)
         sim = schedule.simulate(chain)
         plain = chain.source.get("plain_step_s")
         predicted = Predicted(step_s=sim.makespan_s, stall_s=sim.stall_s, host_wait_s=sim.host_wait_s,
@@ -139,7 +143,10 @@ class Report:
                               h2d_bytes_per_step=sim.h2d_bytes, copy_overlap=sim.copy_overlap,
                               op_bytes={o.name: o.mem_bytes for o in sim.ops} if op_memory else None,
                               no_offload_step_s=plain["median"] if plain else chain.ideal_makespan_s,
-                              no_offload_profiled=bool(plain))
+                              no_offload_profiled=bool(plain),
+                              blob_slack_bytes=sum(ENCODERS[t.encoder].spare_bytes(t.encoded_bytes)
+                                                   for i, name in schedule.encode.items()
+                                                   for t in chain.stage(i).encoding(name).tensors))
         return cls(chain=chain.name, chain_sha256=chain.sha256, method=schedule.method, backend=backend,
                    device=str(device), budget=schedule.budget, base_bytes=chain.base_bytes, predicted=predicted,
                    model=chain.recipe.model if chain.recipe else None,
@@ -174,18 +181,32 @@ class Report:
         """Say so (``over_prediction``, and a warning) when the measured activation peak is above
         the predicted one, with the cause when it is known: ``freed_grads`` forwards found the
         gradients freed (``optimizer.zero_grad()``'s default, or no backward yet) while the chain
-        counts them as allocated, in ``base_bytes``: the backward then allocates them on top."""
+        counts them as allocated, in ``base_bytes``: the backward then allocates them on top; or
+        the excess is within what the encoded units' blobs may vary."""
         measured, predicted = self.measured.activation_peak_bytes, self.predicted.activation_peak_bytes
         if measured is None or measured <= predicted:
             return
-        self.over_prediction = (
-            f"the activation peak measured {format_bytes(measured)} is {format_bytes(measured - predicted)} above "
-            f"the predicted {format_bytes(predicted)}"
-            + (f"; {freed_grads} forward(s) found the gradients freed, which the chain counts as allocated (profiled "
-               "without --set-to-none): the backward allocated them on top of the activations. Call "
-               "optimizer.zero_grad(set_to_none=False) and run one step before measuring, or profile with "
-               "--set-to-none" if freed_grads else ""))
+        if freed_grads:
+            why = (f"; {freed_grads} forward(s) found the gradients freed, which the chain counts as allocated "
+                   "(profiled without --set-to-none): the backward allocated them on top of the activations. Call "
+                   "optimizer.zero_grad(set_to_none=False) and run one step before measuring, or profile with "
+                   "--set-to-none")
+        else:
+            blobs = self.within_blob_slack(measured - predicted)
+            why = f"; {blobs}" if blobs else ""
+        self.over_prediction = (f"the activation peak measured {format_bytes(measured)} is "
+                                f"{format_bytes(measured - predicted)} above the predicted {format_bytes(predicted)}"
+                                + why)
         warnings.warn(self.over_prediction, stacklevel=4)  # at the with statement of measured()
+
+    def within_blob_slack(self, over: int = 0) -> str:
+        """Where ``over`` bytes above a prediction are what the encoded units' blobs may vary
+        (``Predicted.blob_slack_bytes``), the sentence that says so; else ''."""
+        slack = self.predicted.blob_slack_bytes
+        if not slack or over > slack:
+            return ""
+        return (f"within the {format_bytes(slack)} the encoded units' blobs may differ from the profiled ones "
+                "(sparse: its size follows the data, docs/encodings.md)")
 
     def in_scope(self, peaks: Measured | Predicted | Baseline) -> int | None:
         """``peaks``'s peak in the budget's scope (activations when there is no budget)."""

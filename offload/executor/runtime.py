@@ -368,7 +368,7 @@ class _Step(StageListener):
         """The D2H copies of these held storages into host slots, one batch."""
         arena, stored = self.runtime.arena, [self.stored[sid] for sid in sids]
         for s in stored:
-            spare = s.nbytes // 8 if s.codec is not None and s.codec[0].variable_size else 0
+            spare = s.codec[0].spare_bytes(s.nbytes) if s.codec is not None else 0
             s.slot_index, s.slot = arena.slot(s.nbytes, spare=spare)
         copies = self.backend.d2h_many([(s.device, s.slot, arena.guard(s.slot_index)) for s in stored])
         for s, copy in zip(stored, copies):

@@ -17,7 +17,7 @@ from offload.executor import Offloaded, distributed
 from offload.executor.compiled import SchedulePartitioner, compile_scheduled
 from offload.executor.train import TrainOptions, train
 from offload.models import resolve
-from offload.core.meters import allocated_peak
+from offload.core.meters import AllocationMeter, allocated_peak
 from offload.executor.marked import MarkedRun, Marks, intervals
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
@@ -275,3 +275,24 @@ def test_a_model_that_breaks_the_graph_is_told_how_to_profile(tmp_path):
         profile(f"{tmp_path / 'breaks.py'}:build", ProfileOptions(batch=4, repeats=1, warmup=1, encodings=False,
                                                                   compile="aot_eager", whole_graph=True))
     assert "find its graph breaks with torch._dynamo.explain" in error.value.hint
+
+
+def test_the_allocation_meter_counts_from_its_own_start_whatever_the_process_metered_before():
+    """``torch.profiler``'s running count of CPU allocations keeps a block made under one
+    profile and freed between profiles (a step's outputs, kept past its interval), and counts
+    a free under a later one: read as it was, each step of such a loop read 1 MiB more than
+    the last, and a process that had metered other models read each op over what it held.
+    The meter counts from its own start."""
+    readings, blocks = [], []
+    for _ in range(3):
+        blocks.clear()  # between the steps: the last step's block freed
+        meter = AllocationMeter()
+        meter.boundary()
+        blocks.append(torch.empty(1 << 20, dtype=torch.uint8))  # made in the step, freed after it
+        torch.empty(1 << 10, dtype=torch.uint8)  # made and freed in it
+        readings.append(meter.boundary())
+    assert readings == [(2 ** 20 + 2 ** 10, 2 ** 20)] * 3
+    meter = AllocationMeter()
+    meter.boundary()
+    blocks.clear()  # a free, in this interval, of a block made under an earlier profile
+    assert meter.boundary() == (0, -(2 ** 20))

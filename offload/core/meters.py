@@ -380,12 +380,20 @@ def chrome_trace(prof: Any) -> str:
 
 def cpu_allocations(prof: Any, events: list[dict] | None = None) -> list[tuple[float, int]]:
     """A finished ``torch.profiler.profile(profile_memory=True)``'s CPU memory events, in time
-    order: (time in us, bytes allocated then over the profile's start: the profiler counts the
-    allocations it sees, and frees of them).  ``events``: its trace's, when already read."""
+    order: (time in us, bytes allocated then over the profile's start).  ``events``: its
+    trace's, when already read.
+
+    An event's ``Total Allocated`` is the CPU allocator's running count of the blocks it saw
+    allocated while any profile ran, less their frees seen while one ran: a block allocated
+    under an earlier profile and freed between profiles stays in it, so the count starts each
+    profile at what the process ran before.  The level at this profile's start is the first
+    event's count less that event's own ``Bytes``; every total is taken over it."""
     if events is None:
         events = json.loads(chrome_trace(prof))["traceEvents"]
-    return sorted((float(e["ts"]), int(e["args"]["Total Allocated"])) for e in events
-                  if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+    memory = sorted((float(e["ts"]), int(e["args"]["Total Allocated"]), int(e["args"]["Bytes"])) for e in events
+                    if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+    start = memory[0][1] - memory[0][2] if memory else 0
+    return [(ts, total - start) for ts, total, _ in memory]
 
 
 def allocated_peak(run_step: Callable[[], Any], device: torch.device) -> int:

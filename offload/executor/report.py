@@ -199,7 +199,7 @@ class Report:
                                 + why)
         warnings.warn(self.over_prediction, stacklevel=4)  # at the with statement of measured()
 
-    def within_blob_slack(self, over: int = 0) -> str:
+    def within_blob_slack(self, over: int) -> str:
         """Where ``over`` bytes above a prediction are what the encoded units' blobs may vary
         (``Predicted.blob_slack_bytes``), the sentence that says so; else ''."""
         slack = self.predicted.blob_slack_bytes

@@ -10,7 +10,10 @@
 #    rows that ran +8.9% and +10.2% over their predictions in the fourth H200 session;
 # 3. the executor's pack and unpack hooks timed call by call on that host, kept and handled;
 # 4. the compiled benchmark under faulthandler (where it crashes, the stack says where);
-# 5. the other GPU tests.
+# 5. a ResNet-18's encodings, profiled on the GPU (their ops' memory now measured with them on,
+#    offload/profiler/encoded_memory.py) and trained every unit encoded (Gist's rule) with
+#    --op-memory: is each op at its prediction on CUDA too;
+# 6. the other GPU tests.
 # RESULTS gets at most 8 files (what a device run brings back): machine.txt, log.txt, the two
 # test logs and bench.tgz (every benchmark's folder and log, packed after each part).
 set -u
@@ -45,6 +48,15 @@ el compiled
 timeout "$(left 100)" $PY -X faulthandler -m experiments.compiled --model llama --layers 4 --width 1024 --batch 8 \
     --steps 5 --out "$W/compiled" > "$W/compiled.log" 2>&1
 echo "rc $?" >> "$W/compiled.log"; pack
+
+el encodings
+mkdir -p "$W/encodings"
+timeout "$(left 60)" bash -c "$PY -m offload profile resnet18 --batch 8 -O image=64 --device cuda -q \
+    -o $W/encodings/chain.json && $PY -m offload solve $W/encodings/chain.json --budget 150% -m gist \
+    -o $W/encodings/schedule.json && $PY -m offload train --chain $W/encodings/chain.json \
+    --schedule $W/encodings/schedule.json --steps 3 --check-grads --op-memory --report $W/encodings/report.json" \
+    > "$W/encodings.log" 2>&1
+echo "rc $?" >> "$W/encodings.log"; pack
 
 el tests
 timeout "$(left 150)" $PYTEST -m "gpu or cudashim" -k "not compiled" tests/test_executor_gpu.py tests/test_cudashim.py \

@@ -13,14 +13,17 @@ stage, each its own run, so that a run's neighbours are kept as in most schedule
 * its checkpoint: the saved storages that only the run reads in the backward
   (``input_bytes``), of which those its own forward made (its dropouts' outputs and masks,
   which a compiled run saves where the eager one draws them again: ``rerun_held_bytes``)
-  and the rest, its input (``input_own_bytes``);
+  and the rest, its input (``input_own_bytes``); plus what the next forward holds over its
+  prediction in that compile, which stays until the run is rebuilt (under Inductor, 64 KiB
+  a block: found held through ``F(k+2)`` and ``B(k+1)`` too, so booked with the checkpoint,
+  not as what the stage carries into the next forward alone; not a storage a move of the
+  checkpoint takes);
 * its forward's transient when autograd keeps none of its unit
   (``recomputed_fwd_peak_bytes``): fitted so that the simulator gives that compile's
   measured memory of the stage's forward op exactly.
 
-Runs are single stages (``rerun_output=False``), what the next forward holds beyond its
-prediction is what the stage carries into it (``carry_bytes``: under Inductor its output
-buffer, read there), and a re-run's transient is its forward's.  Then seven schedules
+Runs are single stages (``rerun_output=False``), nothing else is carried into the next
+forward (``carry_bytes=0``), and a re-run's transient is its forward's.  Then seven schedules
 (those two, all stages, the inner ones, recomputation with offloads, and the joint ILP's at
 two budgets) are compiled with marks and each op's measured memory is set against the
 simulator's.  The table says, per schedule, the most an op held over its prediction: where
@@ -102,9 +105,9 @@ def recomputing_chain(chain: Chain, options: dict, backend: str) -> Chain:
         fitted = with_fields(base, costs)
         predicted, _ = memory_profile(fitted, [], runs)
         for k in part:
-            fields[k] = {**costs[k], "recomputed_fwd_peak_bytes":
-                         int(fitted.rfp[k]) + measured[k - 1] - int(predicted[k - 1]),
-                         "carry_bytes": min(int(chain.a[k]), max(0, measured[k] - int(predicted[k])))}
+            unbooked = max(0, measured[k] - int(predicted[k]))  # held from F(k+1) on: part of its checkpoint
+            fields[k] = {**costs[k], "input_bytes": costs[k]["input_bytes"] + unbooked,  # (not one a move takes)
+                         "recomputed_fwd_peak_bytes": int(fitted.rfp[k]) + measured[k - 1] - int(predicted[k - 1])}
     return with_fields(base, fields)
 
 

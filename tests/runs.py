@@ -76,17 +76,21 @@ def allowance(chain, sched, op):
     return TOLERANCE + shared
 
 
-def blob_slack(chain, sched, stages) -> int:
-    """What the blobs of ``stages``' encodings in ``sched`` may differ from the profiled ones by
-    (``Encoder.spare_bytes``: ``sparse`` follows the data)."""
-    return sum(ENCODERS[t.encoder].spare_bytes(t.encoded_bytes) for i in stages if i in sched.encode
-               for t in chain.stage(i).encoding(sched.encode[i]).tensors)
+def ops_off_prediction(report) -> dict[str, int]:
+    """Per op measured less predicted, where it is off: above the prediction by more than the
+    encoded blobs may vary (``Predicted.blob_slack_bytes``), or below it by more than
+    ``TOLERANCE``."""
+    measured, p = report.measured.op_peak_bytes, report.predicted
+    return {op: b - p.op_bytes[op] for op, b in measured.items()
+            if not -TOLERANCE <= b - p.op_bytes[op] <= p.blob_slack_bytes}
 
 
 def moved_as_predicted(chain, sched, measured, predicted) -> bool:
     """Bytes moved per step equal to the prediction, to the byte, except where a unit is offloaded
-    with an encoder whose blob's size follows the data: there by at most ``blob_slack``."""
-    slack = blob_slack(chain, sched, [o.stage for o in sched.offloads])
+    with an encoder whose blob's size follows the data: there by at most what those blobs may
+    differ from the profiled ones (``Encoder.spare_bytes``)."""
+    slack = sum(ENCODERS[t.encoder].spare_bytes(t.encoded_bytes) for o in sched.offloads if o.stage in sched.encode
+                for t in chain.stage(o.stage).encoding(sched.encode[o.stage]).tensors)
     return all(abs(m - p) <= slack for m, p in zip(measured, predicted))
 
 

@@ -18,7 +18,7 @@ from offload.step.memory import floor_offloads
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import save_schedule
 from tests.cudashim import HostWaits
-from tests.runs import TOLERANCE, Profiled, blob_slack
+from tests.runs import Profiled, ops_off_prediction
 
 OPTIONS = {"resnet18": {"image": 16}, "mlp": {"layers": 4, "width": 256, "features": 64, "classes": 10}}
 
@@ -152,10 +152,7 @@ def test_lossless_encodings_keep_gradients_bit_for_bit(chains, model, backend):
         assert error is None and report.grads_match is True, (name, report.grad_mismatches)
         m, p = report.measured, report.predicted
         assert max(m.leaked_by_step) == 0
-        slack = blob_slack(chain, sched, range(1, chain.L + 1))
-        off = {op: b - p.op_bytes[op] for op, b in m.op_peak_bytes.items()
-               if not -TOLERANCE <= b - p.op_bytes[op] <= slack}
-        assert not off, (name, slack, off)
+        assert not ops_off_prediction(report), (name, p.blob_slack_bytes, ops_off_prediction(report))
         assert report.lossy is False and report.grad_rel_diff == [0.0, 0.0]
         assert m.encoded_bytes_per_step > 0
 

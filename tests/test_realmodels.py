@@ -23,7 +23,7 @@ from offload.step import encoding
 from offload.step.actions import Offload, Recompute
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
-from tests.runs import ROOT, TOLERANCE, blob_slack, check_run, moved_as_predicted, recomputing
+from tests.runs import ROOT, TOLERANCE, check_run, moved_as_predicted, ops_off_prediction, recomputing
 
 pytest.importorskip("transformers")
 
@@ -88,10 +88,7 @@ def test_an_encoded_units_ops_hold_what_the_chain_predicts(profiled):
     for sched in (make_schedule(chain, [], encode=choice), make_schedule(chain, floor_offloads(chain), encode=choice)):
         report, error = train(None, chain, sched, TrainOptions(steps=1, backend="cpu-eager", op_memory=True))
         assert error is None
-        m, p = report.measured.op_peak_bytes, report.predicted.op_bytes
-        slack = blob_slack(chain, sched, range(1, chain.L + 1))
-        off = {op: b - p[op] for op, b in m.items() if not -TOLERANCE <= b - p[op] <= slack}
-        assert not off, (sched.offloads, slack, off)
+        assert not ops_off_prediction(report), (sched.offloads, ops_off_prediction(report))
 
 
 @pytest.mark.parametrize("model, backend", [("llama", "cpu-eager")]  # cpu-lazy: the frozen and recomputed llama

@@ -242,6 +242,8 @@ CASES |= {
                                     "no floating-point tensor"),
     "profile onto its model file": (user_model, ["profile", "models.py:no_params", "--batch", "2", "-o", "models.py"],
                                     "also an input"),
+    "chain and schedule where train takes its MODEL": (None, ["train", "chain.json", "schedule.json"],
+                                                       "is a JSON file, not a model"),
     "model file is a folder": (None, ["profile", "sub/x.py:build", "--batch", "2", "-o", "c.json"], "not found"),
     "model file is a pipe": (lambda root: os.mkfifo(root / "pipe.py"),
                              ["profile", "pipe.py:build", "--batch", "2", "-o", "c.json"], "not a regular file"),

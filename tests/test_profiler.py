@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from offload.cli import main
-from offload.profiler import selective
+from offload.profiler import bandwidth, selective
 from offload.profiler.selective import _menu
 from offload.core.staging import Site, Staging
 from offload.errors import ModelError
@@ -439,6 +439,24 @@ def test_cli_bandwidth_override(tmp_path, capsys):
     capsys.readouterr()
     assert main(["show", str(out)]) == 0
     assert "as plain PyTorch runs it, timed beside the profile's steps" in capsys.readouterr().out
+
+
+def test_a_few_slow_small_copies_make_no_latency():
+    """The copy line's latency is the small copy's median less its bytes at the bandwidth: on a
+    busy 2-core host the first small copies after a large one waited 7.9 ms for a descheduled
+    thread (a 64 KiB copy takes 5 us), which a median of the profile's 5 repeats made an
+    8 ms latency per copy; the cheap small copy is timed SMALL_REPEATS times."""
+    calls = {"small": 0}
+
+    def copy(n: int) -> float:  # seconds of an 8 GB/s copy with 5 us latency; 8 ms for the first six small ones
+        if n == bandwidth.SMALL:
+            calls["small"] += 1
+            if calls["small"] <= 6:
+                return 8e-3
+        return 5e-6 + n / 8e9
+
+    bw, latency = bandwidth._line(copy, 64 * 2**20, repeats=5)
+    assert bw == pytest.approx(8e9, rel=1e-3) and latency == pytest.approx(5e-6, rel=1e-3)
 
 
 @pytest.mark.parametrize("model,message", [

@@ -102,7 +102,12 @@ def input_path(text: str) -> str:
 
 def model_input(text: str) -> str:
     """Argument type of a MODEL: when it names a Python file (``path/file.py:fn``), that file is an
-    input of the command."""
+    input of the command.  A JSON file is refused as no model: it is a chain or a schedule given
+    where ``train`` takes its optional MODEL (``offload train chain.json schedule.json``)."""
+    if text.lower().endswith(".json"):
+        raise FormatError(f"MODEL {text!r} is a JSON file, not a model (a zoo name, torchvision:NAME, file.py:fn or "
+                          "package.module:fn)", "a chain or a schedule is given as such: offload train --chain "
+                          f"{text} --schedule SCHEDULE.json (the model is the one the chain names), offload show {text}")
     target = text.rpartition(":")[0]
     if target.endswith(".py") or "/" in target or "\\" in target:
         input_path(target)

@@ -2,7 +2,9 @@
 
 On CUDA: pinned host buffers and device buffers, copies on their own streams (as the
 executor issues them), timed with CUDA events at a large and a small size; the linear
-model ``t = latency + bytes / bandwidth`` is fitted through the two medians.  The two
+model ``t = latency + bytes / bandwidth`` is fitted through the two medians (the small copy's
+over ``SMALL_REPEATS`` at least: it is cheap, and on a busy host a few of its runs wait for a
+descheduled thread for milliseconds, a latency a thousand times the copy's).  The two
 directions are measured one at a time: in the schedule class every D2H copy ends before
 the first prefetch starts, and only a held part's restore (a forward's H2D copy) may run
 beside D2H copies, where the model takes them to run at once, as a GPU's copy engines do.
@@ -27,18 +29,20 @@ from offload.executor.copy_cost import copy_host_seconds
 from offload.step.chain import Platform
 
 LARGE, SMALL = 256 * 2**20, 64 * 2**10
+SMALL_REPEATS = 101
 
 
-def _fit(large_s: float, small_s: float, large: int, small: int) -> tuple[float, float]:
-    """(bandwidth B/s, latency s) of the line through the two (bytes, seconds) points."""
-    slope = (large_s - small_s) / (large - small)
+def _line(copy: Callable[[int], float], large: int, repeats: int) -> tuple[float, float]:
+    """(bandwidth B/s, latency s) of the line through the median seconds ``copy(n)`` takes for
+    ``large`` and ``SMALL`` bytes (over ``repeats`` copies, at least ``SMALL_REPEATS`` small ones)."""
+    def median(n: int, k: int) -> float:
+        copy(n)  # warm-up
+        return statistics.median(copy(n) for _ in range(k))
+
+    large_s, small_s = median(large, repeats), median(SMALL, max(repeats, SMALL_REPEATS))
+    slope = (large_s - small_s) / (large - SMALL)
     bandwidth = 1.0 / slope if slope > 0 else large / large_s
-    return bandwidth, max(0.0, small_s - small / bandwidth)
-
-
-def _median(fn: Callable[[], float], repeats: int) -> float:
-    fn()  # warm-up
-    return statistics.median(fn() for _ in range(repeats))
+    return bandwidth, max(0.0, small_s - SMALL / bandwidth)
 
 
 def _cuda_platform(device: torch.device, repeats: int, size: int) -> Platform:
@@ -60,16 +64,11 @@ def _cuda_platform(device: torch.device, repeats: int, size: int) -> Platform:
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    def one(direction: str, n: int) -> float:
-        if direction == "d2h":
-            return _median(lambda: timed([(d2h, host[0][:n], dev[0][:n])]), repeats)
-        return _median(lambda: timed([(h2d, dev[1][:n], host[1][:n])]), repeats)
-
-    d2h_bw, d2h_lat = _fit(one("d2h", size), one("d2h", SMALL), size, SMALL)
-    h2d_bw, h2d_lat = _fit(one("h2d", size), one("h2d", SMALL), size, SMALL)
+    d2h_bw, d2h_lat = _line(lambda n: timed([(d2h, host[0][:n], dev[0][:n])]), size, repeats)
+    h2d_bw, h2d_lat = _line(lambda n: timed([(h2d, dev[1][:n], host[1][:n])]), size, repeats)
     name = torch.cuda.get_device_name(device)
     note = (f"measured on {name}: pinned host buffers, {size // 2**20} MiB and {SMALL // 2**10} KiB copies, "
-            f"median of {repeats}; the executor's host time per storage copied timed as it issues them")
+            f"medians of {repeats} and {max(repeats, SMALL_REPEATS)}; the executor's host time per storage copied timed as it issues them")
     return Platform(d2h_bytes_per_s=d2h_bw, h2d_bytes_per_s=h2d_bw, latency_s=(d2h_lat + h2d_lat) / 2, note=note,
                     copy_host_s=copy_host_seconds(device, repeats=repeats))
 
@@ -82,7 +81,7 @@ def _cpu_standin(repeats: int, size: int) -> Platform:
         dst[:n].copy_(src[:n])
         return time.perf_counter() - t
 
-    bw, lat = _fit(_median(lambda: timed(size), repeats), _median(lambda: timed(SMALL), repeats), size, SMALL)
+    bw, lat = _line(timed, size, repeats)
     note = ("CPU stand-in, not a GPU link: host memory-copy bandwidth of this machine "
             "(what the CPU executor pays per copy); plan for a real GPU with --bandwidth")
     return Platform(d2h_bytes_per_s=bw, h2d_bytes_per_s=bw, latency_s=lat, note=note)

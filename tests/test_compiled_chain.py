@@ -3,6 +3,8 @@ compiled graph's copies move, its memory that graph's, so a schedule solved on i
 budget when ``compile_scheduled`` runs it."""
 import json
 import pickle
+import subprocess
+import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -275,6 +277,22 @@ def test_a_model_that_breaks_the_graph_is_told_how_to_profile(tmp_path):
         profile(f"{tmp_path / 'breaks.py'}:build", ProfileOptions(batch=4, repeats=1, warmup=1, encodings=False,
                                                                   compile="aot_eager", whole_graph=True))
     assert "find its graph breaks with torch._dynamo.explain" in error.value.hint
+
+
+def test_metering_a_compiled_step_prints_nothing_of_torch_profilers_own():
+    """torch 2.13's profiler writes "USDT: ... profiler_start" and "profiler_stop" lines to the
+    process's stderr from C++ each time it starts and stops: a compiled step metered op by op
+    (``offload profile --compile B --whole-graph``, ``train --op-memory``) printed them into the
+    command's output.  The meter's profiler does not; a plain one, in the same process, does."""
+    code = ("import sys, torch\n"
+            "from offload.core.meters import AllocationMeter\n"
+            "meter = AllocationMeter(); meter.boundary(); torch.ones(8) + 1; meter.boundary()\n"
+            "print('metered', file=sys.stderr, flush=True)\n"
+            "with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]): torch.ones(8) + 1\n")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parents[1]).stderr
+    metered, plain = err.split("metered\n")
+    assert "USDT" not in metered and "profiler_start" in plain, err
 
 
 def test_the_allocation_meter_counts_from_its_own_start_whatever_the_process_metered_before():

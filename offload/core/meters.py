@@ -32,6 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from offload.io.text import native_output_discarded
+
 
 _host = threading.local()
 _RESIZE = torch.ops.inductor.resize_storage_bytes_.default  # what the executor resizes storages with
@@ -320,6 +322,20 @@ class Clock:
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
+class QuietProfile(torch.profiler.profile):
+    """``torch.profiler.profile`` that prints nothing as it starts and stops: torch 2.13's kineto
+    writes "USDT: ... profiler_start" and "profiler_stop" lines to the process's stderr from C++,
+    which land in a command's own output each time a compiled step is metered."""
+
+    def start(self) -> None:
+        with native_output_discarded(2):
+            super().start()
+
+    def stop(self) -> None:
+        with native_output_discarded(2):
+            super().stop()
+
+
 class AllocationMeter:
     """The CPU allocator's allocations, from ``torch.profiler``'s memory events, for code that
     bypasses the dispatcher in Python (a compiled graph's kernels allocate in C++, where a
@@ -347,8 +363,7 @@ class AllocationMeter:
     def boundary(self) -> tuple[int, int]:
         """(peak since the last boundary, live now), relative to the first boundary."""
         if self._profiler is None:
-            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                    profile_memory=True)
+            self._profiler = QuietProfile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
             self._profiler.start()
             return 0, 0
         self._profiler.stop()

@@ -23,7 +23,7 @@ import torch
 
 from offload.core.devices import persistent_tensors
 from offload.core.selective import selective_checkpointing
-from offload.core.meters import chrome_trace
+from offload.core.meters import QuietProfile, chrome_trace
 from offload.core.staging import Site
 from offload.io.files import write_atomic
 from offload.models.spec import ModelSpec
@@ -224,7 +224,7 @@ def trace_step(path: str, trainer: Trainer, run: Offloaded) -> dict[str, Any]:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if trainer.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with step_errors("the traced step"), torch.profiler.profile(activities=activities) as prof:
+    with step_errors("the traced step"), QuietProfile(activities=activities) as prof:
         trainer.one_step(lambda args, kwargs: run(*args, **kwargs), trainer.spec.batch(), contextlib.nullcontext)
         trainer.synchronize()
     gc.collect()

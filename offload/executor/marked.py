@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from offload.core.meters import chrome_trace, cpu_allocations
+from offload.core.meters import QuietProfile, chrome_trace, cpu_allocations
 from offload.models.spec import ModelSpec
 from offload.step.chain import Chain
 from offload.step.memory import op_name
@@ -130,6 +130,6 @@ class MarkedRun:
         as the step began."""
         if self.device.type == "cuda":
             return self.step().cuda_peaks(intervals(self.L))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with QuietProfile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             self.step()
         return _cpu_peaks(prof, 2 * self.L + 3, intervals(self.L))

@@ -1,10 +1,14 @@
 """Text for people: bytes and time in human units both ways (``6GiB`` / ``800MB`` / ``60%`` in,
-``1.5 GiB`` out), file contents made safe to print, and the one line an error is shown as."""
+``1.5 GiB`` out), file contents made safe to print, the one line an error is shown as, and no
+line that a C library prints on its own."""
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
 import sys
+from typing import Iterator
 
 from ..errors import FormatError, OffloadError
 
@@ -107,3 +111,19 @@ def report_error(command: str, exc: OffloadError) -> int:
     if exc.hint:
         print(f"  hint: {printable(exc.hint)}", file=sys.stderr)
     return exc.exit_code
+
+
+@contextlib.contextmanager
+def native_output_discarded(fd: int) -> Iterator[None]:
+    """Point file descriptor ``fd`` (1 or 2) at /dev/null for the block: C libraries print there
+    directly (a MILP solver's banner, ``torch.profiler``'s "USDT: ... profiler_start" lines),
+    past ``sys.stdout`` and ``sys.stderr``, into the command's own output."""
+    (sys.stdout if fd == 1 else sys.stderr).flush()
+    saved, null = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(null)

@@ -43,20 +43,18 @@ What "honestly" takes with PuLP 3.3 and highspy 1.16:
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
 
 import highspy
 import numpy as np
 import pulp
 
 from .deadline import Deadline
+from ..io.text import native_output_discarded
 from ..errors import SolverFailure
 
 SOLVERS = ("highs", "cbc")
@@ -76,20 +74,6 @@ class SolveOutcome:
     stop: str  # optimal | infeasible | time-limit | other (the solver's own words)
 
 
-@contextlib.contextmanager
-def _stdout_discarded() -> Iterator[None]:
-    """Point file descriptor 1 at /dev/null for the block (C libraries print there directly)."""
-    sys.stdout.flush()
-    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(null)
-
-
 _banner_shown = False
 
 
@@ -99,7 +83,7 @@ def new_highs() -> highspy.Highs:
     global _banner_shown
     if _banner_shown:
         return highspy.Highs()
-    with _stdout_discarded():
+    with native_output_discarded(1):
         h = highspy.Highs()
     _banner_shown = True
     return h

@@ -17,7 +17,7 @@ from experiments.reproduce import link_bound
 from offload.cli import main as offload
 from offload.errors import InfeasibleBudget, ScheduleRejected
 from offload.executor.plan import StepPlan
-from offload.solver import relax
+from offload.solver import encoded_floor, relax
 from offload.solver.ilp import Model, solve_ilp
 from offload.solver.methods import Options, solve
 from offload.solver.policy import floor_memory
@@ -194,6 +194,42 @@ def test_every_joint_schedule_with_encodings_is_a_point_of_the_milp(cb, rnd):
     sim = simulate(chain, offloads, encode=encode, recompute=runs)
     model = Model(chain, sim.peak_bytes, options=options, max_run=8)
     assert_loads_exactly(model, offloads, encode, runs)
+
+
+def test_a_unit_recomputed_is_not_also_encoded_in_the_joint_floors_bound():
+    """The bound below which ``solve --recompute`` refuses a budget (encodings allowed) was the
+    recomputation bound of the chain with the offload floor's encodings applied, as if a unit
+    could be encoded and recomputed at once: here 3 B, while recomputing stage 1 (encoding
+    nothing) peaks at 2 B, a budget the solve refused.  It is now the least over each unit's
+    one fate (``encoded_floor.floor`` with ``recompute``)."""
+    sign = {"index": 0, "encoder": "sign-mask", "bytes": 1, "encoded_bytes": 0, "output": False, "workspace_bytes": 0}
+    sparse = {"index": 1, "encoder": "sparse", "bytes": 1, "encoded_bytes": 1, "output": False, "workspace_bytes": 0}
+    stage = dict(kind="conv", fwd_s=0.001, bwd_s=0.001, fwd_peak_bytes=2, bwd_peak_bytes=0, carry_bytes=0)
+    chain = chain_from_dict(chain_doc(base_bytes=0, stages=[
+        {**stage, "name": "s1", "saved_bytes": 2, "need_from": 1, "rerun_output": False,
+         "encodings": [{"name": "lossless", "lossless": True, "encode_s": 0.0, "decode_s": 0.0,
+                        "tensors": [sign, sparse]}]},
+        {**stage, "name": "s2", "saved_bytes": 0, "need_from": 2, "recomputable": False}]))
+    assert simulate(chain, [], recompute=[Recompute(1, 1)]).peak_bytes == 2
+    assert encoded_floor.floor(chain, "lossless", recompute=True)[0] == 2
+    assert solve(chain, 2, "ilp", Options(recompute=True)).schedule.recompute == (Recompute(1, 1),)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(chain_and_budget(min_stages=2, max_stages=6, encodings=True, inputs=True), st.randoms(use_true_random=False))
+def test_no_joint_schedule_with_encodings_holds_less_than_the_joint_floors_bound(cb, rnd):
+    """Units recomputed, stored encoded, offloaded at once: no such schedule peaks below the
+    bound, which is no higher than either family's own floor."""
+    chain, _ = cb
+    runs = [Recompute(i, i) for i in sorted(chain.recomputable) if rnd.random() < 0.5]
+    rebuilt = {r.first for r in runs}
+    encode = {i: rnd.choice(es).name for i, es in encoding.allowed(chain, "lossless").items()
+              if i not in rebuilt and rnd.random() < 0.7}
+    offloads = [o if o.stage not in encode else replace(o, restore=0)
+                for o in floor_offloads(chain, runs) if o.stage not in rebuilt]
+    bound = encoded_floor.floor(chain, "lossless", recompute=True)[0]
+    assert bound <= simulate(chain, offloads, encode=encode, recompute=runs).peak_bytes
+    assert bound <= min(smallest_feasible_budget(chain, recompute=True), encoded_floor.floor(chain, "lossless")[0])
 
 
 @settings(max_examples=12, **SETTINGS)

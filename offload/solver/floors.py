@@ -11,6 +11,7 @@ from offload.errors import InfeasibleBudget
 from offload.step.chain import Chain
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
 
+from .encoded_floor import floor
 from .methods import Options, solve
 
 
@@ -33,8 +34,8 @@ def joint_floor(chain: Chain, time_limit_s: float = 10.0, resolution: float = 0.
     schedule, bisected to ``resolution`` of the no-offload peak between the joint lower bound
     and ``met``, a budget known to be met (default: offloading's floor, which offloading alone
     meets); an upper bound where a solve runs out of ``time_limit_s`` before finding one."""
-    low = smallest_feasible_budget(chain, recompute=True)
+    options = Options(time_limit_s=time_limit_s, heuristic_time_s=min(1.0, time_limit_s / 4), recompute=True)
+    low = floor(chain, options.encodings, recompute=True)[0]
     met = smallest_feasible_budget(chain) if met is None else met
     step = max(1, int(resolution * no_offload_peak(chain)))
-    options = Options(time_limit_s=time_limit_s, heuristic_time_s=min(1.0, time_limit_s / 4), recompute=True)
     return bisect_budget(chain, "ilp", options, low - 1, met, step)

@@ -17,7 +17,7 @@ from offload.step import encoding
 from offload.step.actions import Choice, Offload, Recompute
 from offload.step.budget import Budget
 from offload.step.chain import Chain
-from offload.step.memory import floor_bound_memory, op_name, smallest_feasible_budget
+from offload.step.memory import op_name
 from offload.step.schedule import Schedule, make_schedule
 from offload.step.simulate import Simulation, simulate
 
@@ -306,12 +306,10 @@ RETIMED = {"torch-offload"}  # methods that solve the ILP first and time its cho
 def _refuse_below_floor(chain: Chain, budget: Budget, mode: str, recompute: bool) -> int:
     """The smallest feasible activation budget with ``mode``'s encodings (with ``recompute``, a
     lower bound on it); ``InfeasibleBudget`` naming the op that holds it when ``budget`` is below."""
-    floor, floor_choice = encoded_floor.floor(chain, mode)
-    derived = encoding.apply(chain, floor_choice)
-    if recompute:
-        floor = smallest_feasible_budget(derived, recompute=True)
+    memory, _ = encoded_floor.floor_by_op(chain, mode, recompute)
+    floor = int(memory.max())
     if budget.excess(chain, floor) > 0:
-        o = int(floor_bound_memory(derived, recompute).argmax())
+        o = int(memory.argmax())
         smallest, base = budget.counted(chain, floor), budget.base(chain)
         raise InfeasibleBudget(
             f"budget {budget} is below the smallest feasible budget {format_bytes(smallest)}: even with every "

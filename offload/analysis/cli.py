@@ -29,17 +29,18 @@ def _print_summary(rows: list[Row]) -> None:
     by_method: dict[str, list[Row]] = defaultdict(list)
     for r in rows:
         by_method[r.method].append(r)
-    print(f"{'method':<19}{'feasible from':>16}{'slowdown there':>16}{'at the top':>12}{'optimal':>9}"
+    w = max(19, *(len(m) + 2 for m in by_method))  # the longest method name, then two spaces
+    print(f"{'method':<{w}}{'feasible from':>16}{'slowdown there':>16}{'at the top':>12}{'optimal':>9}"
           f"{'errors':>8}{'solve (max)':>13}")
     for method, mrows in by_method.items():
         ok = [r for r in mrows if r.status in ("optimal", "feasible")]
         errors = sum(r.status == "error" for r in mrows)
         proven = f"{sum(r.status == 'optimal' for r in mrows)}/{len(mrows)}"
         if not ok:
-            print(f"{method:<19}{'never':>16}{'-':>16}{'-':>12}{proven:>9}{errors:>8}{'-':>13}")
+            print(f"{method:<{w}}{'never':>16}{'-':>16}{'-':>12}{proven:>9}{errors:>8}{'-':>13}")
             continue
         first, last = ok[0], ok[-1]
-        print(f"{method:<19}{format_bytes(first.budget_bytes):>16}{first.slowdown:>15.3f}x{last.slowdown:>11.3f}x"
+        print(f"{method:<{w}}{format_bytes(first.budget_bytes):>16}{first.slowdown:>15.3f}x{last.slowdown:>11.3f}x"
               f"{proven:>9}{errors:>8}{format_seconds(max(r.solve_s for r in ok)):>13}")
 
 

@@ -25,6 +25,7 @@ from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.chainfile import make_chain
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.step.actions import Recompute
 from offload.step.schedule import make_schedule
 from tests.cudashim import FakeAllocator
 
@@ -69,7 +70,7 @@ def test_on_cuda_the_marks_read_the_allocators_counters_on_the_host(monkeypatch)
 def test_the_units_are_what_the_compiled_graph_moves(aot):
     chain = aot.chain
     assert chain.recipe.whole_graph and chain.recipe.compile == "aot_eager"
-    assert not chain.recomputable and all(s.need_from == k for k, s in enumerate(chain.stages, 1))
+    assert all(s.need_from == k for k, s in enumerate(chain.stages, 1))
     assert all(s.saved_bytes for s in chain.stages[1:])  # every block's unit, found in the graph
     # the schedule's partitioner counts, for the units it offloads, the bytes the chain does
     offloads = floor_offloads(chain)[:2]
@@ -84,6 +85,40 @@ def test_the_units_are_what_the_compiled_graph_moves(aot):
     for s in compiled.partitioner.placed.counted:
         counted[s.unit] = counted.get(s.unit, 0) + s.nbytes
     assert counted == {o.stage: chain.stage(o.stage).saved_bytes for o in offloads}
+
+
+def over_predictions(chain, schedule, backend):
+    """Per op of ``schedule`` compiled with marks (``offload train --op-memory``), its measured
+    memory less the simulator's."""
+    torch.manual_seed(1)
+    run = MarkedRun(resolve("gpt", 4, GPT), SchedulePartitioner(chain, schedule, copy_backend="cpu-lazy", marks=True),
+                    torch.device("cpu"), backend)
+    run.step()  # compiles, makes the gradients
+    measured = run.op_peaks(chain)
+    return {o.name: measured[o.name] - o.mem_bytes for o in schedule.simulate(chain).ops}
+
+
+def test_a_chain_of_the_compiled_graph_recomputes_within_its_predictions(aot):
+    """Each stage the eager profile can re-run is offered as a run of one stage, its costs read
+    from two more compiles with marks, each recomputing every other such stage: its
+    checkpoint (what only its run reads in the backward, its dropout masks included) and its
+    forward's transient.  Every op of a schedule recomputing all of them, of one recomputing
+    the first and offloading the next, and of the joint ILP's at a budget between its floor and
+    the peak holds at most its prediction."""
+    chain = aot.chain
+    eager = profile("gpt", ProfileOptions(batch=4, repeats=1, warmup=0, encodings=False, options=GPT)).chain
+    assert chain.recomputable == {k for k in eager.recomputable if k < chain.L} and len(chain.recomputable) >= 2
+    blocks = sorted(k for k in chain.recomputable if chain.stage(k).saved_bytes)  # (the embedding saves nothing)
+    assert all(chain.stage(k).input_bytes > 0 and not chain.stage(k).rerun_output for k in blocks)
+    first, second = blocks[:2]
+    budget = (smallest_feasible_budget(chain, recompute=True) + no_offload_peak(chain)) // 2
+    schedules = {"all": make_schedule(chain, [], recompute=[Recompute(k, k) for k in chain.recomputable]),
+                 "one, the next offloaded": make_schedule(chain, [o for o in floor_offloads(chain) if o.stage == second],
+                                                          recompute=[Recompute(first, first)]),
+                 "joint ILP": solve(chain, budget, "ilp", Options(time_limit_s=20, recompute=True)).schedule}
+    for name, schedule in schedules.items():
+        over = over_predictions(chain, schedule, "aot_eager")
+        assert max(over.values()) <= 0, (name, over)
 
 
 def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):

@@ -62,8 +62,8 @@ so.  A chain profiled from this graph (``offload.profiler.compiled``, ``recipe.w
 is: its units are what our copies move (checked as the graph is partitioned), its memory and
 times this graph's, and the run has the profile's marks at its stage boundaries (reading
 nothing: they keep Inductor's kernels on the sides of the boundaries the profile measured).
-Not here yet: encodings (refused), recomputation on such a chain
-(``experiments.compiled_recompute`` measured why).
+Its recomputed stages' costs were read from compiles of this graph that recompute them
+(``offload.profiler.compiled``).  Not here: encodings (refused).
 """
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
+from offload.core.devices import allocated_bytes
 from offload.core.selective import KeepRule, keeps
 from offload.core.staging import Site, is_staged
 from offload.errors import ChainMismatch
@@ -91,8 +92,8 @@ from offload.step.events import step_events
 from offload.step.schedule import Schedule
 
 from .api import PathLike, chain_and_schedule, cut_sites
-from .compiled_copies import (PlacedCopies, UnitStorage, backward_stages, counted_storages, keep_crossing, movable,
-                              place_copies, place_marks, place_ready, unit_needs, value_units)
+from .compiled_copies import (PlacedCopies, UnitStorage, backward_stages, checkpoint_storages, counted_storages,
+                              keep_crossing, movable, place_copies, place_marks, place_ready, unit_needs, value_units)
 from .graph_copies import ALL_OPS, GraphCopies
 
 _PROCESS = uuid.uuid4().hex  # in every partitioner's key: no compiled graph of another process is reused
@@ -246,6 +247,7 @@ class SchedulePartitioner(CustomPartitionerFn):
         self.saved: list[tuple[int, int, bool]] = []
         self.moved: dict[int, tuple[int, int]] = {}  # offloaded unit -> (bytes moved, bytes left on the device)
         self.counted: list[UnitStorage] = []  # of a chain of this graph: every unit's storages that can move
+        self.outputs = 0  # how many of the forward graph's outputs are the model's (the rest it saves)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
                  ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -284,7 +286,7 @@ class SchedulePartitioner(CustomPartitionerFn):
                 self.copies == "pytorch-matmuls" and isinstance(node.target, torch._ops.OpOverload)
                 and keeps(node.target, node.args, node.kwargs))
             self.stages[node.name], self.tags[node.name] = k, policy
-        outputs = kwargs.get("num_fwd_outputs", 0)
+        outputs = self.outputs = kwargs.get("num_fwd_outputs", 0)
         cuda = any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_cuda for n in gm.graph.nodes)
         pytorch = (self.copies == "pytorch" and bool(self.offloaded)) or self.copies == "pytorch-matmuls"
         with config.patch(_offloading_settings(pytorch, cuda, self.bandwidth)):
@@ -309,6 +311,21 @@ class SchedulePartitioner(CustomPartitionerFn):
         self._check_moved()
         self._check_units()
         return self.graphs
+
+    def checkpoint_bytes(self) -> dict[int, tuple[int, int]]:
+        """Per recomputed run (by its first stage), as partitioned: the bytes of the saved
+        storages that only the run reads in the backward (what offloading its checkpoint moves,
+        ``compiled_copies.checkpoint_storages``), each whole as the allocator counts it, and of
+        those the bytes its own forward made (its dropouts' outputs and masks, which a compiled
+        run saves where the eager one draws them again)."""
+        forward, backward = self.graphs
+        out = {r.first: (0, 0) for r in self.runs}
+        for s in checkpoint_storages(forward, backward, self.outputs, self.runs, self.stages, self.back_stages, set()):
+            value = s.values[0].meta["val"]
+            nbytes = allocated_bytes(value.untyped_storage().nbytes(), value.device)
+            whole, own = out[s.run.first]
+            out[s.run.first] = (whole + nbytes, own + (nbytes if self.stages.get(s.values[0].name) == s.run.first else 0))
+        return out
 
     @property
     def plans_memory(self) -> bool:

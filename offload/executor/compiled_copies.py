@@ -221,7 +221,7 @@ def _storages(forward: fx.GraphModule, num_fwd_outputs: int, units: Mapping[str,
     return moving, stay
 
 
-def _checkpoints(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, runs: list[Recompute],
+def checkpoint_storages(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, runs: list[Recompute],
                  stages: Mapping[str, int], back_stages: Mapping[str, int], taken: set[StorageWeakRef]
                  ) -> list[_Storage]:
     """The saved storages of each run's checkpoint, for the runs that offload it: those that
@@ -355,7 +355,7 @@ def place_copies(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
     """
     moving, stay, stages = movable(forward, num_fwd_outputs, units, offloaded, stages)
     taken = {StorageWeakRef(s.values[0].meta["val"].untyped_storage()) for s in moving}
-    moving += _checkpoints(forward, backward, num_fwd_outputs, list(runs), stages, back_stages, taken)
+    moving += checkpoint_storages(forward, backward, num_fwd_outputs, list(runs), stages, back_stages, taken)
     copies.planned_bytes = sum(s.nbytes for s in moving)
     copies.device = _graph_device(forward.graph.nodes)
     # keys in the order the forward issues the D2H copies (the arena's slots are handed out so)

@@ -26,8 +26,32 @@ the eager model predicts neither.  So, with the cuts the eager profile found:
   everything the schedule cannot move is in it, the hand-back of the gradients included.
 
 The chain then predicts the no-offload step's peak as measured, and a schedule's by moving
-only what the copies move.  Recomputation is not offered on it (its stages are not
-re-runnable: a compiled re-run's costs are not measured), nor are encodings.
+only what the copies move.  No encoding is offered (no encoder runs in a graph).
+
+**Recomputation**: each stage the eager profile can re-run is offered as a run of one stage
+(``rerun_output: false``), its costs read as the model states them (docs/model.md,
+"Recomputation") from two more compiles with marks, one recomputing every other such stage
+and one the rest, so that a run's neighbours are kept, as in most schedules:
+
+* its checkpoint, ``input_bytes``: the saved storages that only its run reads in the
+  backward (``SchedulePartitioner.checkpoint_bytes``), of which those its own forward made
+  (its dropouts' outputs and masks, which a compiled run saves where the eager one draws
+  them again) are ``rerun_held_bytes`` and the rest, its input, ``input_own_bytes`` (what
+  offloading the checkpoint moves); plus what ``F(k+1)`` holds over its prediction in that
+  compile, which stays until the run is rebuilt (under Inductor 64 KiB a GPT block: held
+  through ``F(k+2)`` and ``B(k+1)`` too; no storage a move of the checkpoint takes);
+* its forward's transient when autograd keeps none of its unit
+  (``recomputed_fwd_peak_bytes``), fitted so that the simulator gives that compile's
+  measured ``Fk`` exactly (a stage whose recomputed forward held more than its kept one is
+  not offered);
+* nothing carried into the next forward (``carry_bytes: 0``), no gradient counted at the
+  rebuild (``bwd_start_bytes: 0``: ``Bk``'s transient holds it), and the re-run's transient
+  its forward's.
+
+The backward is so predicted above what it holds: a compiled backward re-runs each
+recomputed op right before its reader and frees it after, where the model rebuilds the
+whole unit before ``Bk`` (``experiments.compiled_recompute``: 2.63 MiB predicted, 1.74 MiB
+held, a GPT under Inductor with every block recomputed).
 """
 from __future__ import annotations
 
@@ -44,8 +68,10 @@ from offload.executor.compiled import SchedulePartitioner
 from offload.executor.compiled_copies import unit_needs
 from offload.executor.marked import MarkedRun
 from offload.models.spec import ModelSpec
+from offload.step.actions import Recompute
 from offload.step.chain import Chain, Stage
 from offload.step.chainfile import make_chain
+from offload.step.memory import memory_profile
 from offload.step.schedule import make_schedule
 
 ONE_GRAPH = ("--whole-graph needs the model's stages in one graph (a graph break is allowed only outside them, such "
@@ -70,21 +96,68 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
     """
     L = chain.L
     partitioner = SchedulePartitioner(chain, make_schedule(chain, []), marks=True)
-    with running(f"compiling {spec.description or chain.name} as one graph", ONE_GRAPH), warnings.catch_warnings():
-        # a graph break outside the stages (a loss compiled apart) is allowed: that graph is compiled plainly
-        warnings.filterwarnings("ignore", "a graph of the compiled model runs none of the chain's stage boundaries")
-        try:
-            run = MarkedRun(spec, partitioner, device, backend)
-            for _ in range(max(warmup, 1)):  # compiles, and makes the gradients
-                run.step()
-        except Exception as exc:
-            raise offload_cause(exc) or exc
+    run = _compiled(spec, partitioner, device, backend, max(warmup, 1))
     tick("compile")
     timed = [run.seconds() for _ in range(repeats)]
     seconds = [statistics.median(t[o] for t in timed) for o in range(2 * L)]
     peaks = run.peaks()
     tick("compiled step")
-    return _chain(chain, partitioner, backend, seconds, peaks, [sum(t) for t in timed])
+    compiled = _chain(chain, partitioner, backend, seconds, peaks, [sum(t) for t in timed])
+    rerunnable = [k for k in range(1, L) if k in chain.recomputable]
+    return _with_recomputation(compiled, rerunnable, spec, device, backend, tick) if rerunnable else compiled
+
+
+def _compiled(spec: ModelSpec, partitioner: SchedulePartitioner, device: torch.device, backend: str,
+              steps: int) -> MarkedRun:
+    """``spec.module`` compiled whole with ``partitioner``, after ``steps`` steps (the first
+    compiles it and makes the gradients)."""
+    with running(f"compiling {spec.description or 'the model'} as one graph", ONE_GRAPH), warnings.catch_warnings():
+        # a graph break outside the stages (a loss compiled apart) is allowed: that graph is compiled plainly
+        warnings.filterwarnings("ignore", "a graph of the compiled model runs none of the chain's stage boundaries")
+        try:
+            run = MarkedRun(spec, partitioner, device, backend)
+            for _ in range(steps):
+                run.step()
+        except Exception as exc:
+            raise offload_cause(exc) or exc
+    return run
+
+
+def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, device: torch.device, backend: str,
+                        tick: Callable[[str], None]) -> Chain:
+    """``chain`` (of the compiled graph) with the ``rerunnable`` stages (the eager profile's
+    verdict) recomputable as runs of one stage, their costs read from two more compiles with
+    marks, each recomputing every other one of them, so that a run's neighbours are kept, as
+    in most schedules (module docstring, "recomputation")."""
+    base = _with_fields(chain, {k: dict(recomputable=True, rerun_output=False, carry_bytes=0, bwd_start_bytes=0)
+                                for k in rerunnable})
+    fields: dict[int, dict] = {}
+    for part in (rerunnable[0::2], rerunnable[1::2]):
+        if not part:
+            continue
+        runs = [Recompute(k, k) for k in part]
+        partitioner = SchedulePartitioner(base, make_schedule(base, [], recompute=runs), marks=True)
+        run = _compiled(spec, partitioner, device, backend, 1)
+        measured = run.peaks()
+        costs = {k: dict(input_bytes=whole, input_own_bytes=whole - own, rerun_held_bytes=own)
+                 for k, (whole, own) in partitioner.checkpoint_bytes().items()}
+        fitted = _with_fields(base, costs)
+        predicted, _ = memory_profile(fitted, [], runs)
+        for k in part:
+            # what F(k+1) holds over its prediction stays until the run is rebuilt: booked with
+            # the checkpoint (not a storage that offloading the checkpoint moves)
+            unbooked = max(0, measured[k] - int(predicted[k]))
+            fwd_peak = int(fitted.rfp[k]) + measured[k - 1] - int(predicted[k - 1])  # Fk's op as measured
+            fields[k] = {**costs[k], "input_bytes": costs[k]["input_bytes"] + unbooked,
+                         "recomputed_fwd_peak_bytes": min(max(0, fwd_peak), chain.stage(k).fwd_peak_bytes)}
+            if fwd_peak > chain.stage(k).fwd_peak_bytes:  # recomputed, Fk held more than kept: not offered
+                fields[k] = dict(recomputable=False, rerun_output=True, carry_bytes=None)
+        tick(f"compiled recomputing {', '.join(map(str, part))}")
+    return _with_fields(base, fields)
+
+
+def _with_fields(chain: Chain, fields: dict[int, dict]) -> Chain:
+    return replace(chain, stages=tuple(replace(s, **fields.get(k, {})) for k, s in enumerate(chain.stages, 1)))
 
 
 def _chain(chain: Chain, partitioner: SchedulePartitioner, backend: str, seconds: list[float], peaks: list[int],
@@ -107,8 +180,8 @@ def _chain(chain: Chain, partitioner: SchedulePartitioner, backend: str, seconds
     steps = sorted(steps)
     source = {**chain.source, "graph": f"one graph compiled by {backend}: units, times and memory measured there "
                                       "(offload.profiler.compiled)",
-              "notes": ["profiled as one compiled graph: a schedule of it offloads only (its stages are not re-run, "
-                        "no encoder runs in a graph); train it with compile_scheduled or offload train"],
+              "notes": ["profiled as one compiled graph: no encoder runs in it, each recomputed stage is a run of "
+                        "its own; train it with compile_scheduled or offload train"],
               "step_s": {"median": statistics.median(steps), "min": steps[0], "max": steps[-1]},
               "eager_step_s": chain.source.get("step_s")}
     # the step a plain compile of the model takes, as `train --compare` times it for the pace: this

@@ -40,7 +40,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
     """``inputs``: stages carry what recomputation needs: ``input_bytes`` (a checkpoint),
     sometimes ``carry_bytes`` (less than the unit alive in the next forward) with part of the
     checkpoint in it (and in the held part), a smaller forward transient when recomputed, the
-    gradient live as the backward starts, sometimes ``recomputable: false``, in half of the
+    gradient live as the backward starts, sometimes less of the unit live once rebuilt,
+    sometimes ``recomputable: false``, in half of the
     stages the input's own storage (what an offloaded checkpoint moves), and in a third of
     the stages an in-stage option.  ``casts``:
     stages make weight casts (``None``: a third of the chains, some of their stages)."""
@@ -87,6 +88,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
                 st_["recomputed_fwd_peak_bytes"] = draw(st.integers(0, st_["fwd_peak_bytes"]))
             if draw(st.booleans()):  # its whole re-run, measured by replaying it
                 st_["rerun_peak_bytes"] = draw(st.integers(0, st_["fwd_peak_bytes"]))
+            if draw(st.integers(0, 3)) == 0:  # a compiled backward's rebuild keeps less of the unit live
+                st_["rebuilt_bytes"] = draw(st.integers(0, saved))
         if inputs and draw(st.integers(0, 2)) == 0:
             st_ = stages[-1]
             st_["carry_bytes"] = draw(st.integers(0, saved))

@@ -25,7 +25,7 @@ from offload.step import encoding
 from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain
 from offload.step.chainfile import chain_from_dict, load_chain, save_chain
-from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.step.memory import floor_offloads, memory_profile, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import schedule_from_dict, schedule_to_dict
 from offload.step.simulate import simulate
@@ -230,6 +230,40 @@ def test_no_joint_schedule_with_encodings_holds_less_than_the_joint_floors_bound
     bound = encoded_floor.floor(chain, "lossless", recompute=True)[0]
     assert bound <= simulate(chain, offloads, encode=encode, recompute=runs).peak_bytes
     assert bound <= min(smallest_feasible_budget(chain, recompute=True), encoded_floor.floor(chain, "lossless")[0])
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(chain_and_budget(min_stages=2, max_stages=6, inputs=True), st.randoms(use_true_random=False))
+def test_each_memory_row_of_a_loaded_joint_schedule_is_its_ops_memory(cb, rnd):
+    """Recomputed runs (some of one stage re-run in part, a rebuild keeping less of its unit
+    live: ``rebuilt_bytes``) beside offloads: each memory row of the MILP, loaded with the
+    schedule, reads exactly what the simulator's op holds, the re-run ops' rows included
+    (rows only bound the memory, so a row counting too much still loads; this reads them)."""
+    chain, _ = cb
+    starts = sorted(chain.recomputable)
+    runs = [Recompute(i, i, rnd.choice([""] + [o.name for o in chain.stage(i).options])) for i in starts
+            if rnd.random() < 0.5]
+    rebuilt = {r.first for r in runs}
+    offloads = [o for o in floor_offloads(chain, runs) if o.stage not in rebuilt and rnd.random() < 0.6]
+    memory, reruns = memory_profile(chain, offloads, runs)
+    model = Model(chain, 0, options={}, max_run=8)  # budget 0: no re-run op's row left out as never binding
+    model.load(offloads, {}, runs)
+    chosen = {f"recompute_{r.first}_{r.last}" + (f"_{r.option}" if r.option else "") for r in runs}
+    own: dict[str, float] = {}  # per op (F1 .. B1) with a row of its own (one whose variables are all fixed has none)
+    rebuilds: dict[str, list[float]] = {}  # per Bn, its re-run ops' rows
+    for name, row in model.lp.constraints.items():
+        op, rerun = re.fullmatch(r"memory_([FB]\d+)", name), re.fullmatch(r"memory_R(\d+)_(.*)", name)
+        if row.value() is None:  # a row no decision satisfies (its op over the budget 0 whatever the schedule)
+            continue
+        if op:
+            own[op.group(1)] = (row.value() + model.B) * model.mu
+        elif rerun and rerun.group(2) in chosen:
+            n = next(n for n, j, _ in reruns if j == int(rerun.group(1)))
+            rebuilds.setdefault(f"B{n}", []).append((row.value() + model.B) * model.mu)
+    for o, nbytes in enumerate(memory):
+        name = f"F{o + 1}" if o < chain.L else f"B{2 * chain.L - o}"
+        if name in own:  # Bn's memory is the largest of its own and its re-run ops'
+            assert max([own[name], *rebuilds.get(name, [])]) == pytest.approx(int(nbytes), abs=1e-6), name
 
 
 @settings(max_examples=12, **SETTINGS)

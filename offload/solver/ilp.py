@@ -557,9 +557,11 @@ class Model:
                         decoding.add(self._extra(i, lambda e, after=j - i: e.bwd_extra(after)))
                 row.add(self.casts(j))
                 for n, at_n in self.run_at.items():
-                    if n < j:  # not rebuilt yet: the checkpoint instead of the units
-                        for span in at_n:
+                    for span in at_n:
+                        if n < j:  # not rebuilt yet: the checkpoint instead of the units
                             row.add(self.g[span], self.unbuilt[span])
+                        elif span.first <= j:  # rebuilt: what it keeps live of its units not consumed yet
+                            row.add(self.g[span], -self._unkept(span, j))
                 self.bwd_rows[j] = _Affine().add(row)  # a copy: the row's constant changes below
                 row.add(decoding)
                 name = f"memory_B{j}"
@@ -572,21 +574,26 @@ class Model:
             self._row(name, row, "<=", self.B)
         self._rebuild_rows()
 
+    def _unkept(self, run: Recompute, j: int) -> float:
+        """What ``run``'s rebuild does not keep live of its units ``i <= j`` (model units)."""
+        a, rb = self.chain.a, self.chain.rb
+        return sum(int(a[i]) - int(rb[i]) for i in run.stages if i <= j) / self.mu
+
     def _rebuild_rows(self) -> None:
         """Each re-run forward op ``Rj`` of a run ``s..e`` rebuilt at ``Bn`` holds ``Bn``'s
         units less those not rebuilt yet (``j..e``, and the runs at ``n`` that come after),
         plus ``Fj``'s transient: a budget row that binds only when the run is chosen."""
-        a, bs, mu = self.chain.a, self.chain.bs, self.mu
+        rb, bs, mu = self.chain.rb, self.chain.bs, self.mu
         for n, at_n in self.run_at.items():
             for rerun in at_n:
                 s, e, g = rerun.first, rerun.last, self.g[rerun]
                 later = _Affine()
                 for span in at_n:
-                    if span.first < s:  # rebuilt after this run
-                        later.add(self.g[span], self.unbuilt[span])
+                    if span.first < s:  # rebuilt after this run: its checkpoint, not what B_n keeps of its units
+                        later.add(self.g[span], self.unbuilt[span] + self._unkept(span, n))
                 for j in range(s, e + 1):
                     row = _Affine().add(self.bwd_rows[n]).add(later)
-                    row.const += (rerun_peak(self.chain, rerun, j) - int(sum(a[j:e + 1])) + rerun_checkpoint(self.chain, rerun, j)
+                    row.const += (rerun_peak(self.chain, rerun, j) - int(sum(rb[j:e + 1])) + rerun_checkpoint(self.chain, rerun, j)
                                   + int(bs[n])) / mu
                     big = sum(c for c in row.terms.values() if c > 0) + row.const - self.B
                     if big <= 0:

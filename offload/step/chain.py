@@ -141,6 +141,8 @@ class Stage:
     bwd_start_bytes: int = 0  # of Bi's transient, live when it starts (the gradient flowing in): a rebuild there holds it
     recomputed_fwd_peak_bytes: int | None = None  # Fi's transient when autograd keeps none of Ui (None: fwd_peak_bytes)
     rerun_peak_bytes: int | None = None  # Fi re-run whole: its transient over its input, measured (None: fwd_peak_bytes)
+    rebuilt_bytes: int | None = None  # of Ui, what a rebuild keeps live through Bi (None: all; a compiled backward
+    # re-runs each op just before its reader and frees it after, holding less)
     input_carried_bytes: int = 0  # of input_bytes, storages of Ui that carry_bytes counts too ...
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
     rerun_held_bytes: int = 0  # of input_bytes, held tensors its re-run reads and the stage before's does not
@@ -163,6 +165,11 @@ class Stage:
     def recomputed_fwd_peak(self) -> int:
         """``Fi``'s transient when its unit is recomputed: its saved tensors die as its code drops them."""
         return self.fwd_peak_bytes if self.recomputed_fwd_peak_bytes is None else self.recomputed_fwd_peak_bytes
+
+    @property
+    def rebuilt(self) -> int:
+        """Bytes of the unit resident from its rebuild through ``Bi`` when it is recomputed."""
+        return self.saved_bytes if self.rebuilt_bytes is None else self.rebuilt_bytes
 
     @property
     def rerun_host(self) -> float:
@@ -308,6 +315,8 @@ def _stage_document(s: Stage) -> dict:
         d["recomputed_fwd_peak_bytes"] = s.recomputed_fwd_peak_bytes
     if s.rerun_peak_bytes is not None:  # absent otherwise: chains from before it keep their sha256
         d["rerun_peak_bytes"] = s.rerun_peak_bytes
+    if s.rebuilt_bytes is not None:  # likewise
+        d["rebuilt_bytes"] = s.rebuilt_bytes
     if s.fwd_host_s or s.bwd_host_s:  # absent otherwise: chains from before the host lane keep their sha256
         d.update(fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s)
     if s.recording_host_s or s.rerun_host_s:  # likewise: chains from before these were measured
@@ -370,6 +379,7 @@ class Chain:
     need = _column("need_from")
     x = _column("input_bytes")
     carry = _column("carried")
+    rb = _column("rebuilt")
     bs = _column("bwd_start_bytes")
     rfp = _column("recomputed_fwd_peak")
     xc = _column("input_carried_bytes")

@@ -29,7 +29,7 @@ _SITE = re.compile(r"[^@\[\]]*(@\d+)?(\[\d+\])?")
 _KEYS = {"format", "name", "source", "platform", "base_bytes", "workspace_bytes", "stages", "recipe"}
 _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from", "encodings",
                "held_bytes", "held_until", "input_bytes", "recomputable", "rerun_output",
-               "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes", "rerun_peak_bytes",
+               "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes", "rerun_peak_bytes", "rebuilt_bytes",
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
                "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "shared_saves",
                "held_saves", "held_read_at", "storages", "saves"}
@@ -236,6 +236,7 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                  recomputed_fwd_peak_bytes=(v.whole(s, "recomputed_fwd_peak_bytes", ctx, 0, fwd_peak)
                                             if "recomputed_fwd_peak_bytes" in s else None),
                  rerun_peak_bytes=v.nbytes(s, "rerun_peak_bytes", ctx) if "rerun_peak_bytes" in s else None,
+                 rebuilt_bytes=v.whole(s, "rebuilt_bytes", ctx, 0, saved) if "rebuilt_bytes" in s else None,
                  fwd_host_s=v.seconds(s, "fwd_host_s", ctx) if "fwd_host_s" in s else 0.0,
                  bwd_host_s=v.seconds(s, "bwd_host_s", ctx) if "bwd_host_s" in s else 0.0,
                  recording_host_s=v.seconds(s, "recording_host_s", ctx) if "recording_host_s" in s else 0.0,

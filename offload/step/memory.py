@@ -7,8 +7,8 @@ keeping none of it, and an in-stage option's kept outputs on top: ``recompute.fo
 ``bwd_peak_bytes``.  A recomputed unit counts its carried part during the next forward op
 (its held part after); a run's checkpoint (with what its option keeps:
 ``recompute.checkpoint_bytes``) counts from the op after its first forward op until it is
-rebuilt, less what an offloaded one moves between its release and its prefetch point;
-each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its own transient
+rebuilt, less what an offloaded one moves between its release and its prefetch point,
+and its units from their rebuild (``rebuilt_bytes`` of each); each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its own transient
 (units and the gradient flowing in, ``bwd_start_bytes``), less the units not rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (an option's measured re-run transient:
 ``recompute.rerun_peak``; and ``Rs`` the checkpoint it reads), and
 ``Bn``'s memory is the largest of those and its own.  A stage whose weight casts are kept
@@ -76,11 +76,12 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
     kept = np.ones(L + 1, dtype=bool)
     kept[0] = False
 
-    def away(i: int, release: int, back: int, first: int, restore: int = 0) -> None:
+    def away(i: int, release: int, back: int, first: int, restore: int = 0, a: int | None = None) -> None:
         """Unit ``i`` resident through ``F(release)`` (``first`` bytes of it; its held part
         through ``F(held_until)``, or from ``F(restore)`` when it is taken off the device
-        meanwhile), then again from ``B(back)`` to the end of ``Bi``."""
-        a = chain.a[i]
+        meanwhile), then again from ``B(back)`` to the end of ``Bi`` (``a`` bytes of it: all
+        of it unless given)."""
+        a = chain.a[i] if a is None else a
         kept[i] = False
         diff[i] += first  # F_{i+1} .. F_r
         diff[release] -= first
@@ -111,7 +112,7 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
     for n, at_n in by_op(chain, runs).items():
         for run in at_n:
             for i in run.stages:
-                away(i, i + 1, n, chain.carry[i])  # during F_{i+1}: what the model's code still holds
+                away(i, i + 1, n, chain.carry[i], a=chain.rb[i])  # F_{i+1}: what the model's code still holds
             checkpoint(run, n)
     idx = np.nonzero(kept)[0]
     np.add.at(diff, idx, chain.a[idx])  # kept: F_{i+1} .. B_i
@@ -125,7 +126,7 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
 def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompute]) -> list[tuple[int, int, int]]:
     """``(n, j, bytes)`` per re-run forward op ``Rj`` (rebuilt at the start of ``Bn``), in
     execution order; ``resident`` is ``_resident``'s per-op residency."""
-    L, a = chain.L, chain.a
+    L, a = chain.L, chain.rb  # a rebuilt unit: what its rebuild keeps live
     out = []
     for n, at_n in sorted(by_op(chain, runs).items(), reverse=True):
         # what B_n holds before its transient, with the runs at n rebuilt and their checkpoints gone

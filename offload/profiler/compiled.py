@@ -44,14 +44,20 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
   (``recomputed_fwd_peak_bytes``), fitted so that the simulator gives that compile's
   measured ``Fk`` exactly (a stage whose recomputed forward held more than its kept one is
   not offered);
+* its rebuild: a compiled backward re-runs each recomputed op right before its reader, inside
+  ``Bk``, and frees it after its last, where the eager executor rebuilds the whole unit before
+  ``Bk``; so the re-run op holds no transient of its own (``rerun_peak_bytes: 0``: its
+  checkpoint and the units are live as ``Bk`` starts anyway) and the unit counts, from its
+  rebuild through ``Bk``, what those ops held over the rest (``rebuilt_bytes``, at most the
+  unit: ``_rebuilds``), no op predicted below what it held;
 * nothing carried into the next forward (``carry_bytes: 0``), no gradient counted at the
-  rebuild (``bwd_start_bytes: 0``: ``Bk``'s transient holds it), and the re-run's transient
-  its forward's.
+  rebuild (``bwd_start_bytes: 0``: ``Bk``'s transient holds it).
 
-The backward is so predicted above what it holds: a compiled backward re-runs each
-recomputed op right before its reader and frees it after, where the model rebuilds the
-whole unit before ``Bk`` (``experiments.compiled_recompute``: 2.63 MiB predicted, 1.74 MiB
-held, a GPT under Inductor with every block recomputed).
+With every block of a GPT recomputed (``experiments.compiled_recompute``) the backward was
+predicted at 2.05 MiB under Inductor for 1.74 MiB held (2.63 MiB with the whole unit
+rebuilt), and at 5.25 MiB under aot_eager for 2.50 MiB: there the compiled backward's
+transients shrink too when the blocks are recomputed, which the chain, measured with them
+kept, does not know.
 """
 from __future__ import annotations
 
@@ -152,8 +158,32 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
                          "recomputed_fwd_peak_bytes": min(max(0, fwd_peak), chain.stage(k).fwd_peak_bytes)}
             if fwd_peak > chain.stage(k).fwd_peak_bytes:  # recomputed, Fk held more than kept: not offered
                 fields[k] = dict(recomputable=False, rerun_output=True, carry_bytes=None)
+        if all(fields[k].get("recomputable", True) for k in part):
+            for k, rebuild in _rebuilds(_with_fields(base, {k: fields[k] for k in part}), runs, measured).items():
+                fields[k].update(rebuild)
         tick(f"compiled recomputing {', '.join(map(str, part))}")
     return _with_fields(base, fields)
+
+
+def _rebuilds(chain: Chain, runs: list[Recompute], measured: list[int]) -> dict[int, dict]:
+    """Per run (by its stage), its rebuild's fields, fitted to the ops of a compile that ran
+    ``runs``, ``measured`` its ops' memory: the compiled backward re-runs each op right before
+    its reader, inside ``Bk``, so the re-run op holds no transient of its own
+    (``rerun_peak_bytes: 0``: what its checkpoint and the units hold is live as ``Bk``
+    starts) and the unit counts what ``Bn .. Bk`` held over the rest (``rebuilt_bytes``, no
+    more than the unit), no op predicted below what it held."""
+    L = chain.L
+    fields: dict[int, dict] = {r.first: {"rerun_peak_bytes": 0} for r in runs}
+    window = {k: range(2 * L - int(chain.need[k]), 2 * L - k + 1) for k in fields}  # Bn .. Bk: the unit rebuilt
+    predicted, _ = memory_profile(_with_fields(chain, fields), [], runs)
+    for k, ops in window.items():
+        spare = min(int(predicted[o]) - measured[o] for o in ops)
+        fields[k]["rebuilt_bytes"] = max(0, int(chain.a[k]) - max(0, spare))
+    predicted, _ = memory_profile(_with_fields(chain, fields), [], runs)
+    for k, ops in window.items():  # units rebuilt at one op share its spare: each back whole where it ran short
+        if any(int(predicted[o]) < measured[o] for o in ops):
+            fields[k]["rebuilt_bytes"] = None
+    return fields
 
 
 def _with_fields(chain: Chain, fields: dict[int, dict]) -> Chain:

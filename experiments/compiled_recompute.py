@@ -7,8 +7,9 @@ A chain of the compiled graph (``offload profile --compile B --whole-graph``) of
 stage the eager profile can re-run as a run of one stage, its costs read from two more
 compiles with marks, each recomputing every other such stage (``offload.profiler.compiled``,
 "recomputation"). This experiment profiles a GPT (4 layers, dropout 0.1) so, then compiles
-seven schedules with marks (every odd stage recomputed, every even one, all stages, the
-inner ones, recomputation with offloads, and the joint ILP's at two budgets) and sets each
+seven schedules with marks (of the stages it recomputes every other one, the others, all,
+the inner ones, every other one with the others offloaded, and the joint ILP's at two
+budgets) and sets each
 op's measured memory against the simulator's. The table says, per schedule, the most an op
 held over its prediction: above 0, the chain breaks its budget there.
 """
@@ -46,14 +47,16 @@ def marked(chain: Chain, schedule: Schedule, options: dict, backend: str) -> Mar
 
 
 def schedules(chain: Chain) -> dict[str, Schedule]:
-    L = chain.L
+    """Name -> schedule: of the stages the chain recomputes, every other one, the others, all,
+    the inner ones, every other one with the others offloaded, and the joint ILP's."""
+    rec = sorted(chain.recomputable)
     ones = lambda ks: [Recompute(k, k) for k in ks]  # noqa: E731
-    out = {"odd stages": make_schedule(chain, [], recompute=ones(range(1, L, 2))),
-           "even stages": make_schedule(chain, [], recompute=ones(range(2, L, 2))),
-           "all stages": make_schedule(chain, [], recompute=ones(range(1, L))),
-           "inner stages": make_schedule(chain, [], recompute=ones(range(2, L - 1))),
-           "odd, even offloaded": make_schedule(chain, [Offload(k, k + 1, k) for k in range(2, L, 2)],
-                                                recompute=ones(range(1, L, 2)))}
+    out = {"every other stage": make_schedule(chain, [], recompute=ones(rec[0::2])),
+           "the others": make_schedule(chain, [], recompute=ones(rec[1::2])),
+           "all stages": make_schedule(chain, [], recompute=ones(rec)),
+           "inner stages": make_schedule(chain, [], recompute=ones(rec[1:-1])),
+           "every other one, the others offloaded": make_schedule(chain, [Offload(k, k + 1, k) for k in rec[1::2]],
+                                                                  recompute=ones(rec[0::2]))}
     peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain, recompute=True)
     for share in (0.3, 0.6):
         schedule = solve(chain, int(floor + share * (peak - floor)), "ilp",
@@ -74,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         options = gpt(args.layers)
         chain = profile("gpt", ProfileOptions(batch=BATCH, repeats=1, warmup=1, encodings=False, options=options,
                                               compile=backend, whole_graph=True)).chain
+        for note in chain.source.get("notes", [])[1:]:  # (the first says what the chain is)
+            print(f"| {backend} | {note} | | | | | |")
         for name, schedule in schedules(chain).items():
             measured = marked(chain, schedule, options, backend).op_peaks(chain)
             predicted = {o.name: o.mem_bytes for o in schedule.simulate(chain).ops}

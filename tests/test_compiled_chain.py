@@ -21,10 +21,11 @@ from offload.executor.train import TrainOptions, train
 from offload.models import resolve
 from offload.core.meters import AllocationMeter, allocated_peak
 from offload.executor.marked import MarkedRun, Marks, intervals
+from offload.profiler import compiled as profiler_compiled
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.chainfile import make_chain
-from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
+from offload.step.memory import floor_offloads, no_offload_peak, op_name, smallest_feasible_budget
 from offload.step.actions import Recompute
 from offload.step.schedule import make_schedule
 from tests.cudashim import FakeAllocator
@@ -107,8 +108,9 @@ def test_a_chain_of_the_compiled_graph_recomputes_within_its_predictions(aot):
     the peak holds at most its prediction."""
     chain = aot.chain
     eager = profile("gpt", ProfileOptions(batch=4, repeats=1, warmup=0, encodings=False, options=GPT)).chain
-    assert chain.recomputable == {k for k in eager.recomputable if k < chain.L} and len(chain.recomputable) >= 2
-    blocks = sorted(k for k in chain.recomputable if chain.stage(k).saved_bytes)  # (the embedding saves nothing)
+    blocks = sorted(chain.recomputable)  # (not the embedding, which saves nothing in this graph)
+    assert blocks == [k for k in sorted(eager.recomputable) if k < chain.L and chain.stage(k).saved_bytes]
+    assert len(blocks) >= 2
     assert all(chain.stage(k).input_bytes > 0 and not chain.stage(k).rerun_output for k in blocks)
     first, second = blocks[:2]
     budget = (smallest_feasible_budget(chain, recompute=True) + no_offload_peak(chain)) // 2
@@ -119,6 +121,40 @@ def test_a_chain_of_the_compiled_graph_recomputes_within_its_predictions(aot):
     for name, schedule in schedules.items():
         over = over_predictions(chain, schedule, "aot_eager")
         assert max(over.values()) <= 0, (name, over)
+
+
+def test_recomputation_is_offered_only_where_every_compile_held_what_the_chain_books(aot, monkeypatch):
+    """The costs are fitted to two compiles; those two, a third recomputing every stage and two
+    recomputing every other one beside the others offloaded are then set against the costed
+    chain: an op of any of them over its prediction (transformers' GPT-2 under Inductor, 220
+    KiB at a block's backward after a recomputed one), or an offloaded unit that is not the
+    chain's (Inductor: the embedding's, with the first block recomputed), and the chain offers
+    no recomputation, with a note saying why."""
+    blocks = sorted(aot.chain.recomputable)
+    chain = replace(aot.chain, stages=tuple(replace(s, recomputable=False) for s in aot.chain.stages))  # as profiled
+    spike: dict[str, int] = {}
+
+    def metered(c, offloads, runs, *_):  # each op held nothing but the spike (the fits clamp at nothing)
+        L = c.L
+        return [spike.get(op_name(c, o), 0) for o in range(2 * L)], {r.first: (4096, 0) for r in runs}
+    monkeypatch.setattr(profiler_compiled, "_metered", metered)
+    offered = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
+    assert offered.recomputable == set(blocks)
+    spike["B2"] = 2 ** 40
+    refused = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
+    assert not refused.recomputable
+    assert "recomputation not offered: compiled recomputing every other one" in refused.source["notes"][-1]
+    assert "B2 held 1024.00 GiB over what the chain books" in refused.source["notes"][-1]
+    spike.clear()
+
+    def unmovable(c, offloads, runs, *_):  # with a neighbour recomputed, an offloaded unit is not the chain's
+        if offloads:
+            raise ChainMismatch("the compiled graph moves nothing of U1")
+        return metered(c, offloads, runs)
+    monkeypatch.setattr(profiler_compiled, "_metered", unmovable)
+    refused = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
+    assert not refused.recomputable
+    assert "an offloaded unit was not the chain's (the compiled graph moves nothing of U1)" in refused.source["notes"][-1]
 
 
 def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):

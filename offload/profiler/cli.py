@@ -103,10 +103,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="with --compile inductor (or aot_eager): measure the model compiled as ONE graph, as "
                         "compile_scheduled runs it: the units are what that graph saves (fewer, fused), the times "
                         "and memory that graph's (its backward holds the weight gradients until its end), so a "
-                        "schedule solved on this chain keeps its budget compiled; no encodings, and each block "
-                        "recomputed as a run of its own, its costs read from two more compiles (each recomputing "
-                        "every other block); offload train runs it with compile_scheduled, as your loop can "
-                        "(docs/executor.md)")
+                        "schedule solved on this chain keeps its budget compiled; no encodings; each block "
+                        "recomputed as a run of its own where five more compiles show the model follows the "
+                        "graph's re-runs (else a note says why not); offload train runs it with "
+                        "compile_scheduled, as your loop can (docs/executor.md)")
     p.add_argument("--split-blocks", action="store_true",
                    help="cut inside each block too, at the calls of its submodules that hold submodules and "
                         "parameters (a transformer layer's attention | its MLP), whatever crosses them (the "

@@ -53,11 +53,23 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
 * nothing carried into the next forward (``carry_bytes: 0``), no gradient counted at the
   rebuild (``bwd_start_bytes: 0``: ``Bk``'s transient holds it).
 
-With every block of a GPT recomputed (``experiments.compiled_recompute``) the backward was
-predicted at 2.05 MiB under Inductor for 1.74 MiB held (2.63 MiB with the whole unit
-rebuilt), and at 5.25 MiB under aot_eager for 2.50 MiB: there the compiled backward's
-transients shrink too when the blocks are recomputed, which the chain, measured with them
-kept, does not know.
+The chain offers it only where the model follows the compiled graph: each op of the two
+fitting compiles, of a third that recomputes every such stage and of two that recompute
+every other one beside the others offloaded must hold at most what the costed chain books,
+and every offloaded unit must be the chain's; otherwise the chain offers none, and a note
+says why. So a whole-graph profile compiles the model six times where it offers
+recomputation. On this project's CPU (``experiments.compiled_recompute`` and the
+seventeenth session's notes in ``experiments/results/README.md``) our GPT under aot_eager
+passed; under Inductor the same GPT did not (with the first block recomputed, the compiled
+graph saves the embedding's unit in a form our copies cannot move), nor did transformers'
+GPT-2 and BERT (a block's backward after a recomputed one held up to 220 KiB more than
+booked: the re-run placed otherwise than the model follows).
+
+Where it is offered, the model is safe but loose: with every block of the GPT recomputed
+under aot_eager the backward is predicted at 5.25 MiB for 2.50 MiB held, its own transients
+shrinking with the blocks recomputed, which a chain measured with them kept does not know
+(under Inductor, before the unit check refused it: 2.05 MiB predicted for 1.74 MiB held,
+2.63 MiB with the whole unit rebuilt).
 """
 from __future__ import annotations
 
@@ -69,15 +81,16 @@ from typing import Callable
 import torch
 
 from offload.core.devices import running
-from offload.errors import offload_cause
+from offload.errors import ChainMismatch, offload_cause
 from offload.executor.compiled import SchedulePartitioner
 from offload.executor.compiled_copies import unit_needs
 from offload.executor.marked import MarkedRun
+from offload.io.text import format_bytes
 from offload.models.spec import ModelSpec
-from offload.step.actions import Recompute
+from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain, Stage
 from offload.step.chainfile import make_chain
-from offload.step.memory import memory_profile
+from offload.step.memory import floor_offloads, memory_profile, op_name
 from offload.step.schedule import make_schedule
 
 ONE_GRAPH = ("--whole-graph needs the model's stages in one graph (a graph break is allowed only outside them, such "
@@ -109,7 +122,7 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
     peaks = run.peaks()
     tick("compiled step")
     compiled = _chain(chain, partitioner, backend, seconds, peaks, [sum(t) for t in timed])
-    rerunnable = [k for k in range(1, L) if k in chain.recomputable]
+    rerunnable = [k for k in range(1, L) if k in chain.recomputable and compiled.stage(k).saved_bytes]
     return _with_recomputation(compiled, rerunnable, spec, device, backend, tick) if rerunnable else compiled
 
 
@@ -133,41 +146,81 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
                         tick: Callable[[str], None]) -> Chain:
     """``chain`` (of the compiled graph) with the ``rerunnable`` stages (the eager profile's
     verdict) recomputable as runs of one stage, their costs read from two more compiles with
-    marks, each recomputing every other one of them, so that a run's neighbours are kept, as
-    in most schedules (module docstring, "recomputation")."""
+    marks, each recomputing every other one of them, so that a run's neighbours are kept
+    (module docstring, "recomputation"); then checked against those two, a third that
+    recomputes them all, and two that recompute every other one beside the others offloaded:
+    where an op of these held more than the chain books, or an offloaded unit was not the
+    chain's, ``chain`` as it was, with a note saying so."""
     base = _with_fields(chain, {k: dict(recomputable=True, rerun_output=False, carry_bytes=0, bwd_start_bytes=0)
                                 for k in rerunnable})
     fields: dict[int, dict] = {}
-    for part in (rerunnable[0::2], rerunnable[1::2]):
-        if not part:
-            continue
-        runs = [Recompute(k, k) for k in part]
-        partitioner = SchedulePartitioner(base, make_schedule(base, [], recompute=runs), marks=True)
-        run = _compiled(spec, partitioner, device, backend, 1)
-        measured = run.peaks()
-        costs = {k: dict(input_bytes=whole, input_own_bytes=whole - own, rerun_held_bytes=own)
-                 for k, (whole, own) in partitioner.checkpoint_bytes().items()}
-        fitted = _with_fields(base, costs)
-        predicted, _ = memory_profile(fitted, [], runs)
-        for k in part:
-            # what F(k+1) holds over its prediction stays until the run is rebuilt: booked with
-            # the checkpoint (not a storage that offloading the checkpoint moves)
-            unbooked = max(0, measured[k] - int(predicted[k]))
-            fwd_peak = int(fitted.rfp[k]) + measured[k - 1] - int(predicted[k - 1])  # Fk's op as measured
-            fields[k] = {**costs[k], "input_bytes": costs[k]["input_bytes"] + unbooked,
-                         "recomputed_fwd_peak_bytes": min(max(0, fwd_peak), chain.stage(k).fwd_peak_bytes)}
-            if fwd_peak > chain.stage(k).fwd_peak_bytes:  # recomputed, Fk held more than kept: not offered
-                fields[k] = dict(recomputable=False, rerun_output=True, carry_bytes=None)
-        if all(fields[k].get("recomputable", True) for k in part):
-            for k, rebuild in _rebuilds(_with_fields(base, {k: fields[k] for k in part}), runs, measured).items():
-                fields[k].update(rebuild)
-        tick(f"compiled recomputing {', '.join(map(str, part))}")
-    return _with_fields(base, fields)
+    metered: dict[str, tuple[list[Offload], list[Recompute], list[int]]] = {}  # each compile's schedule, ops' memory
+    halves = (("every other one", rerunnable[0::2], rerunnable[1::2]), ("the others", rerunnable[1::2], rerunnable[0::2]))
+    try:
+        for name, part, _ in halves:
+            if not part:
+                continue
+            runs, offloads = [Recompute(k, k) for k in part], []
+            measured, checkpoints = _metered(base, offloads, runs, spec, device, backend)
+            metered[name] = (offloads, runs, measured)
+            costs = {k: dict(input_bytes=whole, input_own_bytes=whole - own, rerun_held_bytes=own)
+                     for k, (whole, own) in checkpoints.items()}
+            fitted = _with_fields(base, costs)
+            predicted, _ = memory_profile(fitted, offloads, runs)
+            for k in part:
+                # what F(k+1) holds over its prediction stays until the run is rebuilt: booked
+                # with the checkpoint (not a storage that offloading the checkpoint moves)
+                unbooked = max(0, measured[k] - int(predicted[k]))
+                fwd_peak = int(fitted.rfp[k]) + measured[k - 1] - int(predicted[k - 1])  # Fk's op as measured
+                fields[k] = {**costs[k], "input_bytes": costs[k]["input_bytes"] + unbooked,
+                             "recomputed_fwd_peak_bytes": min(max(0, fwd_peak), chain.stage(k).fwd_peak_bytes)}
+                if fwd_peak > chain.stage(k).fwd_peak_bytes:  # recomputed, Fk held more than kept: not offered
+                    fields[k] = dict(recomputable=False, rerun_output=True, carry_bytes=None)
+            if all(fields[k].get("recomputable", True) for k in part):
+                fitted = _with_fields(base, {k: fields[k] for k in part})
+                for k, rebuild in _rebuilds(fitted, offloads, runs, measured).items():
+                    fields[k].update(rebuild)
+            tick(f"compiled recomputing {', '.join(map(str, part))}")
+        costed = _with_fields(base, fields)
+        every = [Recompute(k, k) for k in sorted(costed.recomputable)]
+        if len(every) > 1:  # their neighbours recomputed too, then offloaded: three more compiles
+            metered["all of them"] = ([], every, _metered(costed, [], every, spec, device, backend)[0])
+            for name, part, others in halves:
+                runs = [Recompute(k, k) for k in part if k in costed.recomputable]
+                offloads = [o for o in floor_offloads(costed, runs) if o.stage in others]
+                if runs and offloads:
+                    measured = _metered(costed, offloads, runs, spec, device, backend)[0]
+                    metered[f"{name}, the rest offloaded"] = (offloads, runs, measured)
+            tick("compiled recomputing all, then every other one beside offloads")
+    except ChainMismatch as exc:  # with a stage recomputed, a unit of the graph is not the chain's
+        return _without_recomputation(chain, f"an offloaded unit was not the chain's ({exc})")
+    for name, (offloads, runs, measured) in metered.items():
+        predicted, _ = memory_profile(costed, offloads, [r for r in runs if r.first in costed.recomputable])
+        worst, o = max((measured[o] - int(predicted[o]), o) for o in range(2 * chain.L))
+        if worst > 0:  # the model does not follow this compile's backward: no promise, so no recomputation
+            return _without_recomputation(chain, f"compiled recomputing {name} of the stages it could re-run, "
+                                                 f"{op_name(chain, o)} held {format_bytes(worst)} over what the chain "
+                                                 "books")
+    return costed
 
 
-def _rebuilds(chain: Chain, runs: list[Recompute], measured: list[int]) -> dict[int, dict]:
+def _without_recomputation(chain: Chain, why: str) -> Chain:
+    note = (f"recomputation not offered: {why} (a compiled re-run placed otherwise than the model follows: "
+            "experiments.compiled_recompute)")
+    return replace(chain, source={**chain.source, "notes": [*chain.source.get("notes", []), note]})
+
+
+def _metered(chain: Chain, offloads: list[Offload], runs: list[Recompute], spec: ModelSpec, device: torch.device,
+             backend: str) -> tuple[list[int], dict[int, tuple[int, int]]]:
+    """Each op's memory in a step of ``spec.module`` compiled whole with ``offloads`` and
+    ``runs``, and the runs' checkpoints' bytes in that graph (``SchedulePartitioner.checkpoint_bytes``)."""
+    partitioner = SchedulePartitioner(chain, make_schedule(chain, offloads, recompute=runs), marks=True)
+    return _compiled(spec, partitioner, device, backend, 1).peaks(), partitioner.checkpoint_bytes()
+
+
+def _rebuilds(chain: Chain, offloads: list[Offload], runs: list[Recompute], measured: list[int]) -> dict[int, dict]:
     """Per run (by its stage), its rebuild's fields, fitted to the ops of a compile that ran
-    ``runs``, ``measured`` its ops' memory: the compiled backward re-runs each op right before
+    ``offloads`` and ``runs``, ``measured`` its ops' memory: the compiled backward re-runs each op right before
     its reader, inside ``Bk``, so the re-run op holds no transient of its own
     (``rerun_peak_bytes: 0``: what its checkpoint and the units hold is live as ``Bk``
     starts) and the unit counts what ``Bn .. Bk`` held over the rest (``rebuilt_bytes``, no
@@ -175,11 +228,11 @@ def _rebuilds(chain: Chain, runs: list[Recompute], measured: list[int]) -> dict[
     L = chain.L
     fields: dict[int, dict] = {r.first: {"rerun_peak_bytes": 0} for r in runs}
     window = {k: range(2 * L - int(chain.need[k]), 2 * L - k + 1) for k in fields}  # Bn .. Bk: the unit rebuilt
-    predicted, _ = memory_profile(_with_fields(chain, fields), [], runs)
+    predicted, _ = memory_profile(_with_fields(chain, fields), offloads, runs)
     for k, ops in window.items():
         spare = min(int(predicted[o]) - measured[o] for o in ops)
         fields[k]["rebuilt_bytes"] = max(0, int(chain.a[k]) - max(0, spare))
-    predicted, _ = memory_profile(_with_fields(chain, fields), [], runs)
+    predicted, _ = memory_profile(_with_fields(chain, fields), offloads, runs)
     for k, ops in window.items():  # units rebuilt at one op share its spare: each back whole where it ran short
         if any(int(predicted[o]) < measured[o] for o in ops):
             fields[k]["rebuilt_bytes"] = None

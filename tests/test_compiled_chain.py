@@ -155,6 +155,7 @@ def test_recomputation_is_offered_only_where_every_compile_held_what_the_chain_b
     refused = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
     assert not refused.recomputable
     assert "an offloaded unit was not the chain's (the compiled graph moves nothing of U1)" in refused.source["notes"][-1]
+    assert "with a neighbour recomputed" in refused.source["notes"][-1]
 
 
 def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):

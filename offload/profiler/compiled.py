@@ -193,7 +193,9 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
                     metered[f"{name}, the rest offloaded"] = (offloads, runs, measured)
             tick("compiled recomputing all, then every other one beside offloads")
     except ChainMismatch as exc:  # with a stage recomputed, a unit of the graph is not the chain's
-        return _without_recomputation(chain, f"an offloaded unit was not the chain's ({exc})")
+        what = str(exc).split(": the model, its batch")[0]  # (the refusal's guess at why does not apply here)
+        return _without_recomputation(chain, f"with a neighbour recomputed, an offloaded unit was not the chain's "
+                                             f"({what})")
     for name, (offloads, runs, measured) in metered.items():
         predicted, _ = memory_profile(costed, offloads, [r for r in runs if r.first in costed.recomputable])
         worst, o = max((measured[o] - int(predicted[o]), o) for o in range(2 * chain.L))

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             share += 5
     print("  profiling the model compiled as one graph", flush=True)
     whole = profile(args.model, ProfileOptions(batch=args.batch, repeats=2, warmup=1, encodings=False, options=options,
-                                               device=device.type, compile="inductor", whole_graph=True)).chain
+                                               device=device.type, compile="inductor", whole_graph=True,
+                                               recompute=False)).chain
     whole_budget = max(budget, smallest_feasible_budget(whole))
     solved = solve(whole, whole_budget, "ilp", Options(time_limit_s=30)).schedule
     spec = resolve(args.model, args.batch, options)

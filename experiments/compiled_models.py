@@ -44,7 +44,7 @@ def row(tag: str) -> str:
     model, options = MODELS[tag]
     t0 = time.perf_counter()
     chain = profile(model, ProfileOptions(batch=2, repeats=2, warmup=1, encodings=False, options=options,
-                                          compile="inductor", whole_graph=True)).chain
+                                          compile="inductor", whole_graph=True, recompute=False)).chain
     peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
     budget = floor + (peak - floor) // 2
     schedule = solve(chain, budget, "ilp", Options(time_limit_s=20)).schedule

@@ -47,7 +47,7 @@ def excess(model: str, options: dict, batch: int, backend: str = "inductor", eve
     """The model's chain of its compiled graph, and per schedule (``schedules``) how much each
     op's memory (``offload train --op-memory``) is over the simulator's."""
     chain = profile(model, ProfileOptions(batch=batch, repeats=1, warmup=1, encodings=False, options=options,
-                                          compile=backend, whole_graph=True)).chain
+                                          compile=backend, whole_graph=True, recompute=False)).chain
     out = {}
     for name, schedule in schedules(chain, every_point).items():
         torch.manual_seed(1)

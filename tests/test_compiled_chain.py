@@ -248,7 +248,7 @@ def test_each_op_of_a_just_in_time_schedule_keeps_its_prediction_under_inductor(
     first kernel, after ``B3``'s prefetches (``U3`` held through ``B4``'s work: +1 MB)."""
     one_layer = {**GPT, "layers": 1}
     chain = profile("gpt", ProfileOptions(batch=4, repeats=1, warmup=1, encodings=False, options=one_layer,
-                                          compile="inductor", whole_graph=True)).chain
+                                          compile="inductor", whole_graph=True, recompute=False)).chain
     schedule = make_schedule(chain, floor_offloads(chain))
     torch.manual_seed(1)
     run = MarkedRun(resolve("gpt", 4, one_layer), SchedulePartitioner(chain, schedule, copy_backend="cpu-lazy", marks=True),

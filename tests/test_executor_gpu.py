@@ -219,7 +219,8 @@ def test_a_schedule_solved_on_a_chain_of_the_compiled_graph_keeps_its_budget_on_
 
     options = {"layers": 4, "width": 256, "heads": 4, "seq": 256, "vocab": 500, "dropout": 0.1}
     chain = profile("gpt", ProfileOptions(batch=8, device="cuda", repeats=3, warmup=1, encodings=False,
-                                          options=options, compile="inductor", whole_graph=True)).chain
+                                          options=options, compile="inductor", whole_graph=True,
+                                          recompute=False)).chain
     peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
     budget = floor + (peak - floor) // 2
     sched = solve(chain, budget, "ilp", Options(time_limit_s=20)).schedule

@@ -441,6 +441,15 @@ def test_cli_bandwidth_override(tmp_path, capsys):
     assert "as plain PyTorch runs it, timed beside the profile's steps" in capsys.readouterr().out
 
 
+def test_a_profile_without_recomputation_offers_none_and_says_so():
+    """``--no-recompute``: no re-run is measured, no stage is recomputable, a note says why (a
+    chain of the compiled graph skips five compiles so)."""
+    chain = profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=0, encodings=False, recompute=False,
+                                          options={"layers": 2, "width": 32, "heads": 2, "seq": 16, "vocab": 64})).chain
+    assert not chain.recomputable and not any(s.options for s in chain.stages)
+    assert "recomputation not measured (--no-recompute): the chain offers none" in chain.source["notes"]
+
+
 def test_a_few_slow_small_copies_make_no_latency():
     """The copy line's latency is the small copy's median less its bytes at the bandwidth: on a
     busy 2-core host the first small copies after a large one waited 7.9 ms for a descheduled

@@ -47,7 +47,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                           options=parse_options(args.option), seed=args.seed, platform=_platform(args), name=args.name,
                           encodings=not args.no_encodings, autocast=args.autocast,
                           set_to_none=args.set_to_none, keep_cache=args.keep_cache, compile=args.compile,
-                          whole_graph=args.whole_graph, split_blocks=args.split_blocks)
+                          whole_graph=args.whole_graph, split_blocks=args.split_blocks,
+                          recompute=not args.no_recompute)
     per_measure = 2 + opts.repeats  # warm-up, memory pass, the timed steps (twice with --stages)
     with tqdm(total=4 + per_measure * (2 if opts.stages else 1) + 2 * opts.encodings, desc=f"profiling {args.model}",
               unit="step", file=sys.stderr, disable=args.quiet, leave=False) as bar:
@@ -107,6 +108,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "recomputed as a run of its own where five more compiles show the model follows the "
                         "graph's re-runs (else a note says why not); offload train runs it with "
                         "compile_scheduled, as your loop can (docs/executor.md)")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="measure no recomputation cost: the chain offers offloading (and encodings) only; with "
+                        "--whole-graph it saves five compiles of the model")
     p.add_argument("--split-blocks", action="store_true",
                    help="cut inside each block too, at the calls of its submodules that hold submodules and "
                         "parameters (a transformer layer's attention | its MLP), whatever crosses them (the "

@@ -100,7 +100,7 @@ ONE_GRAPH = ("--whole-graph needs the model's stages in one graph (a graph break
 
 
 def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backend: str, repeats: int, warmup: int,
-                      tick: Callable[[str], None] = lambda _: None) -> Chain:
+                      tick: Callable[[str], None] = lambda _: None, recompute: bool = True) -> Chain:
     """The chain of ``spec.module`` compiled whole by ``backend``, cut where ``chain`` (its eager
     profile) is (module docstring).
 
@@ -109,6 +109,7 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
         spec: the model, on ``device``, with the batch and loss the profile used.
         backend: ``inductor`` or ``aot_eager``.
         repeats, warmup: timed steps and steps before them.
+        recompute: offer recomputation where five more compiles show the model follows it.
 
     Returns:
         The chain of the compiled graph.
@@ -123,7 +124,9 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
     tick("compiled step")
     compiled = _chain(chain, partitioner, backend, seconds, peaks, [sum(t) for t in timed])
     rerunnable = [k for k in range(1, L) if k in chain.recomputable and compiled.stage(k).saved_bytes]
-    return _with_recomputation(compiled, rerunnable, spec, device, backend, tick) if rerunnable else compiled
+    if recompute and rerunnable:
+        return _with_recomputation(compiled, rerunnable, spec, device, backend, tick)
+    return compiled
 
 
 def _compiled(spec: ModelSpec, partitioner: SchedulePartitioner, device: torch.device, backend: str,

@@ -67,6 +67,7 @@ class ProfileOptions:
     compile: str | None = None  # measure the model compiled (torch.compile backend), as the training will run it
     split_blocks: bool = False  # cut inside each block too, at its submodules' calls (attention | MLP)
     whole_graph: bool = False  # with compile: the model compiled as one graph (offload.profiler.compiled)
+    recompute: bool = True  # measure what recomputing each stage costs (whole_graph: five more compiles)
 
 
 @dataclass
@@ -167,7 +168,9 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
                 stages.notes.append(f"encoders not offered on a GPU: {', '.join(left_out)} (each reads its blob's size "
                                     "back from the device, which would stall every step)")
             tick("encodings")
-        if eager:
+        if not opts.recompute:
+            stages.notes.append("recomputation not measured (--no-recompute): the chain offers none")
+        elif eager:
             options = selective_pass(runner, result.stages)
             tick("in-stage options")
             again = [k for k, s in enumerate(result.stages, 1) if k < stages.L and s.recomputable]
@@ -181,6 +184,8 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     tick("platform")
     chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, options, turned_off,
                       rerun_host, recording_host, rerun_peak)
+    if not opts.recompute:
+        chain = replace(chain, stages=tuple(replace(s, recomputable=False) for s in chain.stages))
     if any(s.encodings for s in chain.stages):  # what the executor's encoded units hold, op by op
         chain = _with_encoded_memory(chain, spec, device, model)
         tick("encoded units' memory")
@@ -189,7 +194,8 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
         tick("handled tensors' host time")
     if opts.whole_graph:  # the cuts are the eager profile's; the rest that graph's
         with running(f"running {model}"):
-            chain = whole_graph_chain(chain, spec, device, opts.compile, opts.repeats, opts.warmup, tick)
+            chain = whole_graph_chain(chain, spec, device, opts.compile, opts.repeats, opts.warmup, tick,
+                                      opts.recompute)
         return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, user_module))
     return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, user_module) + timing_warnings(result))
 

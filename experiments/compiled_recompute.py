@@ -1,6 +1,6 @@
 """A chain of the compiled graph recomputing stages: each op of seven schedules against the model.
 
-    python -m experiments.compiled_recompute                 # aot_eager and inductor, about 3 minutes here
+    python -m experiments.compiled_recompute                 # aot_eager and inductor, about 2 minutes here
     python -m experiments.compiled_recompute --backend inductor --layers 4
 
 A chain of the compiled graph (``offload profile --compile B --whole-graph``) offers each

@@ -154,37 +154,10 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
     recomputes them all, and two that recompute every other one beside the others offloaded:
     where an op of these held more than the chain books, or an offloaded unit was not the
     chain's, ``chain`` as it was, with a note saying so."""
-    base = _with_fields(chain, {k: dict(recomputable=True, rerun_output=False, carry_bytes=0, bwd_start_bytes=0)
-                                for k in rerunnable})
-    fields: dict[int, dict] = {}
-    metered: dict[str, tuple[list[Offload], list[Recompute], list[int]]] = {}  # each compile's schedule, ops' memory
     halves = (("every other one", rerunnable[0::2], rerunnable[1::2]), ("the others", rerunnable[1::2], rerunnable[0::2]))
     try:
-        for name, part, _ in halves:
-            if not part:
-                continue
-            runs, offloads = [Recompute(k, k) for k in part], []
-            measured, checkpoints = _metered(base, offloads, runs, spec, device, backend)
-            metered[name] = (offloads, runs, measured)
-            costs = {k: dict(input_bytes=whole, input_own_bytes=whole - own, rerun_held_bytes=own)
-                     for k, (whole, own) in checkpoints.items()}
-            fitted = _with_fields(base, costs)
-            predicted, _ = memory_profile(fitted, offloads, runs)
-            for k in part:
-                # what F(k+1) holds over its prediction stays until the run is rebuilt: booked
-                # with the checkpoint (not a storage that offloading the checkpoint moves)
-                unbooked = max(0, measured[k] - int(predicted[k]))
-                fwd_peak = int(fitted.rfp[k]) + measured[k - 1] - int(predicted[k - 1])  # Fk's op as measured
-                fields[k] = {**costs[k], "input_bytes": costs[k]["input_bytes"] + unbooked,
-                             "recomputed_fwd_peak_bytes": min(max(0, fwd_peak), chain.stage(k).fwd_peak_bytes)}
-                if fwd_peak > chain.stage(k).fwd_peak_bytes:  # recomputed, Fk held more than kept: not offered
-                    fields[k] = dict(recomputable=False, rerun_output=True, carry_bytes=None)
-            if all(fields[k].get("recomputable", True) for k in part):
-                fitted = _with_fields(base, {k: fields[k] for k in part})
-                for k, rebuild in _rebuilds(fitted, offloads, runs, measured).items():
-                    fields[k].update(rebuild)
-            tick(f"compiled recomputing {', '.join(map(str, part))}")
-        costed = _with_fields(base, fields)
+        costed, metered = _fitted(chain, rerunnable, [(name, part) for name, part, _ in halves if part], spec, device,
+                                  backend, tick)
         every = [Recompute(k, k) for k in sorted(costed.recomputable)]
         if len(every) > 1:  # their neighbours recomputed too, then offloaded: three more compiles
             metered["all of them"] = ([], every, _metered(costed, [], every, spec, device, backend)[0])
@@ -209,6 +182,39 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
     return costed
 
 
+def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int]]], spec: ModelSpec,
+            device: torch.device, backend: str, tick: Callable[[str], None]
+            ) -> tuple[Chain, dict[str, tuple[list[Offload], list[Recompute], list[int]]]]:
+    """``chain`` with the ``rerunnable`` stages costed from one compile per part recomputing
+    that part's stages, and per compile (by the part's name) its schedule and its ops' memory."""
+    base = _with_fields(chain, {k: dict(recomputable=True, rerun_output=False, carry_bytes=0, bwd_start_bytes=0)
+                                for k in rerunnable})
+    fields: dict[int, dict] = {}
+    metered: dict[str, tuple[list[Offload], list[Recompute], list[int]]] = {}
+    for name, part in parts:
+        runs = [Recompute(k, k) for k in part]
+        measured, checkpoints = _metered(base, [], runs, spec, device, backend)
+        metered[name] = ([], runs, measured)
+        costs = {k: dict(input_bytes=whole, input_own_bytes=whole - own, rerun_held_bytes=own)
+                 for k, (whole, own) in checkpoints.items()}
+        fitted = _with_fields(base, costs)
+        predicted, _ = memory_profile(fitted, [], runs)
+        for k in part:
+            # what F(k+1) holds over its prediction stays until the run is rebuilt: booked with
+            # the checkpoint (not a storage that offloading the checkpoint moves)
+            unbooked = max(0, measured[k] - int(predicted[k]))
+            fwd_peak = int(fitted.rfp[k]) + measured[k - 1] - int(predicted[k - 1])  # Fk's op as measured
+            fields[k] = {**costs[k], "input_bytes": costs[k]["input_bytes"] + unbooked,
+                         "recomputed_fwd_peak_bytes": min(max(0, fwd_peak), chain.stage(k).fwd_peak_bytes)}
+            if fwd_peak > chain.stage(k).fwd_peak_bytes:  # recomputed, Fk held more than kept: not offered
+                fields[k] = dict(recomputable=False, rerun_output=True, carry_bytes=None)
+        if all(fields[k].get("recomputable", True) for k in part):
+            for k, rebuild in _rebuilds(_with_fields(base, {k: fields[k] for k in part}), runs, measured).items():
+                fields[k].update(rebuild)
+        tick(f"compiled recomputing {', '.join(map(str, part))}")
+    return _with_fields(base, fields), metered
+
+
 def _without_recomputation(chain: Chain, why: str) -> Chain:
     note = (f"recomputation not offered: {why} (a compiled re-run placed otherwise than the model follows: "
             "experiments.compiled_recompute)")
@@ -223,9 +229,9 @@ def _metered(chain: Chain, offloads: list[Offload], runs: list[Recompute], spec:
     return _compiled(spec, partitioner, device, backend, 1).peaks(), partitioner.checkpoint_bytes()
 
 
-def _rebuilds(chain: Chain, offloads: list[Offload], runs: list[Recompute], measured: list[int]) -> dict[int, dict]:
+def _rebuilds(chain: Chain, runs: list[Recompute], measured: list[int]) -> dict[int, dict]:
     """Per run (by its stage), its rebuild's fields, fitted to the ops of a compile that ran
-    ``offloads`` and ``runs``, ``measured`` its ops' memory: the compiled backward re-runs each op right before
+    ``runs``, ``measured`` its ops' memory: the compiled backward re-runs each op right before
     its reader, inside ``Bk``, so the re-run op holds no transient of its own
     (``rerun_peak_bytes: 0``: what its checkpoint and the units hold is live as ``Bk``
     starts) and the unit counts what ``Bn .. Bk`` held over the rest (``rebuilt_bytes``, no
@@ -233,11 +239,11 @@ def _rebuilds(chain: Chain, offloads: list[Offload], runs: list[Recompute], meas
     L = chain.L
     fields: dict[int, dict] = {r.first: {"rerun_peak_bytes": 0} for r in runs}
     window = {k: range(2 * L - int(chain.need[k]), 2 * L - k + 1) for k in fields}  # Bn .. Bk: the unit rebuilt
-    predicted, _ = memory_profile(_with_fields(chain, fields), offloads, runs)
+    predicted, _ = memory_profile(_with_fields(chain, fields), [], runs)
     for k, ops in window.items():
         spare = min(int(predicted[o]) - measured[o] for o in ops)
         fields[k]["rebuilt_bytes"] = max(0, int(chain.a[k]) - max(0, spare))
-    predicted, _ = memory_profile(_with_fields(chain, fields), offloads, runs)
+    predicted, _ = memory_profile(_with_fields(chain, fields), [], runs)
     for k, ops in window.items():  # units rebuilt at one op share its spare: each back whole where it ran short
         if any(int(predicted[o]) < measured[o] for o in ops):
             fields[k]["rebuilt_bytes"] = None

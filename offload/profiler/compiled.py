@@ -154,13 +154,14 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
     recomputes them all, and two that recompute every other one beside the others offloaded:
     where an op of these held more than the chain books, or an offloaded unit was not the
     chain's, ``chain`` as it was, with a note saying so."""
-    halves = (("every other one", rerunnable[0::2], rerunnable[1::2]), ("the others", rerunnable[1::2], rerunnable[0::2]))
+    halves = (("every other stage", rerunnable[0::2], rerunnable[1::2]),
+              ("the other stages", rerunnable[1::2], rerunnable[0::2]))
     try:
         costed, metered = _fitted(chain, rerunnable, [(name, part) for name, part, _ in halves if part], spec, device,
                                   backend, tick)
         every = [Recompute(k, k) for k in sorted(costed.recomputable)]
         if len(every) > 1:  # their neighbours recomputed too, then offloaded: three more compiles
-            metered["all of them"] = ([], every, _metered(costed, [], every, spec, device, backend)[0])
+            metered["every stage"] = ([], every, _metered(costed, [], every, spec, device, backend)[0])
             for name, part, others in halves:
                 runs = [Recompute(k, k) for k in part if k in costed.recomputable]
                 offloads = [o for o in floor_offloads(costed, runs) if o.stage in others]
@@ -176,9 +177,9 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
         predicted, _ = memory_profile(costed, offloads, [r for r in runs if r.first in costed.recomputable])
         worst, o = max((measured[o] - int(predicted[o]), o) for o in range(2 * chain.L))
         if worst > 0:  # the model does not follow this compile's backward: no promise, so no recomputation
-            return _without_recomputation(chain, f"compiled recomputing {name} of the stages it could re-run, "
-                                                 f"{op_name(chain, o)} held {format_bytes(worst)} over what the chain "
-                                                 "books")
+            return _without_recomputation(chain, f"compiled recomputing {name} ({', '.join(str(r.first) for r in runs)}"
+                                                 f"), {op_name(chain, o)} held {format_bytes(worst)} over what the "
+                                                 "chain books")
     return costed
 
 

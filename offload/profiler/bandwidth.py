@@ -32,14 +32,18 @@ LARGE, SMALL = 256 * 2**20, 64 * 2**10
 SMALL_REPEATS = 101
 
 
+def _small_repeats(repeats: int) -> int:
+    return max(repeats, SMALL_REPEATS)
+
+
 def _line(copy: Callable[[int], float], large: int, repeats: int) -> tuple[float, float]:
     """(bandwidth B/s, latency s) of the line through the median seconds ``copy(n)`` takes for
-    ``large`` and ``SMALL`` bytes (over ``repeats`` copies, at least ``SMALL_REPEATS`` small ones)."""
+    ``large`` bytes (over ``repeats`` copies) and ``SMALL`` bytes (``_small_repeats``)."""
     def median(n: int, k: int) -> float:
         copy(n)  # warm-up
         return statistics.median(copy(n) for _ in range(k))
 
-    large_s, small_s = median(large, repeats), median(SMALL, max(repeats, SMALL_REPEATS))
+    large_s, small_s = median(large, repeats), median(SMALL, _small_repeats(repeats))
     slope = (large_s - small_s) / (large - SMALL)
     bandwidth = 1.0 / slope if slope > 0 else large / large_s
     return bandwidth, max(0.0, small_s - SMALL / bandwidth)
@@ -68,7 +72,8 @@ def _cuda_platform(device: torch.device, repeats: int, size: int) -> Platform:
     h2d_bw, h2d_lat = _line(lambda n: timed([(h2d, dev[1][:n], host[1][:n])]), size, repeats)
     name = torch.cuda.get_device_name(device)
     note = (f"measured on {name}: pinned host buffers, {size // 2**20} MiB and {SMALL // 2**10} KiB copies, "
-            f"medians of {repeats} and {max(repeats, SMALL_REPEATS)}; the executor's host time per storage copied timed as it issues them")
+            f"medians of {repeats} and {_small_repeats(repeats)}; the executor's host time per storage copied "
+            "timed as it issues them")
     return Platform(d2h_bytes_per_s=d2h_bw, h2d_bytes_per_s=h2d_bw, latency_s=(d2h_lat + h2d_lat) / 2, note=note,
                     copy_host_s=copy_host_seconds(device, repeats=repeats))
 

@@ -4,7 +4,7 @@ Every unit's choice of encoding changes the floor memory (every unit offloaded a
 fetched on demand: ``offload.step.memory.floor_offloads``) of a few ops additively, so the
 least peak is a min-max MILP over one binary per (unit, encoding).  With recomputation a
 unit may instead be recomputed, never both (docs/model.md, "Recomputation"): one more binary
-per recomputable unit, its ``recompute_relief`` as its change, and the MILP's optimum is a
+per recomputable unit, what recomputing it relieves (``memory.relieve``) as its change, and the MILP's optimum is a
 lower bound on the joint class's smallest budget (the relief is one).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pulp
 
 from offload.step.chain import Chain
 from offload.step.encoding import allowed, apply
-from offload.step.memory import floor_bound_memory, floor_offloads, op_memory, recompute_relief
+from offload.step.memory import floor_bound_memory, floor_offloads, op_memory, relieve
 
 from .pulp_backend import run
 
@@ -57,8 +57,7 @@ def _least(chain: Chain, opts: dict, plain: np.ndarray, recompute: bool) -> tupl
             deltas[i, e.name] = op_memory(derived, floor_offloads(derived)) - base
     for i in chain.recomputable if recompute else ():
         deltas[i, None] = np.zeros_like(base)  # recomputed (None), not encoded
-        for o, nbytes in recompute_relief(chain, i).items():
-            deltas[i, None][o] -= nbytes
+        relieve(chain, deltas[i, None], [i])
     scale = max(float(base.max()), 1.0)
     lp = pulp.LpProblem("encoded_floor", pulp.LpMinimize)
     peak = lp.add_variable("peak")
@@ -74,8 +73,5 @@ def _least(chain: Chain, opts: dict, plain: np.ndarray, recompute: bool) -> tupl
     choice = {i: name for i, name in chosen if name is not None}
     derived = apply(chain, choice)
     memory = op_memory(derived, floor_offloads(derived))
-    for i, name in chosen:
-        if name is None:
-            for o, nbytes in recompute_relief(chain, i).items():
-                memory[o] -= nbytes
+    relieve(chain, memory, [i for i, name in chosen if name is None])
     return (memory, choice) if memory.max() < plain.max() else (plain, {})

@@ -197,21 +197,23 @@ def floor_offloads(chain: Chain, runs: Iterable[Recompute] = ()) -> list[Offload
             for i in chain.offloadable]
 
 
-def recompute_relief(chain: Chain, i: int) -> dict[int, int]:
-    """By op index, the most that recomputing stage ``i`` takes off what the all-offloaded floor
-    schedule holds: during ``Fi`` what autograd would keep of ``Ui``, during ``F(i+1)`` what it
-    does not carry into it (a recomputation's checkpoint and re-run ops only add)."""
-    return {i - 1: int(chain.fp[i]) - int(chain.rfp[i]), i: max(0, int(chain.a[i]) - int(chain.carry[i]))}
+def relieve(chain: Chain, memory: np.ndarray, units: Iterable[int]) -> None:
+    """Take off ``memory`` (per op, in place) the most that recomputing each of ``units`` takes
+    off what the all-offloaded floor schedule holds: during ``Fi`` what autograd would keep of
+    ``Ui``, during ``F(i+1)`` what it does not carry into it (a recomputation's checkpoint and
+    re-run ops only add)."""
+    for i in units:
+        memory[i - 1] -= int(chain.fp[i]) - int(chain.rfp[i])
+        memory[i] -= max(0, int(chain.a[i]) - int(chain.carry[i]))
 
 
 def floor_bound_memory(chain: Chain, recompute: bool) -> np.ndarray:
     """Per op, the least any schedule can hold: the all-offloaded floor schedule's memory, and
-    with ``recompute`` less each recomputable stage's ``recompute_relief`` (a lower bound)."""
+    with ``recompute`` less what recomputing each recomputable stage relieves (``relieve``: a
+    lower bound)."""
     mem = op_memory(chain, floor_offloads(chain))
     if recompute:
-        for i in chain.recomputable:
-            for o, nbytes in recompute_relief(chain, i).items():
-                mem[o] -= nbytes
+        relieve(chain, mem, chain.recomputable)
     return mem
 
 

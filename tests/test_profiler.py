@@ -232,6 +232,18 @@ def test_residual_blocks_become_stages(profiled):
     assert len(names) >= 8 + 2
 
 
+def test_a_stage_that_runs_part_of_a_module_is_named_by_its_span():
+    """BERT cuts each layer after its attention: the layer's second stage is not all of
+    ``bert.encoder.layer.0`` (the attention stage runs part of it), so it is named by the
+    submodules it runs; a stage that runs all of a module keeps that module's name."""
+    spec = resolve("bert", 2, {"layers": 2, "width": 32, "heads": 4, "seq": 16, "vocab": 50})
+    args, kwargs = spec.batch()
+    cap = capture(spec.module, lambda: spec.loss(spec.module(*args, **kwargs)), (args, kwargs))
+    names = [st.name for st in stages_at(cap, default_cuts(cap)).stages]
+    assert names[2:6] == ["bert.encoder.layer.0.attention", "bert.encoder.layer.0.intermediate..output",
+                          "bert.encoder.layer.1.attention", "bert.encoder.layer.1.intermediate..output"]
+
+
 def test_dense_blocks_become_stages(profiled):
     names = [s.name for s in profiled["densenet121"].chain.stages]
     for i in (0, 2, 4, 6):

@@ -108,12 +108,23 @@ def _labels(cap: Capture, ops: list[int]) -> list[str]:
 def _stage_name(labels: list[str], detailed: bool) -> str:
     parts = [lab.split(".") for lab in labels]
     prefix = os.path.commonprefix(parts)
-    rest = [p[len(prefix)] for p in parts if len(p) > len(prefix)]
+    rest = [_head(p, len(prefix)) for p in parts if len(p) > len(prefix)]
     common = ".".join(prefix)
     if rest and (detailed or not common):
         span = rest[0] if rest[0] == rest[-1] else f"{rest[0]}..{rest[-1]}"
         return f"{common}.{span}" if common else span
     return common or labels[0]
+
+
+def _head(path: list[str], at: int) -> str:
+    """The submodule of ``path`` at depth ``at``, with its index where it is a container's
+    item (``layers.0``, not ``layers``)."""
+    return ".".join(path[at:at + 2]) if len(path) > at + 1 and path[at + 1].isdigit() else path[at]
+
+
+def _inside(name: str, modules: set[str]) -> bool:
+    """Whether any of ``modules`` is the module ``name`` or one inside it."""
+    return any(m == name or m.startswith(name + ".") for m in modules)
 
 
 def _stage_kind(cap: Capture, ops: list[int]) -> str:
@@ -148,7 +159,7 @@ def crossing(cap: Capture, cuts: Sequence[Site]) -> dict[int, list[str]]:
 def stages_at(cap: Capture, cuts: Sequence[Site]) -> Stages:
     """The stages of cutting at ``cuts`` (candidates, in order), each named and kinded.  Names
     are unique, so a chain reads stage by stage: where a short name (the shared module prefix)
-    repeats, the span of submodules is added."""
+    repeats, or names a module another stage runs part of, the span of submodules is added."""
     unknown = [c.text for c in cuts if c not in cap.ends]
     if unknown:
         raise ValueError(f"not cut candidates: {unknown}")
@@ -156,7 +167,11 @@ def stages_at(cap: Capture, cuts: Sequence[Site]) -> Stages:
     labels = [_labels(cap, seg) for seg in segs]
     short = [_stage_name(lab, detailed=False) for lab in labels]
     repeated = {n for n, c in Counter(short).items() if c > 1}
-    names = [_stage_name(lab, detailed=True) if n in repeated else n for n, lab in zip(short, labels)]
+    modules = [{cap.graph.nodes[op]["module"] for op in seg if cap.graph.nodes[op]["module"]} for seg in segs]
+    # a stage named by a module that other stages run a part of (BART's embeddings and first
+    # encoder layer: not all of ``model.encoder``) is named by the span of submodules it runs
+    partial = {n for k, n in enumerate(short) if any(_inside(n, m) for j, m in enumerate(modules) if j != k)}
+    names = [_stage_name(lab, detailed=True) if n in repeated | partial else n for n, lab in zip(short, labels)]
     seen: Counter[str] = Counter()
     infos = []
     for name, seg in zip(names, segs):

@@ -8,7 +8,8 @@ platform and on the link-bound what-if (``reproduce.link_bound``), at 25%, 35%, 
 MILP (docs/model.md, "Recomputation"): offloading only (``ilp``), recomputation only
 (``recompute-only``), both (``ilp --recompute``); and of the heuristics and policies on
 the joint class (``relax-lp``/``relax-bw`` with recomputation, ``checkpoint-sqrt``,
-``checkpoint-blocks``).  The smallest feasible budget of each family: offloading's exact
+``checkpoint-blocks``), no family encoding (``--encodings none``: encodings are
+``experiments.encodings``'s).  The smallest feasible budget of each family: offloading's exact
 floor (what ``offload show`` prints), recompute-only's and the joint class's bisected with
 their MILPs between the joint lower bound and a budget known to be met (``smallest.csv``).
 
@@ -38,6 +39,9 @@ from .reproduce import link_bound, slowdown_cell, slowdown_panels, sweep_parser,
 
 OUT = Path(__file__).parent / "results" / "recompute"
 SHARES = (0.25, 0.35, 0.5, 0.7)
+# recomputation against offloading: no family encodes (encodings have their own experiment,
+# experiments.encodings), so the floors, the lower bound and every MILP are of one class
+ENCODINGS = "none"
 # column -> (method, whether --recompute); the first three are the families of the figure
 COLUMNS = {"offload only": ("ilp", False), "recompute only": ("recompute-only", False), "joint": ("ilp", True),
            "relax-lp": ("relax-lp", True), "relax-bw": ("relax-bw", True),
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             peak = no_offload_peak(chain)
             budgets = [int(s * peak) for s in SHARES]
             for family, (method, joint) in COLUMNS.items():
-                opts = Options(time_limit_s=args.time_limit, heuristic_time_s=1.0, recompute=joint)
+                opts = Options(time_limit_s=args.time_limit, heuristic_time_s=1.0, recompute=joint, encodings=ENCODINGS)
                 for r in sweep(chain, budgets, [method], opts, jobs=args.jobs):
                     rows.append({"platform": platform, "family": family, **vars(r)})
             if platform == "measured":  # a floor is memory alone: the same on every platform
@@ -89,9 +93,10 @@ def _floors(chain: Chain, time_limit: float) -> dict:
                 for name, policy in checkpointing.RECOMPUTE_ONLY.items()}
 
     # below ``lower`` no schedule of any class fits
-    recompute_only = bisect_budget(chain, "recompute-only", Options(time_limit_s=time_limit, heuristic_time_s=1.0),
+    recompute_only = bisect_budget(chain, "recompute-only", Options(time_limit_s=time_limit, heuristic_time_s=1.0,
+                                                                    encodings=ENCODINGS),
                                    lower - 1, min(peak, *policies.values()), peak // 200)
-    joint = joint_floor(chain, time_limit, 0.005, met=min(offload_floor, recompute_only))
+    joint = joint_floor(chain, time_limit, 0.005, met=min(offload_floor, recompute_only), encodings=ENCODINGS)
     return {"chain": chain.name, "joint_lower_bound_share": lower / peak, "offload_floor_share": offload_floor / peak,
             "recompute_only_floor_share": recompute_only / peak, "joint_floor_share": joint / peak,
             **{f"{name}_peak_share": b / peak for name, b in policies.items()}}

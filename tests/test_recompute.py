@@ -18,6 +18,7 @@ from offload.cli import main as offload
 from offload.errors import InfeasibleBudget, ScheduleRejected
 from offload.executor.plan import StepPlan
 from offload.solver import encoded_floor, relax
+from offload.solver.floors import joint_floor
 from offload.solver.ilp import Model, solve_ilp
 from offload.solver.methods import Options, solve
 from offload.solver.policy import floor_memory
@@ -230,6 +231,20 @@ def test_no_joint_schedule_with_encodings_holds_less_than_the_joint_floors_bound
     bound = encoded_floor.floor(chain, "lossless", recompute=True)[0]
     assert bound <= simulate(chain, offloads, encode=encode, recompute=runs).peak_bytes
     assert bound <= min(smallest_feasible_budget(chain, recompute=True), encoded_floor.floor(chain, "lossless")[0])
+
+
+@settings(max_examples=6, **SETTINGS)
+@given(chain_and_budget(min_stages=2, max_stages=4, encodings=True, inputs=True))
+def test_the_joint_floor_is_bisected_in_the_class_its_encodings_name(cb):
+    """``joint_floor`` searches the class its ``encodings`` allow: with none, never below the
+    lower bound without encodings (``experiments.recompute`` set that bound beside floors of
+    the lossless class, which went below it once the chains measured their encodings);
+    allowing encodings, never above the floor without them by more than its resolution."""
+    chain, _ = cb
+    step = max(1, int(0.05 * no_offload_peak(chain)))
+    plain = joint_floor(chain, 2.0, 0.05, encodings="none")
+    assert plain >= smallest_feasible_budget(chain, recompute=True)
+    assert joint_floor(chain, 2.0, 0.05, encodings="lossless") <= plain + step
 
 
 @settings(max_examples=40, **SETTINGS)

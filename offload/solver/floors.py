@@ -29,12 +29,15 @@ def bisect_budget(chain: Chain, method: str, options: Options, below: int, met: 
     return met
 
 
-def joint_floor(chain: Chain, time_limit_s: float = 10.0, resolution: float = 0.005, met: int | None = None) -> int:
-    """The smallest activation budget at which the joint MILP (``ilp --recompute``) finds a
-    schedule, bisected to ``resolution`` of the no-offload peak between the joint lower bound
-    and ``met``, a budget known to be met (default: offloading's floor, which offloading alone
-    meets); an upper bound where a solve runs out of ``time_limit_s`` before finding one."""
-    options = Options(time_limit_s=time_limit_s, heuristic_time_s=min(1.0, time_limit_s / 4), recompute=True)
+def joint_floor(chain: Chain, time_limit_s: float = 10.0, resolution: float = 0.005, met: int | None = None,
+                encodings: str = Options.encodings) -> int:
+    """The smallest activation budget at which the joint MILP (``ilp --recompute``, choosing
+    among ``encodings``) finds a schedule, bisected to ``resolution`` of the no-offload peak
+    between the joint lower bound and ``met``, a budget known to be met (default: offloading's
+    floor, which offloading alone meets); an upper bound where a solve runs out of
+    ``time_limit_s`` before finding one."""
+    options = Options(time_limit_s=time_limit_s, heuristic_time_s=min(1.0, time_limit_s / 4), recompute=True,
+                      encodings=encodings)
     low = floor(chain, options.encodings, recompute=True)[0]
     met = smallest_feasible_budget(chain) if met is None else met
     step = max(1, int(resolution * no_offload_peak(chain)))

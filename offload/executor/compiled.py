@@ -15,12 +15,15 @@ one graph instead and hands AOTAutograd a partitioner built from (chain, schedul
   no gradient, such as a batch norm's running statistics, which the step updates after
   the forward, and those a later stage outside the run reads, as that stage saves them in
   eager mode, where the partitioner would run the run again in that stage's backward:
-  their outputs are saved), each
+  their outputs are saved, and a multi-output op with them, such as the layer norm that
+  ends a BERT layer), each
   run its own ``ac_graph_id`` in order; the other stages' nodes are left to PyTorch's
   min-cut partitioner as in a plain compile (tagged ``MUST_SAVE`` they made a Llama's step
-  hold 14% more than plain compile's), which then builds the forward and the backward
-  graphs, as it does for ``torch.utils.checkpoint`` under compile, and the backward graph
-  runs a recomputed stage's forward ops again;
+  hold 14% more than plain compile's), but for the values a recomputed run reads of them
+  (its input, the checkpoint), ``MUST_SAVE``: made again in the backward from what the kept
+  stage saves, they made that stage save more than with the run kept.  The partitioner
+  then builds the forward and the backward graphs, as it does for ``torch.utils.checkpoint``
+  under compile, and the backward graph runs a recomputed stage's forward ops again;
 
 * **offloads, at the schedule's events** (``copies="schedule"``, the default): after the
   partitioner, ``offload.executor.compiled_copies`` puts our own copy ops
@@ -166,6 +169,14 @@ def _random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
+def _read_after(node: fx.Node, stages: dict[fx.Node, int], last: int) -> bool:
+    """Whether a stage after ``last`` reads ``node``'s value, or one of its values (a layer
+    norm's output, its first): then it is saved, not made again in that stage's backward."""
+    return any(stages.get(u, 0) > last or (u.target is operator.getitem and any(stages.get(w, 0) > last
+                                                                              for w in u.users))
+               for u in node.users)
+
+
 def _inputs_without_gradient(graph: fx.Graph, forward_outputs: int) -> set[fx.Node]:
     """The joint graph's primal inputs that get no gradient (buffers, the batch): a node that
     reads one is not recomputed, because the step may change it after the forward (a batch
@@ -270,7 +281,7 @@ class SchedulePartitioner(CustomPartitionerFn):
             if k in run_of:
                 n, run = run_of[k]
                 node.meta["ac_graph_id"] = n
-                read_later = any(stages.get(u, 0) > run.last for u in node.users)
+                read_later = _read_after(node, stages, run.last)
                 if node.target is operator.getitem and node.args[0].name in self.tags:
                     # a value of a multi-output op: as the op, or saved where a later stage reads it
                     policy = CheckpointPolicy.MUST_SAVE if read_later else self.tags[node.args[0].name]
@@ -280,6 +291,11 @@ class SchedulePartitioner(CustomPartitionerFn):
                     policy = CheckpointPolicy.MUST_SAVE
                 else:
                     policy = CheckpointPolicy.MUST_RECOMPUTE
+            elif any(stages.get(u) in run_of for u in node.users):
+                # a kept stage's value that a recomputed run reads (its checkpoint): saved as it
+                # is, not made again in the backward from other values of the kept stage, which
+                # would then save more than it does with the run kept
+                policy = CheckpointPolicy.MUST_SAVE
             if policy is not None:
                 node.meta["recompute"] = policy
             node.meta["should_offload"] = (self.copies == "pytorch" and self.units.get(node.name) in self.offloaded) or (

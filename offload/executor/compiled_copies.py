@@ -8,8 +8,8 @@ compiled step does what ``Offloaded`` does at its stage boundaries:
 * **units** as the eager executor's (``offload.core.units``): a saved storage belongs to the
   first stage that saves it.  A value is saved by the stages whose backward reads it (a
   backward node's stage is that of the forward node it differentiates: AOTAutograd gives
-  them one ``seq_nr``), a recomputed stage aside: what only recomputed stages read is their
-  run's checkpoint (``value_units``); values sharing a storage (a fused projection's query,
+  them one ``seq_nr``; a value read through a view, by the view's readers), a recomputed
+  stage aside: what only recomputed stages read is their run's checkpoint (``value_units``); values sharing a storage (a fused projection's query,
   key and value) move as one storage, copied once;
 * **forward** (nodes in stages by ``assign_stages``): after the last node of ``Fk``, the D2H
   of ``Uk``'s storages, then the releases due at ``k`` (due at ``L``: just before the graph's
@@ -79,13 +79,29 @@ def value_units(stages: Mapping[fx.Node, int], back: Mapping[str, int], recomput
     for n, k in stages.items():
         if _never_moved(n, device):
             continue
-        # a recomputed stage's forward node reads it in the backward, where it runs again
-        readers = {back[u.name] if u.name in back else stages[u] for u in n.users
-                   if u.name in back or stages.get(u) in recomputed}
+        readers = _backward_readers(n, stages, back, recomputed)
         kept = readers - recomputed
         if kept or not readers:
             units[n.name] = min(kept, default=k)
     return {**back, **units}
+
+
+def _backward_readers(node: fx.Node, stages: Mapping[fx.Node, int], back: Mapping[str, int],
+                      recomputed: set[int]) -> set[int]:
+    """The stages whose backward reads ``node``'s value: its backward users', its users' in
+    recomputed stages (they run again in the backward), and through its views the views'
+    readers: a view costs nothing to make again, so where the partitioner saves the value
+    and makes the view in the backward (a stage's input, saved as the recomputed stage
+    before it made it), the view's readers read the value."""
+    readers = set()
+    for u in node.users:
+        if u.name in back:
+            readers.add(back[u.name])
+        elif stages.get(u) in recomputed:
+            readers.add(stages[u])
+        elif u in stages and getattr(u.target, "is_view", False):
+            readers |= _backward_readers(u, stages, back, recomputed)
+    return readers
 
 
 def _graph_device(nodes: Iterable[fx.Node]) -> torch.device | None:

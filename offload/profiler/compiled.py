@@ -59,11 +59,11 @@ every other one beside the others offloaded must hold at most what the costed ch
 and every offloaded unit must be the chain's; otherwise the chain offers none, and a note
 says why. So a whole-graph profile compiles the model six times where it offers
 recomputation. On this project's CPU (``experiments.compiled_recompute`` and the
-seventeenth session's notes in ``experiments/results/README.md``) our GPT under aot_eager
-passed; under Inductor the same GPT did not (with the first block recomputed, the compiled
-graph saves the embedding's unit in a form our copies cannot move), nor did transformers'
-GPT-2 and BERT (a block's backward after a recomputed one held up to 220 KiB more than
-booked: the re-run placed otherwise than the model follows).
+seventeenth and eighteenth sessions' notes in ``experiments/results/README.md``) our GPT,
+transformers' BERT (7 of its 9 stages) and ViT (4 of 6) under aot_eager passed; under
+Inductor none of six models did: a unit of the compiled graph still changes by a few KiB
+with a neighbour recomputed (Inductor's fusion and the partition), or a backward after a
+recomputed block holds 16-17 KiB more than booked.
 
 Where it is offered, the model is safe but loose: with every block of the GPT recomputed
 under aot_eager the backward is predicted at 5.25 MiB for 2.50 MiB held, its own transients

@@ -9,8 +9,9 @@ compiled step does what ``Offloaded`` does at its stage boundaries:
   first stage that saves it.  A value is saved by the stages whose backward reads it (a
   backward node's stage is that of the forward node it differentiates: AOTAutograd gives
   them one ``seq_nr``; a value read through a view, by the view's readers), a recomputed
-  stage aside: what only recomputed stages read is their run's checkpoint (``value_units``); values sharing a storage (a fused projection's query,
-  key and value) move as one storage, copied once;
+  stage aside: what only recomputed stages read is their run's checkpoint
+  (``value_units``); values sharing a storage (a fused projection's query, key and value)
+  move as one storage, copied once;
 * **forward** (nodes in stages by ``assign_stages``): after the last node of ``Fk``, the D2H
   of ``Uk``'s storages, then the releases due at ``k`` (due at ``L``: just before the graph's
   output), in the events' order, each unit's storages in forward order (their *keys*); the

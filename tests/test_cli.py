@@ -136,6 +136,24 @@ def test_a_gap_is_never_rounded_onto_the_proof_tolerance(gap, shown):
     assert _percent(gap) == shown
 
 
+def test_show_prints_each_stage_name_by_what_tells_it_from_the_others(tmp_path, capsys):
+    """Names of one layer's stages differ at their ends (BART's decoder layer cut in two):
+    a name too long for the column keeps its end, so no two stages read alike."""
+    from offload.step.chainfile import chain_from_dict
+    from tests.conftest import chain_doc
+    doc = chain_doc()
+    long = "model.decoder.layers.2."
+    for s, tail in zip(doc["stages"], ("self_attn..encoder_attn_layer_norm", "fc1..final_layer_norm")):
+        s["name"] = long + tail
+    doc["stages"][2]["name"] = "x" * 80 + ".end"
+    path = tmp_path / "long.json"
+    save_chain(chain_from_dict(doc), path)
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "model.decoder.layers.2.fc1..final_layer_norm " in out
+    assert "…der.layers.2.self_attn..encoder_attn_layer_norm " in out and "x.end " in out
+
+
 def test_show_says_where_the_host_is_slower_than_the_device(tmp_path, capsys):
     """A chain profiled on a GPU whose host issues some ops slower than they run: ``show``
     gives both sums and the no-stall makespan with the host's waits."""

@@ -29,6 +29,7 @@ from .methods import METHODS, RECOMPUTING, Options, solve
 from .pulp_backend import SOLVERS
 
 MAX_NOTES = 12  # a chain's source notes shown by show and profile (a hand-made chain may hold any number)
+NAME_WIDTH = 48  # the widest stage name show prints whole (a longer one keeps its end)
 BUDGET_HELP = ("memory budget: bytes (4000000000), a size (6GiB, 800MB) or a share of the no-offload peak "
                "(60%%); activation memory unless --total")
 
@@ -108,10 +109,14 @@ def print_chain(chain: Chain) -> None:
               "every unit (charged to the host's clock)")
     print()
     casts = bool(chain.castable)  # a column of the weight casts each stage makes again
-    print(f"{'#':>4} {'name':<22} {'kind':<10} {'fwd':>10} {'bwd':>10} {'saved':>11} {'fwd peak':>11} {'bwd peak':>11} {'need':>5}"
-          + (f" {'casts':>11}" if casts else ""))
-    for i, s in enumerate(chain.stages, start=1):
-        print(f"{i:>4} {printable(s.name)[:22]:<22} {printable(s.kind)[:10]:<10} {format_seconds(s.fwd_s):>10} {format_seconds(s.bwd_s):>10} "
+    names = [printable(s.name) for s in chain.stages]
+    width = min(NAME_WIDTH, max(len("name"), *map(len, names)))
+    print(f"{'#':>4} {'name':<{width}} {'kind':<10} {'fwd':>10} {'bwd':>10} {'saved':>11} {'fwd peak':>11} {'bwd peak':>11} "
+          f"{'need':>5}" + (f" {'casts':>11}" if casts else ""))
+    for i, (s, name) in enumerate(zip(chain.stages, names), start=1):
+        # a name too long keeps its end, where the names of a model's stages differ
+        name = name if len(name) <= width else "…" + name[1 - width:]
+        print(f"{i:>4} {name:<{width}} {printable(s.kind)[:10]:<10} {format_seconds(s.fwd_s):>10} {format_seconds(s.bwd_s):>10} "
               f"{format_bytes(s.saved_bytes):>11} {format_bytes(s.fwd_peak_bytes):>11} {format_bytes(s.bwd_peak_bytes):>11} "
               f"{s.need_from:>5}" + (f" {format_bytes(s.cast_bytes):>11}" if casts else ""))
     _print_crossing(chain)

@@ -161,12 +161,10 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
         rerunnable, costed, metered = _fitted_offered(chain, rerunnable, spec, device, backend, tick)
         if not rerunnable:
             return _without_recomputation(chain, "each stage's recomputed forward held more than its kept one")
-        halves = (("every other stage", rerunnable[0::2], rerunnable[1::2]),
-                  ("the other stages", rerunnable[1::2], rerunnable[0::2]))
         every = [Recompute(k, k) for k in sorted(costed.recomputable)]
         if len(every) > 1:  # their neighbours recomputed too, then offloaded: three more compiles
             metered["every stage"] = ([], every, _metered(costed, [], every, spec, device, backend)[0])
-            for name, part, others in halves:
+            for name, part, others in _halves(rerunnable):
                 runs = [Recompute(k, k) for k in part]
                 offloads = [o for o in floor_offloads(costed, runs) if o.stage in others]
                 if runs and offloads:
@@ -197,13 +195,18 @@ def _fitted_offered(chain: Chain, rerunnable: list[int], spec: ModelSpec, device
     against.  Returns the stages offered (none: each recomputed forward held more), the
     costed chain and the fitting compiles."""
     while True:
-        parts = [(name, part) for name, part in (("every other stage", rerunnable[0::2]),
-                                                 ("the other stages", rerunnable[1::2])) if part]
+        parts = [(name, part) for name, part, _ in _halves(rerunnable) if part]
         costed, metered = _fitted(chain, rerunnable, parts, spec, device, backend, tick)
         offered = [k for k in rerunnable if k in costed.recomputable]
         if offered == rerunnable or not offered:
             return offered, costed, metered
         rerunnable = offered
+
+
+def _halves(stages: list[int]) -> list[tuple[str, list[int], list[int]]]:
+    """Every other one of ``stages`` and the others, each by name with the rest: the compiles
+    that recompute one half keep each run's neighbours."""
+    return [("every other stage", stages[0::2], stages[1::2]), ("the other stages", stages[1::2], stages[0::2])]
 
 
 def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int]]], spec: ModelSpec,
@@ -274,7 +277,7 @@ def _rebuilds(chain: Chain, runs: list[Recompute], measured: list[int]) -> dict[
     for k, ops in window.items():  # units rebuilt at one op share its spare: each back whole where it ran short
         if any(int(predicted[o]) < measured[o] for o in ops):
             fields[k]["rebuilt_bytes"] = None
-    predicted, rows = memory_profile(_with_fields(chain, fields), [], runs)
+    _, rows = memory_profile(_with_fields(chain, fields), [], runs)
     for n, k, nbytes in rows:  # (each run one stage: its row's bytes with no transient of its own)
         fields[k]["rerun_peak_bytes"] = max(0, measured[2 * L - n] - nbytes)
     return fields

@@ -161,7 +161,7 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
         rerunnable, costed, metered = _fitted_offered(chain, rerunnable, spec, device, backend, tick)
         if not rerunnable:
             return _without_recomputation(chain, "each stage's recomputed forward held more than its kept one")
-        every = [Recompute(k, k) for k in sorted(costed.recomputable)]
+        every = [Recompute(k, k) for k in rerunnable]  # (each offered: _fitted_offered)
         if len(every) > 1:  # their neighbours recomputed too, then offloaded: three more compiles
             metered["every stage"] = ([], every, _metered(costed, [], every, spec, device, backend)[0])
             for name, part, others in _halves(rerunnable):

@@ -186,7 +186,7 @@ def print_chain(chain: Chain) -> None:
             low = floor(chain, mode)[0]
             _line("", f"with {mode} encodings: {format_bytes(low)} ({low} B, {100 * low / peak:.1f}% of the peak)")
     if peak:  # what solve --recompute refuses below: with its default encodings
-        low, alone = floor(chain, Options().encodings, recompute=True)[0], smallest_feasible_budget(chain, recompute=True)
+        low, alone = floor(chain, Options.encodings, recompute=True)[0], smallest_feasible_budget(chain, recompute=True)
         _line("", f"with recomputation (--recompute): no lower than {format_bytes(low)} ({100 * low / peak:.1f}% of the "
               f"peak{'' if low == alone else f'; {100 * alone / peak:.1f}% with --encodings none'}; "
               f"{len(chain.recomputable)} of {chain.L - 1} stages recomputable, docs/model.md, \"Recomputation\")")

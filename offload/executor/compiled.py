@@ -66,7 +66,11 @@ is: its units are what our copies move (checked as the graph is partitioned), it
 times this graph's, and the run has the profile's marks at its stage boundaries (reading
 nothing: they keep Inductor's kernels on the sides of the boundaries the profile measured).
 Its recomputed stages' costs were read from compiles of this graph that recompute them
-(``offload.profiler.compiled``).  Not here: encodings (refused).
+(``offload.profiler.compiled``); each run's checkpoint is handed to the backward where the
+run begins, as a unit's is where its stage's backward begins (``compiled_copies.place_ready``),
+and with a stage recomputed an offloaded unit may move less than the chain counts (the
+chain counts a unit's largest over its neighbours' choices), never more.  Not here:
+encodings (refused).
 """
 from __future__ import annotations
 
@@ -259,6 +263,8 @@ class SchedulePartitioner(CustomPartitionerFn):
         self.moved: dict[int, tuple[int, int]] = {}  # offloaded unit -> (bytes moved, bytes left on the device)
         self.counted: list[UnitStorage] = []  # of a chain of this graph: every unit's storages that can move
         self.outputs = 0  # how many of the forward graph's outputs are the model's (the rest it saves)
+        self.checkpoints: dict[int, tuple[int, int, int]] = {}  # per run, its checkpoint's bytes (_checkpoints)
+        self.recomputable = set(chain.recomputable)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
                  ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -308,6 +314,7 @@ class SchedulePartitioner(CustomPartitionerFn):
         with config.patch(_offloading_settings(pytorch, cuda, self.bandwidth)):
             self.graphs = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         saved = list(self.graphs[0].graph.find_nodes(op="output")[0].args[0][outputs:])
+        self.checkpoints = self._checkpoints()
         moved: set[str] = set()
         stages = self.stages
         if self.whole or self.marks:  # the graph its chain measures: every unit's ops hoisted as if it moved
@@ -315,11 +322,21 @@ class SchedulePartitioner(CustomPartitionerFn):
             moving, _, stages = movable(self.graphs[0], outputs, self.units, set(range(1, L + 1)), self.stages)
             keep_crossing(self.graphs[0], stages, L)
             self.counted = counted_storages(*self.graphs, moving, stages, self.back_stages, L)
+            # and the runs' checkpoints, each storage handed to the first run that reads it where
+            # that run begins: Inductor otherwise fused a BERT layer's re-run into the backward two
+            # stages before its own (its softmax with theirs), which then held it (451 KiB over)
+            taken = {StorageWeakRef(s.values[0].meta["val"].untyped_storage()) for s in moving}
+            recomputed = {k for r in self.runs for k in range(r.first, r.last + 1)}
+            first_run: dict[str, Any] = {}
+            for s in checkpoint_storages(*self.graphs, outputs, self.runs, stages, self.back_stages, taken, recomputed):
+                if s.name not in first_run or s.run.last > first_run[s.name].run.last:
+                    first_run[s.name] = s
+            moving += first_run.values()
         if self.ours:
             self.placed = place_copies(*self.graphs, outputs, self.events, stages, self.units, self.back_stages,
                                        set(self.offloaded), self.runtime, [r for r in self.runs if r.moves])
             moved = self.placed.values
-        if self.marks or self.whole:  # the units that stay handed to the backward as if fetched, the boundaries marked
+        if self.marks or self.whole:  # what stays handed to the backward as if fetched, the boundaries marked
             place_ready(self.graphs[1], [s for s in moving if s.name not in moved], unit_needs(self.counted),
                         self.back_stages, stages, self.events.L)
             place_marks(*self.graphs, self.events.L, stages, self.back_stages, self.runtime.number)
@@ -328,19 +345,34 @@ class SchedulePartitioner(CustomPartitionerFn):
         self._check_units()
         return self.graphs
 
-    def checkpoint_bytes(self) -> dict[int, tuple[int, int]]:
-        """Per recomputed run (by its first stage), as partitioned: the bytes of the saved
-        storages that only the run reads in the backward (what offloading its checkpoint moves,
-        ``compiled_copies.checkpoint_storages``), each whole as the allocator counts it, and of
+    def checkpoint_bytes(self) -> dict[int, tuple[int, int, int]]:
+        """Per recomputed run (by its first stage), as partitioned (``_checkpoints``)."""
+        return self.checkpoints
+
+    def _checkpoints(self) -> dict[int, tuple[int, int, int]]:
+        """Per recomputed run (by its first stage): the bytes of the saved storages that only
+        the run reads in the backward (what offloading its checkpoint moves,
+        ``compiled_copies.checkpoint_storages``), each whole as the allocator counts it; of
         those the bytes its own forward made (its dropouts' outputs and masks, which a compiled
-        run saves where the eager one draws them again)."""
+        run saves where the eager one draws them again); and the bytes of those it reads that
+        only stages the chain may recompute read besides (a mask every attention reads), which
+        stay: with those stages recomputed no unit holds them (kept, one does too: the chain
+        then counts them twice).  Read from the partitioned graphs before any op of ours goes in."""
         forward, backward = self.graphs
-        out = {r.first: (0, 0) for r in self.runs}
-        for s in checkpoint_storages(forward, backward, self.outputs, self.runs, self.stages, self.back_stages, set()):
+        recomputed = self.recomputable | {k for r in self.runs for k in range(r.first, r.last + 1)}
+        only = checkpoint_storages(forward, backward, self.outputs, self.runs, self.stages, self.back_stages, set())
+        exclusive = {(s.run.first, s.name) for s in only}
+        out = {r.first: (0, 0, 0) for r in self.runs}
+        for s in checkpoint_storages(forward, backward, self.outputs, self.runs, self.stages, self.back_stages, set(),
+                                     recomputed):
             value = s.values[0].meta["val"]
             nbytes = allocated_bytes(value.untyped_storage().nbytes(), value.device)
-            whole, own = out[s.run.first]
-            out[s.run.first] = (whole + nbytes, own + (nbytes if self.stages.get(s.values[0].name) == s.run.first else 0))
+            whole, own, shared = out[s.run.first]
+            if (s.run.first, s.name) not in exclusive:
+                out[s.run.first] = (whole, own, shared + nbytes)
+            else:
+                made = nbytes if self.stages.get(s.values[0].name) == s.run.first else 0
+                out[s.run.first] = (whole + nbytes, own + made, shared)
         return out
 
     @property
@@ -351,13 +383,16 @@ class SchedulePartitioner(CustomPartitionerFn):
         return self.ours or self.whole or self.marks
 
     def _check_units(self) -> None:
-        """On a chain of the compiled graph: each offloaded unit moves the bytes the chain counts."""
+        """On a chain of the compiled graph: each offloaded unit moves the bytes the chain
+        counts, or with a stage recomputed at most those (the chain counts a unit's largest
+        over its neighbours' choices: ``offload.profiler.compiled``)."""
         if not (self.whole and self.placed):
             return
         counted: dict[int, int] = {}
         for s in self.placed.counted:
             counted[s.unit] = counted.get(s.unit, 0) + s.nbytes
-        wrong = [k for k in self.offloaded if counted.get(k, 0) != self.chain_units[k]]
+        wrong = [k for k in self.offloaded if counted.get(k, 0) > self.chain_units[k]
+                 or (counted.get(k, 0) < self.chain_units[k] and not self.runs)]
         if wrong:
             k = wrong[0]
             raise ChainMismatch(f"the compiled graph saves {format_bytes(counted.get(k, 0))} that can move for U{k}, "

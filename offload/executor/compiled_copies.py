@@ -239,26 +239,36 @@ def _storages(forward: fx.GraphModule, num_fwd_outputs: int, units: Mapping[str,
 
 
 def checkpoint_storages(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, runs: list[Recompute],
-                 stages: Mapping[str, int], back_stages: Mapping[str, int], taken: set[StorageWeakRef]
-                 ) -> list[_Storage]:
+                        stages: Mapping[str, int], back_stages: Mapping[str, int], taken: set[StorageWeakRef],
+                        recomputed: set[int] | None = None) -> list[_Storage]:
     """The saved storages of each run's checkpoint, for the runs that offload it: those that
     only the run reads in the backward (its recomputed ops and its stages' backward ops: the
     run's input, and what its in-stage option or its random ops keep), not taken by a unit
     that moves.  What other stages read too (a rotary table, a mask) stays, as the eager
     executor's held tensors do, and so do the graph's inputs (weights the run reads: the
-    module holds them) and what no copy moves (``value_units``)."""
+    module holds them) and what no copy moves (``value_units``).  With ``recomputed`` (the
+    recomputed stages), also each storage that the run reads and only those stages read
+    besides, in every such run: no unit holds it (a mask that every recomputed attention
+    reads, or Inductor's random seeds, which runs that draw their dropouts again read), so
+    each run that reads it counts it with its checkpoint, as the eager model's held tensors
+    do; none of these are ``taken``."""
     readers = {n.name: list(n.users) for n in backward.graph.find_nodes(op="placeholder")}
     device = _graph_device(forward.graph.nodes)
     groups = {ref: values for ref, values in _saved_storages(forward, num_fwd_outputs).items()
-              if all(v.op == "call_function" and not _never_moved(v, device) for v in values)}
+              if all(v.op == "call_function" and getattr(v.meta.get("val"), "device", None) == device
+                     for v in values)}
     out = []
     for run in runs:
         inside = range(run.first, run.last + 1)
         for ref, values in groups.items():
-            read = [stages.get(r.name, back_stages.get(r.name)) for v in values for r in readers.get(v.name, ())]
-            if ref not in taken and read and all(k in inside for k in read):
+            read = {stages.get(r.name, back_stages.get(r.name)) for v in values for r in readers.get(v.name, ())}
+            if ref in taken or not read:
+                continue
+            if read <= set(inside) and not any(_never_moved(v, device) for v in values):
                 out.append(_Storage(run.first, values, run))
                 taken.add(ref)
+            elif recomputed is not None and read & set(inside) and read <= recomputed:
+                out.append(_Storage(run.first, values, run))
     return out
 
 
@@ -656,19 +666,21 @@ def _read_through(graph: fx.Graph, at: fx.Node, handed: fx.Node, s: _Storage, in
 
 def place_ready(backward: fx.GraphModule, staying: Sequence[_Storage], need: Mapping[int, int],
                 back_stages: Mapping[str, int], stages: Mapping[str, int], L: int) -> None:
-    """The units' storages that ``staying`` names (those a schedule does not move) handed to
+    """The saved storages that ``staying`` names (those a schedule does not move) handed to
     the backward where a fetched one would be: ``offload::ready`` (an alias) before the first
-    node of ``B(need)`` of its unit, as a wait, and read through it as views, as a fetched
-    one is.  Inductor fuses and orders the backward's kernels by what they read: with the
-    values of every unit handed on so, a schedule's copies change none (readers of a kept
-    value pulled into ``B(k+1)``'s kernels, as without these, hold a buffer there that a run
-    fetching the value at ``Bk`` holds in ``Bk``: 2 KiB over a block's prediction)."""
+    node of ``B(need)`` of its unit, or for a run's checkpoint (``run``) of ``B(last)``, where
+    the run begins, as a wait, and read through it as views, as a fetched one is.  Inductor
+    fuses and orders the backward's kernels by what they read: with the values of every unit
+    handed on so, a schedule's copies change none (readers of a kept value pulled into
+    ``B(k+1)``'s kernels, as without these, hold a buffer there that a run fetching the value
+    at ``Bk`` holds in ``Bk``: 2 KiB over a block's prediction); and a re-run whose checkpoint
+    was there from the start was fused into a kernel two stages before its own (451 KiB)."""
     graph = backward.graph
     inputs = {n.name: n for n in graph.find_nodes(op="placeholder")}
     region = _regions(graph, back_stages, L)
     for k in range(L, 0, -1):
         first_of_k = next((n for n in region if region[n] <= k), graph.find_nodes(op="output")[0])
-        for s in (s for s in staying if need[s.unit] == k and s.name in inputs):
+        for s in (s for s in staying if (s.run.last if s.run else need[s.unit]) == k and s.name in inputs):
             values = [inputs[v.name] for v in s.values]
             at = _backward_start(first_of_k, stages)
             at, end = _first_read(graph, values, first_of_k, handed_on(_up_to(graph, at.prev)))

@@ -37,9 +37,12 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
   backward (``SchedulePartitioner.checkpoint_bytes``), of which those its own forward made
   (its dropouts' outputs and masks, which a compiled run saves where the eager one draws
   them again) are ``rerun_held_bytes`` and the rest, its input, ``input_own_bytes`` (what
-  offloading the checkpoint moves); plus what ``F(k+1)`` holds over its prediction in that
-  compile, which stays until the run is rebuilt (under Inductor 64 KiB a GPT block: held
-  through ``F(k+2)`` and ``B(k+1)`` too; no storage a move of the checkpoint takes);
+  offloading the checkpoint moves); plus what it reads that only stages the chain may
+  recompute read besides (a mask every attention reads, Inductor's random seeds: with them
+  all recomputed no unit holds it, so each run books it, and a kept reader's unit too); plus
+  what ``F(k+1)`` holds over its prediction in that compile, which stays until the run is
+  rebuilt (under Inductor 64 KiB a GPT block: held through ``F(k+2)`` and ``B(k+1)`` too;
+  no storage a move of the checkpoint takes);
 * its forward's transient when autograd keeps none of its unit
   (``recomputed_fwd_peak_bytes``), fitted so that the simulator gives that compile's
   measured ``Fk`` exactly (a stage whose recomputed forward held more than its kept one is
@@ -53,20 +56,30 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
   what ``Bn`` held beyond the whole unit rebuilt (``rerun_peak_bytes``: Inductor re-running
   a BERT layer's attention, 592 KiB), no op predicted below what it held;
 * nothing carried into the next forward (``carry_bytes: 0``), no gradient counted at the
-  rebuild (``bwd_start_bytes: 0``: ``Bk``'s transient holds it).
+  rebuild (``bwd_start_bytes: 0``: ``Bk``'s transient holds it);
+* and the kept stages' units as the partition makes them beside a recomputed neighbour:
+  it may save more of a kept stage (a ViT block: a layer norm's output where it saved its
+  statistics) or less (a GPT-2's positions, where it saves the mask made of them), and a
+  re-run may read a unit before its own backward does: each unit counts its largest over
+  the three compiles (``saved_bytes``), needed from the latest stage that read it there
+  (``need_from``), and a compile that recomputes a stage may move less of an offloaded unit
+  than the chain counts, never more (``SchedulePartitioner``).
 
 The chain offers it only where the model follows the compiled graph: each op of the two
 fitting compiles, of a third that recomputes every such stage and of two that recompute
 every other one beside the others offloaded must hold at most what the costed chain books,
-and every offloaded unit must be the chain's; otherwise the chain offers none, and a note
-says why. So a whole-graph profile compiles the model six times where it offers
+and every offloaded unit must move at most the chain's; otherwise the chain offers none,
+and a note says why. So a whole-graph profile compiles the model six times where it offers
 recomputation. On this project's CPU (``experiments.compiled_recompute`` and the
-seventeenth and eighteenth sessions' notes in ``experiments/results/README.md``) our GPT,
-transformers' BERT (7 of its 9 stages), ViT (4 of 6) and a U-Net (7 of 12) under aot_eager
-passed; under Inductor none of six models did: a unit of the compiled graph still changes
-by a few KiB with a neighbour recomputed (Inductor's fusion and the partition), or a kept
-stage's backward between recomputed ones holds far more than booked (BERT: 451 KiB at
-``B4`` with the attention stages of layers 0-2 recomputed; why is not known yet).
+seventeenth to nineteenth sessions' notes in ``experiments/results/README.md``) our GPT,
+transformers' BERT (8 of its 9 stages), ViT (4 of 6) and a U-Net (7 of 12) under aot_eager
+passed, and under Inductor BERT (7 of 9) and the U-Net (7 of 12).  Inductor orders a
+backward's kernels by what they read: a re-run whose checkpoint was there from the start was
+fused into a kernel two stages before its own (a BERT layer's attention into another's
+softmax backward: 451 KiB held over the kept stage between), so the partitioner hands each
+run its checkpoint where the run begins (``compiled_copies.place_ready``).  What a re-run
+makes that is not its stage's still floats: GPT-2's attention mask, made again once in
+the backward for the first run that reads it and held to the last (160 KiB), refuses it.
 
 Where it is offered, the model is safe but loose: with every block of the GPT recomputed
 under aot_eager the backward is predicted at 5.25 MiB for 2.50 MiB held, its own transients
@@ -155,26 +168,26 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
     marks, each recomputing every other one of them, so that a run's neighbours are kept
     (module docstring, "recomputation"); then checked against those two, a third that
     recomputes them all, and two that recompute every other one beside the others offloaded:
-    where an op of these held more than the chain books, or an offloaded unit was not the
-    chain's, ``chain`` as it was, with a note saying so."""
-    try:
-        rerunnable, costed, metered = _fitted_offered(chain, rerunnable, spec, device, backend, tick)
-        if not rerunnable:
-            return _without_recomputation(chain, "each stage's recomputed forward held more than its kept one")
-        every = [Recompute(k, k) for k in rerunnable]  # (each offered: _fitted_offered)
-        if len(every) > 1:  # their neighbours recomputed too, then offloaded: three more compiles
-            metered["every stage"] = ([], every, _metered(costed, [], every, spec, device, backend)[0])
-            for name, part, others in _halves(rerunnable):
-                runs = [Recompute(k, k) for k in part]
-                offloads = [o for o in floor_offloads(costed, runs) if o.stage in others]
-                if runs and offloads:
+    where an op of these held more than the chain books, or an offloaded unit moved more than
+    the chain's, ``chain`` as it was, with a note saying so."""
+    rerunnable, costed, metered = _fitted_offered(chain, rerunnable, spec, device, backend, tick)
+    if not rerunnable:
+        return _without_recomputation(chain, "each stage's recomputed forward held more than its kept one")
+    every = [Recompute(k, k) for k in rerunnable]  # (each offered: _fitted_offered)
+    if len(every) > 1:  # their neighbours recomputed too, then offloaded: three more compiles
+        metered["every stage"] = ([], every, _metered(costed, [], every, spec, device, backend)[0])
+        for name, part, others in _halves(rerunnable):
+            runs = [Recompute(k, k) for k in part]
+            offloads = [o for o in floor_offloads(costed, runs) if o.stage in others]
+            if runs and offloads:
+                try:
                     measured = _metered(costed, offloads, runs, spec, device, backend)[0]
-                    metered[f"{name}, the rest offloaded"] = (offloads, runs, measured)
-            tick("compiled recomputing all, then every other one beside offloads")
-    except ChainMismatch as exc:  # with a stage recomputed, a unit of the graph is not the chain's
-        what = str(exc).split(": the model, its batch")[0]  # (the refusal's guess at why does not apply here)
-        return _without_recomputation(chain, f"with a neighbour recomputed, an offloaded unit was not the chain's "
-                                             f"({what})")
+                except ChainMismatch as exc:  # with a neighbour recomputed, a unit is not one the chain moves
+                    what = str(exc).split(": the model, its batch")[0]  # (its guess at why does not apply here)
+                    return _without_recomputation(chain, f"compiled recomputing {name} ({', '.join(map(str, part))}) "
+                                                         f"beside the rest offloaded: {what}")
+                metered[f"{name}, the rest offloaded"] = (offloads, runs, measured)
+        tick("compiled recomputing all, then every other one beside offloads")
     for name, (offloads, runs, measured) in metered.items():
         predicted, _ = memory_profile(costed, offloads, runs)
         worst, o = max((measured[o] - int(predicted[o]), o) for o in range(2 * chain.L))
@@ -217,14 +230,27 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
     base = _with_fields(chain, {k: dict(recomputable=True, rerun_output=False, carry_bytes=0, bwd_start_bytes=0)
                                 for k in rerunnable})
     fields: dict[int, dict] = {}
+    need: dict[int, int] = {}
+    largest: dict[int, int] = {}
     metered: dict[str, tuple[list[Offload], list[Recompute], list[int]]] = {}
     for name, part in parts:
         runs = [Recompute(k, k) for k in part]
-        measured, checkpoints = _metered(base, [], runs, spec, device, backend)
+        measured, partitioner = _metered(base, [], runs, spec, device, backend)
         metered[name] = ([], runs, measured)
-        costs = {k: dict(input_bytes=whole, input_own_bytes=whole - own, rerun_held_bytes=own)
-                 for k, (whole, own) in checkpoints.items()}
-        fitted = _with_fields(base, costs)
+        # a kept unit that the partition changes with a neighbour recomputed (what it saves of a
+        # layer norm, of a mask) counts its largest; one a re-run reads is needed from its stage
+        kept = [s for s in partitioner.counted if s.unit not in part]
+        for k, n in unit_needs(kept).items():
+            need[k] = max(n, need.get(k, base.stage(k).need_from))
+        here: dict[int, int] = {}
+        for s in kept:
+            here[s.unit] = here.get(s.unit, 0) + s.nbytes
+        for k, nbytes in here.items():
+            largest[k] = max(nbytes, largest.get(k, base.stage(k).saved_bytes))
+        sizes = {k: dict(saved_bytes=nbytes) for k, nbytes in here.items()}
+        costs = {k: dict(input_bytes=whole + shared, input_own_bytes=whole - own, rerun_held_bytes=own)
+                 for k, (whole, own, shared) in partitioner.checkpoint_bytes().items()}
+        fitted = _with_fields(base, {**sizes, **costs})
         predicted, _ = memory_profile(fitted, [], runs)
         for k in part:
             # what F(k+1) holds over its prediction stays until the run is rebuilt: booked with
@@ -236,9 +262,13 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
             if fwd_peak > chain.stage(k).fwd_peak_bytes:  # recomputed, Fk held more than kept: not offered
                 fields[k] = dict(recomputable=False, rerun_output=True, carry_bytes=None)
         if all(fields[k].get("recomputable", True) for k in part):
-            for k, rebuild in _rebuilds(_with_fields(base, {k: fields[k] for k in part}), runs, measured).items():
+            for k, rebuild in _rebuilds(_with_fields(base, {**sizes, **{k: fields[k] for k in part}}), runs,
+                                        measured).items():
                 fields[k].update(rebuild)
         tick(f"compiled recomputing {', '.join(map(str, part))}")
+    for k in set(need) | set(largest):
+        fields[k] = {**fields.get(k, {}), "need_from": need.get(k, base.stage(k).need_from),
+                     "saved_bytes": largest.get(k, base.stage(k).saved_bytes)}
     return _with_fields(base, fields), metered
 
 
@@ -249,11 +279,12 @@ def _without_recomputation(chain: Chain, why: str) -> Chain:
 
 
 def _metered(chain: Chain, offloads: list[Offload], runs: list[Recompute], spec: ModelSpec, device: torch.device,
-             backend: str) -> tuple[list[int], dict[int, tuple[int, int]]]:
+             backend: str) -> tuple[list[int], SchedulePartitioner]:
     """Each op's memory in a step of ``spec.module`` compiled whole with ``offloads`` and
-    ``runs``, and the runs' checkpoints' bytes in that graph (``SchedulePartitioner.checkpoint_bytes``)."""
+    ``runs``, and the partitioner that made its graphs (what it saves: the units' storages,
+    the runs' checkpoints)."""
     partitioner = SchedulePartitioner(chain, make_schedule(chain, offloads, recompute=runs), marks=True)
-    return _compiled(spec, partitioner, device, backend, 1).peaks(), partitioner.checkpoint_bytes()
+    return _compiled(spec, partitioner, device, backend, 1).peaks(), partitioner
 
 
 def _rebuilds(chain: Chain, runs: list[Recompute], measured: list[int]) -> dict[int, dict]:

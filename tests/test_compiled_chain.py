@@ -138,26 +138,36 @@ def _partitioned(runs: list[Recompute]) -> SimpleNamespace:
 def test_recomputation_is_offered_only_where_every_compile_held_what_the_chain_books(aot, monkeypatch):
     """The costs are fitted to two compiles; those two, a third recomputing every stage and two
     recomputing every other one beside the others offloaded are then set against the costed
-    chain: an op of any of them over its prediction (transformers' GPT-2 under Inductor, 220
-    KiB at a block's backward after a recomputed one), or an offloaded unit that is not the
-    chain's (Inductor: the embedding's, with the first block recomputed), and the chain offers
-    no recomputation, with a note saying why."""
+    chain: an op of any of them over its prediction (transformers' GPT-2 under Inductor, 160
+    KiB at a block's backward between two recomputed ones), or an offloaded unit that moves
+    more than the chain's, and the chain offers no recomputation, with a note saying why.  A
+    kept stage's op over its prediction in a fitting compile is booked as its transient."""
     blocks = sorted(aot.chain.recomputable)
+    assert 2 in blocks
     chain = replace(aot.chain, stages=tuple(replace(s, recomputable=False) for s in aot.chain.stages))  # as profiled
     spike: dict[str, int] = {}
+    spiking = [lambda offloads, runs: True]  # in which compiles the spike is
 
     def metered(c, offloads, runs, *_):  # each op held nothing but the spike (the fits clamp at nothing)
-        L = c.L
-        return [spike.get(op_name(c, o), 0) for o in range(2 * L)], _partitioned(runs)
+        held = spike if spiking[0](offloads, runs) else {}
+        return [held.get(op_name(c, o), 0) for o in range(2 * c.L)], _partitioned(runs)
     monkeypatch.setattr(profiler_compiled, "_metered", metered)
     offered = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
     assert offered.recomputable == set(blocks)
+    # a kept stage's op over its prediction in a compile that fits (stage 2 kept beside a
+    # recomputed neighbour): booked as its transient, which counts its largest, and said so
+    spike["B2"] = 2 ** 30
+    spiking[0] = lambda offloads, runs: not offloads and 2 not in {r.first for r in runs}
+    booked = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
+    assert booked.recomputable == set(blocks)
+    assert booked.stage(2).bwd_peak_bytes > chain.stage(2).bwd_peak_bytes + 2 ** 29
+    assert "a stage's op held more than kept; booked: B2 " in booked.source["notes"][-1]
+    # the same in a compile that only checks (every stage recomputed): refused
     spike["B2"] = 2 ** 40
+    spiking[0] = lambda offloads, runs: len(runs) == len(blocks)
     refused = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
     assert not refused.recomputable
-    # (the compile that recomputed stage 2 books the spike as its re-run's transient: a fit; the
-    # one that kept it refuses)
-    assert "recomputation not offered: compiled recomputing the other stages (" in refused.source["notes"][-1]
+    assert "recomputation not offered: compiled recomputing every stage (" in refused.source["notes"][-1]
     assert "B2 held 1024.00 GiB over what the chain books" in refused.source["notes"][-1]
     spike.clear()
 

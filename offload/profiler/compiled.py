@@ -63,7 +63,10 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
   re-run may read a unit before its own backward does: each unit counts its largest over
   the three compiles (``saved_bytes``), needed from the latest stage that read it there
   (``need_from``), and a compile that recomputes a stage may move less of an offloaded unit
-  than the chain counts, never more (``SchedulePartitioner``).
+  than the chain counts, never more (``SchedulePartitioner``); likewise a kept stage's op,
+  or a run's own backward, that held more than its prediction in a fitting compile adds
+  that to its transient (``fwd_peak_bytes``, ``bwd_peak_bytes``; a note in ``show`` lists
+  them): T5's first stage makes the position bias that a run's checkpoint keeps.
 
 The chain offers it only where the model follows the compiled graph: each op of the two
 fitting compiles, of a third that recomputes every such stage and of two that recompute
@@ -72,14 +75,16 @@ and every offloaded unit must move at most the chain's; otherwise the chain offe
 and a note says why. So a whole-graph profile compiles the model six times where it offers
 recomputation. On this project's CPU (``experiments.compiled_recompute`` and the
 seventeenth to nineteenth sessions' notes in ``experiments/results/README.md``) our GPT,
-transformers' BERT (8 of its 9 stages), ViT (4 of 6) and a U-Net (7 of 12) under aot_eager
-passed, and under Inductor BERT (7 of 9) and the U-Net (7 of 12).  Inductor orders a
+transformers' BERT (8 of its 9 stages), ViT (4 of 6), T5 (5 of 6) and a U-Net (7 of 12)
+under aot_eager passed, and under Inductor GPT-2 (6 of 6), BERT (7 of 9) and the U-Net (7 of
+12).  Inductor orders a
 backward's kernels by what they read: a re-run whose checkpoint was there from the start was
 fused into a kernel two stages before its own (a BERT layer's attention into another's
 softmax backward: 451 KiB held over the kept stage between), so the partitioner hands each
 run its checkpoint where the run begins (``compiled_copies.place_ready``).  What a re-run
 makes that is not its stage's still floats: GPT-2's attention mask, made again once in
-the backward for the first run that reads it and held to the last (160 KiB), refuses it.
+the backward for the first run that reads it and held to the last (160 KiB over a kept
+stage between two runs), is booked in that stage's transient.
 
 Where it is offered, the model is safe but loose: with every block of the GPT recomputed
 under aot_eager the backward is predicted at 5.25 MiB for 2.50 MiB held, its own transients
@@ -232,6 +237,7 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
     fields: dict[int, dict] = {}
     need: dict[int, int] = {}
     largest: dict[int, int] = {}
+    over: dict[tuple[int, str], int] = {}  # (kept stage, its transient's field) -> bytes its op held over
     metered: dict[str, tuple[list[Offload], list[Recompute], list[int]]] = {}
     for name, part in parts:
         runs = [Recompute(k, k) for k in part]
@@ -265,11 +271,27 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
             for k, rebuild in _rebuilds(_with_fields(base, {**sizes, **{k: fields[k] for k in part}}), runs,
                                         measured).items():
                 fields[k].update(rebuild)
+            # a kept stage's op beside a recomputed neighbour, and a run's own backward, count
+            # their largest too: what one held over its prediction here is added to its
+            # transient (T5's first stage makes the position bias a run's checkpoint keeps)
+            predicted, _ = memory_profile(_with_fields(base, {**sizes, **{k: fields[k] for k in part}}), [], runs)
+            for j in range(1, base.L + 1):
+                for o, key in ((j - 1, "fwd_peak_bytes"), (2 * base.L - j, "bwd_peak_bytes")):
+                    if measured[o] > predicted[o] and (key == "bwd_peak_bytes" or j not in part):
+                        over[(j, key)] = max(measured[o] - int(predicted[o]), over.get((j, key), 0))
         tick(f"compiled recomputing {', '.join(map(str, part))}")
     for k in set(need) | set(largest):
         fields[k] = {**fields.get(k, {}), "need_from": need.get(k, base.stage(k).need_from),
                      "saved_bytes": largest.get(k, base.stage(k).saved_bytes)}
-    return _with_fields(base, fields), metered
+    for (j, key), nbytes in over.items():
+        fields[j] = {**fields.get(j, {}), key: getattr(base.stage(j), key) + nbytes}
+    fitted = _with_fields(base, fields)
+    if over:
+        ops = ", ".join(f"{op_name(base, j - 1 if key == 'fwd_peak_bytes' else 2 * base.L - j)} {format_bytes(n)}"
+                        for (j, key), n in sorted(over.items()))
+        note = f"recomputing a neighbour or itself, a stage's op held more than kept; booked: {ops}"
+        fitted = replace(fitted, source={**fitted.source, "notes": [*fitted.source.get("notes", []), note]})
+    return fitted, metered
 
 
 def _without_recomputation(chain: Chain, why: str) -> Chain:

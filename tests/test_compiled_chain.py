@@ -132,7 +132,7 @@ def test_a_chain_of_the_compiled_graph_recomputes_within_its_predictions(aot):
 
 def _partitioned(runs: list[Recompute]) -> SimpleNamespace:
     """What a mocked ``_metered`` hands the fit of its partition: no unit, a 4 KiB checkpoint per run."""
-    return SimpleNamespace(counted=[], checkpoint_bytes=lambda: {r.first: (4096, 0, 0) for r in runs})
+    return SimpleNamespace(counted=[], checkpoints={r.first: (4096, 0, 0) for r in runs})
 
 
 def test_recomputation_is_offered_only_where_every_compile_held_what_the_chain_books(aot, monkeypatch):

@@ -263,7 +263,8 @@ class SchedulePartitioner(CustomPartitionerFn):
         self.moved: dict[int, tuple[int, int]] = {}  # offloaded unit -> (bytes moved, bytes left on the device)
         self.counted: list[UnitStorage] = []  # of a chain of this graph: every unit's storages that can move
         self.outputs = 0  # how many of the forward graph's outputs are the model's (the rest it saves)
-        self.checkpoints: dict[int, tuple[int, int, int]] = {}  # per run, its checkpoint's bytes (_checkpoints)
+        # per run (by its first stage), its checkpoint's bytes as partitioned (``_checkpoints``)
+        self.checkpoints: dict[int, tuple[int, int, int]] = {}
         self.recomputable = set(chain.recomputable)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -345,10 +346,6 @@ class SchedulePartitioner(CustomPartitionerFn):
         self._check_units()
         return self.graphs
 
-    def checkpoint_bytes(self) -> dict[int, tuple[int, int, int]]:
-        """Per recomputed run (by its first stage), as partitioned (``_checkpoints``)."""
-        return self.checkpoints
-
     def _checkpoints(self) -> dict[int, tuple[int, int, int]]:
         """Per recomputed run (by its first stage): the bytes of the saved storages that only
         the run reads in the backward (what offloading its checkpoint moves,
@@ -360,15 +357,13 @@ class SchedulePartitioner(CustomPartitionerFn):
         then counts them twice).  Read from the partitioned graphs before any op of ours goes in."""
         forward, backward = self.graphs
         recomputed = self.recomputable | {k for r in self.runs for k in range(r.first, r.last + 1)}
-        only = checkpoint_storages(forward, backward, self.outputs, self.runs, self.stages, self.back_stages, set())
-        exclusive = {(s.run.first, s.name) for s in only}
         out = {r.first: (0, 0, 0) for r in self.runs}
         for s in checkpoint_storages(forward, backward, self.outputs, self.runs, self.stages, self.back_stages, set(),
                                      recomputed):
             value = s.values[0].meta["val"]
             nbytes = allocated_bytes(value.untyped_storage().nbytes(), value.device)
             whole, own, shared = out[s.run.first]
-            if (s.run.first, s.name) not in exclusive:
+            if s.shared:
                 out[s.run.first] = (whole, own, shared + nbytes)
             else:
                 made = nbytes if self.stages.get(s.values[0].name) == s.run.first else 0

@@ -127,6 +127,7 @@ class _Storage:
     unit: int
     values: list[fx.Node]
     run: Recompute | None = None
+    shared: bool = False  # of a run's checkpoint, but other runs read it too (``checkpoint_storages``)
 
     @property
     def owner(self) -> tuple[int, Recompute | None]:
@@ -251,7 +252,7 @@ def checkpoint_storages(forward: fx.GraphModule, backward: fx.GraphModule, num_f
     besides, in every such run: no unit holds it (a mask that every recomputed attention
     reads, or Inductor's random seeds, which runs that draw their dropouts again read), so
     each run that reads it counts it with its checkpoint, as the eager model's held tensors
-    do; none of these are ``taken``."""
+    do (``shared``); none of these are ``taken``."""
     readers = {n.name: list(n.users) for n in backward.graph.find_nodes(op="placeholder")}
     device = _graph_device(forward.graph.nodes)
     groups = {ref: values for ref, values in _saved_storages(forward, num_fwd_outputs).items()
@@ -268,7 +269,7 @@ def checkpoint_storages(forward: fx.GraphModule, backward: fx.GraphModule, num_f
                 out.append(_Storage(run.first, values, run))
                 taken.add(ref)
             elif recomputed is not None and read & set(inside) and read <= recomputed:
-                out.append(_Storage(run.first, values, run))
+                out.append(_Storage(run.first, values, run, shared=True))
     return out
 
 

@@ -34,7 +34,7 @@ only what the copies move.  No encoding is offered (no encoder runs in a graph).
 and one the rest, so that a run's neighbours are kept, as in most schedules:
 
 * its checkpoint, ``input_bytes``: the saved storages that only its run reads in the
-  backward (``SchedulePartitioner.checkpoint_bytes``), of which those its own forward made
+  backward (``SchedulePartitioner.checkpoints``), of which those its own forward made
   (its dropouts' outputs and masks, which a compiled run saves where the eager one draws
   them again) are ``rerun_held_bytes`` and the rest, its input, ``input_own_bytes`` (what
   offloading the checkpoint moves); plus what it reads that only stages the chain may
@@ -255,7 +255,7 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
             largest[k] = max(nbytes, largest.get(k, base.stage(k).saved_bytes))
         sizes = {k: dict(saved_bytes=nbytes) for k, nbytes in here.items()}
         costs = {k: dict(input_bytes=whole + shared, input_own_bytes=whole - own, rerun_held_bytes=own)
-                 for k, (whole, own, shared) in partitioner.checkpoint_bytes().items()}
+                 for k, (whole, own, shared) in partitioner.checkpoints.items()}
         fitted = _with_fields(base, {**sizes, **costs})
         predicted, _ = memory_profile(fitted, [], runs)
         for k in part:

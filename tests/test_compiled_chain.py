@@ -26,7 +26,7 @@ from offload.profiler import compiled as profiler_compiled
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.chainfile import make_chain
-from offload.step.memory import floor_offloads, no_offload_peak, op_name, smallest_feasible_budget
+from offload.step.memory import floor_offloads, memory_profile, no_offload_peak, op_name, smallest_feasible_budget
 from offload.step.actions import Recompute
 from offload.step.schedule import make_schedule
 from tests.cudashim import FakeAllocator
@@ -136,12 +136,12 @@ def _partitioned(runs: list[Recompute]) -> SimpleNamespace:
 
 
 def test_recomputation_is_offered_only_where_every_compile_held_what_the_chain_books(aot, monkeypatch):
-    """The costs are fitted to two compiles; those two, a third recomputing every stage and two
-    recomputing every other one beside the others offloaded are then set against the costed
-    chain: an op of any of them over its prediction (transformers' GPT-2 under Inductor, 160
-    KiB at a block's backward between two recomputed ones), or an offloaded unit that moves
-    more than the chain's, and the chain offers no recomputation, with a note saying why.  A
-    kept stage's op over its prediction in a fitting compile is booked as its transient."""
+    """The costs are fitted to two compiles, what a third recomputing every stage held over them
+    booked; those three and two recomputing every other one beside the others offloaded are
+    then set against the costed chain: an op of any of them over its prediction (a recomputed
+    forward over its kept one), or an offloaded unit that moves more than the chain's, and the
+    chain offers no recomputation, with a note saying why.  A kept stage's op over its
+    prediction in a fitting compile is booked as its transient."""
     blocks = sorted(aot.chain.recomputable)
     assert 2 in blocks
     chain = replace(aot.chain, stages=tuple(replace(s, recomputable=False) for s in aot.chain.stages))  # as profiled
@@ -162,12 +162,30 @@ def test_recomputation_is_offered_only_where_every_compile_held_what_the_chain_b
     assert booked.recomputable == set(blocks)
     assert booked.stage(2).bwd_peak_bytes > chain.stage(2).bwd_peak_bytes + 2 ** 29
     assert "a stage's op held more than kept; booked: B2 " in booked.source["notes"][-1]
-    # the same in a compile that only checks (every stage recomputed): refused
-    spike["B2"] = 2 ** 40
-    spiking[0] = lambda offloads, runs: len(runs) == len(blocks)
+    # booked from the compile recomputing every stage too, a recomputed forward's as its
+    # recomputed transient (a ViT under Inductor: 520 B in a block's forward), at most its kept one's
+    spike.clear()
+    every = [Recompute(k, k) for k in blocks]
+    first = f"F{blocks[0]}"
+    spike[first] = int(memory_profile(offered, [], every)[0][blocks[0] - 1]) + 64
+    spiking[0] = lambda offloads, runs: not offloads and len(runs) == len(blocks)
+    booked = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
+    assert booked.recomputable == set(blocks), booked.source["notes"]
+    assert booked.rfp[blocks[0]] == offered.rfp[blocks[0]] + 64
+    assert f"booked: {first} recomputed 64 B" in booked.source["notes"][-1]
+    spike[first] += chain.stage(blocks[0]).fwd_peak_bytes  # more than its kept forward: refused
     refused = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
     assert not refused.recomputable
     assert "recomputation not offered: compiled recomputing every stage (" in refused.source["notes"][-1]
+    assert f"{first} held " in refused.source["notes"][-1]
+    # an op over its prediction in a compile that only checks (every other stage recomputed,
+    # the others offloaded): refused
+    spike.clear()
+    spike["B2"] = 2 ** 40
+    spiking[0] = lambda offloads, runs: bool(offloads)
+    refused = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
+    assert not refused.recomputable
+    assert "the rest offloaded (" in refused.source["notes"][-1]
     assert "B2 held 1024.00 GiB over what the chain books" in refused.source["notes"][-1]
     spike.clear()
 
@@ -239,6 +257,50 @@ def test_a_kept_unit_counts_its_largest_over_its_neighbours_choices(aot, monkeyp
         moving(grown.nbytes + 64, [Recompute(blocks[0], blocks[0])])
     with pytest.raises(ChainMismatch, match="where the chain, profiled from it, counts"):
         moving(grown.nbytes - 64, [])
+
+
+def test_a_kept_unit_the_partition_saves_nothing_of_counts_nothing_in_that_fit(aot, monkeypatch):
+    """Beside a recomputed neighbour a kept stage may save nothing at all (a ViT's embeddings
+    under Inductor: their sum is the first block's checkpoint, which that run's input counts).
+    The fit reads that compile with the unit empty: counted at its size there (the chain's),
+    the neighbour's recomputed forward was fitted that much too small (a ViT block's, 24 KiB),
+    and offloading the unit beside it, which frees nothing there, held that much over."""
+    blocks = sorted(aot.chain.recomputable)
+    chain = replace(aot.chain, stages=tuple(replace(s, recomputable=False) for s in aot.chain.stages))
+    second = blocks[1]
+    assert sum(chain.stage(k).saved_bytes for k in range(1, second)) > 0  # the units live at its forward
+    target = chain.stage(second).fwd_peak_bytes // 2
+
+    def metered(c, offloads, runs, *_):  # recomputing ``second`` alone, the others save nothing
+        measured = [0] * (2 * c.L)
+        if [r.first for r in runs] == [second] and not offloads:
+            empty = {k: dict(saved_bytes=0) for k in range(1, c.L + 1) if k != second}
+            run = dict(input_bytes=4096, input_own_bytes=4096, rerun_held_bytes=0, recomputed_fwd_peak_bytes=target)
+            measured[second - 1] = int(memory_profile(profiler_compiled._with_fields(c, {**empty, second: run}), [],
+                                                      runs)[0][second - 1])
+        return measured, _partitioned(runs)
+    monkeypatch.setattr(profiler_compiled, "_metered", metered)
+    fitted = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager",
+                                                   lambda _: None)
+    assert second in fitted.recomputable, fitted.source["notes"]
+    assert fitted.rfp[second] == target
+
+
+def test_an_offloaded_unit_the_graph_saves_nothing_of_is_not_refused(aot):
+    """Beside a recomputed neighbour, all a stage saved may be that run's checkpoint (a ViT's
+    embeddings under Inductor: it saves their sum for the first block's re-run, where a plain
+    compile saves the concatenation their own backward makes the sum from).  Offloading that
+    unit moves nothing and leaves nothing on the device (the run holds the checkpoint, and the
+    chain counts it); only a unit of which something stays is refused."""
+    first, second = sorted(aot.chain.recomputable)[:2]
+    offload = [o for o in floor_offloads(aot.chain) if o.stage == first]
+    partitioner = SchedulePartitioner(aot.chain, make_schedule(aot.chain, offload, recompute=[Recompute(second, second)]))
+    partitioner.saved = [(second, 4096, False)]  # the run's checkpoint, in no unit
+    partitioner._check_moved()
+    assert partitioner.moved == {first: (0, 0)}
+    partitioner.saved.append((first, 4096, False))
+    with pytest.raises(ChainMismatch, match=f"moves nothing of U{first} "):
+        partitioner._check_moved()
 
 
 @pytest.fixture(scope="module")

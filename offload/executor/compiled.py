@@ -449,7 +449,10 @@ class SchedulePartitioner(CustomPartitionerFn):
         else:
             mover, skipped = ("the compiled graph", "a storage that is also the model's output, holds several "
                               "dtypes or is made from a later stage's values stays")
-        none = [k for k, (m, _) in self.moved.items() if not m]
+        # a unit the graph saves nothing of is not one that stays: beside a recomputed
+        # neighbour, all a stage saved may be that run's checkpoint (a ViT's embeddings,
+        # which their own backward never reads), held and moved as the checkpoint
+        none = [k for k, (m, left) in self.moved.items() if not m and left]
         if none:
             raise ChainMismatch(f"{mover} moves nothing of {', '.join(f'U{k}' for k in none)} "
                                 f"({skipped}{self._staying(none)})",

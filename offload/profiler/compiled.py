@@ -59,18 +59,25 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
   rebuild (``bwd_start_bytes: 0``: ``Bk``'s transient holds it);
 * and the kept stages' units as the partition makes them beside a recomputed neighbour:
   it may save more of a kept stage (a ViT block: a layer norm's output where it saved its
-  statistics) or less (a GPT-2's positions, where it saves the mask made of them), and a
-  re-run may read a unit before its own backward does: each unit counts its largest over
-  the three compiles (``saved_bytes``), needed from the latest stage that read it there
+  statistics), less (a GPT-2's positions, where it saves the mask made of them) or nothing
+  (a ViT's embeddings, whose sum is the first block's checkpoint: each compile is fitted
+  with the units it saved, so that one counted nothing there, not the chain's 24 KiB, which
+  its neighbour's recomputed forward came out that much too small by), and a re-run may
+  read a unit before its own backward does: each unit counts its largest over the fitting
+  compiles (``saved_bytes``), needed from the latest stage that read it there
   (``need_from``), and a compile that recomputes a stage may move less of an offloaded unit
-  than the chain counts, never more (``SchedulePartitioner``); likewise a kept stage's op,
-  or a run's own backward, that held more than its prediction in a fitting compile adds
-  that to its transient (``fwd_peak_bytes``, ``bwd_peak_bytes``; a note in ``show`` lists
-  them): T5's first stage makes the position bias that a run's checkpoint keeps.
+  than the chain counts (nothing, where it saves nothing of it), never more
+  (``SchedulePartitioner``); likewise a kept stage's op, or a run's own backward, that held
+  more than its prediction in a fitting compile adds that to its transient
+  (``fwd_peak_bytes``, ``bwd_peak_bytes``; a note in ``show`` lists them): T5's first stage
+  makes the position bias that a run's checkpoint keeps.  A third compile recomputes every
+  such stage, its neighbours recomputed too: it fits no run's costs, but what its units
+  saved and its ops held over the costed chain count as the fitting compiles' do, a
+  recomputed forward's excess in its recomputed transient (at most its kept one's).
 
-The chain offers it only where the model follows the compiled graph: each op of the two
-fitting compiles, of a third that recomputes every such stage and of two that recompute
-every other one beside the others offloaded must hold at most what the costed chain books,
+The chain offers it only where the model follows the compiled graph: each op of the three
+compiles above and of two that recompute every other such stage beside the others
+offloaded must hold at most what the costed chain books,
 and every offloaded unit must move at most the chain's; otherwise the chain offers none,
 and a note says why. So a whole-graph profile compiles the model six times where it offers
 recomputation. On this project's CPU (``experiments.compiled_recompute`` and the
@@ -170,17 +177,16 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
                         tick: Callable[[str], None]) -> Chain:
     """``chain`` (of the compiled graph) with the ``rerunnable`` stages (the eager profile's
     verdict) recomputable as runs of one stage, their costs read from two more compiles with
-    marks, each recomputing every other one of them, so that a run's neighbours are kept
-    (module docstring, "recomputation"); then checked against those two, a third that
-    recomputes them all, and two that recompute every other one beside the others offloaded:
-    where an op of these held more than the chain books, or an offloaded unit moved more than
-    the chain's, ``chain`` as it was, with a note saying so."""
+    marks, each recomputing every other one of them, so that a run's neighbours are kept,
+    and what a third that recomputes them all held over those costs booked too (module
+    docstring, "recomputation"); then checked against those three and two that recompute
+    every other one beside the others offloaded: where an op of these held more than the
+    chain books, or an offloaded unit moved more than the chain's, ``chain`` as it was, with
+    a note saying so."""
     rerunnable, costed, metered = _fitted_offered(chain, rerunnable, spec, device, backend, tick)
     if not rerunnable:
         return _without_recomputation(chain, "each stage's recomputed forward held more than its kept one")
-    every = [Recompute(k, k) for k in rerunnable]  # (each offered: _fitted_offered)
-    if len(every) > 1:  # their neighbours recomputed too, then offloaded: three more compiles
-        metered["every stage"] = ([], every, _metered(costed, [], every, spec, device, backend)[0])
+    if len(rerunnable) > 1:  # their neighbours recomputed, then offloaded: two more compiles
         for name, part, others in _halves(rerunnable):
             runs = [Recompute(k, k) for k in part]
             offloads = [o for o in floor_offloads(costed, runs) if o.stage in others]
@@ -192,7 +198,7 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
                     return _without_recomputation(chain, f"compiled recomputing {name} ({', '.join(map(str, part))}) "
                                                          f"beside the rest offloaded: {what}")
                 metered[f"{name}, the rest offloaded"] = (offloads, runs, measured)
-        tick("compiled recomputing all, then every other one beside offloads")
+        tick("compiled recomputing every other one beside offloads")
     for name, (offloads, runs, measured) in metered.items():
         predicted, _ = memory_profile(costed, offloads, runs)
         worst, o = max((measured[o] - int(predicted[o]), o) for o in range(2 * chain.L))
@@ -214,7 +220,8 @@ def _fitted_offered(chain: Chain, rerunnable: list[int], spec: ModelSpec, device
     costed chain and the fitting compiles."""
     while True:
         parts = [(name, part) for name, part, _ in _halves(rerunnable) if part]
-        costed, metered = _fitted(chain, rerunnable, parts, spec, device, backend, tick)
+        every = [("every stage", rerunnable)] if len(parts) > 1 else []
+        costed, metered = _fitted(chain, rerunnable, parts, every, spec, device, backend, tick)
         offered = [k for k in rerunnable if k in costed.recomputable]
         if offered == rerunnable or not offered:
             return offered, costed, metered
@@ -227,11 +234,14 @@ def _halves(stages: list[int]) -> list[tuple[str, list[int], list[int]]]:
     return [("every other stage", stages[0::2], stages[1::2]), ("the other stages", stages[1::2], stages[0::2])]
 
 
-def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int]]], spec: ModelSpec,
-            device: torch.device, backend: str, tick: Callable[[str], None]
-            ) -> tuple[Chain, dict[str, tuple[list[Offload], list[Recompute], list[int]]]]:
+def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int]]],
+            checks: list[tuple[str, list[int]]], spec: ModelSpec, device: torch.device, backend: str,
+            tick: Callable[[str], None]) -> tuple[Chain, dict[str, tuple[list[Offload], list[Recompute], list[int]]]]:
     """``chain`` with the ``rerunnable`` stages costed from one compile per part recomputing
-    that part's stages, and per compile (by the part's name) its schedule and its ops' memory."""
+    that part's stages, and per compile (by the part's name) its schedule and its ops' memory.
+    The ``checks``' compiles (every stage recomputed) cost no run: what their units saved and
+    their ops held over the costed chain counts as the parts' does (a ViT under Inductor, all
+    its blocks recomputed: one more layer norm's statistics in a block's backward, 520 B)."""
     base = _with_fields(chain, {k: dict(recomputable=True, rerun_output=False, carry_bytes=0, bwd_start_bytes=0)
                                 for k in rerunnable})
     fields: dict[int, dict] = {}
@@ -239,7 +249,10 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
     largest: dict[int, int] = {}
     over: dict[tuple[int, str], int] = {}  # (kept stage, its transient's field) -> bytes its op held over
     metered: dict[str, tuple[list[Offload], list[Recompute], list[int]]] = {}
-    for name, part in parts:
+    for name, part in [*parts, *checks]:
+        costs_runs = (name, part) in parts
+        if not all(fields.get(k, {}).get("recomputable", True) for k in part):
+            continue  # a stage not offered: fitted again without it (_fitted_offered), no use checking
         runs = [Recompute(k, k) for k in part]
         measured, partitioner = _metered(base, [], runs, spec, device, backend)
         metered[name] = ([], runs, measured)
@@ -248,50 +261,71 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
         kept = [s for s in partitioner.counted if s.unit not in part]
         for k, n in unit_needs(kept).items():
             need[k] = max(n, need.get(k, base.stage(k).need_from))
-        here: dict[int, int] = {}
+        here = {k: 0 for k in range(1, base.L + 1) if k not in part}  # (one it saved nothing of: 0 here)
         for s in kept:
-            here[s.unit] = here.get(s.unit, 0) + s.nbytes
+            here[s.unit] += s.nbytes
         for k, nbytes in here.items():
             largest[k] = max(nbytes, largest.get(k, base.stage(k).saved_bytes))
         sizes = {k: dict(saved_bytes=nbytes) for k, nbytes in here.items()}
-        costs = {k: dict(input_bytes=whole + shared, input_own_bytes=whole - own, rerun_held_bytes=own)
-                 for k, (whole, own, shared) in partitioner.checkpoints.items()}
-        fitted = _with_fields(base, {**sizes, **costs})
-        predicted, _ = memory_profile(fitted, [], runs)
-        for k in part:
-            # what F(k+1) holds over its prediction stays until the run is rebuilt: booked with
-            # the checkpoint (not a storage that offloading the checkpoint moves)
-            unbooked = max(0, measured[k] - int(predicted[k]))
-            fwd_peak = int(fitted.rfp[k]) + measured[k - 1] - int(predicted[k - 1])  # Fk's op as measured
-            fields[k] = {**costs[k], "input_bytes": costs[k]["input_bytes"] + unbooked,
-                         "recomputed_fwd_peak_bytes": min(max(0, fwd_peak), chain.stage(k).fwd_peak_bytes)}
-            if fwd_peak > chain.stage(k).fwd_peak_bytes:  # recomputed, Fk held more than kept: not offered
-                fields[k] = dict(recomputable=False, rerun_output=True, carry_bytes=None)
+        if costs_runs:
+            _fit_runs(base, part, runs, partitioner, measured, sizes, fields)
         if all(fields[k].get("recomputable", True) for k in part):
-            for k, rebuild in _rebuilds(_with_fields(base, {**sizes, **{k: fields[k] for k in part}}), runs,
-                                        measured).items():
-                fields[k].update(rebuild)
+            costed = _with_fields(base, {**sizes, **{k: fields[k] for k in part}})
+            if costs_runs:
+                for k, rebuild in _rebuilds(costed, runs, measured).items():
+                    fields[k].update(rebuild)
+                costed = _with_fields(base, {**sizes, **{k: fields[k] for k in part}})
             # a kept stage's op beside a recomputed neighbour, and a run's own backward, count
             # their largest too: what one held over its prediction here is added to its
-            # transient (T5's first stage makes the position bias a run's checkpoint keeps)
-            predicted, _ = memory_profile(_with_fields(base, {**sizes, **{k: fields[k] for k in part}}), [], runs)
+            # transient (T5's first stage makes the position bias a run's checkpoint keeps);
+            # so does a recomputed forward where its neighbours are recomputed too
+            predicted, _ = memory_profile(costed, [], runs)
             for j in range(1, base.L + 1):
                 for o, key in ((j - 1, "fwd_peak_bytes"), (2 * base.L - j, "bwd_peak_bytes")):
-                    if measured[o] > predicted[o] and (key == "bwd_peak_bytes" or j not in part):
+                    if key == "fwd_peak_bytes" and j in part:
+                        if costs_runs:  # (fitted to this compile: _fit_runs)
+                            continue
+                        key = "recomputed_fwd_peak_bytes"
+                    if measured[o] > predicted[o]:
                         over[(j, key)] = max(measured[o] - int(predicted[o]), over.get((j, key), 0))
         tick(f"compiled recomputing {', '.join(map(str, part))}")
     for k in set(need) | set(largest):
         fields[k] = {**fields.get(k, {}), "need_from": need.get(k, base.stage(k).need_from),
                      "saved_bytes": largest.get(k, base.stage(k).saved_bytes)}
-    for (j, key), nbytes in over.items():
-        fields[j] = {**fields.get(j, {}), key: getattr(base.stage(j), key) + nbytes}
+    for (j, key), nbytes in sorted(over.items(), key=lambda item: item[0][1] == "recomputed_fwd_peak_bytes"):
+        if key == "recomputed_fwd_peak_bytes":  # at most its kept forward's (else the check refuses it)
+            kept = fields[j].get("fwd_peak_bytes", base.stage(j).fwd_peak_bytes)
+            fields[j][key] = min(fields[j][key] + nbytes, kept)
+        else:
+            fields[j] = {**fields.get(j, {}), key: getattr(base.stage(j), key) + nbytes}
     fitted = _with_fields(base, fields)
     if over:
-        ops = ", ".join(f"{op_name(base, j - 1 if key == 'fwd_peak_bytes' else 2 * base.L - j)} {format_bytes(n)}"
+        ops = ", ".join(f"{op_name(base, j - 1 if key != 'bwd_peak_bytes' else 2 * base.L - j)}"
+                        f"{' recomputed' if key == 'recomputed_fwd_peak_bytes' else ''} {format_bytes(n)}"
                         for (j, key), n in sorted(over.items()))
         note = f"recomputing a neighbour or itself, a stage's op held more than kept; booked: {ops}"
         fitted = replace(fitted, source={**fitted.source, "notes": [*fitted.source.get("notes", []), note]})
     return fitted, metered
+
+
+def _fit_runs(base: Chain, part: list[int], runs: list[Recompute], partitioner: SchedulePartitioner,
+              measured: list[int], sizes: dict[int, dict], fields: dict[int, dict]) -> None:
+    """Each run of ``part`` costed from the compile that recomputed it (``measured``, made by
+    ``partitioner``; ``sizes`` the kept units there): its checkpoint, its recomputed forward's
+    transient, into ``fields`` (or not offered: its forward held more than kept)."""
+    costs = {k: dict(input_bytes=whole + shared, input_own_bytes=whole - own, rerun_held_bytes=own)
+             for k, (whole, own, shared) in partitioner.checkpoints.items()}
+    fitted = _with_fields(base, {**sizes, **costs})
+    predicted, _ = memory_profile(fitted, [], runs)
+    for k in part:
+        # what F(k+1) holds over its prediction stays until the run is rebuilt: booked with
+        # the checkpoint (not a storage that offloading the checkpoint moves)
+        unbooked = max(0, measured[k] - int(predicted[k]))
+        fwd_peak = int(fitted.rfp[k]) + measured[k - 1] - int(predicted[k - 1])  # Fk's op as measured
+        fields[k] = {**costs[k], "input_bytes": costs[k]["input_bytes"] + unbooked,
+                     "recomputed_fwd_peak_bytes": min(max(0, fwd_peak), base.stage(k).fwd_peak_bytes)}
+        if fwd_peak > base.stage(k).fwd_peak_bytes:  # recomputed, Fk held more than kept: not offered
+            fields[k] = dict(recomputable=False, rerun_output=True, carry_bytes=None)
 
 
 def _without_recomputation(chain: Chain, why: str) -> Chain:

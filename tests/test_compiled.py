@@ -499,6 +499,28 @@ def test_random_state_off_the_graphs_device_is_in_no_unit():
     assert value_units({out: 1, seed: 1}, {}, set()) == {out.name: 1}
 
 
+def test_a_saved_view_of_the_graphs_input_is_in_no_unit():
+    """GPT-2 saves ``input_ids.view(-1, seq)`` for its embedding's backward: a view of the
+    batch, which the caller holds, so moving it frees nothing (aot_eager: offloading the
+    embeddings beside recomputed blocks held its 1 KiB at every forward).  Like the inputs
+    themselves it is in no unit and no checkpoint; what the graph makes of them is."""
+    from torch import fx
+
+    from offload.executor.compiled_copies import movable
+
+    graph = fx.Graph()
+    batch = graph.placeholder("batch")
+    view = graph.call_function(torch.ops.aten.view.default, (batch, [16]))
+    made = graph.call_function(torch.ops.aten.relu.default, (batch,))
+    loss = graph.call_function(torch.ops.aten.sum.default, (made,))
+    batch.meta["val"] = torch.empty(4, 4)
+    view.meta["val"], made.meta["val"], loss.meta["val"] = batch.meta["val"].view(16), torch.empty(4, 4), torch.empty(())
+    graph.output((loss, view, made))
+    forward = fx.GraphModule(torch.nn.Module(), graph)
+    moving, stay, _ = movable(forward, 1, {view.name: 1, made.name: 1}, {1}, {view.name: 1, made.name: 1, loss.name: 1})
+    assert [[v.name for v in s.values] for s in moving] == [[made.name]] and stay == {1: []}
+
+
 def test_a_value_the_compiler_laid_out_otherwise_is_copied_in_the_graphs_layout():
     """The forward realizes each moved value at the graph's strides, so a compiler that keeps
     that lays none out otherwise; should one still (a pass that drops the request), the copy

@@ -207,13 +207,19 @@ class PlacedCopies:
 
 
 def _saved_storages(forward: fx.GraphModule, num_fwd_outputs: int) -> dict[StorageWeakRef, list[fx.Node]]:
-    """The forward's saved values by storage, each storage's values in forward order."""
+    """The forward's saved values by storage, each storage's values in forward order; not the
+    graph's inputs' storages (a weight, the batch: its caller holds it, so freeing a view of
+    it, GPT-2's ``input_ids.view(-1, seq)``, frees nothing), which no unit or checkpoint holds."""
     outputs = [n for n in forward.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:] if isinstance(n, fx.Node)]
+    inputs = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in forward.graph.find_nodes(op="placeholder")
+              if isinstance(n.meta.get("val"), torch.Tensor)}
     order = {n: i for i, n in enumerate(forward.graph.nodes)}
     groups: dict[StorageWeakRef, list[fx.Node]] = {}
     for node in sorted(set(outputs), key=order.__getitem__):
         if isinstance(node.meta.get("val"), torch.Tensor):
-            groups.setdefault(StorageWeakRef(node.meta["val"].untyped_storage()), []).append(node)
+            ref = StorageWeakRef(node.meta["val"].untyped_storage())
+            if ref not in inputs:
+                groups.setdefault(ref, []).append(node)
     return groups
 
 

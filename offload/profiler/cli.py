@@ -105,7 +105,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "compile_scheduled runs it: the units are what that graph saves (fewer, fused), the times "
                         "and memory that graph's (its backward holds the weight gradients until its end), so a "
                         "schedule solved on this chain keeps its budget compiled; no encodings; each block "
-                        "recomputed as a run of its own where five more compiles show the model follows the "
+                        "recomputed as a run of its own where eight more compiles show the model follows the "
                         "graph's re-runs (else a note says why not); offload train runs it with "
                         "compile_scheduled, as your loop can (docs/executor.md)")
     p.add_argument("--no-recompute", action="store_true",

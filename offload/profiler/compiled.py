@@ -65,26 +65,30 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
   its neighbour's recomputed forward came out that much too small by), and a re-run may
   read a unit before its own backward does: each unit counts its largest over the fitting
   compiles (``saved_bytes``), needed from the latest stage that read it there
-  (``need_from``), and a compile that recomputes a stage may move less of an offloaded unit
-  than the chain counts (nothing, where it saves nothing of it), never more
-  (``SchedulePartitioner``); likewise a kept stage's op, or a run's own backward, that held
+  (``need_from``), and a compile may move less of an offloaded unit than such a chain
+  counts (nothing, where it saves nothing of it; recomputing nothing, as it was before it
+  grew), never more (``SchedulePartitioner``); likewise a kept stage's op, or a run's own backward, that held
   more than its prediction in a fitting compile adds that to its transient
   (``fwd_peak_bytes``, ``bwd_peak_bytes``; a note in ``show`` lists them): T5's first stage
   makes the position bias that a run's checkpoint keeps.  A third compile recomputes every
-  such stage, its neighbours recomputed too: it fits no run's costs, but what its units
-  saved and its ops held over the costed chain count as the fitting compiles' do, a
-  recomputed forward's excess in its recomputed transient (at most its kept one's).
+  such stage, its neighbours recomputed too, and three more recompute pairs of neighbours
+  with a kept stage between two pairs, so that each stage is recomputed beside a kept
+  neighbour on one side and a recomputed one on the other (``_pairs``: where the joint ILP
+  recomputed a GPT-2's blocks 3 and 4 alone, ``F4`` held 32 KiB over the chain fitted
+  without them): these fit no run's costs, but what their units saved and their ops held
+  over the costed chain count as the fitting compiles' do, a recomputed forward's excess in
+  its recomputed transient (at most its kept one's).
 
-The chain offers it only where the model follows the compiled graph: each op of the three
+The chain offers it only where the model follows the compiled graph: each op of the six
 compiles above and of two that recompute every other such stage beside the others
 offloaded must hold at most what the costed chain books,
 and every offloaded unit must move at most the chain's; otherwise the chain offers none,
-and a note says why. So a whole-graph profile compiles the model six times where it offers
-recomputation. On this project's CPU (``experiments.compiled_recompute`` and the
-seventeenth to nineteenth sessions' notes in ``experiments/results/README.md``) our GPT,
+and a note says why. So a whole-graph profile compiles the model nine times where it offers
+recomputation of three stages or more. On this project's CPU (``experiments.compiled_recompute`` and the
+seventeenth to twentieth sessions' notes in ``experiments/results/README.md``) our GPT,
 transformers' BERT (8 of its 9 stages), ViT (4 of 6), T5 (5 of 6) and a U-Net (7 of 12)
-under aot_eager passed, and under Inductor GPT-2 (6 of 6), BERT (7 of 9) and the U-Net (7 of
-12).  Inductor orders a
+under aot_eager passed, and under Inductor GPT-2 (6 of 6), BERT (7 of 9), ViT (5 of 6), T5 (5
+of 6), a Mixtral (3 of 4) and the U-Net (7 of 12).  Inductor orders a
 backward's kernels by what they read: a re-run whose checkpoint was there from the start was
 fused into a kernel two stages before its own (a BERT layer's attention into another's
 softmax backward: 451 KiB held over the kept stage between), so the partitioner hands each
@@ -104,14 +108,14 @@ from __future__ import annotations
 import statistics
 import warnings
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
 from offload.core.devices import running
 from offload.errors import ChainMismatch, offload_cause
 from offload.executor.compiled import SchedulePartitioner
-from offload.executor.compiled_copies import unit_needs
+from offload.executor.compiled_copies import UnitStorage, unit_needs
 from offload.executor.marked import MarkedRun
 from offload.io.text import format_bytes
 from offload.models.spec import ModelSpec
@@ -137,7 +141,7 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
         spec: the model, on ``device``, with the batch and loss the profile used.
         backend: ``inductor`` or ``aot_eager``.
         repeats, warmup: timed steps and steps before them.
-        recompute: offer recomputation where five more compiles show the model follows it.
+        recompute: offer recomputation where eight more compiles show the model follows it.
 
     Returns:
         The chain of the compiled graph.
@@ -178,9 +182,9 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
     """``chain`` (of the compiled graph) with the ``rerunnable`` stages (the eager profile's
     verdict) recomputable as runs of one stage, their costs read from two more compiles with
     marks, each recomputing every other one of them, so that a run's neighbours are kept,
-    and what a third that recomputes them all held over those costs booked too (module
-    docstring, "recomputation"); then checked against those three and two that recompute
-    every other one beside the others offloaded: where an op of these held more than the
+    and what one that recomputes them all and three that recompute pairs of them held over
+    those costs booked too (module docstring, "recomputation"); then checked against those
+    six and two that recompute every other one beside the others offloaded: where an op of these held more than the
     chain books, or an offloaded unit moved more than the chain's, ``chain`` as it was, with
     a note saying so."""
     rerunnable, costed, metered = _fitted_offered(chain, rerunnable, spec, device, backend, tick)
@@ -221,7 +225,7 @@ def _fitted_offered(chain: Chain, rerunnable: list[int], spec: ModelSpec, device
     while True:
         parts = [(name, part) for name, part, _ in _halves(rerunnable) if part]
         every = [("every stage", rerunnable)] if len(parts) > 1 else []
-        costed, metered = _fitted(chain, rerunnable, parts, every, spec, device, backend, tick)
+        costed, metered = _fitted(chain, rerunnable, parts, every + _pairs(rerunnable), spec, device, backend, tick)
         offered = [k for k in rerunnable if k in costed.recomputable]
         if offered == rerunnable or not offered:
             return offered, costed, metered
@@ -234,19 +238,36 @@ def _halves(stages: list[int]) -> list[tuple[str, list[int], list[int]]]:
     return [("every other stage", stages[0::2], stages[1::2]), ("the other stages", stages[1::2], stages[0::2])]
 
 
+def _pairs(stages: list[int]) -> list[tuple[str, list[int]]]:
+    """Three compiles recomputing pairs of neighbours among ``stages``, a kept one between two
+    pairs, each by name with its stages: together they recompute each stage beside a kept
+    neighbour on one side and a recomputed one on the other, both ways round (the joint ILP
+    recomputing a GPT-2's blocks 3 and 4 alone under Inductor: 32 KiB over at ``F4``, which
+    neither the halves nor every stage recomputed showed).  None for fewer than three."""
+    if len(stages) < 3:
+        return []
+    out = []
+    for first in range(3):
+        pairs = [stages[i:i + 2] for i in range(first, len(stages) - 1, 3)]
+        if pairs:
+            out.append((f"pairs from stage {pairs[0][0]}", [k for pair in pairs for k in pair]))
+    return out
+
+
 def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int]]],
             checks: list[tuple[str, list[int]]], spec: ModelSpec, device: torch.device, backend: str,
             tick: Callable[[str], None]) -> tuple[Chain, dict[str, tuple[list[Offload], list[Recompute], list[int]]]]:
     """``chain`` with the ``rerunnable`` stages costed from one compile per part recomputing
     that part's stages, and per compile (by the part's name) its schedule and its ops' memory.
-    The ``checks``' compiles (every stage recomputed) cost no run: what their units saved and
-    their ops held over the costed chain counts as the parts' does (a ViT under Inductor, all
-    its blocks recomputed: one more layer norm's statistics in a block's backward, 520 B)."""
+    The ``checks``' compiles (every stage recomputed, pairs of them) cost no run: what their
+    units saved and their ops held over the costed chain counts as the parts' does (a ViT
+    under Inductor, all its blocks recomputed: one more layer norm's statistics in a block's
+    backward, 520 B)."""
     base = _with_fields(chain, {k: dict(recomputable=True, rerun_output=False, carry_bytes=0, bwd_start_bytes=0)
                                 for k in rerunnable})
     fields: dict[int, dict] = {}
     need: dict[int, int] = {}
-    largest: dict[int, int] = {}
+    largest: dict[int, dict[str, int]] = {}  # kept unit -> its largest saved_bytes, held_bytes, held_until
     over: dict[tuple[int, str], int] = {}  # (kept stage, its transient's field) -> bytes its op held over
     metered: dict[str, tuple[list[Offload], list[Recompute], list[int]]] = {}
     for name, part in [*parts, *checks]:
@@ -261,12 +282,11 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
         kept = [s for s in partitioner.counted if s.unit not in part]
         for k, n in unit_needs(kept).items():
             need[k] = max(n, need.get(k, base.stage(k).need_from))
-        here = {k: 0 for k in range(1, base.L + 1) if k not in part}  # (one it saved nothing of: 0 here)
-        for s in kept:
-            here[s.unit] += s.nbytes
-        for k, nbytes in here.items():
-            largest[k] = max(nbytes, largest.get(k, base.stage(k).saved_bytes))
-        sizes = {k: dict(saved_bytes=nbytes) for k, nbytes in here.items()}
+        sizes = _unit_sizes(kept, (k for k in range(1, base.L + 1) if k not in part))
+        for k, here in sizes.items():  # (one it saved nothing of: nothing here)
+            most = largest.setdefault(k, {key: getattr(base.stage(k), key) for key in here})
+            for key, value in here.items():
+                most[key] = max(value, most[key])
         if costs_runs:
             _fit_runs(base, part, runs, partitioner, measured, sizes, fields)
         if all(fields[k].get("recomputable", True) for k in part):
@@ -290,8 +310,7 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
                         over[(j, key)] = max(measured[o] - int(predicted[o]), over.get((j, key), 0))
         tick(f"compiled recomputing {', '.join(map(str, part))}")
     for k in set(need) | set(largest):
-        fields[k] = {**fields.get(k, {}), "need_from": need.get(k, base.stage(k).need_from),
-                     "saved_bytes": largest.get(k, base.stage(k).saved_bytes)}
+        fields[k] = {**fields.get(k, {}), "need_from": need.get(k, base.stage(k).need_from), **largest.get(k, {})}
     for (j, key), nbytes in sorted(over.items(), key=lambda item: item[0][1] == "recomputed_fwd_peak_bytes"):
         if key == "recomputed_fwd_peak_bytes":  # at most its kept forward's (else the check refuses it)
             kept = fields[j].get("fwd_peak_bytes", base.stage(j).fwd_peak_bytes)
@@ -370,6 +389,20 @@ def _rebuilds(chain: Chain, runs: list[Recompute], measured: list[int]) -> dict[
     return fields
 
 
+def _unit_sizes(storages: list[UnitStorage], units: Iterable[int]) -> dict[int, dict[str, int]]:
+    """Per unit (of ``units``; one of which ``storages``, a partition's, hold none: nothing),
+    its bytes, and the bytes and last stage of those that a forward two or more stages later
+    still reads (the graph holds them through it, moved or not): its ``Stage`` fields."""
+    out = {k: dict(saved_bytes=0, held_bytes=0, held_until=0) for k in units}
+    for s in storages:
+        fields = out[s.unit]
+        fields["saved_bytes"] += s.nbytes
+        if s.held_until >= s.unit + 2:
+            fields["held_bytes"] += s.nbytes
+            fields["held_until"] = max(fields["held_until"], s.held_until)
+    return out
+
+
 def _with_fields(chain: Chain, fields: dict[int, dict]) -> Chain:
     return replace(chain, stages=tuple(replace(s, **fields.get(k, {})) for k, s in enumerate(chain.stages, 1)))
 
@@ -377,20 +410,16 @@ def _with_fields(chain: Chain, fields: dict[int, dict]) -> Chain:
 def _chain(chain: Chain, partitioner: SchedulePartitioner, backend: str, seconds: list[float], peaks: list[int],
            steps: list[float]) -> Chain:
     L = chain.L
-    units, held, until = [0] * (L + 1), [0] * (L + 1), [0] * (L + 1)
+    sizes = _unit_sizes(partitioner.counted, range(1, L + 1))
+    units = [0] + [sizes[k]["saved_bytes"] for k in range(1, L + 1)]
     need = unit_needs(partitioner.counted)
-    for s in partitioner.counted:
-        units[s.unit] += s.nbytes
-        if s.held_until >= s.unit + 2:
-            held[s.unit] += s.nbytes
-            until[s.unit] = max(until[s.unit], s.held_until)
     stages = []
     for k, old in enumerate(chain.stages, 1):
         before = sum(units[1:k])
         stages.append(Stage(name=old.name, kind=old.kind, fwd_s=seconds[k - 1], bwd_s=seconds[2 * L - k],
-                            saved_bytes=units[k], fwd_peak_bytes=max(units[k], peaks[k - 1] - before),
+                            fwd_peak_bytes=max(units[k], peaks[k - 1] - before),
                             bwd_peak_bytes=max(0, peaks[2 * L - k] - before - units[k]), need_from=need.get(k, k),
-                            held_bytes=held[k], held_until=until[k] if held[k] else 0, recomputable=False))
+                            recomputable=False, **sizes[k]))
     steps = sorted(steps)
     source = {**chain.source, "graph": f"one graph compiled by {backend}: units, times and memory measured there "
                                       "(offload.profiler.compiled)",

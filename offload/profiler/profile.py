@@ -67,7 +67,7 @@ class ProfileOptions:
     compile: str | None = None  # measure the model compiled (torch.compile backend), as the training will run it
     split_blocks: bool = False  # cut inside each block too, at its submodules' calls (attention | MLP)
     whole_graph: bool = False  # with compile: the model compiled as one graph (offload.profiler.compiled)
-    recompute: bool = True  # measure what recomputing each stage costs (whole_graph: five more compiles)
+    recompute: bool = True  # measure what recomputing each stage costs (whole_graph: eight more compiles)
 
 
 @dataclass

@@ -180,6 +180,7 @@ def test_recomputation_is_offered_only_where_every_compile_held_what_the_chain_b
         paired = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager",
                                                        lambda _: None)
         assert paired.recomputable == set(blocks) and "booked: B2 " in paired.source["notes"][-1]
+        assert "B2 rebuilt " in paired.source["notes"][-1]  # (stage 2 recomputed there: its rebuild's row at B2)
         spike.clear()
         spike[first] = int(memory_profile(offered, [], every)[0][blocks[0] - 1]) + 64
         spiking[0] = lambda offloads, runs: not offloads and len(runs) == len(blocks)

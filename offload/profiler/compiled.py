@@ -77,7 +77,11 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
   recomputed a GPT-2's blocks 3 and 4 alone, ``F4`` held 32 KiB over the chain fitted
   without them): these fit no run's costs, but what their units saved and their ops held
   over the costed chain count as the fitting compiles' do, a recomputed forward's excess in
-  its recomputed transient (at most its kept one's).
+  its recomputed transient (at most its kept one's).  The units are read from all these
+  compiles first (a BERT's first attention is needed from its third's re-run, kept beside
+  it), the runs' rebuilds are fitted against them (where a run is rebuilt follows where its
+  unit is needed), and each compile's excess is then read against the chain so costed, at
+  an op where a run is rebuilt its rebuild's row too (``rerun_peak_bytes``).
 
 The chain offers it only where the model follows the compiled graph: each op of the six
 compiles above and of two that recompute every other such stage beside the others
@@ -262,18 +266,22 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
     The ``checks``' compiles (every stage recomputed, pairs of them) cost no run: what their
     units saved and their ops held over the costed chain counts as the parts' does (a ViT
     under Inductor, all its blocks recomputed: one more layer norm's statistics in a block's
-    backward, 520 B)."""
+    backward, 520 B).  The units are read from every compile first, and the runs' rebuilds
+    and each compile's excess then against them: a unit needed from a later stage's re-run
+    (a BERT's first attention, from its third's, kept beside it) is rebuilt from there when
+    recomputed, and its rebuild fitted so (fitted from its own stage, its re-run's 120 KiB
+    at ``B3`` was booked at ``B7``)."""
     base = _with_fields(chain, {k: dict(recomputable=True, rerun_output=False, carry_bytes=0, bwd_start_bytes=0)
                                 for k in rerunnable})
     fields: dict[int, dict] = {}
     need: dict[int, int] = {}
-    largest: dict[int, dict[str, int]] = {}  # kept unit -> its largest saved_bytes, held_bytes, held_until
-    over: dict[tuple[int, str], int] = {}  # (kept stage, its transient's field) -> bytes its op held over
+    largest: dict[int, int] = {}
     metered: dict[str, tuple[list[Offload], list[Recompute], list[int]]] = {}
+    compiles: list[tuple[list[int], list[Recompute], list[int], dict[int, dict], bool]] = []
     for name, part in [*parts, *checks]:
-        costs_runs = (name, part) in parts
-        if not all(fields.get(k, {}).get("recomputable", True) for k in part):
-            continue  # a stage not offered: fitted again without it (_fitted_offered), no use checking
+        fits = (name, part) in parts
+        if not fits and not all(fields[k].get("recomputable", True) for k in rerunnable):
+            return _with_fields(base, fields), metered  # a stage not offered: fitted again without it (_fitted_offered)
         runs = [Recompute(k, k) for k in part]
         measured, partitioner = _metered(base, [], runs, spec, device, backend)
         metered[name] = ([], runs, measured)
@@ -282,46 +290,59 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
         kept = [s for s in partitioner.counted if s.unit not in part]
         for k, n in unit_needs(kept).items():
             need[k] = max(n, need.get(k, base.stage(k).need_from))
-        sizes = _unit_sizes(kept, (k for k in range(1, base.L + 1) if k not in part))
-        for k, here in sizes.items():  # (one it saved nothing of: nothing here)
-            most = largest.setdefault(k, {key: getattr(base.stage(k), key) for key in here})
-            for key, value in here.items():
-                most[key] = max(value, most[key])
-        if costs_runs:
+        here = _unit_sizes(kept, (k for k in range(1, base.L + 1) if k not in part))  # (one it saved nothing of: 0)
+        sizes = {k: dict(saved_bytes=unit["saved_bytes"]) for k, unit in here.items()}
+        for k, unit in here.items():
+            largest[k] = max(unit["saved_bytes"], largest.get(k, base.stage(k).saved_bytes))
+        if fits:
             _fit_runs(base, part, runs, partitioner, measured, sizes, fields)
-        if all(fields[k].get("recomputable", True) for k in part):
-            costed = _with_fields(base, {**sizes, **{k: fields[k] for k in part}})
-            if costs_runs:
-                for k, rebuild in _rebuilds(costed, runs, measured).items():
-                    fields[k].update(rebuild)
-                costed = _with_fields(base, {**sizes, **{k: fields[k] for k in part}})
-            # a kept stage's op beside a recomputed neighbour, and a run's own backward, count
-            # their largest too: what one held over its prediction here is added to its
-            # transient (T5's first stage makes the position bias a run's checkpoint keeps);
-            # so does a recomputed forward where its neighbours are recomputed too
-            predicted, _ = memory_profile(costed, [], runs)
-            for j in range(1, base.L + 1):
-                for o, key in ((j - 1, "fwd_peak_bytes"), (2 * base.L - j, "bwd_peak_bytes")):
-                    if key == "fwd_peak_bytes" and j in part:
-                        if costs_runs:  # (fitted to this compile: _fit_runs)
-                            continue
-                        key = "recomputed_fwd_peak_bytes"
-                    if measured[o] > predicted[o]:
-                        over[(j, key)] = max(measured[o] - int(predicted[o]), over.get((j, key), 0))
+        compiles.append((part, runs, measured, sizes, fits))
         tick(f"compiled recomputing {', '.join(map(str, part))}")
+    needs = {k: dict(need_from=n) for k, n in need.items()}
+
+    def costed(sizes: dict[int, dict], part: list[int]) -> Chain:
+        return _with_fields(base, {k: {**needs.get(k, {}), **sizes.get(k, {}), **(fields[k] if k in part else {})}
+                                   for k in range(1, base.L + 1)})
+    for part, runs, measured, sizes, fits in compiles:
+        if fits and all(fields[k].get("recomputable", True) for k in part):
+            for k, rebuild in _rebuilds(costed(sizes, part), runs, measured).items():
+                fields[k].update(rebuild)
     for k in set(need) | set(largest):
-        fields[k] = {**fields.get(k, {}), "need_from": need.get(k, base.stage(k).need_from), **largest.get(k, {})}
+        fields[k] = {**fields.get(k, {}), "need_from": need.get(k, base.stage(k).need_from),
+                     "saved_bytes": largest.get(k, base.stage(k).saved_bytes)}
+    # a kept stage's op beside a recomputed neighbour, and a run's own backward, count their
+    # largest too: what one held over the chain so costed in a compile is added to its
+    # transient (T5's first stage makes the position bias a run's checkpoint keeps); so does
+    # a recomputed forward where its neighbours are recomputed too
+    over: dict[tuple[int, str], int] = {}  # (stage, its transient's field) -> bytes its op held over
+    for part, runs, measured, _, fits in compiles:
+        if not all(fields[k].get("recomputable", True) for k in part):
+            continue
+        predicted, _ = memory_profile(_with_fields(base, fields), [], runs)
+        rows = {2 * base.L - fields[k]["need_from"] if "need_from" in fields[k] else 2 * base.L - k: k for k in part}
+        for j in range(1, base.L + 1):
+            for o, key in ((j - 1, "fwd_peak_bytes"), (2 * base.L - j, "bwd_peak_bytes")):
+                if key == "fwd_peak_bytes" and j in part:
+                    if fits:  # (fitted to this compile: _fit_runs)
+                        continue
+                    key = "recomputed_fwd_peak_bytes"
+                # (an op where a run is rebuilt: its rebuild's row too, which may be what binds)
+                booked = [(j, key)] + ([(rows[o], "rerun_peak_bytes")] if o in rows else [])
+                for where in booked if measured[o] > predicted[o] else ():
+                    over[where] = max(measured[o] - int(predicted[o]), over.get(where, 0))
     for (j, key), nbytes in sorted(over.items(), key=lambda item: item[0][1] == "recomputed_fwd_peak_bytes"):
         if key == "recomputed_fwd_peak_bytes":  # at most its kept forward's (else the check refuses it)
-            kept = fields[j].get("fwd_peak_bytes", base.stage(j).fwd_peak_bytes)
-            fields[j][key] = min(fields[j][key] + nbytes, kept)
+            kept_peak = fields[j].get("fwd_peak_bytes", base.stage(j).fwd_peak_bytes)
+            fields[j][key] = min(fields[j][key] + nbytes, kept_peak)
+        elif key == "rerun_peak_bytes":
+            fields[j][key] += nbytes
         else:
             fields[j] = {**fields.get(j, {}), key: getattr(base.stage(j), key) + nbytes}
     fitted = _with_fields(base, fields)
     if over:
-        ops = ", ".join(f"{op_name(base, j - 1 if key != 'bwd_peak_bytes' else 2 * base.L - j)}"
-                        f"{' recomputed' if key == 'recomputed_fwd_peak_bytes' else ''} {format_bytes(n)}"
-                        for (j, key), n in sorted(over.items()))
+        what = {"recomputed_fwd_peak_bytes": " recomputed", "rerun_peak_bytes": " rebuilt"}
+        ops = ", ".join(f"{op_name(base, j - 1 if 'fwd' in key else 2 * base.L - j)}{what.get(key, '')} "
+                        f"{format_bytes(n)}" for (j, key), n in sorted(over.items()))
         note = f"recomputing a neighbour or itself, a stage's op held more than kept; booked: {ops}"
         fitted = replace(fitted, source={**fitted.source, "notes": [*fitted.source.get("notes", []), note]})
     return fitted, metered

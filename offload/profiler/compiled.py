@@ -67,8 +67,8 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
   compiles (``saved_bytes``), needed from the latest stage that read it there
   (``need_from``), and a compile may move less of an offloaded unit than such a chain
   counts (nothing, where it saves nothing of it; recomputing nothing, as it was before it
-  grew), never more (``SchedulePartitioner``); likewise a kept stage's op, or a run's own backward, that held
-  more than its prediction in a fitting compile adds that to its transient
+  grew), never more (``SchedulePartitioner``); likewise a kept stage's op, or a run's own
+  backward, that held more than its prediction in a fitting compile adds that to its transient
   (``fwd_peak_bytes``, ``bwd_peak_bytes``; a note in ``show`` lists them): T5's first stage
   makes the position bias that a run's checkpoint keeps.  A third compile recomputes every
   such stage, its neighbours recomputed too, and three more recompute pairs of neighbours
@@ -85,21 +85,22 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
 
 The chain offers it only where the model follows the compiled graph: each op of the six
 compiles above and of two that recompute every other such stage beside the others
-offloaded must hold at most what the costed chain books,
-and every offloaded unit must move at most the chain's; otherwise the chain offers none,
-and a note says why. So a whole-graph profile compiles the model nine times where it offers
-recomputation of three stages or more. On this project's CPU (``experiments.compiled_recompute`` and the
+offloaded must hold at most what the costed chain books, and every offloaded unit must
+move at most the chain's; otherwise the chain offers none, and a note says why. So a
+whole-graph profile compiles the model nine times where it offers recomputation of three
+stages or more. On this project's CPU (``experiments.compiled_recompute`` and the
 seventeenth to twentieth sessions' notes in ``experiments/results/README.md``) our GPT,
-transformers' BERT (8 of its 9 stages), ViT (4 of 6), T5 (5 of 6) and a U-Net (7 of 12)
-under aot_eager passed, and under Inductor GPT-2 (6 of 6), BERT (7 of 9), ViT (5 of 6), T5 (5
-of 6), a Mixtral (3 of 4) and the U-Net (7 of 12).  Inductor orders a
+transformers' GPT-2 (6 of 6), BERT (8 of its 9 stages), ViT (4 of 6), T5 (5 of 6), a
+Mixtral (3 of 4) and a U-Net (7 of 12) under aot_eager passed, and under Inductor GPT-2 (6
+of 6), BERT (7 of 9), ViT (5 of 6), T5 (5 of 6), the Mixtral (3 of 4) and the U-Net (7 of 12).  Inductor orders a
 backward's kernels by what they read: a re-run whose checkpoint was there from the start was
 fused into a kernel two stages before its own (a BERT layer's attention into another's
 softmax backward: 451 KiB held over the kept stage between), so the partitioner hands each
 run its checkpoint where the run begins (``compiled_copies.place_ready``).  What a re-run
 makes that is not its stage's still floats: GPT-2's attention mask, made again once in
-the backward for the first run that reads it and held to the last (160 KiB over a kept
-stage between two runs), is booked in that stage's transient.
+the backward for the first run that reads it and held to the last, is booked in the
+transients of the stages between (160 KiB at ``B4`` in the nineteenth session's chain, 29
+KiB since the units are read from every compile before the rebuilds are fitted).
 
 Where it is offered, the model is safe but loose: with every block of the GPT recomputed
 under aot_eager the backward is predicted at 5.25 MiB for 2.50 MiB held, its own transients
@@ -188,9 +189,9 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
     marks, each recomputing every other one of them, so that a run's neighbours are kept,
     and what one that recomputes them all and three that recompute pairs of them held over
     those costs booked too (module docstring, "recomputation"); then checked against those
-    six and two that recompute every other one beside the others offloaded: where an op of these held more than the
-    chain books, or an offloaded unit moved more than the chain's, ``chain`` as it was, with
-    a note saying so."""
+    six and two that recompute every other one beside the others offloaded: where an op of
+    these held more than the chain books, or an offloaded unit moved more than the chain's,
+    ``chain`` as it was, with a note saying so."""
     rerunnable, costed, metered = _fitted_offered(chain, rerunnable, spec, device, backend, tick)
     if not rerunnable:
         return _without_recomputation(chain, "each stage's recomputed forward held more than its kept one")
@@ -319,7 +320,7 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
         if not all(fields[k].get("recomputable", True) for k in part):
             continue
         predicted, _ = memory_profile(_with_fields(base, fields), [], runs)
-        rows = {2 * base.L - fields[k]["need_from"] if "need_from" in fields[k] else 2 * base.L - k: k for k in part}
+        rows = {2 * base.L - fields[k].get("need_from", k): k for k in part}  # each run's rebuild, by its op
         for j in range(1, base.L + 1):
             for o, key in ((j - 1, "fwd_peak_bytes"), (2 * base.L - j, "bwd_peak_bytes")):
                 if key == "fwd_peak_bytes" and j in part:

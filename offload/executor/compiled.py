@@ -246,6 +246,7 @@ class SchedulePartitioner(CustomPartitionerFn):
         self.bandwidth = chain.platform.h2d_bytes_per_s
         self.cuts = cut_sites(chain)
         self.runs = list(schedule.recompute)
+        self.recomputed = {k for r in self.runs for k in range(r.first, r.last + 1)}  # the runs' stages
         self.runtime = GraphCopies(copy_backend)  # the copies' ops name it by its number: part of the key
         self.key = hashlib.sha256(repr((chain.sha256, self.runs, self.offloaded, copies, copy_backend, marks,
                                         _PROCESS, self.runtime.number, [str(op._schema) for op in ALL_OPS])
@@ -327,9 +328,9 @@ class SchedulePartitioner(CustomPartitionerFn):
             # that run begins: Inductor otherwise fused a BERT layer's re-run into the backward two
             # stages before its own (its softmax with theirs), which then held it (451 KiB over)
             taken = {StorageWeakRef(s.values[0].meta["val"].untyped_storage()) for s in moving}
-            recomputed = {k for r in self.runs for k in range(r.first, r.last + 1)}
             first_run: dict[str, Any] = {}
-            for s in checkpoint_storages(*self.graphs, outputs, self.runs, stages, self.back_stages, taken, recomputed):
+            for s in checkpoint_storages(*self.graphs, outputs, self.runs, stages, self.back_stages, taken,
+                                         self.recomputed):
                 if s.name not in first_run or s.run.last > first_run[s.name].run.last:
                     first_run[s.name] = s
             moving += first_run.values()
@@ -356,10 +357,9 @@ class SchedulePartitioner(CustomPartitionerFn):
         stay: with those stages recomputed no unit holds them (kept, one does too: the chain
         then counts them twice).  Read from the partitioned graphs before any op of ours goes in."""
         forward, backward = self.graphs
-        recomputed = self.recomputable | {k for r in self.runs for k in range(r.first, r.last + 1)}
         out = {r.first: (0, 0, 0) for r in self.runs}
         for s in checkpoint_storages(forward, backward, self.outputs, self.runs, self.stages, self.back_stages, set(),
-                                     recomputed):
+                                     self.recomputable | self.recomputed):
             value = s.values[0].meta["val"]
             nbytes = allocated_bytes(value.untyped_storage().nbytes(), value.device)
             whole, own, shared = out[s.run.first]

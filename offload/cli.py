@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     profiler_cli.add_commands(sub)
-    solver_cli.add_commands(sub)
+    solver_cli.add_commands(sub, verified=profiler_cli.solve_verified)
     executor_cli.add_commands(sub)
     analysis_cli.add_commands(sub)
     return parser

@@ -1,6 +1,7 @@
 """A chain of the model compiled whole (``offload.profiler.compiled``): its units are what the
 compiled graph's copies move, its memory that graph's, so a schedule solved on it keeps its
 budget when ``compile_scheduled`` runs it."""
+import gc
 import json
 import pickle
 import subprocess
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from experiments.compiled_op_memory import excess
-from offload.errors import ChainMismatch, ModelError, offload_cause
+from offload.cli import main
+from offload.errors import ChainMismatch, InfeasibleBudget, ModelError, offload_cause
 from offload.executor import Offloaded, distributed
 from offload.executor.compiled import SchedulePartitioner, compile_scheduled
 from offload.executor.compiled_copies import UnitStorage
@@ -22,15 +24,19 @@ from offload.executor.train import TrainOptions, train
 from offload.models import resolve
 from offload.core.meters import AllocationMeter, allocated_peak
 from offload.executor.marked import MarkedRun, Marks, intervals
-from offload.profiler import compiled as profiler_compiled
+from offload.io.text import format_bytes
+from offload.profiler import compiled as profiler_compiled, verify
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
-from offload.step.chainfile import make_chain
+from offload.step.chainfile import load_chain, make_chain, save_chain
+from offload.step.schedulefile import load_schedule
 from offload.step.memory import floor_offloads, memory_profile, no_offload_peak, op_name, smallest_feasible_budget
 from offload.step.actions import Recompute
 from offload.step.schedule import make_schedule
 from tests.cudashim import FakeAllocator
 
+CHAINS = Path(__file__).resolve().parent.parent / "experiments" / "chains"
+UNET, UNET_SMALL = Path(__file__).resolve().parent / "models" / "unet.py", {"width": 8, "depth": 2, "image": 32}
 GPT = {"layers": 2, "width": 64, "heads": 4, "seq": 64, "vocab": 128, "dropout": 0.1}
 
 
@@ -392,6 +398,76 @@ def test_a_post_norm_transformers_bert_compiled_whole_offers_recomputation(backe
     assert not any(n.startswith("recomputation not offered") for n in chain.source["notes"])
 
 
+def test_solve_verify_solves_again_for_less_where_the_compiled_schedule_held_more_than_the_budget(tmp_path, capsys):
+    """A chain that books less at its peak op than the compiled step holds there (as a sampled
+    fit may, for a schedule no sampled compile ran): ``solve --verify`` meters the first
+    schedule compiled, finds it over the budget at that op, solves again for that much under
+    its predicted peak, and writes a schedule that held the budget compiled, the budget asked
+    for kept.  (A U-Net under aot_eager, no recomputation offered: one compile to profile.)"""
+    chain = profile(f"{UNET}:build", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options=UNET_SMALL,
+                                                    compile="aot_eager", whole_graph=True, recompute=False)).chain
+    predicted = [int(b) for b in memory_profile(chain, [], [])[0]]
+    op = predicted.index(max(predicted))
+    short = (max(predicted) - sorted(predicted)[-2]) // 2  # booked short, still the peak op
+    assert op >= chain.L and short > 0 and smallest_feasible_budget(chain) <= max(predicted) - 2 * short
+    j = 2 * chain.L - op  # (its stage's backward: its transient booked short)
+    stages = list(chain.stages)
+    stages[j - 1] = replace(stages[j - 1], bwd_peak_bytes=stages[j - 1].bwd_peak_bytes - short)
+    wrong = replace(chain, stages=tuple(stages))
+    budget = no_offload_peak(wrong)  # the wrong chain's schedule offloads nothing; compiled it holds `short` more
+    lines = []
+    result = verify.solve_verified(wrong, budget, "ilp", Options(time_limit_s=20), lines.append)
+    verified = result.schedule.solver["verified"]
+    assert verified["rounds"] == 2 and f"{op_name(chain, op)} {format_bytes(short)} over" in lines[1], lines
+    assert verified["solved_for_bytes"] == budget - short and result.schedule.offloads
+    assert verified["measured_peak_bytes"] <= budget and result.schedule.budget.nbytes == budget
+    assert result.simulation.peak_bytes <= budget - short
+    save_chain(chain, tmp_path / "chain.json")  # the chain as profiled, from the command line: held at once
+    out = tmp_path / "schedule.json"
+    assert main(["solve", str(tmp_path / "chain.json"), "--budget", "97%", "--verify", "-o", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "verified     compiled and metered: peak" in printed.out and "verify: compiled with marks" in printed.err
+    assert load_schedule(out, chain).solver["verified"]["rounds"] == 1
+
+
+def test_solve_verify_gives_up_after_its_rounds_and_below_the_floor(monkeypatch):
+    """The loop itself, each compile's metering mocked: a solve for less each round, each
+    under the last schedule's predicted peak by what it held over the budget; refused with
+    the reason once no budget is left or the rounds are spent."""
+    chain = replace(load_chain(CHAINS / "gpt-b2-cpu.json"), source={"device": "cpu"})
+    chain = replace(chain, recipe=replace(chain.recipe, compile="aot_eager", whole_graph=True))
+    peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
+    solved_for = []
+
+    def meter(chain, schedule, device, over):  # each schedule held `over` more than the no-offload peak
+        predicted = tuple(int(o.mem_bytes) for o in schedule.simulate(chain).ops)
+        solved_for.append(schedule.budget.nbytes)
+        return verify.Metered((peak + over, *predicted[1:]), predicted)
+    monkeypatch.setattr(verify, "meter", lambda c, s, d: meter(c, s, d, (peak - floor) // 8))
+    with pytest.raises(InfeasibleBudget, match="in 4 solves"):
+        verify.solve_verified(chain, peak, "ilp", Options(time_limit_s=10))
+    assert len(solved_for) == 4 and all(b < a for a, b in zip(solved_for, solved_for[1:]))
+    solved_for.clear()
+    monkeypatch.setattr(verify, "meter", lambda c, s, d: meter(c, s, d, peak - floor + 1))
+    with pytest.raises(InfeasibleBudget, match="solved again for .*below the smallest feasible budget"):
+        verify.solve_verified(chain, peak, "ilp", Options(time_limit_s=10))
+    assert len(solved_for) == 1
+
+
+def test_solve_verify_is_refused_where_it_cannot_meter_the_compiled_graph(tmp_path, monkeypatch, capsys):
+    """Only a chain of the compiled graph is verified, and only on the kind of device it was
+    profiled on: one clear message, exit 2, no schedule written."""
+    out = tmp_path / "schedule.json"
+    assert main(["solve", str(CHAINS / "gpt-b2-cpu.json"), "--budget", "80%", "--verify", "-o", str(out)]) == 2
+    assert "not a chain of the model compiled whole" in capsys.readouterr().err and not out.exists()
+    chain = load_chain(CHAINS / "gpt-b2-cpu.json")
+    on_gpu = replace(chain, source={"device": "NVIDIA H100 80GB HBM3"},
+                     recipe=replace(chain.recipe, compile="inductor", whole_graph=True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ModelError, match="profiled on NVIDIA H100.*sees no CUDA GPU"):
+        verify.verifying_device(on_gpu)
+
+
 def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):
     chain = aot.chain
     with pytest.raises(ChainMismatch, match="compiled as one graph .*stage boundaries would break"):
@@ -599,6 +675,25 @@ def test_metering_a_compiled_step_prints_nothing_of_torch_profilers_own():
                          cwd=Path(__file__).parents[1]).stderr
     metered, plain = err.split("metered\n")
     assert "USDT" not in metered and "profiler_start" in plain, err
+
+
+def test_a_metered_step_reads_no_free_of_earlier_garbage_as_its_own(aot, monkeypatch):
+    """Garbage made under an earlier profile (a compile's, a step's reference cycles) that the
+    collector frees inside a metered step reads, in the profiler's running count, as the
+    step's memory falling: ``MarkedRun.peaks`` collects it before the step (an automatic
+    collection at the first mark stands in for one that came mid-step)."""
+    torch.manual_seed(1)
+    run = MarkedRun(resolve("gpt", 4, GPT), SchedulePartitioner(aot.chain, make_schedule(aot.chain, []), marks=True),
+                    torch.device("cpu"), "aot_eager")
+    run.step()
+    clean = run.peaks()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True):
+        garbage = [torch.empty(4 << 20, dtype=torch.uint8)]
+        garbage.append(garbage)  # a cycle: only the collector frees it
+    del garbage
+    mark = Marks.__call__
+    monkeypatch.setattr(Marks, "__call__", lambda self, index: (index != 1 or gc.collect(), mark(self, index)))
+    assert run.peaks() == clean
 
 
 def test_the_allocation_meter_counts_from_its_own_start_whatever_the_process_metered_before():

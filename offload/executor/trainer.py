@@ -239,6 +239,7 @@ class _Metering:
                 batch = t.spec.batch()  # the loop's batch: live before the step, like the weights
                 meter.track(persistent_tensors(t.spec.module, t.optimizer, t.device) + tensors_in(batch))
                 meter.ignore(t.spec.tensors() + t.elsewhere)  # the example batches are copied from; a reference
+                gc.collect()  # earlier garbage freed by the collector inside the step would read as its memory falling
                 t.synchronize()
                 meter.boundary()
                 if t.base_untracked is None:  # an earlier run's workspaces, the user's: not this run's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from offload.errors import FormatError
 from offload.io.argtypes import integer
@@ -22,6 +23,13 @@ def _platform(args: argparse.Namespace):
     if len(rates) > 2:
         raise FormatError(f"--bandwidth takes one rate or D2H,H2D, got {args.bandwidth!r}")
     return given_platform(rates[0], rates[-1], parse_seconds(args.latency) if args.latency else 0.0)
+
+
+def solve_verified(*args: Any) -> Any:
+    """``offload solve --verify`` (``verify.solve_verified``): the profiler compiles and meters
+    the schedule, so the solver's command takes it from here (torch imported only then)."""
+    from .verify import solve_verified as verified
+    return verified(*args)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

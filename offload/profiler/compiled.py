@@ -102,7 +102,10 @@ the backward for the first run that reads it and held to the last, is booked in 
 transients of the stages between (160 KiB at ``B4`` in the nineteenth session's chain, 29
 KiB since the units are read from every compile before the rebuilds are fitted).
 
-Where it is offered, the model is safe but loose: with every block of the GPT recomputed
+It is a fit to the compiles sampled: a schedule whose runs none of them combined may hold
+more at an op (a U-Net under aot_eager, its stage 3 recomputed alone: 64 KiB over at
+``B3``), so ``offload solve --verify`` compiles and meters the schedule it writes
+(``profiler/verify.py``).  Where it is offered, the model is safe but loose: with every block of the GPT recomputed
 under aot_eager the backward is predicted at 5.25 MiB for 2.50 MiB held, its own transients
 shrinking with the blocks recomputed, which a chain measured with them kept does not know
 (under Inductor, before the unit check refused it: 2.05 MiB predicted for 1.74 MiB held,
@@ -128,7 +131,7 @@ from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain, Stage
 from offload.step.chainfile import make_chain
 from offload.step.memory import floor_offloads, memory_profile, op_name
-from offload.step.schedule import make_schedule
+from offload.step.schedule import Schedule, make_schedule
 
 ONE_GRAPH = ("--whole-graph needs the model's stages in one graph (a graph break is allowed only outside them, such "
              "as a loss compiled apart): find its graph breaks with torch._dynamo.explain(model)(*inputs) and remove "
@@ -375,13 +378,20 @@ def _without_recomputation(chain: Chain, why: str) -> Chain:
     return replace(chain, source={**chain.source, "notes": [*chain.source.get("notes", []), note]})
 
 
+def metered(chain: Chain, schedule: Schedule, spec: ModelSpec, device: torch.device,
+            backend: str | None = None) -> tuple[list[int], SchedulePartitioner]:
+    """Each op's memory in a step of ``spec.module`` compiled whole by ``backend`` (the
+    chain's) with ``schedule`` and the profiler's marks, as the profile measures its own
+    compiles (``offload solve --verify`` meters its schedule so), and the partitioner that
+    made its graphs (what it saves: the units' storages, the runs' checkpoints)."""
+    partitioner = SchedulePartitioner(chain, schedule, marks=True)
+    return _compiled(spec, partitioner, device, backend or chain.recipe.compile, 1).peaks(), partitioner
+
+
 def _metered(chain: Chain, offloads: list[Offload], runs: list[Recompute], spec: ModelSpec, device: torch.device,
              backend: str) -> tuple[list[int], SchedulePartitioner]:
-    """Each op's memory in a step of ``spec.module`` compiled whole with ``offloads`` and
-    ``runs``, and the partitioner that made its graphs (what it saves: the units' storages,
-    the runs' checkpoints)."""
-    partitioner = SchedulePartitioner(chain, make_schedule(chain, offloads, recompute=runs), marks=True)
-    return _compiled(spec, partitioner, device, backend, 1).peaks(), partitioner
+    """``metered`` with ``offloads`` and ``runs`` (a compile the profile samples)."""
+    return metered(chain, make_schedule(chain, offloads, recompute=runs), spec, device, backend)
 
 
 def _rebuilds(chain: Chain, runs: list[Recompute], measured: list[int]) -> dict[int, dict]:

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Callable
 
 from offload.errors import FormatError
 from offload.io.argtypes import fraction, integer, seconds
@@ -25,8 +26,11 @@ from offload.step.simulate import Simulation
 
 from .encoded_floor import floor
 from .floors import joint_floor
-from .methods import METHODS, RECOMPUTING, Options, solve
+from .methods import METHODS, RECOMPUTING, Options, Result, solve
 from .pulp_backend import SOLVERS
+
+# solve and verify compiled (solve --verify): chain, budget, method, options, a line printer
+Verified = Callable[[Chain, Budget, str, Options, Callable[[str], None]], Result]
 
 MAX_NOTES = 12  # a chain's source notes shown by show and profile (a hand-made chain may hold any number)
 NAME_WIDTH = 48  # the widest stage name show prints whole (a longer one keeps its end)
@@ -288,20 +292,39 @@ def cmd_solve(args: argparse.Namespace) -> int:
                    recompute=args.recompute, max_run=args.max_run, in_stage=args.in_stage)
     for note in _unused_flags(args):
         print(f"note: {note}", file=sys.stderr)
-    if args.method == "ilp":
+    if args.method == "ilp" and not args.verify:  # (--verify says when it solves, after its checks)
         print(f"solving with {args.solver} (time limit {args.time_limit:g} s, proven at a gap of {_percent(args.gap)})…",
               file=sys.stderr, flush=True)
-    res = solve(chain, budget, args.method, opts)
+    if args.verify:
+        if args.verified is None:
+            raise FormatError("--verify needs the profiler, which this command was built without")
+        res = args.verified(chain, budget, args.method, opts, lambda line: print(f"verify: {line}", file=sys.stderr,
+                                                                                  flush=True))
+    else:
+        res = solve(chain, budget, args.method, opts)
     _line("chain", f"{printable(chain.name)} ({chain.L} stages), budget {budget}")
     _line("method", f"{args.method}: {res.status}, gap {_percent(res.gap)} to the best lower bound "
           f"{format_seconds(res.bound_s)}, {res.seconds:.2f} s")
     if "note" in res.info:
         _line("note", res.info["note"])
+    if "verified" in res.info:
+        _line("verified", _verified_line(res.info["verified"], budget.activations(chain)))
     _print_simulation(chain, res.simulation, budget.base(chain))
     if args.output:
         save_schedule(res.schedule, chain, args.output)
         print(f"wrote {args.output}")
     return 0
+
+
+def _verified_line(verified: dict, limit: int) -> str:
+    """What ``--verify`` measured of the schedule written, on one line."""
+    over = verified["most_over"]
+    again = (f", after {verified['rounds'] - 1} more solve(s), the last for {format_bytes(verified['solved_for_bytes'])}"
+             if verified["rounds"] > 1 else "")
+    return (f"compiled and metered: peak {format_bytes(verified['measured_peak_bytes'])} within "
+            f"{format_bytes(limit)}{again}; "
+            + (f"{over['op']} held {format_bytes(over['bytes'])} over its prediction" if over else
+               "every op within its prediction"))
 
 
 def _unused_flags(args: argparse.Namespace) -> list[str]:
@@ -329,7 +352,9 @@ def _percent(share: float) -> str:
     return f"{100 * share:.2f}%" if share < 1e-7 or share >= 1e-3 else f"{100 * share:.2g}%"
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction, verified: Verified | None = None) -> None:
+    """The solver's subcommands; ``verified`` solves and verifies a schedule compiled
+    (``solve --verify``: the profiler's, which measures; none, the flag is refused)."""
     p = sub.add_parser("show", help="print a chain's stages, no-offload peak, ideal makespan, smallest budget",
                        description="Print a chain at a glance: its stage table, the no-offload activation peak, the "
                                    "ideal makespan and the smallest budget any schedule can meet.")
@@ -379,5 +404,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heuristic-time", type=seconds(strict=False), default=1.0, metavar="S",
                    help="search time of each relax-* heuristic (default 1.0)")
     p.add_argument("--verbose", action="store_true", help="show the MILP solver's log")
+    p.add_argument("--verify", action="store_true",
+                   help="on a chain of the model compiled whole (profile --whole-graph): compile the schedule with "
+                        "marks, meter a step op by op on the device the chain was profiled on, and solve again for "
+                        "less where an op held more than the budget (a compile per solve, at most 4 solves)")
     p.add_argument("--list-methods", action="store_true", help="print the methods, one per line, and exit")
-    p.set_defaults(func=cmd_solve)
+    p.set_defaults(func=cmd_solve, verified=verified)

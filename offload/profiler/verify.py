@@ -95,7 +95,8 @@ def solve_verified(chain: Chain, budget: Budget | int, method: str = "ilp", opti
         chain: a chain of the model compiled whole (``offload profile --whole-graph``).
         budget: as ``solve`` takes it; the schedule written keeps it.
         method, options: as ``solve`` takes them.
-        tick: called with a line after each metered compile (``offload solve`` prints it).
+        tick: called with a line as each solve begins and after each metered compile
+            (``offload solve --verify`` prints them).
 
     Returns:
         The last solve's result, its schedule's budget ``budget`` and its ``solver`` info

@@ -28,9 +28,10 @@ interleaved so that a loaded machine slows all alike (medians over ``--steps``):
   compiled graph cannot run), eager and in one graph: the budget is the eager chain's, so
   the compiled way's peak is measured against it, not predicted;
 * ``compile_scheduled, its own chain, empty`` and ``, ilp``: on the chain of the compiled
-  graph, no schedule, and the ILP's (offloads only: that chain offers no recomputation) for
-  the same budget, or that chain's smallest feasible budget where it is higher: its step
-  and peak predicted, the budget a promise.
+  graph, no schedule, and the joint ILP's (offloads, and recomputation of the stages that
+  chain offers it for) for the same budget, or that chain's smallest feasible budget where
+  it is higher, compiled and metered before it is used (``offload solve --verify``): its
+  step and peak predicted, the budget a promise.
 
 Beside each: how many graphs Dynamo compiled for it (a graph break makes one more), its
 step, the most bytes the allocator held during a step beyond what it held before (every
@@ -67,6 +68,7 @@ from offload.io.text import format_bytes
 from offload.models import resolve
 from offload.core.meters import allocated_peak
 from offload.profiler.profile import ProfileOptions, profile
+from offload.profiler.verify import solve_verified
 from offload.step.actions import Recompute
 from offload.solver.methods import Options, solve
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
@@ -112,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             share += 5
     print("  profiling the model compiled as one graph", flush=True)
     whole = profile(args.model, ProfileOptions(batch=args.batch, repeats=2, warmup=1, encodings=False, options=options,
-                                               device=device.type, compile="inductor", whole_graph=True,
-                                               recompute=False)).chain
-    whole_budget = max(budget, smallest_feasible_budget(whole))
-    solved = solve(whole, whole_budget, "ilp", Options(time_limit_s=30)).schedule
+                                               device=device.type, compile="inductor", whole_graph=True)).chain
+    whole_budget = max(budget, smallest_feasible_budget(whole, recompute=True))
+    print("  solving on it and verifying the schedule compiled (offload solve --verify)", flush=True)
+    solved = solve_verified(whole, whole_budget, "ilp", Options(time_limit_s=30, recompute=True)).schedule
     spec = resolve(args.model, args.batch, options)
     spec.place(device, torch.float32)
     torch._dynamo.config.cache_size_limit = 64  # the same forward, compiled once per way
@@ -173,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{format_bytes(budget)} ({share}% of the peak): {describe(joint)}; the chain of the model compiled as "
              f"one graph (`--whole-graph`): peak {format_bytes(no_offload_peak(whole))}, floor "
              f"{format_bytes(smallest_feasible_budget(whole))}, its ilp schedule solved for "
-             f"{format_bytes(whole_budget)}: {describe(solved)}; {machine_name(device.type)}, "
+             f"{format_bytes(whole_budget)} and verified compiled ({solved.solver['verified']['rounds']} solve(s), "
+             f"metered peak {format_bytes(solved.solver['verified']['measured_peak_bytes'])}): {describe(solved)}; "
+             f"{machine_name(device.type)}, "
              f"medians of {args.steps} interleaved steps.", "",
              "| way | graphs | step | x eager | predicted step | peak allocated | predicted peak |",
              "|---|---|---|---|---|---|---|"]

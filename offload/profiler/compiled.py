@@ -80,13 +80,21 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
   its recomputed transient (at most its kept one's).  The units are read from all these
   compiles first (a BERT's first attention is needed from its third's re-run, kept beside
   it), the runs' rebuilds are fitted against them (where a run is rebuilt follows where its
-  unit is needed), and each compile's excess is then read against the chain so costed, at
-  an op where a run is rebuilt its rebuild's row too (``rerun_peak_bytes``).
+  unit is needed), and each compile's excess is then read against the chain so costed; at
+  an op where a run is rebuilt it goes to that rebuild's row alone (``rerun_peak_bytes``, up
+  to what the op held), which counts only where the run is recomputed (booked as the kept
+  transient too, a Llama layer's backward recomputed beside a recomputed neighbour under
+  Inductor, 12 MiB over, was paid by every schedule).
 
 The chain offers it only where the model follows the compiled graph: each op of the six
 compiles above and of two that recompute every other such stage beside the others
 offloaded must hold at most what the costed chain books, and every offloaded unit must
-move at most the chain's; otherwise the chain offers none, and a note says why. So a
+move at most the chain's; otherwise the chain offers none, and a note says why. Nor does
+it where what every schedule pays for it (a kept stage's transient beside a recomputed
+neighbour, a unit that a neighbour's re-run reads needed from that re-run) leaves no
+schedule with recomputation a budget under the smallest of the chain without it (a
+Llama under Inductor: 45.35 MiB offered, 26.23 MiB without; ``_paying``); where it pays,
+a note says what it costs the schedules that only offload. So a
 whole-graph profile compiles the model nine times where it offers recomputation of three
 stages or more. On this project's CPU (``experiments.compiled_recompute`` and the
 seventeenth to twentieth sessions' notes in ``experiments/results/README.md``) our GPT,
@@ -130,7 +138,7 @@ from offload.models.spec import ModelSpec
 from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain, Stage
 from offload.step.chainfile import make_chain
-from offload.step.memory import floor_offloads, memory_profile, op_name
+from offload.step.memory import floor_offloads, memory_profile, op_name, smallest_feasible_budget
 from offload.step.schedule import Schedule, make_schedule
 
 ONE_GRAPH = ("--whole-graph needs the model's stages in one graph (a graph break is allowed only outside them, such "
@@ -165,7 +173,7 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
     compiled = _chain(chain, partitioner, backend, seconds, peaks, [sum(t) for t in timed])
     rerunnable = [k for k in range(1, L) if k in chain.recomputable and compiled.stage(k).saved_bytes]
     if recompute and rerunnable:
-        return _with_recomputation(compiled, rerunnable, spec, device, backend, tick)
+        return _paying(compiled, _with_recomputation(compiled, rerunnable, spec, device, backend, tick))
     return compiled
 
 
@@ -219,6 +227,30 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
                                                  f"), {op_name(chain, o)} held {format_bytes(worst)} over what the "
                                                  "chain books")
     return costed
+
+
+def _paying(chain: Chain, costed: Chain) -> Chain:
+    """``costed`` (recomputation offered), unless what its compiles held over ``chain`` (none
+    recomputed), booked where every schedule pays it (a kept stage's transient beside a
+    recomputed neighbour, a unit needed earlier by a neighbour's re-run), leaves no schedule
+    with recomputation a budget under ``chain``'s smallest: then ``chain``, with a note (a
+    Llama under Inductor: 45.35 MiB with recomputation offered, 26.23 MiB without); where it
+    pays, a note says what the schedules that only offload pay for it."""
+    if not costed.recomputable:  # (not offered already: its note says why)
+        return costed
+    plain, offered = smallest_feasible_budget(chain), smallest_feasible_budget(costed, recompute=True)
+    if offered > plain:
+        return _without_recomputation(chain, f"what its compiles held over the chain, booked for every schedule, would "
+                                             f"raise the smallest budget by {format_bytes(offered - plain)}, from "
+                                             f"{format_bytes(plain)} to {format_bytes(offered)}, and no schedule "
+                                             "recomputing would go below it", placed=False)
+    paid = smallest_feasible_budget(costed) - plain
+    if paid <= 0:
+        return costed
+    note = (f"offering recomputation raised the smallest budget of a schedule that only offloads by "
+            f"{format_bytes(paid)}, from {format_bytes(plain)} to {format_bytes(plain + paid)} (what its compiles held "
+            "over, booked for every schedule); profile with --no-recompute to solve for such schedules")
+    return replace(costed, source={**costed.source, "notes": [*costed.source.get("notes", []), note]})
 
 
 def _fitted_offered(chain: Chain, rerunnable: list[int], spec: ModelSpec, device: torch.device, backend: str,
@@ -317,23 +349,31 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
     # a kept stage's op beside a recomputed neighbour, and a run's own backward, count their
     # largest too: what one held over the chain so costed in a compile is added to its
     # transient (T5's first stage makes the position bias a run's checkpoint keeps); so does
-    # a recomputed forward where its neighbours are recomputed too
+    # a recomputed forward where its neighbours are recomputed too; but an op where a run is
+    # rebuilt books it in that rebuild's row alone, which counts only where the run is
+    # recomputed (a Llama layer's backward, recomputed beside a recomputed neighbour under
+    # Inductor, held 12 MiB over: booked as its kept transient too, every schedule paid it)
     over: dict[tuple[int, str], int] = {}  # (stage, its transient's field) -> bytes its op held over
     for part, runs, measured, _, fits in compiles:
         if not all(fields[k].get("recomputable", True) for k in part):
             continue
-        predicted, _ = memory_profile(_with_fields(base, fields), [], runs)
-        rows = {2 * base.L - fields[k].get("need_from", k): k for k in part}  # each run's rebuild, by its op
+        predicted, rebuilt = memory_profile(_with_fields(base, fields), [], runs)
+        rows: dict[int, tuple[int, int]] = {}  # by op, the run rebuilt there whose row holds most, and that
+        for n, k, nbytes in rebuilt:
+            if nbytes >= rows.get(2 * base.L - n, (0, -1))[1]:
+                rows[2 * base.L - n] = (k, nbytes)
         for j in range(1, base.L + 1):
             for o, key in ((j - 1, "fwd_peak_bytes"), (2 * base.L - j, "bwd_peak_bytes")):
+                if measured[o] <= predicted[o]:
+                    continue
                 if key == "fwd_peak_bytes" and j in part:
                     if fits:  # (fitted to this compile: _fit_runs)
                         continue
                     key = "recomputed_fwd_peak_bytes"
-                # (an op where a run is rebuilt: its rebuild's row too, which may be what binds)
-                booked = [(j, key)] + ([(rows[o], "rerun_peak_bytes")] if o in rows else [])
-                for where in booked if measured[o] > predicted[o] else ():
-                    over[where] = max(measured[o] - int(predicted[o]), over.get(where, 0))
+                where, nbytes = (j, key), measured[o] - int(predicted[o])
+                if o in rows:  # (the rebuild's row up to what the op held, whichever row bound)
+                    where, nbytes = (rows[o][0], "rerun_peak_bytes"), measured[o] - rows[o][1]
+                over[where] = max(nbytes, over.get(where, 0))
     for (j, key), nbytes in sorted(over.items(), key=lambda item: item[0][1] == "recomputed_fwd_peak_bytes"):
         if key == "recomputed_fwd_peak_bytes":  # at most its kept forward's (else the check refuses it)
             kept_peak = fields[j].get("fwd_peak_bytes", base.stage(j).fwd_peak_bytes)
@@ -345,8 +385,10 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
     fitted = _with_fields(base, fields)
     if over:
         what = {"recomputed_fwd_peak_bytes": " recomputed", "rerun_peak_bytes": " rebuilt"}
-        ops = ", ".join(f"{op_name(base, j - 1 if 'fwd' in key else 2 * base.L - j)}{what.get(key, '')} "
-                        f"{format_bytes(n)}" for (j, key), n in sorted(over.items()))
+        def op(j: int, key: str) -> int:  # (a rebuild's row: at its unit's need)
+            return j - 1 if "fwd" in key else 2 * base.L - (fitted.stage(j).need_from if "rerun" in key else j)
+        ops = ", ".join(f"{op_name(base, op(j, key))}{what.get(key, '')} {format_bytes(n)}"
+                        for (j, key), n in sorted(over.items()))
         note = f"recomputing a neighbour or itself, a stage's op held more than kept; booked: {ops}"
         fitted = replace(fitted, source={**fitted.source, "notes": [*fitted.source.get("notes", []), note]})
     return fitted, metered
@@ -372,9 +414,11 @@ def _fit_runs(base: Chain, part: list[int], runs: list[Recompute], partitioner: 
             fields[k] = dict(recomputable=False, rerun_output=True, carry_bytes=None)
 
 
-def _without_recomputation(chain: Chain, why: str) -> Chain:
-    note = (f"recomputation not offered: {why} (a compiled re-run placed otherwise than the model follows: "
-            "experiments.compiled_recompute)")
+def _without_recomputation(chain: Chain, why: str, placed: bool = True) -> Chain:
+    """``chain`` offering no recomputation, with a note saying ``why`` (``placed``: a re-run the
+    compiler placed otherwise than the model follows)."""
+    note = f"recomputation not offered: {why}" + (" (a compiled re-run placed otherwise than the model follows: "
+                                                  "experiments.compiled_recompute)" if placed else "")
     return replace(chain, source={**chain.source, "notes": [*chain.source.get("notes", []), note]})
 
 

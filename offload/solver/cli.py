@@ -296,8 +296,6 @@ def cmd_solve(args: argparse.Namespace) -> int:
         print(f"solving with {args.solver} (time limit {args.time_limit:g} s, proven at a gap of {_percent(args.gap)})…",
               file=sys.stderr, flush=True)
     if args.verify:
-        if args.verified is None:
-            raise FormatError("--verify needs the profiler, which this command was built without")
         res = args.verified(chain, budget, args.method, opts, lambda line: print(f"verify: {line}", file=sys.stderr,
                                                                                   flush=True))
     else:
@@ -352,9 +350,9 @@ def _percent(share: float) -> str:
     return f"{100 * share:.2f}%" if share < 1e-7 or share >= 1e-3 else f"{100 * share:.2g}%"
 
 
-def add_commands(sub: argparse._SubParsersAction, verified: Verified | None = None) -> None:
+def add_commands(sub: argparse._SubParsersAction, verified: Verified) -> None:
     """The solver's subcommands; ``verified`` solves and verifies a schedule compiled
-    (``solve --verify``: the profiler's, which measures; none, the flag is refused)."""
+    (``solve --verify``: the profiler's, which measures, handed in by ``offload.cli``)."""
     p = sub.add_parser("show", help="print a chain's stages, no-offload peak, ideal makespan, smallest budget",
                        description="Print a chain at a glance: its stage table, the no-offload activation peak, the "
                                    "ideal makespan and the smallest budget any schedule can meet.")

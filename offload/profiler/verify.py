@@ -112,12 +112,13 @@ def solve_verified(chain: Chain, budget: Budget | int, method: str = "ilp", opti
     device = verifying_device(chain)
     limit = budget.activations(chain)
     solved_for = budget
+    why = ""
     for round_ in range(1, ROUNDS + 1):
         tick(f"solving with {method} for {format_bytes(solved_for.activations(chain))}…")
         try:
             result = solve(chain, solved_for, method, options)
         except InfeasibleBudget as exc:
-            if round_ == 1:  # the budget asked for is refused as solve refuses it
+            if not why:  # the first solve: the budget asked for is refused as solve refuses it
                 raise
             raise InfeasibleBudget(f"{why}; solved again for {format_bytes(solved_for.activations(chain))}: {exc}",
                                    exc.hint, exc.smallest_bytes) from None

@@ -691,6 +691,8 @@ def place_ready(backward: fx.GraphModule, staying: Sequence[_Storage], need: Map
             values = [inputs[v.name] for v in s.values]
             at = _backward_start(first_of_k, stages)
             at, end = _first_read(graph, values, first_of_k, handed_on(_up_to(graph, at.prev)))
-            ready = _call(graph, at, False, READY_OP, (values[0], end), f"ready_{s.name}", s.values[0].meta["val"])
+            # its other values read there too: read through the alias only, they were held to the graph's end
+            ready = _call(graph, at, False, READY_OP, (values[0], [*end, *values[1:]]), f"ready_{s.name}",
+                          s.values[0].meta["val"])
             _read_through(graph, at, ready, s, values, 0)
     _done(backward)

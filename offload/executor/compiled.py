@@ -59,9 +59,10 @@ events; what other stages read too stays, as the eager executor's held tensors d
 do the weights it reads (the module holds them).
 
 The chain says where stages end.  A chain of the eager model predicts the eager step, not
-this one (the compiled forward saves other, fewer tensors, and the compiled backward hands
-back every weight gradient at its end): its budget is no promise here, and a warning says
-so.  A chain profiled from this graph (``offload.profiler.compiled``, ``recipe.whole_graph``)
+this one (the compiled forward saves other, fewer tensors, and the graph's kernels hold
+other transients): its budget is no promise here, and a warning says so.  The weight
+gradients are accumulated into ``.grad`` inside the backward graph, each where it is made
+(``graph_grads``), as the eager engine does after each op, not handed back at the graph's end.  A chain profiled from this graph (``offload.profiler.compiled``, ``recipe.whole_graph``)
 is: its units are what our copies move (checked as the graph is partitioned), its memory and
 times this graph's, and the run has the profile's marks at its stage boundaries (reading
 nothing: they keep Inductor's kernels on the sides of the boundaries the profile measured).
@@ -102,6 +103,7 @@ from .api import PathLike, chain_and_schedule, cut_sites
 from .compiled_copies import (PlacedCopies, UnitStorage, backward_stages, checkpoint_storages, counted_storages,
                               keep_crossing, movable, place_copies, place_marks, place_ready, unit_needs, value_units)
 from .graph_copies import ALL_OPS, GraphCopies
+from .graph_grads import GRAD_OPS, GraphGrads, add_accumulation
 
 _PROCESS = uuid.uuid4().hex  # in every partitioner's key: no compiled graph of another process is reused
 COPIES = ("schedule", "pytorch", "pytorch-matmuls")  # who places which copies (SchedulePartitioner)
@@ -248,9 +250,11 @@ class SchedulePartitioner(CustomPartitionerFn):
         self.runs = list(schedule.recompute)
         self.recomputed = {k for r in self.runs for k in range(r.first, r.last + 1)}  # the runs' stages
         self.runtime = GraphCopies(copy_backend)  # the copies' ops name it by its number: part of the key
+        self.grads = GraphGrads()  # what accumulates the weight gradients in the backward: so is its number
+        self.accumulated = 0  # how many weights' gradients it accumulates (``graph_grads.add_accumulation``)
         self.key = hashlib.sha256(repr((chain.sha256, self.runs, self.offloaded, copies, copy_backend, marks,
-                                        _PROCESS, self.runtime.number, [str(op._schema) for op in ALL_OPS])
-                                       ).encode()).hexdigest()
+                                        _PROCESS, self.runtime.number, self.grads.number,
+                                        [str(op._schema) for op in (*ALL_OPS, *GRAD_OPS)])).encode()).hexdigest()
         self.stages: dict[str, int] = {}
         self.tags: dict[str, CheckpointPolicy | None] = {}
         self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None
@@ -345,6 +349,7 @@ class SchedulePartitioner(CustomPartitionerFn):
         self.saved = self._saved(saved, moved)
         self._check_moved()
         self._check_units()
+        self.accumulated = add_accumulation(*self.graphs, kwargs.get("static_lifetime_input_indices") or (), self.grads)
         return self.graphs
 
     def _checkpoints(self) -> dict[int, tuple[int, int, int]]:
@@ -535,8 +540,8 @@ def compile_scheduled(module: nn.Module, chain: Chain | PathLike, schedule: Sche
                             f"not {backend}", f"compile it with backend={chain.recipe.compile!r}, or profile again")
     if schedule.budget is not None and not partitioner.whole:
         warnings.warn(f"the schedule was solved for {schedule.budget} on the eager chain: a compiled step's memory "
-                      "is not this chain's (it saves other tensors, and its backward hands back every weight "
-                      "gradient at its end), so the budget is not a promise here: profile the compiled graph "
+                      "is not this chain's (it saves other tensors, and its kernels hold other transients), "
+                      "so the budget is not a promise here: profile the compiled graph "
                       "(offload profile --compile inductor --whole-graph) and solve on that chain", stacklevel=2)
     return compile_with(module, partitioner, backend, **compile_kwargs)
 
@@ -580,11 +585,15 @@ def compile_with(module: nn.Module, partitioner: SchedulePartitioner, backend: s
     if backend == "inductor":
         options = {**(PLANNED_OPTIONS if partitioner.plans_memory else {}),
                    **compile_kwargs.pop("options", {}), "custom_partitioner_fn": partitioner}
+        # a weight's gradient may become its .grad where Inductor reuses no buffer it freed
+        partitioner.grads.steal = options.get("allow_buffer_reuse", True) is False and not (
+            options.get("triton.cudagraphs") or compile_kwargs.get("mode") in ("reduce-overhead", "max-autotune"))
         compiled = torch.compile(module, backend="inductor", options=options, **compile_kwargs)
     elif backend == "aot_eager":
         from functorch.compile import nop
         from torch._dynamo.backends.common import aot_autograd
 
+        partitioner.grads.steal = True  # the graph runs eagerly: each buffer is freed when its last reader is done
         compiled = torch.compile(module, backend=aot_autograd(fw_compiler=nop, bw_compiler=nop,
                                                               partition_fn=partitioner), **compile_kwargs)
     else:

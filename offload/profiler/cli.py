@@ -111,7 +111,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--whole-graph", action="store_true",
                    help="with --compile inductor (or aot_eager): measure the model compiled as ONE graph, as "
                         "compile_scheduled runs it: the units are what that graph saves (fewer, fused), the times "
-                        "and memory that graph's (its backward holds the weight gradients until its end), so a "
+                        "and memory that graph's, so a "
                         "schedule solved on this chain keeps its budget compiled; no encodings; each block "
                         "recomputed as a run of its own where eight more compiles show the model follows the "
                         "graph's re-runs (else a note says why not); offload train runs it with "

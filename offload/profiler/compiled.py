@@ -1,9 +1,8 @@
 """A chain of the model compiled whole: the units its graph saves, its stages' times and memory.
 
 ``offload profile --compile inductor --whole-graph`` (``ProfileOptions.whole_graph``).  The
-compiled forward saves other tensors than the eager code, fewer and fused, and its backward
-holds the weight gradients it computes until it hands them all back at its end; a chain of
-the eager model predicts neither.  So, with the cuts the eager profile found:
+compiled forward saves other tensors than the eager code, fewer and fused, and its kernels
+hold other transients; a chain of the eager model predicts neither.  So, with the cuts the eager profile found:
 
 * the model is compiled as ``compile_scheduled`` compiles it (one graph, the same
   partitioner, Inductor's ``compiled.PLANNED_OPTIONS``), with no schedule and with the
@@ -18,12 +17,14 @@ the eager model predicts neither.  So, with the cuts the eager profile found:
   unit is needed from the first backward stage that reads any of its storages (``need_from``);
 * **times**: between the marks of each op, medians over the timed steps (CUDA events on the
   compute stream, ``perf_counter`` on the CPU); ``FL`` counts the loss, ``B1`` what follows
-  the graph (the gradients accumulated into ``.grad``), as the eager profile counts them;
+  the graph, as the eager profile counts it (each weight's gradient is accumulated into
+  ``.grad`` inside the graph, where it is made: ``executor.graph_grads``);
 * **memory**: the most bytes allocated in each op's interval beyond those allocated as the
   step began (CUDA: the caching allocator's counters, read at each mark on the host, where
   the allocator runs; CPU: ``torch.profiler``'s memory events between the marks), less the
   units the chain holds there, is the op's transient (``fwd_peak_bytes``, ``bwd_peak_bytes``):
-  everything the schedule cannot move is in it, the hand-back of the gradients included.
+  everything the schedule cannot move is in it, the gradients made so far where the step
+  frees them between steps (``set_to_none``) included.
 
 The chain then predicts the no-offload step's peak as measured, and a schedule's by moving
 only what the copies move.  No encoding is offered (no encoder runs in a graph).

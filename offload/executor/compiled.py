@@ -590,11 +590,13 @@ def compile_with(module: nn.Module, partitioner: SchedulePartitioner, backend: s
             options.get("triton.cudagraphs") or compile_kwargs.get("mode") in ("reduce-overhead", "max-autotune"))
         compiled = torch.compile(module, backend="inductor", options=options, **compile_kwargs)
     elif backend == "aot_eager":
-        from functorch.compile import nop
         from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
 
-        partitioner.grads.steal = True  # the graph runs eagerly: each buffer is freed when its last reader is done
-        compiled = torch.compile(module, backend=aot_autograd(fw_compiler=nop, bw_compiler=nop,
+        # the graphs run as torch's aot_eager runs them: each value, inputs included, let go
+        # after its last reader (functorch's ``nop`` kept every input of the backward to its end)
+        partitioner.grads.steal = True
+        compiled = torch.compile(module, backend=aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
                                                               partition_fn=partitioner), **compile_kwargs)
     else:
         raise ValueError(f"backend {backend!r}: the schedule goes into inductor or aot_eager")

@@ -62,7 +62,8 @@ The chain says where stages end.  A chain of the eager model predicts the eager 
 this one (the compiled forward saves other, fewer tensors, and the graph's kernels hold
 other transients): its budget is no promise here, and a warning says so.  The weight
 gradients are accumulated into ``.grad`` inside the backward graph, each where it is made
-(``graph_grads``), as the eager engine does after each op, not handed back at the graph's end.  A chain profiled from this graph (``offload.profiler.compiled``, ``recipe.whole_graph``)
+(``graph_grads``), as the eager engine does after each op, not handed back at the graph's
+end.  A chain profiled from this graph (``offload.profiler.compiled``, ``recipe.whole_graph``)
 is: its units are what our copies move (checked as the graph is partitioned), its memory and
 times this graph's, and the run has the profile's marks at its stage boundaries (reading
 nothing: they keep Inductor's kernels on the sides of the boundaries the profile measured).

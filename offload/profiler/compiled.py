@@ -94,18 +94,17 @@ move at most the chain's; otherwise the chain offers none, and a note says why. 
 it where what every schedule pays for it (a kept stage's transient beside a recomputed
 neighbour, a unit that a neighbour's re-run reads needed from that re-run) leaves no
 schedule with recomputation a budget under the smallest of the chain without it (a
-Llama under Inductor: 38.35 MiB offered, 26.23 MiB without; ``_paying``); where it pays,
+Llama under Inductor: 31.20 MiB offered, 26.23 MiB without; ``_paying``); where it pays,
 a note says what it costs the schedules that only offload. So a
 whole-graph profile compiles the model nine times where it offers recomputation of three
 stages or more. On this project's CPU (``experiments.compiled_recompute`` and the
 seventeenth to twenty-first sessions' notes in ``experiments/results/README.md``) the
 compiles followed the model on our GPT, transformers' GPT-2, BERT, ViT, T5, a Mixtral and a
-U-Net under both backends; of these, measured in the twenty-first session, recomputation
+U-Net under both backends; of these, measured in the twenty-second session, recomputation
 lowers the smallest budget and is offered under Inductor on GPT-2 (6 of 6 stages), ViT (5
-of 6), T5 (5 of 6) and the U-Net (7 of 12), under aot_eager on the U-Net (7 of 12) and our
-GPT; it is withheld on BERT (1.57 MiB offered, 1.12 MiB without), the Mixtral, a
-transformers Llama under Inductor and GPT-2 under aot_eager (whose smallest budget is its
-peak, the gradients' hand-back).  Inductor orders a
+of 6), T5 (5 of 6) and the U-Net (7 of 12), under aot_eager on the U-Net (7 of 12), GPT-2
+(6 of 6) and our GPT; it is withheld on BERT, the Mixtral and a transformers Llama under
+Inductor (31.20 MiB offered, 26.23 MiB without).  Inductor orders a
 backward's kernels by what they read: a re-run whose checkpoint was there from the start was
 fused into a kernel two stages before its own (a BERT layer's attention into another's
 softmax backward: 451 KiB held over the kept stage between), so the partitioner hands each
@@ -118,11 +117,9 @@ KiB since the units are read from every compile before the rebuilds are fitted).
 It is a fit to the compiles sampled: a schedule whose runs none of them combined may hold
 more at an op (a U-Net under aot_eager, its stage 3 recomputed alone: 64 KiB over at
 ``B3``), so ``offload solve --verify`` compiles and meters the schedule it writes
-(``profiler/verify.py``).  Where it is offered, the model is safe but loose: with every block of the GPT recomputed
-under aot_eager the backward is predicted at 5.25 MiB for 2.50 MiB held, its own transients
-shrinking with the blocks recomputed, which a chain measured with them kept does not know
-(under Inductor, before the unit check refused it: 2.05 MiB predicted for 1.74 MiB held,
-2.63 MiB with the whole unit rebuilt).
+(``profiler/verify.py``).  Where it is offered, the prediction is tight: every block of the
+GPT of ``experiments.compiled_recompute`` recomputed, 1.63 MiB predicted and held under
+aot_eager, 1.58 MiB predicted for 1.52 MiB held under Inductor.
 """
 from __future__ import annotations
 
@@ -239,7 +236,7 @@ def _paying(chain: Chain, costed: Chain) -> Chain:
     recomputed), booked where every schedule pays it (a kept stage's transient beside a
     recomputed neighbour, a unit needed earlier by a neighbour's re-run), leaves no schedule
     with recomputation a budget under ``chain``'s smallest: then ``chain``, with a note (a
-    Llama under Inductor: 38.35 MiB with recomputation offered, 26.23 MiB without); where it
+    Llama under Inductor: 31.20 MiB with recomputation offered, 26.23 MiB without); where it
     pays, a note says what the schedules that only offload pay for it."""
     if not costed.recomputable:  # (not offered already: its note says why)
         return costed

@@ -4,6 +4,7 @@ autograd's engine would add it after the graph, bit for bit; what the engine wou
 otherwise refused or followed."""
 import pytest
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from offload.executor.compiled import compile_scheduled, plain_compile
 from offload.executor.graph_grads import ACCUMULATE_OP
@@ -75,15 +76,21 @@ def test_the_backward_holds_no_weight_gradient_to_its_end(chain):
 
 
 def test_what_the_engine_would_do_otherwise_is_followed_or_refused(chain):
-    """``backward(inputs=...)`` accumulates only what it names, as the engine; ``autograd.grad``,
-    which returns gradients instead, and a hook on a weight's gradient, which the engine would
-    run, are refused with what to do."""
+    """``backward(inputs=...)`` accumulates only what it names, as the engine; a hook on the
+    engine's accumulation node (DistributedDataParallel's reducer has one on every weight) runs
+    after the graph, reading ``.grad`` accumulated; ``autograd.grad``, which returns gradients
+    instead, and a hook on a weight's gradient, which the engine would run, are refused with
+    what to do."""
     torch._dynamo.reset()
     spec = resolve("gpt", 2, GPT)
     run = compile_scheduled(spec.module, chain, make_schedule(chain, []), backend="aot_eager")
     head = next(spec.module.parameters())
+    seen = []  # what DistributedDataParallel's reducer reads in its hook on the accumulation node
+    accumulation = get_gradient_edge(head).node  # held: the weight holds it weakly
+    accumulation.register_hook(lambda grads_in, grads_out: seen.append(head.grad.clone()))
     loss = spec.loss(run(*spec.args))
     loss.backward(inputs=[head])
+    assert len(seen) == 1 and torch.equal(seen[0], head.grad)  # run after the graph, .grad accumulated
     assert head.grad is not None and all(w.grad is None for w in list(spec.module.parameters())[1:])
     with pytest.raises(RuntimeError, match="torch.autograd.grad cannot return them"):
         torch.autograd.grad(spec.loss(run(*spec.args)), [head])

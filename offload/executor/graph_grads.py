@@ -26,7 +26,9 @@ What the engine would do otherwise is refused where this cannot do it: ``torch.a
 (which returns gradients instead of accumulating them; the engine says so when asked whether
 it will run the weight's ``AccumulateGrad``), and a weight with a hook on its gradient (the
 engine runs those; the graph would skip them).  ``backward(inputs=...)`` accumulates only
-into the weights it names, as the engine does.
+into the weights it names, as the engine does.  The engine still runs each weight's
+``AccumulateGrad`` node, with no gradient, after the graph: hooks on that node (where
+``DistributedDataParallel``'s reducer reads ``.grad``) see it accumulated.
 """
 from __future__ import annotations
 

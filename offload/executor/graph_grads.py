@@ -54,15 +54,16 @@ _NUMBERS = itertools.count(1)
 class GraphGrads:
     """The weights of one compiled module, and what accumulates their gradients in its backward.
 
-    Args:
-        steal: whether a gradient may become ``.grad`` itself where that is ``None`` (the
-            graph frees its buffers when their last reader is done, and reuses none: under
-            aot_eager, or Inductor without buffer reuse and CUDA graphs); otherwise it is copied.
+    Its number, in the graphs' ops, is one of this process (as ``GraphCopies``'s).  ``steal``,
+    set by ``compiled.compile_with`` for the compiler it uses: whether a gradient may become
+    ``.grad`` itself where that is ``None`` (the graph frees its buffers when their last reader
+    is done and reuses none: under aot_eager, or Inductor without buffer reuse and CUDA
+    graphs); otherwise it is copied.
     """
 
-    def __init__(self, steal: bool = False) -> None:
+    def __init__(self) -> None:
         self.number = next(_NUMBERS)
-        self.steal = steal
+        self.steal = False
         self.params: Sequence[torch.Tensor] = ()  # the last forward's, in the graph's order
         self.accumulated = 0  # gradients accumulated so far, every step
         self._task = -1  # the engine's graph task that ``_nodes`` is of
@@ -83,7 +84,7 @@ class GraphGrads:
 
     def accumulate(self, grad: torch.Tensor, index: int) -> None:
         param = self.params[index]
-        if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):
+        if param._backward_hooks or param._post_accumulate_grad_hooks:
             raise RuntimeError(f"a weight of the compiled graph ({tuple(param.shape)}, {param.dtype}) has a hook on its "
                                "gradient: compile_scheduled accumulates the weight gradients into .grad inside its "
                                "backward graph, where the engine's hooks do not run; register the hook on a module's "

@@ -102,7 +102,8 @@ from offload.step.schedule import Schedule
 
 from .api import PathLike, chain_and_schedule, cut_sites
 from .compiled_copies import (PlacedCopies, UnitStorage, backward_stages, checkpoint_storages, counted_storages,
-                              keep_crossing, movable, place_copies, place_marks, place_ready, unit_needs, value_units)
+                              keep_crossing, movable, place_copies, place_marks, place_ready, shared_saves, unit_needs,
+                              value_units)
 from .graph_copies import ALL_OPS, GraphCopies
 from .graph_grads import GRAD_OPS, GraphGrads, add_accumulation
 
@@ -320,6 +321,8 @@ class SchedulePartitioner(CustomPartitionerFn):
         pytorch = (self.copies == "pytorch" and bool(self.offloaded)) or self.copies == "pytorch-matmuls"
         with config.patch(_offloading_settings(pytorch, cuda, self.bandwidth)):
             self.graphs = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        self.units.update(dict.fromkeys(shared_saves(*self.graphs, outputs, self.units, self.back_stages,
+                                                     self.events.L), 0))
         saved = list(self.graphs[0].graph.find_nodes(op="output")[0].args[0][outputs:])
         self.checkpoints = self._checkpoints()
         moved: set[str] = set()

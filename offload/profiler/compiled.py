@@ -14,7 +14,9 @@ hold other transients; a chain of the eager model predicts neither.  So, with th
   of several dtypes) left to the ops' memory; a storage that a later stage's forward reads
   too is held through it (``held_bytes``/``held_until``: the graph keeps it, and Inductor
   keeps each elementwise value a later stage reads, ``compiled_copies.keep_crossing``); a
-  unit is needed from the first backward stage that reads any of its storages (``need_from``);
+  unit is needed from the first backward stage that reads any of its storages (``need_from``),
+  its own or the next: a storage a later stage's backward reads first is in no unit
+  (``compiled_copies.shared_saves``: it stays, in the ops' memory);
 * **times**: between the marks of each op, medians over the timed steps (CUDA events on the
   compute stream, ``perf_counter`` on the CPU); ``FL`` counts the loss, ``B1`` what follows
   the graph, as the eager profile counts it (each weight's gradient is accumulated into

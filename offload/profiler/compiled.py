@@ -96,8 +96,9 @@ move at most the chain's; otherwise the chain offers none, and a note says why. 
 it where what every schedule pays for it (a kept stage's transient beside a recomputed
 neighbour, a unit that a neighbour's re-run reads needed from that re-run) leaves no
 schedule with recomputation a budget under the smallest of the chain without it (a
-Llama under Inductor: 31.20 MiB offered, 26.23 MiB without; ``_paying``); where it pays,
-a note says what it costs the schedules that only offload. So a
+Llama under Inductor, before ``compiled_copies.shared_saves``: 31.20 MiB offered, 26.23 MiB
+without; ``_paying``); where it pays, a note says what it costs the schedules that only
+offload. So a
 whole-graph profile compiles the model nine times where it offers recomputation of three
 stages or more. On this project's CPU (``experiments.compiled_recompute`` and the
 seventeenth to twenty-first sessions' notes in ``experiments/results/README.md``) the
@@ -105,8 +106,9 @@ compiles followed the model on our GPT, transformers' GPT-2, BERT, ViT, T5, a Mi
 U-Net under both backends; of these, measured in the twenty-second session, recomputation
 lowers the smallest budget and is offered under Inductor on GPT-2 (6 of 6 stages), ViT (5
 of 6), T5 (5 of 6) and the U-Net (7 of 12), under aot_eager on the U-Net (7 of 12), GPT-2
-(6 of 6) and our GPT; it is withheld on BERT, the Mixtral and a transformers Llama under
-Inductor (31.20 MiB offered, 26.23 MiB without).  Inductor orders a
+(6 of 6) and our GPT, and, once a storage a later stage's backward reads was in no unit,
+on BERT and a transformers Llama under Inductor (18.68 MiB offered, 26.23 MiB without); not
+on the Mixtral, whose smallest budget is its no-offload peak.  Inductor orders a
 backward's kernels by what they read: a re-run whose checkpoint was there from the start was
 fused into a kernel two stages before its own (a BERT layer's attention into another's
 softmax backward: 451 KiB held over the kept stage between), so the partitioner hands each
@@ -238,7 +240,7 @@ def _paying(chain: Chain, costed: Chain) -> Chain:
     recomputed), booked where every schedule pays it (a kept stage's transient beside a
     recomputed neighbour, a unit needed earlier by a neighbour's re-run), leaves no schedule
     with recomputation a budget under ``chain``'s smallest: then ``chain``, with a note (a
-    Llama under Inductor: 31.20 MiB with recomputation offered, 26.23 MiB without); where it
+    Llama under Inductor before ``compiled_copies.shared_saves``: 31.20 MiB offered, 26.23 MiB without); where it
     pays, a note says what the schedules that only offload pay for it."""
     if not costed.recomputable:  # (not offered already: its note says why)
         return costed

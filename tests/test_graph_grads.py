@@ -22,7 +22,7 @@ def chain():
     return profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options=GPT)).chain
 
 
-def steps(make, set_to_none, backward=lambda loss: loss.backward()):
+def steps(make, set_to_none):
     """Two micro-batches' backward into the same gradients (freed or zeroed first), the
     module ``make`` returns, same weights and dropout draws each time."""
     torch._dynamo.reset()
@@ -33,7 +33,7 @@ def steps(make, set_to_none, backward=lambda loss: loss.backward()):
         p.grad = None if set_to_none else torch.zeros_like(p)
     torch.manual_seed(0)
     for _ in range(2):
-        backward(spec.loss(run(*spec.args)))
+        spec.loss(run(*spec.args)).backward()
     return run, spec.module
 
 

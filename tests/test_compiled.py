@@ -11,6 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from offload.errors import ChainMismatch
 from offload.executor import Offloaded
+from offload.executor.checks import compiled_reference
 from offload.executor.compiled import SchedulePartitioner, compile_scheduled, module_path, plain_compile
 from offload.executor.graph_copies import D2H_OP, H2D_OP, OPS, RELEASE_OP, WAIT_OP
 from offload.models import resolve
@@ -240,19 +241,23 @@ def test_our_copies_keep_a_llamas_gradients_bit_for_bit_and_move_its_units_whole
     checkpoint beside the offloads: gradients those of plain compile, every unit moved whole,
     the checkpoint's input moved (the rotary table the other layers read too stays), each
     way, in the same slots every step; the attention's transposes the partitioner made at the
-    forward's end are moved with their unit.  Under Inductor the schedule only offloads:
-    Inductor fuses a recomputed block's kernels otherwise than the forward's, which changes
-    the gradients by rounding (2e-7 relative on this Llama, copies or not; bit for bit on the
-    GPT above).  Every moved value is laid out as the graph says (Inductor laid some saved
+    forward's end are moved with their unit.  Under Inductor the gradients are those of the
+    reference ``offload train --check-grads`` compiles (``compiled_reference``): the same
+    compile recomputing the same layer, nothing moved; Inductor fuses a recomputed block's
+    kernels otherwise than the forward's, which changes the gradients by rounding (2e-7
+    relative on this Llama against plain compile, copies or not; bit for bit on the GPT
+    above).  Every moved value is laid out as the graph says (Inductor laid some saved
     views of this Llama out otherwise, for the copies to put back in buffers no chain counts,
     until the forward realized them at the graph's strides): nothing is relaid."""
     llama = profile("llama", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options=LLAMA)).chain
     i = sorted(llama.recomputable)[1]
     run = Recompute(i, i)
     run = replace(run, release=first_checkpoint_release(llama, run), prefetch=run_op(llama, run))
-    runs = [run] if backend == "aot_eager" else []
+    runs = [run]
     offloads = [o for o in spread(llama) if all(not r.first <= o.stage <= r.last for r in runs)]
     schedule = make_schedule(llama, offloads, recompute=runs)
+    reference, _ = compiled_reference(llama, schedule, backend)
+    assert reference.recompute == (tuple(runs) if backend == "inductor" else ()) and not reference.offloads
 
     def grads(make):
         torch._dynamo.reset()
@@ -263,7 +268,10 @@ def test_our_copies_keep_a_llamas_gradients_bit_for_bit_and_move_its_units_whole
             torch.manual_seed(seed)
             spec.loss(run(*spec.args, **spec.kwargs)).backward()
         return run, [p.grad.clone() for p in spec.module.parameters()]
-    _, plain = grads(lambda m: torch.compile(m, backend=backend))
+    if reference.recompute:
+        _, plain = grads(lambda m: compile_scheduled(m, llama, reference, backend=backend))
+    else:
+        _, plain = grads(lambda m: torch.compile(m, backend=backend))
     ours, theirs = grads(lambda m: compile_scheduled(m, llama, schedule, backend=backend, copy_backend="cpu-lazy"))
     assert all(torch.equal(a, b) for a, b in zip(plain, theirs))
     p = ours.partitioner

@@ -18,6 +18,7 @@ from experiments.compiled_op_memory import excess
 from offload.cli import main
 from offload.errors import ChainMismatch, InfeasibleBudget, ModelError, offload_cause
 from offload.executor import Offloaded, distributed
+from offload.executor.checks import compiled_reference
 from offload.executor.compiled import SchedulePartitioner, compile_scheduled
 from offload.executor.compiled_copies import UnitStorage
 from offload.executor.train import TrainOptions, train
@@ -570,6 +571,21 @@ def test_a_chain_of_one_graph_is_refused_where_it_does_not_hold(aot):
         profile("gpt", ProfileOptions(batch=4, options=GPT, whole_graph=True))
 
 
+def test_the_gradient_check_recomputes_as_ours_only_under_inductor(aot):
+    """The reference ``--check-grads`` compiles moves nothing; under Inductor it recomputes
+    what ours does (Inductor fuses recomputed kernels otherwise: rounding, which the Llama
+    test in tests/test_compiled.py shows gone against this reference), under aot_eager
+    nothing, so that recomputation is checked too."""
+    chain = aot.chain
+    runs = [Recompute(i, i) for i in sorted(chain.recomputable)[:1]]
+    ours = make_schedule(chain, floor_offloads(chain)[:1], recompute=runs)
+    inductor, said = compiled_reference(chain, ours, "inductor")
+    assert inductor.recompute == tuple(runs) and not inductor.offloads and "recomputing" in said
+    for schedule, backend in [(ours, "aot_eager"), (make_schedule(chain, floor_offloads(chain)), "inductor")]:
+        plain, said = compiled_reference(chain, schedule, backend)
+        assert not plain.recompute and not plain.offloads and said == "the same compile without the schedule"
+
+
 @pytest.mark.slow  # make test-all (time: a fresh clone's make test came to 2:57)
 def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_scheduled(aot, monkeypatch):
     """``offload train`` on such a chain: the model compiled as one graph with the schedule in
@@ -589,6 +605,7 @@ def test_offload_train_runs_a_chain_of_the_compiled_graph_under_compile_schedule
     assert 0 < m.activation_peak_bytes <= sim.peak_bytes
     assert m.d2h_bytes_per_step == m.h2d_bytes_per_step > 0
     assert report.grads_match or report.grads_within_noise
+    assert report.grad_reference == compiled_reference(chain, schedule, "aot_eager")[1]
     predicted = report.predicted.op_bytes
     assert list(m.op_peak_bytes) == list(predicted) and len(predicted) == 2 * chain.L
     assert all(0 < m.op_peak_bytes[op] <= predicted[op] for op in predicted), \

@@ -18,7 +18,7 @@ from offload.cli import main
 from offload.errors import BudgetExceeded, ChainMismatch, HostMemoryShortfall, OutOfMemory
 from offload.executor import Offloaded
 from offload.executor.backends import CpuLazyBackend
-from offload.executor.checks import GradCheck
+from offload.executor.checks import EAGER_REFERENCE, GradCheck
 from offload.core.devices import deterministic_kernels
 from offload.executor.plan import StepPlan
 from offload.executor.runtime import _Step
@@ -88,7 +88,7 @@ def test_lazy_backend_catches_a_missing_wait(chains, monkeypatch, skip):
     original = CpuLazyBackend.wait
     monkeypatch.setattr(CpuLazyBackend, "wait", lambda self, copy: None if copy.direction == skip else original(self, copy))
     report, _ = train(None, chain, schedules(chain)["all"], TrainOptions(steps=1, backend="cpu-lazy", check_grads=True))
-    assert report.grads_match is False
+    assert report.grads_match is False and report.grad_reference == EAGER_REFERENCE
 
 
 def test_budget_overrun_is_reported(chains):

@@ -108,7 +108,7 @@ def _print_report(r: Report) -> None:
             if overlap else "   (no GPU copies in it)"))
         _print_device_time(r.trace.get("device_time"), p)
     if r.grads_match is not None:
-        print(f"grads_match   {r.grads_match} (bit for bit against the same model trained without offloading"
+        print(f"grads_match   {r.grads_match} (bit for bit against {r.grad_reference}"
               + ("; deterministic kernels" if r.deterministic else "") + ")")
         floors = [f for f in r.grad_noise_floor if f is not None]
         if floors and not r.lossy:

@@ -118,7 +118,8 @@ class Report:
     steps_done: int = 0
     encoded_units: dict[str, str] = field(default_factory=dict)  # stage -> encoding
     lossy: bool = False
-    grads_match: bool | None = None  # bit for bit against training without offloading (None: not checked)
+    grads_match: bool | None = None  # bit for bit against the reference (None: not checked)
+    grad_reference: str | None = None  # what the gradients were checked against, in words
     grad_mismatches: list[int] | None = None  # per step, the gradients that differ
     grad_rel_diff: list[float] | None = None  # per step, ||ours - reference|| / ||reference||
     grad_noise_floor: list[float | None] | None = None  # per step they differ: how far the reference is from itself

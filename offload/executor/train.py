@@ -25,12 +25,12 @@ from offload.models import ModelSpec, resolve
 from offload.models.resolve import file_reference, file_sha256
 from offload.models.spec import cache_off
 from offload.step.chain import Chain
-from offload.step.schedule import Schedule, make_schedule
+from offload.step.schedule import Schedule
 
 from . import distributed
 from .api import Offloaded
 from .backends import default_backend
-from .checks import GradCheck, compare_baselines, compare_steps, trace_step
+from .checks import EAGER_REFERENCE, GradCheck, compare_baselines, compare_steps, compiled_reference, trace_step
 from .compiled import SchedulePartitioner, compile_scheduled
 from .marked import MarkedRun
 from .report import Report
@@ -202,9 +202,11 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         reference = _rank_model(chain, device)
         if ranks > 1:  # all-reduced like ours
             reference.module = distributed.wrap(reference.module)
-        if whole:  # compiled as ours is, marks at its stage boundaries included, without the schedule
-            reference.module = compile_scheduled(reference.module, chain, make_schedule(chain, []),
-                                                 backend=chain.recipe.compile, fullgraph=False)
+        report.grad_reference = EAGER_REFERENCE
+        if whole:  # compiled as ours is, marks at its stage boundaries included, nothing moved
+            plain, report.grad_reference = compiled_reference(chain, schedule, chain.recipe.compile)
+            reference.module = compile_scheduled(reference.module, chain, plain, backend=chain.recipe.compile,
+                                                 fullgraph=False)
         check = GradCheck(reference, params, device)
     trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes,
                       elsewhere=check.tensors() if check is not None else None, compiled=whole)

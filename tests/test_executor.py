@@ -96,6 +96,7 @@ def test_budget_overrun_is_reported(chains):
     sched = dataclasses.replace(schedules(chain)["solver"], budget=Budget(1000))
     report, error = train(None, chain, sched, TrainOptions(steps=1))
     assert isinstance(error, BudgetExceeded) and report.error and report.measured.activation_peak_bytes > 1000
+    assert report.measured.cpu_wait_share >= 0  # the steps' wait for a CPU (tests/test_contention.py)
 
 
 def test_cli_train_refuses_another_chains_schedule(chains, tmp_path, capsys):

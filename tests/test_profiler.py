@@ -256,6 +256,7 @@ def test_the_recipe_says_how_to_rebuild_and_cut(profiled):
     assert (r.model, r.batch, dict(r.options), r.dtype, r.optimizer) == ("gpt", 2, SMALL["gpt"], "float32", "adam")
     assert len(r.cuts) == chain.L - 1 and r.inputs == ("0:int64[2,16]",)
     assert [Site.parse(c).text for c in r.cuts] == list(r.cuts)
+    assert chain.source["cpu_wait_share"] >= 0  # how busy the machine was (tests/test_contention.py)
 
 
 def test_held_storages_are_found(profiled):

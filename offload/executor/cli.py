@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from offload.io.contention import busy_warning
 from offload.errors import FormatError, OffloadError
 from offload.io.argtypes import integer, number
 from offload.io.files import input_path, model_input, output_path, write_json
@@ -69,6 +70,8 @@ def _print_report(r: Report) -> None:
         print(f"{'step time':<14}{format_seconds(m.step_s):>16}{format_seconds(p.step_s):>16}"
               f"   (min {format_seconds(min(m.step_times_s))}, max {format_seconds(max(m.step_times_s))}"
               + (f"; step 1, a warm-up, {format_seconds(m.warmup_s)} left out)" if m.warmup_s is not None else ")"))
+        for warning in busy_warning(m.cpu_wait_share, "this run"):
+            print(f"{'':<14}{warning}")
         if r.compare is None and p.step_s and abs(m.step_s / p.step_s - 1) > PACE_WARNING:
             print(f"{'':<14}{100 * (m.step_s / p.step_s - 1):+.0f}% from the prediction: --compare times the no-offload "
                   "step beside ours and says how much of that is the machine's pace")

@@ -54,6 +54,7 @@ class Measured:
     base_growth_bytes: int = 0  # GPU: held by no tensor, made between steps (the optimizer's state rounded up): base
     host_arena_bytes: int = 0
     host_allocations: list[int] = field(default_factory=list)  # arena buffers so far, after each step
+    cpu_wait_share: float | None = None  # our steps' threads waited for a CPU this share of their run (contention)
 
     def set_peak(self, activation_bytes: int | None, chain: Chain, base_growth: int = 0) -> None:
         """The activation peak, and the total one with the chain's ``base_bytes`` and what the

@@ -32,6 +32,7 @@ import torch
 from offload.core.devices import persistent_tensors, running
 from offload.core.meters import make_meter
 from offload.errors import OffloadError, OutOfMemory, offload_cause
+from offload.io.contention import CpuWait
 from offload.models.spec import ModelSpec, tensors_in
 
 from .runtime import OffloadRuntime
@@ -52,6 +53,7 @@ class Run:
     warmup_s: float | None = None  # GPU: step 1, left out of step_s (kernel selection, allocator growth)
     reserved_peak: int | None = None  # GPU: the most the allocator reserved over the steps so far
     base_growth: int = 0  # held by no tensor, made between its steps (the base's, beyond the chain's)
+    cpu_wait_share: float | None = None  # its threads' wait for a CPU over their run (other processes' load)
 
 
 
@@ -146,7 +148,9 @@ class Trainer:
         steps are timed, the first left out as a warm-up (``warmup_s``).  On running out of
         memory: the steps before it, and the error.  With ``probe``, the first step's memory is
         read at every op's end too (``run.op_peaks``, from ``runtime``).  ``label`` names the way
-        of training in ``tick``."""
+        of training in ``tick``.  ``run.cpu_wait_share`` says how much the machine's other
+        processes held its CPUs meanwhile (``offload.io.contention``)."""
+        waited = CpuWait()
         run, error = self._metered(steps, forward, wrap, hooks or StepHooks(), runtime, probe, label)
         if self.device.type == "cuda":
             if len(run.step_s) > 1:  # the first step is a warm-up (kernel choice, allocator growth)
@@ -154,6 +158,7 @@ class Trainer:
         elif error is None and timed:
             run.metered_step_s = run.step_s
             run.step_s, error = self._timed(steps, forward, wrap, label)
+        run.cpu_wait_share = waited.share()
         return run, error
 
     def interleaved(self, ways: dict[str, tuple[Forward, Callable[[], ContextManager]]], rounds: int

@@ -24,6 +24,7 @@ from offload.core.encoders import ENCODERS, usable_on
 from offload.core.staging import Staging
 from offload.errors import ModelError, OffloadError
 from offload.executor.handle_cost import handle_host_seconds
+from offload.io.contention import CpuWait, busy_warning
 from offload.io.text import format_bytes, printable
 from offload.models import ModelSpec, resolve
 from offload.models.resolve import file_reference, file_sha256
@@ -125,6 +126,7 @@ def _forward_and_loss(spec: ModelSpec, args: tuple, kwargs: dict) -> torch.Tenso
 def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lambda _: None) -> Profiled:
     """Profile ``model`` and return its measured chain (``tick(phase)`` as each phase ends)."""
     _check(opts)
+    waited = CpuWait()
     device = pick_device(opts.device)
     spec = resolve(model, opts.batch, opts.options, opts.seed)
     spec.autocast, spec.set_to_none = opts.autocast, opts.set_to_none
@@ -196,8 +198,10 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
         with running(f"running {model}"):
             chain = whole_graph_chain(chain, spec, device, opts.compile, opts.repeats, opts.warmup, tick,
                                       opts.recompute)
-        return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, user_module))
-    return Profiled(chain, cap, stages, spec, collapse_warnings(chain, cap, user_module) + timing_warnings(result))
+    share = waited.share()
+    chain = replace(chain, source={**chain.source, "cpu_wait_share": None if share is None else round(share, 3)})
+    said = collapse_warnings(chain, cap, user_module) + busy_warning(share, "the profile")
+    return Profiled(chain, cap, stages, spec, said if opts.whole_graph else said + timing_warnings(result))
 
 
 def _with_encoded_memory(chain: Chain, spec: ModelSpec, device: torch.device, model: str) -> Chain:

@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Callable
 
+from offload.io.contention import busy_warning
 from offload.errors import FormatError
 from offload.io.argtypes import fraction, integer, seconds
 from offload.io.files import input_path, output_path
@@ -101,6 +102,9 @@ def print_chain(chain: Chain) -> None:
             print(f"note        {clipped(note, 400)}")
         if len(notes) > MAX_NOTES:
             print(f"note        … and {len(notes) - MAX_NOTES} more notes in the chain's source.notes")
+        share = src.get("cpu_wait_share")
+        for warning in busy_warning(share if isinstance(share, (int, float)) else None, "its profile"):
+            print(f"warning     {warning}")
     p = chain.platform
     print(f"platform    D2H {p.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {p.h2d_bytes_per_s / 1e9:.2f} GB/s, "
           f"latency {format_seconds(p.latency_s)}" + (f" ({printable(p.note)})" if p.note else ""))

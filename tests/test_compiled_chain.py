@@ -162,13 +162,14 @@ def _partitioned(runs: list[Recompute]) -> SimpleNamespace:
 
 
 def test_recomputation_is_offered_only_where_every_compile_held_what_the_chain_books(aot, monkeypatch):
-    """The costs are fitted to two compiles, what a third recomputing every stage held over them
-    booked; those three and two recomputing every other one beside the others offloaded are
-    then set against the costed chain: an op of any of them over its prediction (a recomputed
-    forward over its kept one), or an offloaded unit that moves more than the chain's, and the
-    chain offers no recomputation, with a note saying why.  A kept stage's op over its
-    prediction in a fitting compile is booked as its transient, and an op where a run is
-    rebuilt in its rebuild's row alone; where what every schedule pays leaves no schedule with
+    """The costs are fitted to two compiles, what a third recomputing every stage and those
+    recomputing pairs held over them booked, then what two recomputing every other one beside
+    the others offloaded held over the chain so costed; all are then set against the costed
+    chain: an op of any of them over its prediction (a recomputed forward over its kept one),
+    or an offloaded unit that moves more than the chain's, and the chain offers no
+    recomputation, with a note saying why.  A kept or offloaded stage's op over its
+    prediction is booked as its transient, and an op where a run is rebuilt in its
+    rebuild's row alone; where what every schedule pays leaves no schedule with
     recomputation a budget below the smallest without, none is offered."""
     blocks = sorted(aot.chain.recomputable)
     assert 2 in blocks
@@ -233,15 +234,23 @@ def test_recomputation_is_offered_only_where_every_compile_held_what_the_chain_b
     assert not refused.recomputable
     assert "recomputation not offered: compiled recomputing every stage (" in refused.source["notes"][-1]
     assert f"{first} held " in refused.source["notes"][-1]
-    # an op over its prediction in a compile that only checks (every other stage recomputed,
-    # the others offloaded): refused
+    # an op over its prediction in a compile beside offloads (every other stage recomputed,
+    # the others offloaded; BERT under Inductor, batch 4: 112 B at B5, which refused it all
+    # before): booked as the fits' are, and where every schedule pays it so, not offered
     spike.clear()
-    spike["B2"] = 2 ** 40
-    spiking[0] = lambda offloads, runs: bool(offloads)
-    refused = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
-    assert not refused.recomputable
-    assert "the rest offloaded (" in refused.source["notes"][-1]
-    assert "B2 held 1024.00 GiB over what the chain books" in refused.source["notes"][-1]
+    beside = [o for o in floor_offloads(offered, halves) if o.stage in blocks[1::2]]
+    assert 3 in {o.stage for o in beside}
+    spike["B3"] = int(memory_profile(offered, beside, halves)[0][b3]) + 64
+    spiking[0] = lambda offloads, runs: offloads == beside and runs == halves
+    booked = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
+    assert booked.recomputable == set(blocks), booked.source["notes"]
+    assert booked.stage(3).bwd_peak_bytes == chain.stage(3).bwd_peak_bytes + 64
+    assert booked.source["notes"][-1] == ("recomputing every other stage beside the others offloaded, an op held more "
+                                          "than the compiles without offloads; booked: B3 64 B")
+    spike.clear()
+    spike["B3"] = 2 ** 40
+    booked = profiler_compiled._with_recomputation(chain, blocks, None, torch.device("cpu"), "aot_eager", lambda _: None)
+    assert not profiler_compiled._paying(chain, booked).recomputable
     spike.clear()
 
     def unmovable(c, offloads, runs, *_):  # with a neighbour recomputed, an offloaded unit is not the chain's

@@ -89,9 +89,12 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
   transient too, a Llama layer's backward recomputed beside a recomputed neighbour under
   Inductor, 12 MiB over, was paid by every schedule).
 
-The chain offers it only where the model follows the compiled graph: each op of the six
-compiles above and of two that recompute every other such stage beside the others
-offloaded must hold at most what the costed chain books, and every offloaded unit must
+Two more compiles recompute every other such stage beside the others offloaded, and what
+their ops held over the chain so costed is booked the same way (BERT under Inductor at
+batch 4: 112 B at ``B5``, an offloaded stage's backward, which refused recomputation
+outright before).  The chain offers it only where the model follows the compiled graph:
+each op of these eight compiles must then hold at most what the costed chain books (a
+recomputed forward cannot be booked past its kept one), and every offloaded unit must
 move at most the chain's; otherwise the chain offers none, and a note says why. Nor does
 it where what every schedule pays for it (a kept stage's transient beside a recomputed
 neighbour, a unit that a neighbour's re-run reads needed from that re-run) leaves no
@@ -204,14 +207,15 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
     """``chain`` (of the compiled graph) with the ``rerunnable`` stages (the eager profile's
     verdict) recomputable as runs of one stage, their costs read from two more compiles with
     marks, each recomputing every other one of them, so that a run's neighbours are kept,
-    and what one that recomputes them all and three that recompute pairs of them held over
-    those costs booked too (module docstring, "recomputation"); then checked against those
-    six and two that recompute every other one beside the others offloaded: where an op of
-    these held more than the chain books, or an offloaded unit moved more than the chain's,
-    ``chain`` as it was, with a note saying so."""
+    and what one that recomputes them all, three that recompute pairs of them and then two
+    that recompute every other one beside the others offloaded held over those costs booked
+    too (module docstring, "recomputation"); then checked against those eight: where an op
+    of these held more than the chain books (a recomputed forward over its kept one), or an
+    offloaded unit moved more than the chain's, ``chain`` as it was, with a note saying so."""
     rerunnable, costed, metered = _fitted_offered(chain, rerunnable, spec, device, backend, tick)
     if not rerunnable:
         return _without_recomputation(chain, "each stage's recomputed forward held more than its kept one")
+    over: dict[tuple[int, str], int] = {}
     if len(rerunnable) > 1:  # their neighbours recomputed, then offloaded: two more compiles
         for name, part, others in _halves(rerunnable):
             runs = [Recompute(k, k) for k in part]
@@ -224,7 +228,11 @@ def _with_recomputation(chain: Chain, rerunnable: list[int], spec: ModelSpec, de
                     return _without_recomputation(chain, f"compiled recomputing {name} ({', '.join(map(str, part))}) "
                                                          f"beside the rest offloaded: {what}")
                 metered[f"{name}, the rest offloaded"] = (offloads, runs, measured)
+                for where, nbytes in _held_over(costed, offloads, runs, measured, fits=False).items():
+                    over[where] = max(nbytes, over.get(where, 0))
         tick("compiled recomputing every other one beside offloads")
+    costed = _booked(costed, {}, over, "recomputing every other stage beside the others offloaded, an op held more "
+                                       "than the compiles without offloads")
     for name, (offloads, runs, measured) in metered.items():
         predicted, _ = memory_profile(costed, offloads, runs)
         worst, o = max((measured[o] - int(predicted[o]), o) for o in range(2 * chain.L))
@@ -355,49 +363,72 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
     # a kept stage's op beside a recomputed neighbour, and a run's own backward, count their
     # largest too: what one held over the chain so costed in a compile is added to its
     # transient (T5's first stage makes the position bias a run's checkpoint keeps); so does
-    # a recomputed forward where its neighbours are recomputed too; but an op where a run is
-    # rebuilt books it in that rebuild's row alone, which counts only where the run is
-    # recomputed (a Llama layer's backward, recomputed beside a recomputed neighbour under
-    # Inductor, held 12 MiB over: booked as its kept transient too, every schedule paid it)
-    over: dict[tuple[int, str], int] = {}  # (stage, its transient's field) -> bytes its op held over
+    # a recomputed forward where its neighbours are recomputed too
+    over: dict[tuple[int, str], int] = {}
     for part, runs, measured, _, fits in compiles:
-        if not all(fields[k].get("recomputable", True) for k in part):
-            continue
-        predicted, rebuilt = memory_profile(_with_fields(base, fields), [], runs)
-        rows: dict[int, tuple[int, int]] = {}  # by op, the run rebuilt there whose row holds most, and that
-        for n, k, nbytes in rebuilt:
-            if nbytes >= rows.get(2 * base.L - n, (0, -1))[1]:
-                rows[2 * base.L - n] = (k, nbytes)
-        for j in range(1, base.L + 1):
-            for o, key in ((j - 1, "fwd_peak_bytes"), (2 * base.L - j, "bwd_peak_bytes")):
-                if measured[o] <= predicted[o]:
-                    continue
-                if key == "fwd_peak_bytes" and j in part:
-                    if fits:  # (fitted to this compile: _fit_runs)
-                        continue
-                    key = "recomputed_fwd_peak_bytes"
-                where, nbytes = (j, key), measured[o] - int(predicted[o])
-                if o in rows:  # (the rebuild's row up to what the op held, whichever row bound)
-                    where, nbytes = (rows[o][0], "rerun_peak_bytes"), measured[o] - rows[o][1]
+        if all(fields[k].get("recomputable", True) for k in part):
+            for where, nbytes in _held_over(_with_fields(base, fields), [], runs, measured, fits).items():
                 over[where] = max(nbytes, over.get(where, 0))
-    for (j, key), nbytes in sorted(over.items(), key=lambda item: item[0][1] == "recomputed_fwd_peak_bytes"):
-        if key == "recomputed_fwd_peak_bytes":  # at most its kept forward's (else the check refuses it)
-            kept_peak = fields[j].get("fwd_peak_bytes", base.stage(j).fwd_peak_bytes)
-            fields[j][key] = min(fields[j][key] + nbytes, kept_peak)
-        elif key == "rerun_peak_bytes":
-            fields[j][key] += nbytes
-        else:
-            fields[j] = {**fields.get(j, {}), key: getattr(base.stage(j), key) + nbytes}
-    fitted = _with_fields(base, fields)
-    if over:
-        what = {"recomputed_fwd_peak_bytes": " recomputed", "rerun_peak_bytes": " rebuilt"}
-        def op(j: int, key: str) -> int:  # (a rebuild's row: at its unit's need)
-            return j - 1 if "fwd" in key else 2 * base.L - (fitted.stage(j).need_from if "rerun" in key else j)
-        ops = ", ".join(f"{op_name(base, op(j, key))}{what.get(key, '')} {format_bytes(n)}"
-                        for (j, key), n in sorted(over.items()))
-        note = f"recomputing a neighbour or itself, a stage's op held more than kept; booked: {ops}"
-        fitted = replace(fitted, source={**fitted.source, "notes": [*fitted.source.get("notes", []), note]})
+    fitted = _booked(base, fields, over, "recomputing a neighbour or itself, a stage's op held more than kept")
     return fitted, metered
+
+
+def _held_over(chain: Chain, offloads: list[Offload], runs: list[Recompute], measured: list[int], fits: bool
+               ) -> dict[tuple[int, str], int]:
+    """What each op of a compile (``offloads``, ``runs``; ``measured`` its ops' memory) held
+    over ``chain``'s prediction, by the transient that books it: ``(stage, field)`` -> bytes.
+    A kept or offloaded stage's op books it in its own transient (``fwd_peak_bytes``,
+    ``bwd_peak_bytes``), a recomputed forward in its recomputed transient (not where the
+    compile ``fits`` that run: ``_fit_runs`` did), and an op where a run is rebuilt in that
+    rebuild's row alone (``rerun_peak_bytes``, up to what the op held, whichever row bound),
+    which counts only where the run is recomputed (booked as the kept transient too, a
+    Llama layer's backward recomputed beside a recomputed neighbour under Inductor, 12 MiB
+    over, was paid by every schedule)."""
+    L = chain.L
+    recomputed = {r.first for r in runs}
+    predicted, rebuilt = memory_profile(chain, offloads, runs)
+    rows: dict[int, tuple[int, int]] = {}  # by op, the run rebuilt there whose row holds most, and that
+    for n, k, nbytes in rebuilt:
+        if nbytes >= rows.get(2 * L - n, (0, -1))[1]:
+            rows[2 * L - n] = (k, nbytes)
+    over: dict[tuple[int, str], int] = {}
+    for j in range(1, L + 1):
+        for o, key in ((j - 1, "fwd_peak_bytes"), (2 * L - j, "bwd_peak_bytes")):
+            if measured[o] <= predicted[o]:
+                continue
+            if key == "fwd_peak_bytes" and j in recomputed:
+                if fits:
+                    continue
+                key = "recomputed_fwd_peak_bytes"
+            where, nbytes = (j, key), measured[o] - int(predicted[o])
+            if o in rows:
+                where, nbytes = (rows[o][0], "rerun_peak_bytes"), measured[o] - rows[o][1]
+            over[where] = max(nbytes, over.get(where, 0))
+    return over
+
+
+def _booked(base: Chain, fields: dict[int, dict], over: dict[tuple[int, str], int], why: str) -> Chain:
+    """``base`` with ``fields`` and what ``over`` (``_held_over``) says each transient held more
+    added to it, into ``fields`` too (a recomputed forward's at most its kept one's: more is
+    refused by the check), with a note listing them after ``why``."""
+    for (j, key), nbytes in sorted(over.items(), key=lambda item: item[0][1] == "recomputed_fwd_peak_bytes"):
+        stage, mine = _with_fields(base, fields).stage(j), fields.setdefault(j, {})
+        if key == "recomputed_fwd_peak_bytes":
+            mine[key] = min(stage.recomputed_fwd_peak + nbytes, stage.fwd_peak_bytes)
+        elif key == "rerun_peak_bytes":
+            mine[key] = (stage.rerun_peak_bytes or 0) + nbytes
+        else:
+            mine[key] = getattr(stage, key) + nbytes
+    fitted = _with_fields(base, fields)
+    if not over:
+        return fitted
+    what = {"recomputed_fwd_peak_bytes": " recomputed", "rerun_peak_bytes": " rebuilt"}
+
+    def op(j: int, key: str) -> int:  # (a rebuild's row: at its unit's need)
+        return j - 1 if "fwd" in key else 2 * base.L - (fitted.stage(j).need_from if "rerun" in key else j)
+    ops = ", ".join(f"{op_name(base, op(j, key))}{what.get(key, '')} {format_bytes(n)}"
+                    for (j, key), n in sorted(over.items()))
+    return replace(fitted, source={**fitted.source, "notes": [*fitted.source.get("notes", []), f"{why}; booked: {ops}"]})
 
 
 def _fit_runs(base: Chain, part: list[int], runs: list[Recompute], partitioner: SchedulePartitioner,

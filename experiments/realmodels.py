@@ -9,8 +9,9 @@ transformers (small configs, random weights, dropout on, keyword inputs, the los
 ``output.loss``), and each with half its blocks frozen.  ``non-chains``: models whose block
 boundaries several values cross (``tests/models/``): a transformers T5 (encoder-decoder), a
 U-Net with skip connections, transformers' Mixtral (mixture of experts; and profiled with
-``--split-blocks``, each layer's attention and sparse MoE block a stage), and a frozen
-backbone under a trainable head.  ``decoders``: transformers decoders the zoo does not build
+``--split-blocks``, each layer's attention and sparse MoE block a stage), a frozen
+backbone under a trainable head, and transformers' Whisper (a speech encoder-decoder: a
+convolutional front end, every decoder block reading the encoder's output).  ``decoders``: transformers decoders the zoo does not build
 (``tests/models/decoders.py``: Qwen3, GPT-NeoX, Gemma 2, Mamba), under bf16 autocast.  Each is profiled (``offload profile``), solved by the ILP
 (with recomputation for the non-chains and the decoders, against offloading alone) at 50% of its no-offload
 activation peak (halfway between its floor and its peak when its floor is higher; with
@@ -51,6 +52,7 @@ NON_CHAINS = {  # tag -> (model, options, blocks, --split-blocks)
     "mixtral": (f"{_MODELS / 'moe.py'}:build", {"layers": 4, "seq": 128}, 4, False),
     "mixtral-split": (f"{_MODELS / 'moe.py'}:build", {"layers": 4, "seq": 128}, 4, True),
     "frozen-backbone": (f"{_MODELS / 'frozen.py'}:build", {}, 3, False),
+    "whisper": (f"{_MODELS / 'whisper.py'}:build", {"layers": 4, "width": 128, "frames": 256, "dropout": 0.1}, 8, False),
 }
 
 

@@ -1,6 +1,8 @@
 """Models that are not chains (issue #34): a transformers T5 (every decoder block reads the
-encoder's output, every block the attention bias) and a U-Net (the encoder's features cross
-every boundary up to the decoder block that concatenates them) are cut at every block,
+encoder's output, every block the attention bias), a transformers Whisper (a speech
+encoder-decoder: a convolutional front end, the encoder's output read by every decoder
+block's cross-attention) and a U-Net (the encoder's features cross every boundary up to
+the decoder block that concatenates them) are cut at every block,
 whatever crosses it; the smallest feasible budget then comes from the largest block, and
 each trains bit-exact with every op's measured memory as predicted.  ``--split-blocks`` cuts
 a Mixtral's layers at their attention too, its MLP halves re-run only as the end of a run."""
@@ -29,6 +31,7 @@ pytest.importorskip("transformers")
 MODELS = {  # model, batch, options, blocks it has, the most its floor may be of its peak (before: 97% and 77%)
     "t5": ("t5.py:build", 2, {"dropout": 0.1}, 4, 0.7),
     "unet": ("unet.py:build", 4, {"image": 32}, 7, 0.4),
+    "whisper": ("whisper.py:build", 2, {"dropout": 0.1, "layers": 4}, 8, 0.5),
 }
 
 

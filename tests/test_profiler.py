@@ -400,6 +400,9 @@ def test_timing_spread_is_reported(profiled):
     assert "spread" in m.chain.source["step_s"]
     noisy = type("M", (), {"step_s": [1.0, 1.0, 2.0]})()
     assert spread(noisy.step_s) == 1.0 and "disagree by 100%" in timing_warnings(noisy)[0]
+    assert "the machine is busy" in timing_warnings(noisy)[0] == timing_warnings(noisy, 0.5)[0]
+    quiet = timing_warnings(noisy, 0.02)[0]  # the threads hardly waited: not other processes
+    assert "not other processes (its threads waited for a CPU 2% of the time they ran)" in quiet
     assert timing_warnings(type("M", (), {"step_s": [1.0, 1.05, 1.1]})()) == []
 
 

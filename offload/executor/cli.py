@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from offload.io.contention import busy_warning
 from offload.errors import FormatError, OffloadError
 from offload.io.argtypes import integer, number
+from offload.io.contention import busy_warning
 from offload.io.files import input_path, model_input, output_path, write_json
 from offload.io.text import format_bytes, format_seconds, printable, report_error
 from offload.step.chainfile import load_chain

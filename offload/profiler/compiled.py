@@ -416,7 +416,7 @@ def _booked(base: Chain, fields: dict[int, dict], over: dict[tuple[int, str], in
         if key == "recomputed_fwd_peak_bytes":
             mine[key] = min(stage.recomputed_fwd_peak + nbytes, stage.fwd_peak_bytes)
         elif key == "rerun_peak_bytes":
-            mine[key] = (stage.rerun_peak_bytes or 0) + nbytes
+            mine[key] = (stage.fwd_peak_bytes if stage.rerun_peak_bytes is None else stage.rerun_peak_bytes) + nbytes
         else:
             mine[key] = getattr(stage, key) + nbytes
     fitted = _with_fields(base, fields)

@@ -24,7 +24,7 @@ from offload.core.encoders import ENCODERS, usable_on
 from offload.core.staging import Staging
 from offload.errors import ModelError, OffloadError
 from offload.executor.handle_cost import handle_host_seconds
-from offload.io.contention import CpuWait, busy_warning
+from offload.io.contention import BUSY_SHARE, CpuWait, busy_warning
 from offload.io.text import format_bytes, printable
 from offload.models import ModelSpec, resolve
 from offload.models.resolve import file_reference, file_sha256
@@ -201,7 +201,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     share = waited.share()
     chain = replace(chain, source={**chain.source, "cpu_wait_share": None if share is None else round(share, 3)})
     said = collapse_warnings(chain, cap, user_module) + busy_warning(share, "the profile")
-    return Profiled(chain, cap, stages, spec, said if opts.whole_graph else said + timing_warnings(result))
+    return Profiled(chain, cap, stages, spec, said if opts.whole_graph else said + timing_warnings(result, share))
 
 
 def _with_encoded_memory(chain: Chain, spec: ModelSpec, device: torch.device, model: str) -> Chain:
@@ -371,11 +371,18 @@ def collapse_warnings(chain: Chain, cap: Capture, module: nn.Module) -> list[str
     return out
 
 
-def timing_warnings(m: Measurement) -> list[str]:
-    """Say so when the timed repeats disagree (a loaded machine): the chain's times are medians."""
+def timing_warnings(m: Measurement, cpu_wait_share: float | None = None) -> list[str]:
+    """Say so when the timed repeats disagree: the chain's times are medians.  Where the profile's
+    threads hardly waited for a CPU (``cpu_wait_share``, ``offload.io.contention``), other
+    processes are not why, and the warning says so rather than blame a busy machine."""
     s = spread(m.step_s)
-    if len(m.step_s) > 1 and s > SPREAD_WARNING:
-        return [f"the {len(m.step_s)} timed steps disagree by {100 * s:.0f}% of their median "
-                f"({min(m.step_s):.3g}-{max(m.step_s):.3g} s): the machine is busy or warming up; stage times are "
-                "medians, more --repeats and a quiet machine make them trustworthy"]
-    return []
+    if len(m.step_s) < 2 or s <= SPREAD_WARNING:
+        return []
+    if cpu_wait_share is not None and cpu_wait_share <= BUSY_SHARE:
+        why = (f"not other processes (its threads waited for a CPU {cpu_wait_share:.0%} of the time they ran): the "
+               "machine's own pace varies (its clock, caches, memory), or the steps were still warming up")
+    else:
+        why = "the machine is busy or warming up"
+    return [f"the {len(m.step_s)} timed steps disagree by {100 * s:.0f}% of their median "
+            f"({min(m.step_s):.3g}-{max(m.step_s):.3g} s): {why}; stage times are medians, more --repeats "
+            "make them trustworthy"]

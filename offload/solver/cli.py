@@ -11,9 +11,9 @@ import os
 import sys
 from typing import Callable
 
-from offload.io.contention import busy_warning
 from offload.errors import FormatError
 from offload.io.argtypes import fraction, integer, seconds
+from offload.io.contention import busy_warning
 from offload.io.files import input_path, output_path
 from offload.io.text import clipped, format_bytes, format_seconds, printable
 from offload.step.budget import Budget

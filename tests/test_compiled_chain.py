@@ -33,7 +33,8 @@ from offload.step.chainfile import load_chain, make_chain, save_chain
 from offload.step.schedulefile import load_schedule
 from offload.step.memory import (floor_bound_memory, floor_offloads, memory_profile, no_offload_peak, op_name,
                                  smallest_feasible_budget)
-from offload.step.actions import Recompute
+from offload.step.actions import Recompute, first_checkpoint_release
+from offload.step.recompute import run_op
 from offload.step.schedule import make_schedule
 from tests.cudashim import FakeAllocator
 
@@ -137,8 +138,9 @@ def test_a_chain_of_the_compiled_graph_recomputes_within_its_predictions(aot):
     from two more compiles with marks, each recomputing every other such stage: its
     checkpoint (what only its run reads in the backward, its dropout masks included) and its
     forward's transient.  Every op of a schedule recomputing all of them, of one recomputing
-    the first and offloading the next, and of the joint ILP's at a budget between its floor and
-    the peak holds at most its prediction."""
+    the first and offloading the next, of the joint ILP's at a budget between its floor and
+    the peak, and of one offloading the first run's checkpoint holds at most its prediction,
+    and each moves the bytes the simulator moves."""
     chain = aot.chain
     eager = profile("gpt", ProfileOptions(batch=4, repeats=1, warmup=0, encodings=False, options=GPT)).chain
     blocks = sorted(chain.recomputable)  # (not the embedding, which saves nothing in this graph)
@@ -151,14 +153,23 @@ def test_a_chain_of_the_compiled_graph_recomputes_within_its_predictions(aot):
                  "one, the next offloaded": make_schedule(chain, [o for o in floor_offloads(chain) if o.stage == second],
                                                           recompute=[Recompute(first, first)]),
                  "joint ILP": solve(chain, budget, "ilp", Options(time_limit_s=20, recompute=True)).schedule}
+    run = Recompute(first, first)
+    run = replace(run, release=first_checkpoint_release(chain, run), prefetch=run_op(chain, run))
+    schedules["one, its checkpoint offloaded"] = make_schedule(chain, [], recompute=[run])
     for name, schedule in schedules.items():
-        over = over_predictions(chain, schedule, "aot_eager")
+        partitioner, over = marked_step(chain, schedule, "aot_eager")
         assert max(over.values()) <= 0, (name, over)
+        # what the copies move is what the chain books: the checkpoint's input and its own dropout
+        # masks (a Qwen2 block's moved twice the input the chain booked)
+        placed = partitioner.placed
+        moved = sum(placed.moved_bytes.values()) + sum(placed.checkpoint_bytes.values()) if placed else 0
+        assert moved == schedule.simulate(chain).d2h_bytes, name
+    assert placed.checkpoint_bytes[first] == chain.stage(first).input_own_bytes > 0
 
 
 def _partitioned(runs: list[Recompute]) -> SimpleNamespace:
     """What a mocked ``_metered`` hands the fit of its partition: no unit, a 4 KiB checkpoint per run."""
-    return SimpleNamespace(counted=[], checkpoints={r.first: (4096, 0, 0) for r in runs})
+    return SimpleNamespace(counted=[], checkpoints={r.first: (4096, 0) for r in runs})
 
 
 def test_recomputation_is_offered_only_where_every_compile_held_what_the_chain_books(aot, monkeypatch):
@@ -432,8 +443,7 @@ def test_a_value_only_recomputed_stages_read_is_booked_with_each_checkpoint(gate
     read besides (twice where a kept one reads it too, in its unit)."""
     gate = 8 * 64 * 4
     assert gated.recomputable == {2, 3, 4}, gated.source["notes"]
-    assert all(gated.stage(k).input_bytes - gated.stage(k).input_own_bytes - gated.stage(k).rerun_held_bytes >= gate
-               for k in gated.recomputable)
+    assert all(gated.stage(k).input_bytes - gated.stage(k).input_own_bytes >= gate for k in gated.recomputable)
     every = make_schedule(gated, [], recompute=[Recompute(k, k) for k in sorted(gated.recomputable)])
     assert max(over_predictions(gated, every, "aot_eager", (SHARED_GATE, 8, {})).values()) <= 0
 

@@ -271,7 +271,7 @@ class SchedulePartitioner(CustomPartitionerFn):
         self.counted: list[UnitStorage] = []  # of a chain of this graph: every unit's storages that can move
         self.outputs = 0  # how many of the forward graph's outputs are the model's (the rest it saves)
         # per run (by its first stage), its checkpoint's bytes as partitioned (``_checkpoints``)
-        self.checkpoints: dict[int, tuple[int, int, int]] = {}
+        self.checkpoints: dict[int, tuple[int, int]] = {}
         self.recomputable = set(chain.recomputable)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -356,27 +356,23 @@ class SchedulePartitioner(CustomPartitionerFn):
         self.accumulated = add_accumulation(*self.graphs, kwargs.get("static_lifetime_input_indices") or (), self.grads)
         return self.graphs
 
-    def _checkpoints(self) -> dict[int, tuple[int, int, int]]:
+    def _checkpoints(self) -> dict[int, tuple[int, int]]:
         """Per recomputed run (by its first stage): the bytes of the saved storages that only
         the run reads in the backward (what offloading its checkpoint moves,
-        ``compiled_copies.checkpoint_storages``), each whole as the allocator counts it; of
-        those the bytes its own forward made (its dropouts' outputs and masks, which a compiled
-        run saves where the eager one draws them again); and the bytes of those it reads that
+        ``compiled_copies.checkpoint_storages``: its input, and what its own forward made, its
+        dropouts' outputs and masks, which a compiled run saves where the eager one draws them
+        again), each whole as the allocator counts it; and the bytes of those it reads that
         only stages the chain may recompute read besides (a mask every attention reads), which
         stay: with those stages recomputed no unit holds them (kept, one does too: the chain
         then counts them twice).  Read from the partitioned graphs before any op of ours goes in."""
         forward, backward = self.graphs
-        out = {r.first: (0, 0, 0) for r in self.runs}
+        out = {r.first: (0, 0) for r in self.runs}
         for s in checkpoint_storages(forward, backward, self.outputs, self.runs, self.stages, self.back_stages, set(),
                                      self.recomputable | self.recomputed):
             value = s.values[0].meta["val"]
             nbytes = allocated_bytes(value.untyped_storage().nbytes(), value.device)
-            whole, own, shared = out[s.run.first]
-            if s.shared:
-                out[s.run.first] = (whole, own, shared + nbytes)
-            else:
-                made = nbytes if self.stages.get(s.values[0].name) == s.run.first else 0
-                out[s.run.first] = (whole + nbytes, own + made, shared)
+            whole, shared = out[s.run.first]
+            out[s.run.first] = (whole, shared + nbytes) if s.shared else (whole + nbytes, shared)
         return out
 
     @property

@@ -37,10 +37,11 @@ only what the copies move.  No encoding is offered (no encoder runs in a graph).
 and one the rest, so that a run's neighbours are kept, as in most schedules:
 
 * its checkpoint, ``input_bytes``: the saved storages that only its run reads in the
-  backward (``SchedulePartitioner.checkpoints``), of which those its own forward made
+  backward (``SchedulePartitioner.checkpoints``): its input and what its own forward made
   (its dropouts' outputs and masks, which a compiled run saves where the eager one draws
-  them again) are ``rerun_held_bytes`` and the rest, its input, ``input_own_bytes`` (what
-  offloading the checkpoint moves); plus what it reads that only stages the chain may
+  them again), all of which offloading the checkpoint moves (``input_own_bytes``: a Qwen2
+  block's checkpoint moved 130 KiB where the chain booked its input's 64 KiB, the rest
+  counted on the device, before the twenty-third session); plus what it reads that only stages the chain may
   recompute read besides (a mask every attention reads, Inductor's random seeds: with them
   all recomputed no unit holds it, so each run books it, and a kept reader's unit too); plus
   what ``F(k+1)`` holds over its prediction in that compile, which stays until the run is
@@ -436,8 +437,8 @@ def _fit_runs(base: Chain, part: list[int], runs: list[Recompute], partitioner: 
     """Each run of ``part`` costed from the compile that recomputed it (``measured``, made by
     ``partitioner``; ``sizes`` the kept units there): its checkpoint, its recomputed forward's
     transient, into ``fields`` (or not offered: its forward held more than kept)."""
-    costs = {k: dict(input_bytes=whole + shared, input_own_bytes=whole - own, rerun_held_bytes=own)
-             for k, (whole, own, shared) in partitioner.checkpoints.items()}
+    costs = {k: dict(input_bytes=whole + shared, input_own_bytes=whole)
+             for k, (whole, shared) in partitioner.checkpoints.items()}
     fitted = _with_fields(base, {**sizes, **costs})
     predicted, _ = memory_profile(fitted, [], runs)
     for k in part:

@@ -8,10 +8,13 @@ or matplotlib (its commands import them when they run), so ``offload solve`` sta
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import signal
 import sys
+import warnings
+from typing import Callable
 
 from offload.analysis import cli as analysis_cli
 from offload.errors import OffloadError, Stopped
@@ -45,10 +48,26 @@ def _stop(signum: int, _frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     previous = signal.signal(signal.SIGTERM, _stop)
+    formatted = warnings.formatwarning
+    warnings.formatwarning = functools.partial(_warning, formatted)
     try:
         return _command(argv)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        warnings.formatwarning = formatted
+
+
+_OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _warning(libraries: Callable[..., str], message: Warning | str, category: type[Warning], filename: str,
+             lineno: int, line: str | None = None) -> str:
+    """Our own warnings as the command's other warnings read, one line ``warning: ...``, not
+    with the file, line and source line Python shows (where our code raised it, which tells a
+    user nothing); the libraries' in ``libraries``' form (Python's)."""
+    if os.path.abspath(filename).startswith(_OURS):
+        return f"warning: {message}\n"
+    return libraries(message, category, filename, lineno, line)
 
 
 SIGNED = ("--budget", "-b", "--budgets")  # flags whose value a user may write with a minus

@@ -174,3 +174,25 @@ def test_show_says_where_the_host_is_slower_than_the_device(tmp_path, capsys):
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("re-runs"))
     assert "re-run of the 3 recomputable stages in 5.000 s (their forwards: 4.500 s)" in line
     assert "for 250.000 ms more" in line
+
+
+def test_our_warnings_read_as_one_line_and_the_libraries_keep_pythons_form(chain_file, monkeypatch, capsys):
+    """While a command runs, a warning raised in our code prints ``warning: ...`` (not the file,
+    line and source line where our code raised it); one from a library keeps Python's form;
+    the command's end puts Python's formatter back."""
+    import warnings
+
+    import offload.solver.cli as solver_cli
+    before = warnings.formatwarning
+
+    def show(chain):
+        ours = warnings.formatwarning(UserWarning("the graph moves U4 only in part"), UserWarning,
+                                      solver_cli.__file__, 354, "self._check_moved()")
+        theirs = warnings.formatwarning(UserWarning("deprecated"), UserWarning, warnings.__file__, 7, "x = 1")
+        print(ours + theirs, end="")
+    monkeypatch.setattr(solver_cli, "print_chain", show)
+    assert main(["show", str(chain_file)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "warning: the graph moves U4 only in part"
+    assert lines[1].startswith(warnings.__file__) and "UserWarning: deprecated" in lines[1]
+    assert warnings.formatwarning is before

@@ -28,6 +28,7 @@ from offload.executor.marked import MarkedRun, Marks, intervals
 from offload.io.text import format_bytes
 from offload.profiler import compiled as profiler_compiled, verify
 from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.cli import _verified_line
 from offload.solver.methods import Options, solve
 from offload.step.chainfile import load_chain, make_chain, save_chain
 from offload.step.schedulefile import load_schedule
@@ -524,7 +525,12 @@ def test_solve_verify_solves_again_for_less_where_the_compiled_schedule_held_mor
     assert main(["solve", str(tmp_path / "chain.json"), "--budget", "97%", "--verify", "-o", str(out)]) == 0
     printed = capsys.readouterr()
     assert "verified     compiled and metered: peak" in printed.out and "verify: compiled with marks" in printed.err
-    assert load_schedule(out, chain).solver["verified"]["rounds"] == 1
+    written = load_schedule(out, chain)
+    assert written.solver["verified"]["rounds"] == 1
+    assert written.solver["verified"]["moved_bytes"] == written.simulate(chain).d2h_bytes > 0
+    assert f"its copies move {format_bytes(written.simulate(chain).d2h_bytes)} each way, as booked" in printed.out
+    wrongly = {**written.solver["verified"], "booked_moved_bytes": 1024}  # (what a chain that books otherwise says)
+    assert "where the chain books 1.00 KiB: the predicted step's copy time is off" in _verified_line(wrongly, budget)
 
 
 def test_solve_verify_gives_up_after_its_rounds_and_below_the_floor(monkeypatch):

@@ -323,10 +323,14 @@ def _verified_line(verified: dict, limit: int) -> str:
     over = verified["most_over"]
     again = (f", after {verified['rounds'] - 1} more solve(s), the last for {format_bytes(verified['solved_for_bytes'])}"
              if verified["rounds"] > 1 else "")
+    moved, booked = verified.get("moved_bytes"), verified.get("booked_moved_bytes")  # (absent before they were)
     return (f"compiled and metered: peak {format_bytes(verified['measured_peak_bytes'])} within "
             f"{format_bytes(limit)}{again}; "
             + (f"{over['op']} held {format_bytes(over['bytes'])} over its prediction" if over else
-               "every op within its prediction"))
+               "every op within its prediction")
+            + ("" if moved is None else f"; its copies move {format_bytes(moved)} each way, as booked" if moved == booked
+               else f"; its copies move {format_bytes(moved)} each way where the chain books {format_bytes(booked)}: "
+                    "the predicted step's copy time is off (a defect of the chain: profile again, or report it)"))
 
 
 def _unused_flags(args: argparse.Namespace) -> list[str]:

@@ -24,7 +24,7 @@ from offload.executor.plan import StepPlan
 from offload.executor.runtime import _Step
 from offload.executor.train import TrainOptions, train
 from offload.executor.trainer import Trainer
-from offload.io.text import format_seconds
+from offload.io.text import format_bytes, format_seconds
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
@@ -185,6 +185,27 @@ def test_a_step_far_from_its_prediction_points_to_compare(chains, capsys):
         report.measured.set_times([factor * report.predicted.step_s])
         _print_report(report)
         assert ("--compare times the no-offload step" in capsys.readouterr().out) is said
+
+
+def test_copies_that_move_other_bytes_than_the_schedule_books_are_said(chains, capsys):
+    """The report sets the bytes moved per step against the schedule's: equal, nothing; off (a
+    chain that books its copies wrongly), a line that says by how much each way; within what
+    the encoded units' blobs may vary, nothing."""
+    from offload.executor.cli import _print_report
+    from offload.executor.report import Report
+
+    chain = chains["mlp"]
+    report = Report.start(chain, schedules(chain)["all"], "cpu-eager", "cpu")
+    m, p = report.measured, report.predicted
+    m.activation_peak_bytes, m.d2h_bytes_per_step, m.h2d_bytes_per_step = 0, p.d2h_bytes_per_step, p.h2d_bytes_per_step
+    assert p.d2h_bytes_per_step > 0 and report.copies_off() == ""
+    m.d2h_bytes_per_step = m.h2d_bytes_per_step = 2 * p.d2h_bytes_per_step
+    _print_report(report)
+    out = capsys.readouterr().out
+    assert f"D2H {format_bytes(2 * p.d2h_bytes_per_step)} where it books {format_bytes(p.d2h_bytes_per_step)}" in out
+    assert "H2D" in report.copies_off() and "a defect of the chain" in out
+    p.blob_slack_bytes = p.d2h_bytes_per_step
+    assert report.copies_off() == ""
 
 
 def test_interleaved_rounds_rotate_and_share_a_slow_moment(monkeypatch):

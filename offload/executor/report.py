@@ -210,6 +210,22 @@ class Report:
         return (f"within the {format_bytes(slack)} the encoded units' blobs may differ from the profiled ones "
                 "(sparse: its size follows the data, docs/encodings.md)")
 
+    def copies_off(self) -> str:
+        """Where the steps' copies moved other bytes per step than the schedule books (beyond
+        what the encoded units' blobs may vary), the sentence that says so; else ''.  The
+        simulator's copy times follow its bytes: a chain that books other bytes than the
+        executor moves predicts the step wrong (a compiled Qwen2's offloaded checkpoints moved
+        twice their booked bytes before the chain booked their dropout masks)."""
+        m, p = self.measured, self.predicted
+        off = [f"{way} {format_bytes(done)} where it books {format_bytes(booked)}"
+               for way, done, booked in (("D2H", m.d2h_bytes_per_step, p.d2h_bytes_per_step),
+                                         ("H2D", m.h2d_bytes_per_step, p.h2d_bytes_per_step))
+               if abs(done - booked) > p.blob_slack_bytes]
+        if not off:
+            return ""
+        return (f"the copies moved other bytes per step than the schedule books ({'; '.join(off)}): the predicted "
+                "step's copy time is off by as much; a defect of the chain (profile it again, or report it)")
+
     def in_scope(self, peaks: Measured | Predicted | Baseline) -> int | None:
         """``peaks``'s peak in the budget's scope (activations when there is no budget)."""
         return peaks.total_peak_bytes if self.budget is not None and self.budget.total else peaks.activation_peak_bytes

@@ -554,3 +554,18 @@ def test_replays_are_timed_as_the_executor_replays_them():
     assert sorted(rerun) == sorted(recording) == list(range(1, L))
     assert all(t > 0 for t in rerun.values()) and set(recording.values()) == {0.0}
     runner.staging.remove()
+
+
+def test_a_call_that_hands_its_input_back_is_no_cut_of_its_own():
+    """A dropout of p=0 (which ATen returns as it is) or ``nn.Identity`` computes nothing: its
+    output is its input, a value its producer's call made, so the cut is that call's, and a
+    compiled graph, which has no node inside the identity, finds it (GPT-NeoX's emb_dropout:
+    its compiled profile stopped as at a graph break).  A call that changes its input in
+    place makes a new value, and cuts there."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0), nn.Identity(), nn.ReLU(inplace=True), nn.Linear(8, 8),
+                           nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    cap = capture(module, lambda: module(x).square().mean(), ((x,), {}))
+    cuts = [site.module for site in cap.candidates]
+    assert cuts == ["0", "3", "4", "5", "6"]

@@ -144,9 +144,15 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        versions = {id(t): t._version for t in ins}
+        out = func(*args, **kwargs)
+        # an input handed back untouched (a dropout of p=0, which ATen returns as it is, or
+        # nn.Identity) is no new value: it keeps its producer, so no cut lands on a call that
+        # computes nothing (a compiled graph has no node inside it: GPT-NeoX's emb_dropout);
+        # one changed in place (its version moved) is the op's new value
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                and not (id(t) in versions and t._version == versions[id(t)] and any(t is i for i in ins))]
         if not outs:
             return out
         looked = [self._lookup(t) for t in ins]

@@ -154,8 +154,9 @@ def assign_stages(graph: fx.Graph, cuts: Sequence[Site]) -> dict[fx.Node, int]:
             missing.append(site.module)
     if missing and ends:
         raise ChainMismatch(f"a compiled graph runs some of the chain's cut sites but not {missing[0]!r}: a graph break "
-                            "falls between two stage boundaries", "remove the break (compile with fullgraph=True to "
-                            "see where it is), or train with Offloaded(torch.compile(model), ...)")
+                            "falls between two stage boundaries, or that call computes nothing the compiler keeps",
+                            "remove the break (compile with fullgraph=True to see where it is), or train with "
+                            "Offloaded(torch.compile(model), ...)")
     if missing:
         return {}
     if ends != sorted(ends):

@@ -49,6 +49,11 @@ def test_impossible_budget_names_the_smallest_and_writes_nothing(chain_file, tmp
     err = capsys.readouterr().err
     assert "below the smallest feasible budget" in err and "hint: use --budget" in err
     assert not out.exists() and list(tmp_path.iterdir()) == [chain_file]
+    smallest = int(err.split("hint: use --budget ")[1].split()[0])  # a byte under it reads the same size
+    assert main(["solve", str(chain_file), "--budget", str(smallest - 1), "-o", str(out)]) == 4
+    err = capsys.readouterr().err
+    assert f"({smallest - 1:,} B) (activations) is below the smallest feasible budget" in err
+    assert f"({smallest:,} B): even with every unit" in err
 
 
 def test_baseline_that_cannot_fit_says_so(chain_file, capsys):

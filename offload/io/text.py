@@ -55,6 +55,13 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def told_apart(a: int, b: int) -> tuple[str, str]:
+    """``a`` and ``b`` as ``format_bytes`` writes them, each with its exact bytes where two
+    different sizes would read the same (a budget of 1.46 MiB "below" a floor of 1.46 MiB)."""
+    x, y = format_bytes(a), format_bytes(b)
+    return (f"{x} ({int(a):,} B)", f"{y} ({int(b):,} B)") if x == y and a != b else (x, y)
+
+
 def format_seconds(s: float) -> str:
     if s >= 1:
         return f"{s:.3f} s"

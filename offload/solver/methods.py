@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from offload.errors import InfeasibleBudget, SolverFailure
-from offload.io.text import format_bytes
+from offload.io.text import format_bytes, told_apart
 from offload.step import encoding
 from offload.step.actions import Choice, Offload, Recompute
 from offload.step.budget import Budget
@@ -311,8 +311,9 @@ def _refuse_below_floor(chain: Chain, budget: Budget, mode: str, recompute: bool
     if budget.excess(chain, floor) > 0:
         o = int(memory.argmax())
         smallest, base = budget.counted(chain, floor), budget.base(chain)
+        asked, least = told_apart(budget.nbytes, smallest)
         raise InfeasibleBudget(
-            f"budget {budget} is below the smallest feasible budget {format_bytes(smallest)}: even with every "
+            f"budget {asked} ({budget.scope}) is below the smallest feasible budget {least}: even with every "
             f"unit offloaded at once and fetched on demand{' or recomputed' if recompute else ''}, {op_name(chain, o)} "
             f"holds {format_bytes(floor)} of activations"
             + (f" on top of {format_bytes(base)} of weights, gradients, optimizer state and the batch" if base else ""),

@@ -81,8 +81,9 @@ def _print_report(r: Report) -> None:
         print(f"{'reserved':<14}{format_bytes(m.reserved_peak_bytes):>16}   by the allocator (its slack included)")
     print(f"{'D2H per step':<14}{format_bytes(m.d2h_bytes_per_step):>16}{format_bytes(p.d2h_bytes_per_step):>16}")
     print(f"{'H2D per step':<14}{format_bytes(m.h2d_bytes_per_step):>16}{format_bytes(p.h2d_bytes_per_step):>16}")
-    if r.copies_off():
-        print(f"{'':<14}{r.copies_off()}")
+    copies_off = r.copies_off()
+    if copies_off:
+        print(f"{'':<14}{copies_off}")
     print(f"{'host arena':<14}{format_bytes(m.host_arena_bytes):>16}")
     if r.encoded_units:
         print(f"{'encoded':<14}{format_bytes(m.encoded_bytes_per_step):>16}   per step, units "

@@ -89,9 +89,8 @@ def meter(chain: Chain, schedule: Schedule, device: torch.device) -> Metered:
     spec = build_like_chain(chain, device)
     measured, partitioner = metered(chain, schedule, spec, device)
     sim = schedule.simulate(chain)
-    placed = partitioner.placed
-    moved = sum(placed.moved_bytes.values()) + sum(placed.checkpoint_bytes.values()) if placed else 0
-    return Metered(tuple(measured), tuple(int(o.mem_bytes) for o in sim.ops), moved, int(sim.d2h_bytes))
+    return Metered(tuple(measured), tuple(int(o.mem_bytes) for o in sim.ops), partitioner.runtime.planned_bytes,
+                   int(sim.d2h_bytes))
 
 
 def solve_verified(chain: Chain, budget: Budget | int, method: str = "ilp", options: Options | None = None,

@@ -9,6 +9,9 @@
 * ``mamba``: Mamba (a selective state-space scan instead of attention; on a CPU without
   ``mamba_ssm`` transformers runs its reference scan, a Python loop of small ops over the
   sequence: many small saved tensors a layer).
+
+``dropout`` (0.1) is each architecture's attention (and NeoX's hidden) dropout; at 0 SDPA
+saves its query, key and value, which NeoX makes as views of one fused projection.
 """
 from __future__ import annotations
 
@@ -18,27 +21,28 @@ import transformers as tf
 ARCHS = ("qwen3", "neox", "gemma2", "mamba")
 
 
-def _config(arch: str, layers: int, width: int, vocab: int):
+def _config(arch: str, layers: int, width: int, vocab: int, dropout: float):
     common = {"vocab_size": vocab, "hidden_size": width, "num_hidden_layers": layers, "use_cache": False}
     if arch == "qwen3":
         return tf.Qwen3ForCausalLM, tf.Qwen3Config(
             **common, intermediate_size=4 * width, num_attention_heads=8, num_key_value_heads=2,
-            head_dim=width // 8, attention_dropout=0.1, attn_implementation="sdpa")
+            head_dim=width // 8, attention_dropout=dropout, attn_implementation="sdpa")
     if arch == "neox":
         return tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(
-            **common, intermediate_size=4 * width, num_attention_heads=8, attention_dropout=0.1, hidden_dropout=0.1,
-            attn_implementation="sdpa")
+            **common, intermediate_size=4 * width, num_attention_heads=8, attention_dropout=dropout,
+            hidden_dropout=dropout, attn_implementation="sdpa")
     if arch == "gemma2":
         return tf.Gemma2ForCausalLM, tf.Gemma2Config(
             **common, intermediate_size=4 * width, num_attention_heads=8, num_key_value_heads=2, head_dim=width // 8,
-            sliding_window=32, attention_dropout=0.1, attn_implementation="eager")
+            sliding_window=32, attention_dropout=dropout, attn_implementation="eager")
     if arch == "mamba":
         return tf.MambaForCausalLM, tf.MambaConfig(**common, state_size=16)
     raise ValueError(f"arch {arch!r}: choose one of {', '.join(ARCHS)}")
 
 
-def build(batch: int, arch: str = "qwen3", layers: int = 4, width: int = 128, seq: int = 64, vocab: int = 512):
-    cls, config = _config(arch, layers, width, vocab)
+def build(batch: int, arch: str = "qwen3", layers: int = 4, width: int = 128, seq: int = 64, vocab: int = 512,
+          dropout: float = 0.1):
+    cls, config = _config(arch, layers, width, vocab, dropout)
     torch.manual_seed(0)
     model = cls(config)
     ids = torch.randint(0, vocab, (batch, seq))

@@ -188,9 +188,10 @@ def test_a_step_far_from_its_prediction_points_to_compare(chains, capsys):
 
 
 def test_copies_that_move_other_bytes_than_the_schedule_books_are_said(chains, capsys):
-    """The report sets the bytes moved per step against the schedule's: equal, nothing; off (a
-    chain that books its copies wrongly), a line that says by how much each way; within what
-    the encoded units' blobs may vary, nothing."""
+    """The report sets the bytes moved per step against the schedule's: equal, nothing; more (a
+    chain that books its copies short), a line that says by how much each way and calls it a
+    defect; less, a line that says the prediction is an upper bound; within what the encoded
+    units' blobs may vary, nothing."""
     from offload.executor.cli import _print_report
     from offload.executor.report import Report
 
@@ -203,7 +204,10 @@ def test_copies_that_move_other_bytes_than_the_schedule_books_are_said(chains, c
     _print_report(report)
     out = capsys.readouterr().out
     assert f"D2H {format_bytes(2 * p.d2h_bytes_per_step)} where it books {format_bytes(p.d2h_bytes_per_step)}" in out
-    assert "H2D" in report.copies_off() and "a defect of the chain" in out
+    assert "H2D" in report.copies_off() and "moved more per step" in out and "a defect of the chain" in out
+    m.d2h_bytes_per_step = m.h2d_bytes_per_step = p.d2h_bytes_per_step - 128  # less: an upper bound, no defect
+    assert "moved less per step" in report.copies_off() and "defect" not in report.copies_off()
+    m.d2h_bytes_per_step = m.h2d_bytes_per_step = 2 * p.d2h_bytes_per_step
     p.blob_slack_bytes = p.d2h_bytes_per_step
     assert report.copies_off() == ""
 

@@ -213,9 +213,10 @@ class Report:
     def copies_off(self) -> str:
         """Where the steps' copies moved other bytes per step than the schedule books (beyond
         what the encoded units' blobs may vary), the sentence that says so; else ''.  The
-        simulator's copy times follow its bytes: a chain that books other bytes than the
-        executor moves predicts the step wrong (a compiled Qwen2's offloaded checkpoints moved
-        twice their booked bytes before the chain booked their dropout masks)."""
+        simulator's copy times follow its bytes: a chain that books fewer bytes than the
+        executor moves predicts the step too short, a defect (a compiled Qwen2's offloaded
+        checkpoints moved twice their booked bytes before the chain booked their dropout
+        masks); more, and the prediction is an upper bound."""
         m, p = self.measured, self.predicted
         off = [f"{way} {format_bytes(done)} where it books {format_bytes(booked)}"
                for way, done, booked in (("D2H", m.d2h_bytes_per_step, p.d2h_bytes_per_step),
@@ -223,8 +224,13 @@ class Report:
                if abs(done - booked) > p.blob_slack_bytes]
         if not off:
             return ""
-        return (f"the copies moved other bytes per step than the schedule books ({'; '.join(off)}): the predicted "
-                "step's copy time is off by as much; a defect of the chain (profile it again, or report it)")
+        if m.d2h_bytes_per_step <= p.d2h_bytes_per_step and m.h2d_bytes_per_step <= p.h2d_bytes_per_step:
+            # (a compiled copy moves the extent of its storage the values span; the chain books the
+            # whole storage, which its release frees: a GPT-NeoX 128 B a step)
+            return (f"the copies moved less per step than the schedule books ({'; '.join(off)}): the predicted "
+                    "step's copy time is that much too long")
+        return (f"the copies moved more per step than the schedule books ({'; '.join(off)}): the predicted "
+                "step's copy time is too short by as much; a defect of the chain (profile it again, or report it)")
 
     def in_scope(self, peaks: Measured | Predicted | Baseline) -> int | None:
         """``peaks``'s peak in the budget's scope (activations when there is no budget)."""

@@ -265,7 +265,7 @@ def _measured(report: Report, steps: Run, run: nn.Module | None, chain: Chain) -
     m.set_peak(max(steps.peaks) if steps.peaks else None, chain, steps.base_growth)
     m.op_peak_bytes = steps.op_peaks or None
     m.leaked_by_step, m.host_allocations = steps.leaks, steps.allocations
-    m.cpu_wait_share = None if steps.cpu_wait_share is None else round(steps.cpu_wait_share, 3)
+    m.cpu_wait_share = steps.cpu_wait_share
     if isinstance(run, Offloaded):
         runtime = run.runtime
         done = max(1, runtime.steps)

@@ -39,12 +39,13 @@ class CpuWait:
         self.start = _counters()
 
     def share(self) -> float | None:
-        """Nanoseconds waited over nanoseconds run since the start (``None``: nothing counted)."""
+        """Nanoseconds waited over nanoseconds run since the start, to a thousandth (what the
+        chain and the report keep; ``None``: nothing counted)."""
         ran = waited = 0
         for tid, (r, w) in _counters().items():
             r0, w0 = self.start.get(tid, (0, 0))
             ran, waited = ran + r - r0, waited + w - w0
-        return waited / ran if ran > 0 else None
+        return round(waited / ran, 3) if ran > 0 else None
 
 
 def busy_warning(share: float | None, what: str) -> list[str]:

@@ -199,7 +199,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
             chain = whole_graph_chain(chain, spec, device, opts.compile, opts.repeats, opts.warmup, tick,
                                       opts.recompute)
     share = waited.share()
-    chain = replace(chain, source={**chain.source, "cpu_wait_share": None if share is None else round(share, 3)})
+    chain = replace(chain, source={**chain.source, "cpu_wait_share": share})
     said = collapse_warnings(chain, cap, user_module) + busy_warning(share, "the profile")
     return Profiled(chain, cap, stages, spec, said if opts.whole_graph else said + timing_warnings(result, share))
 

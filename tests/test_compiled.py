@@ -403,6 +403,9 @@ def test_stages_of_a_graph_and_graphs_a_break_made():
     assert assign_stages(_joint(["c", None]), cuts) == {}
     with pytest.raises(ChainMismatch, match="runs some of the chain's cut sites but not 'b'"):
         assign_stages(_joint(["a", "c"]), cuts)
+    # a cut at a call's start (``Site.before``: the code before the block ends the stage before)
+    stages = assign_stages(_joint(["a", None, "b", "b", "c"]), [Site("a"), Site("b", before=True), Site("b")])
+    assert list(stages.values()) == [1, 2, 3, 3, 4]
 
 
 @pytest.mark.slow

@@ -54,6 +54,12 @@ def test_every_block_ends_a_stage_whatever_crosses_it(profiled, name):
     assert not any("no cut was found" in w for w in p.warnings)
     if name == "t5":  # each block re-runs from what it reads: its input, the encoder's output, the attention bias
         assert p.chain.recomputable == set(range(1, p.chain.L))
+    if name == "whisper":  # positions added and dropped out outside any call end the stage before each first block
+        cuts = list(p.chain.recipe.cuts)
+        for stack in ("encoder", "decoder"):
+            k = cuts.index(f"model.{stack}.layers.0:in") + 1  # the stage it ends; the block is the next one
+            assert cuts[k] == f"model.{stack}.layers.0" and k + 1 in p.chain.recomputable
+        assert p.chain.recomputable == set(range(1, p.chain.L)) - {1, cuts.index("model.decoder.layers.0:in") + 1}
 
 
 def test_the_unets_blocks_are_its_cuts(profiled):

@@ -259,6 +259,14 @@ def test_the_recipe_says_how_to_rebuild_and_cut(profiled):
     assert chain.source["cpu_wait_share"] >= 0  # how busy the machine was (tests/test_contention.py)
 
 
+def test_cut_sites_read_back_as_written():
+    """A site's text (a chain's ``recipe.cuts``) parses back to it, a cut at a call's start too."""
+    for text in ("h.3", "relu@2", "block@0[1]", "layers.0:in", "layers.0@1:in[2]"):
+        assert Site.parse(text).text == text
+    assert Site.parse("layers.0@1:in[2]") == Site("layers.0", 1, 2, before=True)
+    assert not Site.parse("block@0[1]").before
+
+
 def test_held_storages_are_found(profiled):
     """ResNet's forward holds the stem's output in a local while layer1..layer4 run (one
     nested call): it stays alive after its unit's release, which the chain must book."""

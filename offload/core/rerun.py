@@ -230,10 +230,12 @@ class StageRecorder:
     of storages that are never a stage's input (the batch, parameters, buffers).  Without
     ``keep`` (the profiler, which only asks whether and at what cost) the input and the held
     tensors are sized, not held: recording must not change the memory it measures (a U-Net's
-    up block drops its input after upsampling it)."""
+    up block drops its input after upsampling it).  ``opening``: the stage begins with a
+    module call that is starting now (its boundary is that call's pre-hook, ``Site.before``):
+    the hooks installed here miss its start, so it is opened here, and is a call of the stage."""
 
     def __init__(self, stage: int, stage_input: torch.Tensor | None, device: torch.device,
-                 excluded: set[int], keep: bool = True) -> None:
+                 excluded: set[int], keep: bool = True, opening: bool = False) -> None:
         self.stage, self.device, self.excluded, self.keep = stage, device, excluded, keep
         if stage_input is not None and storage_key(stage_input) in excluded:
             stage_input = None  # the batch: the training loop holds it anyway
@@ -259,6 +261,8 @@ class StageRecorder:
         # and a strong one would keep the stage's input and calls alive that long
         self._handles = [nn.modules.module.register_module_forward_pre_hook(_weakly(self._pre)),
                          nn.modules.module.register_module_forward_hook(_weakly(self._post), with_kwargs=True)]
+        if opening:
+            self._pre(None, ())
 
     def saved(self) -> None:
         """A tensor is being saved for the backward now."""
@@ -274,7 +278,7 @@ class StageRecorder:
         """The stage's input (without ``keep``: while the model holds it)."""
         return self._input_ref() if self._input_ref is not None else None
 
-    def _pre(self, module: nn.Module, args: tuple) -> None:
+    def _pre(self, module: nn.Module | None, args: tuple) -> None:
         self.starts.append(len(self.calls))
         self.whys.append(None)
 

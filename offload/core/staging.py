@@ -2,7 +2,8 @@
 
 A chain's stages end at *call sites*: a submodule's path in the model and which of its
 calls in one forward (``Site``), chosen by the profiler's capture.  ``Staging`` puts a
-forward hook on each such submodule of the user's module; while a listener is attached
+forward hook on each such submodule of the user's module (a forward pre-hook where the
+stage ends as the call starts, on its input: ``Site.before``); while a listener is attached
 and the model's forward runs, the hook passes the stage's output through a *boundary*,
 an identity autograd function, so that the listener hears the end of stage ``k`` in the
 forward (``forward_boundary(k)``) and the end of stage ``k+1``'s backward
@@ -37,17 +38,22 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 @dataclass(frozen=True, order=True)
 class Site:
     """A submodule call in one forward: ``module`` (its path, ``""`` the root), ``occurrence``
-    (0: its first call), ``leaf`` (which value of its output, in pytree order)."""
+    (0: its first call), ``leaf`` (which value of its output, in pytree order); ``before``:
+    the boundary is at the call's start, on its input ``leaf`` (of its ``(args, kwargs)``, in
+    pytree order), not at its end: a block whose input the model's own code makes outside
+    any module call (an encoder's positions added and dropped out before its first layer)."""
 
     module: str
     occurrence: int = 0
     leaf: int = 0
+    before: bool = False
 
     @property
     def text(self) -> str:
-        """``h.3``, ``relu@2`` (third call), ``block@0[1]`` (second output value)."""
+        """``h.3``, ``relu@2`` (third call), ``block@0[1]`` (second output value),
+        ``layers.0:in`` (the start of the call, on its first input)."""
         out = self.module + (f"@{self.occurrence}" if self.occurrence or self.leaf else "")
-        return out + (f"[{self.leaf}]" if self.leaf else "")
+        return out + (":in" if self.before else "") + (f"[{self.leaf}]" if self.leaf else "")
 
     @classmethod
     def parse(cls, text: str) -> "Site":
@@ -56,10 +62,12 @@ class Site:
         if body.endswith("]") and "[" in body:
             body, _, index = body[:-1].rpartition("[")
             leaf = int(index)
+        before = body.endswith(":in")
+        body = body.removesuffix(":in")
         name, at, occurrence = body.rpartition("@")
         if not at:
-            return cls(body, 0, leaf)
-        return cls(name, int(occurrence), leaf)
+            return cls(body, 0, leaf, before)
+        return cls(name, int(occurrence), leaf, before)
 
 
 class StageListener:
@@ -79,8 +87,10 @@ class StageListener:
     def backward_boundary(self, k: int) -> None:  # pragma: no cover - default no-op
         pass
 
-    def stage_output(self, k: int, x: torch.Tensor) -> None:
-        """The value stage ``k`` hands to stage ``k+1`` (called just before ``forward_boundary``)."""
+    def stage_output(self, k: int, x: torch.Tensor, opening: bool) -> None:
+        """The value stage ``k`` hands to stage ``k+1`` (called just before ``forward_boundary``);
+        ``opening``: stage ``k+1`` begins with a module call that is starting now (a boundary at
+        a call's start, ``Site.before``), whose start the module hooks added from here miss."""
 
 
 class _Boundary(torch.autograd.Function):
@@ -95,9 +105,9 @@ class _Boundary(torch.autograd.Function):
         return grad, None, None
 
 
-def stage_boundary(x: torch.Tensor, k: int, listener: StageListener) -> torch.Tensor:
-    """The end of stage ``k``'s forward on its output ``x``."""
-    listener.stage_output(k, x)
+def stage_boundary(x: torch.Tensor, k: int, listener: StageListener, opening: bool = False) -> torch.Tensor:
+    """The end of stage ``k``'s forward on its output ``x`` (``opening``: at a call's start)."""
+    listener.stage_output(k, x, opening)
     listener.forward_boundary(k)
     if not x.requires_grad:  # nothing flows back through here (a frozen prefix)
         return x
@@ -143,9 +153,11 @@ class Staging:
         missing = [s.text for s in self.sites if s.module not in modules]
         if missing:
             raise KeyError(f"no submodule {missing[0]!r} in {type(root).__name__}")
-        self.cuts: dict[str, dict[int, tuple[int, int]]] = {}  # module -> occurrence -> (k, leaf)
+        # module -> occurrence -> (k, leaf): boundaries at calls' ends, and at their starts
+        self.cuts: dict[str, dict[int, tuple[int, int]]] = {}
+        self.openings: dict[str, dict[int, tuple[int, int]]] = {}
         for k, s in enumerate(self.sites, start=1):
-            self.cuts.setdefault(s.module, {})[s.occurrence] = (k, s.leaf)
+            (self.openings if s.before else self.cuts).setdefault(s.module, {})[s.occurrence] = (k, s.leaf)
         self.listener: StageListener | None = None
         # Under autocast: forget the cached weight casts at each inner forward boundary, so that
         # a layer's casts die with its stage (offload.core.casts); only where no weight's cast is
@@ -156,13 +168,16 @@ class Staging:
         # ops: a second cast would change its gradient's rounding).  Restored as the forward ends
         self.uncache_casts = False
         self._cache_was: bool | None = None  # autocast's cache setting, while turned off
-        self.calls: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()  # calls ended in this forward, per module
+        self.started: Counter[str] = Counter()  # calls started, per module with a boundary at its start
         self.seen = 0  # boundaries passed in the current forward
         self.forwarding = False
         self._handles = [root.register_forward_pre_hook(self._begin),
                          root.register_forward_hook(self._end)]
         for name in self.cuts:
             self._handles.append(modules[name].register_forward_hook(self._cut(name)))
+        for name in self.openings:
+            self._handles.append(modules[name].register_forward_pre_hook(self._opening(name), with_kwargs=True))
 
     def remove(self) -> None:
         """Take the hooks off the module."""
@@ -196,6 +211,7 @@ class Staging:
     def _begin(self, module: nn.Module, args: tuple) -> None:
         if self.listener is not None:
             self.calls.clear()
+            self.started.clear()
             self.seen, self.forwarding = 0, True
             self._uncache()
             self.listener.forward_start()
@@ -229,14 +245,32 @@ class Staging:
             cut = self.cuts[name].get(n)
             if cut is None:
                 return None
-            k, leaf = cut
-            if k != self.seen + 1:
-                raise RuntimeError(f"stage boundary {k} came after {self.seen}: the model's calls differ from the "
-                                   "profiled ones")
-            self.seen = k
-            leaves, spec = tree_flatten(out)
-            leaves[leaf] = stage_boundary(leaves[leaf], k, self.listener)
-            if self.clear_casts:
-                torch.clear_autocast_cache()
-            return tree_unflatten(leaves, spec)
+            return self._pass(out, cut, opening=False)
         return hook
+
+    def _opening(self, name: str):
+        @torch.compiler.disable
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if self.listener is None or not self.forwarding:
+                return None
+            n = self.started[name]
+            self.started[name] += 1
+            cut = self.openings[name].get(n)
+            if cut is None:
+                return None
+            return self._pass((args, kwargs), cut, opening=True)
+        return hook
+
+    def _pass(self, values: Any, cut: tuple[int, int], opening: bool) -> Any:
+        """``values`` (a call's output, or its ``(args, kwargs)``) with leaf ``cut[1]`` passed
+        through boundary ``cut[0]``."""
+        k, leaf = cut
+        if k != self.seen + 1:
+            raise RuntimeError(f"stage boundary {k} came after {self.seen}: the model's calls differ from the "
+                               "profiled ones")
+        self.seen = k
+        leaves, spec = tree_flatten(values)
+        leaves[leaf] = stage_boundary(leaves[leaf], k, self.listener, opening)
+        if self.clear_casts:
+            torch.clear_autocast_cache()
+        return tree_unflatten(leaves, spec)

@@ -7,8 +7,9 @@ one graph instead and hands AOTAutograd a partitioner built from (chain, schedul
 
 * **stages**: each forward node of the joint graph carries the module calls it ran in
   (``nn_module_stack``); the chain's cut sites are module calls, so stage ``k`` ends with the
-  last forward node inside the call of ``cuts[k-1]`` and every node up to there that is in
-  no later stage is in stage ``k`` (``assign_stages``);
+  last forward node inside the call of ``cuts[k-1]`` (the last one before it, where the cut
+  is at the call's start) and every node up to there that is in no later stage is in stage
+  ``k`` (``assign_stages``);
 * **recomputation**: the forward nodes of each recomputed run's stages are tagged
   ``MUST_RECOMPUTE`` (those its in-stage option keeps ``MUST_SAVE``, by the ``KeepRule`` the
   eager executor uses, those that draw random numbers, those that read an input with
@@ -131,7 +132,8 @@ def forward_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 def assign_stages(graph: fx.Graph, cuts: Sequence[Site]) -> dict[fx.Node, int]:
     """Stage (1..L) of each forward node of a joint graph: stage ``k`` ends with the last node
-    inside the call of ``cuts[k-1]``.  Empty for a graph that runs none of the cut sites (a
+    inside the call of ``cuts[k-1]`` (the last node before it, where the cut is at the call's
+    start: ``Site.before``).  Empty for a graph that runs none of the cut sites (a
     graph break has put it outside the model's stages, e.g. a loss after the model);
     ``ChainMismatch`` when it runs some of them only (a graph break between two cut sites)
     or out of order."""
@@ -149,7 +151,7 @@ def assign_stages(graph: fx.Graph, cuts: Sequence[Site]) -> dict[fx.Node, int]:
         inside = [i for i, held in enumerate(paths) if any(p == site.module or p.startswith(site.module + ".")
                                                            for p in held)]
         if inside:
-            ends.append(inside[-1])
+            ends.append(inside[0] - 1 if site.before else inside[-1])
         else:
             missing.append(site.module)
     if missing and ends:

@@ -254,7 +254,7 @@ class _Step(StageListener):
     def forward_start(self) -> None:
         self._record(1, None)
 
-    def stage_output(self, k: int, x: torch.Tensor) -> None:
+    def stage_output(self, k: int, x: torch.Tensor, opening: bool) -> None:
         self.stop_keeping()
         if self.recorder is not None:
             try:
@@ -264,13 +264,14 @@ class _Step(StageListener):
                                     "marks such stages and the solver leaves them alone), then solve again") from None
             self.recorder = None
         if k + 1 < self.plan.L:
-            self._record(k + 1, x)
+            self._record(k + 1, x, opening)
 
-    def _record(self, k: int, x: torch.Tensor | None) -> None:
-        """Stage ``k`` starts on input ``x``: record it if it is recomputed, hold ``x`` if a run starts there."""
+    def _record(self, k: int, x: torch.Tensor | None, opening: bool = False) -> None:
+        """Stage ``k`` starts on input ``x``: record it if it is recomputed, hold ``x`` if a run
+        starts there (``opening``: with a call that is starting, ``StageRecorder``)."""
         if k not in self.plan.recomputed:
             return
-        self.recorder = StageRecorder(k, x, self.runtime.device, self.tracker.excluded)
+        self.recorder = StageRecorder(k, x, self.runtime.device, self.tracker.excluded, opening=opening)
         self.ordinals[k] = []
         if x is not None and k in self.plan.run_starts:
             self.checkpoints[k] = x.detach()

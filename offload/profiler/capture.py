@@ -29,9 +29,12 @@ backward's nodes in the reverse order of their creation (its ready queue pops th
 latest-created ready node first, and a node is ready once the later nodes that feed it
 ran), so every op after the boundary has its backward before the boundary's, every op
 before it after.  Where several nested calls return the same value (a block and its last
-layer), the outermost is kept.  Stage boundaries are then forward hooks at these call
-sites on the user's own module (``offload.core.staging``), so its forward, hooks,
-checkpointing and compilation run as written.
+layer), the outermost is kept.  Where the model's own code makes a block's input outside
+any call (an encoder's positions added and dropped out before its first layer), the start
+of the block's call is a candidate too (``Site.before``, ``_add_openings``).  Stage
+boundaries are then forward hooks at these call sites on the user's own module
+(``offload.core.staging``), so its forward, hooks, checkpointing and compilation run as
+written.
 """
 from __future__ import annotations
 
@@ -58,6 +61,8 @@ class CallRecord:
     site: Site  # its path and occurrence (leaf: which output value, once chosen)
     depth: int  # nesting depth (0: a child of the root)
     outputs: list[tuple[int, int | None]]  # (pytree leaf index, producing node) of each differentiable activation
+    start: int = 0  # graph nodes made before the call began
+    inputs: list[tuple[int, int]] = field(default_factory=list)  # (leaf of (args, kwargs), producer) of its activations
 
 
 @dataclass
@@ -99,7 +104,8 @@ class _Recorder(TorchFunctionMode):
         self.stack: list[str] = []
         self.count: Counter[str] = Counter()
         self.calls: list[CallRecord] = []
-        self.open: list[tuple[str, int, int]] = []  # (module, occurrence, depth) of the calls running now
+        # (module, occurrence, depth, nodes made before it, its activation inputs) of the calls running now
+        self.open: list[tuple[str, int, int, int, list[tuple[int, int]]]] = []
         self.fn_nodes: dict[Any, int] = {}  # autograd node of a recorded output -> its graph node
 
     # -- values
@@ -183,19 +189,46 @@ class _Recorder(TorchFunctionMode):
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         name = self.names.get(module, "?")
         self.stack.append(name)
-        self.open.append((name, self.count[name], len(self.open)))
+        inputs = []
+        for n, t in enumerate(tree_flatten((args, kwargs))[0]):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                producer, data = self._lookup(t)
+                if data and producer is not None:
+                    inputs.append((n, producer))
+        self.open.append((name, self.count[name], len(self.open), len(self.order), inputs))
         self.count[name] += 1
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self.stack.pop()
-        name, occurrence, depth = self.open.pop()
+        name, occurrence, depth, start, inputs = self.open.pop()
         outputs = []
         for n, t in enumerate(tree_flatten(out)[0]):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 producer, data = self._lookup(t)
                 if data and producer is not None:
                     outputs.append((n, producer))
-        self.calls.append(CallRecord(Site(name, occurrence), depth, outputs))
+        self.calls.append(CallRecord(Site(name, occurrence), depth, outputs, start, inputs))
+
+
+def _add_openings(rec: _Recorder, best: dict[int, CallRecord], ancestors: set, blocks: set[str]) -> None:
+    """Into ``best``, a candidate at the start of each block call (``Site.before``, on the input
+    made last) whose input the model's own code made outside the calls that end candidates,
+    with parameters on the way (an encoder's positions added and dropped out before its first
+    layer: that code, which no module call holds, then ends the stage before, and the block can
+    be re-run alone).  Not where a candidate already ends just before the call, nor where the
+    code since the candidate before holds no parameters (a stage of its own it would join the
+    block before, making that one end outside its calls)."""
+    for call in sorted(rec.calls, key=lambda c: c.start):
+        live = [(leaf, node) for leaf, node in call.inputs if node in ancestors]
+        if call.site.module not in blocks or not live or call.start == 0:
+            continue
+        end = call.start - 1  # the node made last before the call (nodes are numbered in order)
+        since = max((n for n in best if n < end), default=-1)
+        if end in best or not any(rec.graph.nodes[n]["params"] for n in rec.order[since + 1:end + 1]):
+            continue
+        leaf, _ = max(live, key=lambda out: out[1])
+        best[end] = CallRecord(Site(call.site.module, call.site.occurrence, leaf, before=True), call.depth,
+                               call.outputs, call.start, call.inputs)
 
 
 def _dominators(g: nx.DiGraph) -> list[int]:
@@ -282,5 +315,6 @@ def capture(module: nn.Module, run: Callable[[], torch.Tensor], inputs: Any, spl
             continue
         if node not in best or call.depth < best[node].depth:
             best[node] = CallRecord(Site(call.site.module, call.site.occurrence, leaf), call.depth, call.outputs)
+    _add_openings(rec, best, ancestors, _blocks(module) if split_blocks else blocks)
     ends = {call.site: node for node, call in sorted(best.items())}
     return Capture(graph=rec.graph, order=rec.order, candidates=list(ends), ends=ends)

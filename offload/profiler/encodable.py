@@ -74,7 +74,7 @@ class _Numbering(StageListener):
         self.outputs: set[int] = set()
         self.roots: list[Any] = []  # each stage's last node: where the walk of its graph starts
 
-    def stage_output(self, k: int, x: torch.Tensor) -> None:
+    def stage_output(self, k: int, x: torch.Tensor, opening: bool) -> None:
         if plain(x):
             self.outputs.add(storage_key(x))
         if x.grad_fn is not None:

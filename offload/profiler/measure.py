@@ -173,7 +173,7 @@ class _Recording(Boundaries):
     def forward_start(self) -> None:
         self._start(1, None)
 
-    def stage_output(self, k: int, x: torch.Tensor) -> None:
+    def stage_output(self, k: int, x: torch.Tensor, opening: bool) -> None:
         recorder, self.recorder = self.recorder, None
         try:
             self.output_rebuilt[k - 1] = recorder.finish(x).output is not None
@@ -188,7 +188,7 @@ class _Recording(Boundaries):
             self.why[k - 1] = str(exc)
         self.new_held[k - 1] = self._new_held(recorder)
         if k + 1 < self.L:
-            self._start(k + 1, x)
+            self._start(k + 1, x, opening)
 
     def _new_held(self, recorder: StageRecorder) -> int:
         """Bytes the stage's re-run holds that the stage before's does not (``rerun_held_bytes``),
@@ -199,8 +199,8 @@ class _Recording(Boundaries):
         self.previous = {key: weakref.ref(storage) for key, (storage, _) in held.items() if storage is not None}
         return new
 
-    def _start(self, k: int, x: torch.Tensor | None) -> None:
-        self.recorder = StageRecorder(k, x, self.device, self.tracker.excluded, keep=False)
+    def _start(self, k: int, x: torch.Tensor | None, opening: bool = False) -> None:
+        self.recorder = StageRecorder(k, x, self.device, self.tracker.excluded, keep=False, opening=opening)
 
     def saved(self) -> None:
         if self.recorder is not None:
@@ -484,14 +484,15 @@ class _Holding(StageListener, TorchDispatchMode):
     def forward_start(self) -> None:
         self._hold(1, None)
 
-    def stage_output(self, k: int, x: torch.Tensor) -> None:
-        self._hold(k + 1, x if k + 1 < self.L else None)
+    def stage_output(self, k: int, x: torch.Tensor, opening: bool) -> None:
+        self._hold(k + 1, x if k + 1 < self.L else None, opening)
 
-    def _hold(self, k: int, x: torch.Tensor | None) -> None:
+    def _hold(self, k: int, x: torch.Tensor | None, opening: bool = False) -> None:
         if self.checkpoint is not None:
             self.checkpoint.close()
         self.stop_keeping()  # the kept outputs are let go: the model counts them from F(k) on
-        self.checkpoint = StageRecorder(k, x, self.device, self.tracker.excluded) if k < self.L else None
+        self.checkpoint = (StageRecorder(k, x, self.device, self.tracker.excluded, opening=opening)
+                           if k < self.L else None)
         if k in self.keeping:
             self.kept = KeptOutputs(k, self.keeping[k])
             self.kept.__enter__()

@@ -62,20 +62,20 @@ class _Replaying(Boundaries):
         self.on_boundary()
         self._start(1, None)
 
-    def stage_output(self, k: int, x: torch.Tensor) -> None:
+    def stage_output(self, k: int, x: torch.Tensor, opening: bool) -> None:
         if self.running is not None:
             recorder, kept, checkpoint = self.running
             if kept is not None:
                 kept.__exit__(None, None, None)
             self.running = None
             self.recorded[k] = (recorder.finish(x), kept, checkpoint)
-        self._start(k + 1, x)
+        self._start(k + 1, x, opening)
 
-    def _start(self, k: int, x: torch.Tensor | None) -> None:
+    def _start(self, k: int, x: torch.Tensor | None, opening: bool = False) -> None:
         if k in self.stages:
             option = self.stages[k]
             kept = KeptOutputs(k, option) if option is not None else None
-            self.running = (StageRecorder(k, x, self.device, self.tracker.excluded), kept,
+            self.running = (StageRecorder(k, x, self.device, self.tracker.excluded, opening=opening), kept,
                             x.detach() if x is not None else None)
             if kept is not None:
                 kept.__enter__()

@@ -689,6 +689,25 @@ def test_offload_train_traces_a_step_of_the_compiled_graph(aot, tmp_path):
     assert any(e.get("name") == "offload::d2h" for e in events)
 
 
+def test_a_model_under_its_own_checkpointing_is_profiled_and_trained_compiled_whole():
+    """transformers' own activation checkpointing, compiled whole: each checkpoint saves the
+    random state to draw its region's numbers again, a storage whose size the compiler leaves
+    symbolic (its profile failed writing that size into the chain).  It stays on the device
+    (no copy could size it), the chain counts its size as traced, and a schedule offloading
+    the floor trains as the compiled model without it."""
+    model = str(Path(__file__).resolve().parent / "models" / "decoders.py") + ":build"
+    opts = {"checkpointing": 1, "layers": 1, "dropout": 0.0, "width": 32, "seq": 16, "vocab": 64}
+    chain = profile(model, ProfileOptions(batch=1, repeats=1, warmup=1, encodings=False, options=opts,
+                                          compile="aot_eager", whole_graph=True, recompute=False)).chain
+    assert all(type(s.saved_bytes) is int for s in chain.stages) and chain.stage(2).saved_bytes > 0
+    schedule = make_schedule(chain, floor_offloads(chain))
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match=r"only in part .* \(a size the compiler left symbolic\)"):
+        report, error = train(None, chain, schedule, TrainOptions(steps=1, backend="cpu-lazy", check_grads=True))
+    assert error is None and report.grads_match
+    assert report.measured.d2h_bytes_per_step == schedule.simulate(chain).d2h_bytes > 0
+
+
 def test_the_partitioner_pickles_as_its_key(aot):
     one = SchedulePartitioner(aot.chain, make_schedule(aot.chain, []))
     assert pickle.loads(pickle.dumps(one)) == one.uuid()

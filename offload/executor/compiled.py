@@ -103,8 +103,8 @@ from offload.step.schedule import Schedule
 
 from .api import PathLike, chain_and_schedule, cut_sites
 from .compiled_copies import (PlacedCopies, UnitStorage, backward_stages, checkpoint_storages, counted_storages,
-                              keep_crossing, movable, place_copies, place_marks, place_ready, shared_saves, unit_needs,
-                              value_units)
+                              keep_crossing, movable, place_copies, place_marks, place_ready, shared_saves,
+                              storage_bytes, unit_needs, value_units)
 from .graph_copies import ALL_OPS, GraphCopies
 from .graph_grads import GRAD_OPS, GraphGrads, add_accumulation
 
@@ -373,7 +373,7 @@ class SchedulePartitioner(CustomPartitionerFn):
         for s in checkpoint_storages(forward, backward, self.outputs, self.runs, self.stages, self.back_stages, set(),
                                      self.recomputable | self.recomputed):
             value = s.values[0].meta["val"]
-            nbytes = allocated_bytes(value.untyped_storage().nbytes(), value.device)
+            nbytes = allocated_bytes(storage_bytes(value), value.device)
             whole, shared = out[s.run.first]
             out[s.run.first] = (whole, shared + nbytes) if s.shared else (whole + nbytes, shared)
         return out
@@ -421,7 +421,7 @@ class SchedulePartitioner(CustomPartitionerFn):
             value = source.meta.get("val") if isinstance(source, fx.Node) else None
             if isinstance(value, torch.Tensor) and (ref := StorageWeakRef(value.untyped_storage())) not in seen:
                 seen.add(ref)
-                out.append((self.units.get(source.name, 0), value.untyped_storage().nbytes(),
+                out.append((self.units.get(source.name, 0), storage_bytes(value),
                             source is not node or source.name in moved))
         return out
 
@@ -458,7 +458,8 @@ class SchedulePartitioner(CustomPartitionerFn):
                               "it skips views, getitem values, non-contiguous tensors and model outputs")
         else:
             mover, skipped = ("the compiled graph", "a storage that is also the model's output, holds several "
-                              "dtypes or is made from a later stage's values stays")
+                              "dtypes, has a size the compiler left symbolic or is made from a later stage's "
+                              "values stays")
         # a unit the graph saves nothing of is not one that stays: beside a recomputed
         # neighbour, all a stage saved may be that run's checkpoint (a ViT's embeddings,
         # which their own backward never reads), held and moved as the checkpoint

@@ -34,7 +34,9 @@ the values in the graph's layout, which the backward's views read, even where In
 a value out otherwise (``offload.executor.graph_copies``).
 
 What cannot move is said (``PlacedCopies.stay``): a storage that is also an output of the
-model, or that holds values of several dtypes.
+model, that holds values of several dtypes, or whose size the compiler left symbolic (the
+random state a checkpointed region saves to draw its dropouts again: a transformers model
+under ``gradient_checkpointing_enable()``).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload.core.devices import allocated_bytes
@@ -223,6 +226,20 @@ def _saved_storages(forward: fx.GraphModule, num_fwd_outputs: int) -> dict[Stora
     return groups
 
 
+def storage_bytes(value: torch.Tensor) -> int:
+    """The bytes of ``value``'s storage (a graph's meta value), a number: where the compiler left
+    the size symbolic, the size it had when traced."""
+    n = value.untyped_storage().nbytes()
+    return n if isinstance(n, int) else optimization_hint(n)
+
+
+def _symbolic(values: list[fx.Node]) -> bool:
+    """Whether the storage of ``values`` has a size the compiler left symbolic: its copies would
+    have no size to allocate (``run_and_save_rng_state``'s random state under a user's
+    checkpoint, compiled whole: a transformers Qwen2's profile failed on one)."""
+    return not isinstance(values[0].meta["val"].untyped_storage().nbytes(), int)
+
+
 def _storages(forward: fx.GraphModule, num_fwd_outputs: int, units: Mapping[str, int], offloaded: set[int]
               ) -> tuple[list[_Storage], dict[int, list[tuple[str, str]]]]:
     """The saved storages of the offloaded units that move, in forward order, and the values
@@ -237,7 +254,8 @@ def _storages(forward: fx.GraphModule, num_fwd_outputs: int, units: Mapping[str,
         if unit not in offloaded:
             continue
         why = ("an output of the model" if ref in model else
-               "values of several dtypes" if len({v.meta["val"].dtype for v in values}) > 1 else None)
+               "values of several dtypes" if len({v.meta["val"].dtype for v in values}) > 1 else
+               "a size the compiler left symbolic" if _symbolic(values) else None)
         if why:
             stay[unit] += [(v.name, why) for v in values]
         else:
@@ -263,7 +281,7 @@ def checkpoint_storages(forward: fx.GraphModule, backward: fx.GraphModule, num_f
     device = _graph_device(forward.graph.nodes)
     groups = {ref: values for ref, values in _saved_storages(forward, num_fwd_outputs).items()
               if all(v.op == "call_function" and getattr(v.meta.get("val"), "device", None) == device
-                     for v in values)}
+                     for v in values) and not _symbolic(values)}
     out = []
     for run in runs:
         inside = range(run.first, run.last + 1)
@@ -326,7 +344,7 @@ def counted_storages(forward: fx.GraphModule, backward: fx.GraphModule, moving: 
     for s in moving:
         value = s.values[0].meta["val"]
         ref = StorageWeakRef(value.untyped_storage())
-        out.append(UnitStorage(s.unit, s.name, allocated_bytes(value.untyped_storage().nbytes(), value.device),
+        out.append(UnitStorage(s.unit, s.name, allocated_bytes(storage_bytes(value), value.device),
                                max(s.unit, readers.get(ref, 0)),
                                max([s.unit, *(needed.get(v.name, 0) for v in s.values)])))
     return out

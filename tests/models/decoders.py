@@ -12,6 +12,8 @@
 
 ``dropout`` (0.1) is each architecture's attention (and NeoX's hidden) dropout; at 0 SDPA
 saves its query, key and value, which NeoX makes as views of one fused projection.
+``checkpointing=1``: every layer under transformers' own activation checkpointing, as its
+users turn it on (``activation_checkpointing_enable()``, non-reentrant).
 """
 from __future__ import annotations
 
@@ -41,9 +43,11 @@ def _config(arch: str, layers: int, width: int, vocab: int, dropout: float):
 
 
 def build(batch: int, arch: str = "qwen3", layers: int = 4, width: int = 128, seq: int = 64, vocab: int = 512,
-          dropout: float = 0.1):
+          dropout: float = 0.1, checkpointing: int = 0):
     cls, config = _config(arch, layers, width, vocab, dropout)
     torch.manual_seed(0)
     model = cls(config)
+    if checkpointing:
+        model.activation_checkpointing_enable()
     ids = torch.randint(0, vocab, (batch, seq))
     return model, {"input_ids": ids, "labels": ids}

@@ -558,7 +558,10 @@ def test_solve_verify_solves_again_for_less_where_the_compiled_schedule_held_mor
     assert written.solver["verified"]["moved_bytes"] == written.simulate(chain).d2h_bytes > 0
     assert f"its copies move {format_bytes(written.simulate(chain).d2h_bytes)} each way, as booked" in printed.out
     wrongly = {**written.solver["verified"], "booked_moved_bytes": 1024}  # (what a chain that books otherwise says)
-    assert "where the chain books 1.00 KiB: the predicted step's copy time is off" in _verified_line(wrongly, budget)
+    assert "moved more than the schedule books (each way" in _verified_line(wrongly, budget)
+    assert "a defect of the chain" in _verified_line(wrongly, budget)
+    fewer = {**written.solver["verified"], "booked_moved_bytes": written.solver["verified"]["moved_bytes"] + 128}
+    assert "copy time is that much too long (an upper bound)" in _verified_line(fewer, budget)  # an extent moved
 
 
 def test_solve_verify_gives_up_after_its_rounds_and_below_the_floor(monkeypatch):

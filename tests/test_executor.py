@@ -203,10 +203,10 @@ def test_copies_that_move_other_bytes_than_the_schedule_books_are_said(chains, c
     m.d2h_bytes_per_step = m.h2d_bytes_per_step = 2 * p.d2h_bytes_per_step
     _print_report(report)
     out = capsys.readouterr().out
-    assert f"D2H {format_bytes(2 * p.d2h_bytes_per_step)} where it books {format_bytes(p.d2h_bytes_per_step)}" in out
-    assert "H2D" in report.copies_off() and "moved more per step" in out and "a defect of the chain" in out
+    assert f"D2H a step {format_bytes(2 * p.d2h_bytes_per_step)} where it books {format_bytes(p.d2h_bytes_per_step)}" in out
+    assert "H2D" in report.copies_off() and "moved more than the schedule" in out and "a defect of the chain" in out
     m.d2h_bytes_per_step = m.h2d_bytes_per_step = p.d2h_bytes_per_step - 128  # less: an upper bound, no defect
-    assert "moved less per step" in report.copies_off() and "defect" not in report.copies_off()
+    assert "moved less than the schedule" in report.copies_off() and "defect" not in report.copies_off()
     m.d2h_bytes_per_step = m.h2d_bytes_per_step = 2 * p.d2h_bytes_per_step
     p.blob_slack_bytes = p.d2h_bytes_per_step
     assert report.copies_off() == ""

@@ -19,7 +19,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from offload.io.text import format_bytes
+from offload.io.text import copies_off, format_bytes
 from offload.step.budget import Budget
 from offload.step.chain import Chain
 from offload.step.encoding import lossy_stages
@@ -211,26 +211,12 @@ class Report:
                 "(sparse: its size follows the data, docs/encodings.md)")
 
     def copies_off(self) -> str:
-        """Where the steps' copies moved other bytes per step than the schedule books (beyond
-        what the encoded units' blobs may vary), the sentence that says so; else ''.  The
-        simulator's copy times follow its bytes: a chain that books fewer bytes than the
-        executor moves predicts the step too short, a defect (a compiled Qwen2's offloaded
-        checkpoints moved twice their booked bytes before the chain booked their dropout
-        masks); more, and the prediction is an upper bound."""
+        """Where the steps' copies moved other bytes per step than the schedule books, beyond
+        what the encoded units' blobs may vary, the sentence that says so (``io.text.copies_off``);
+        else ''."""
         m, p = self.measured, self.predicted
-        off = [f"{way} {format_bytes(done)} where it books {format_bytes(booked)}"
-               for way, done, booked in (("D2H", m.d2h_bytes_per_step, p.d2h_bytes_per_step),
-                                         ("H2D", m.h2d_bytes_per_step, p.h2d_bytes_per_step))
-               if abs(done - booked) > p.blob_slack_bytes]
-        if not off:
-            return ""
-        if m.d2h_bytes_per_step <= p.d2h_bytes_per_step and m.h2d_bytes_per_step <= p.h2d_bytes_per_step:
-            # (a compiled copy moves the extent of its storage the values span; the chain books the
-            # whole storage, which its release frees: a GPT-NeoX 128 B a step)
-            return (f"the copies moved less per step than the schedule books ({'; '.join(off)}): the predicted "
-                    "step's copy time is that much too long")
-        return (f"the copies moved more per step than the schedule books ({'; '.join(off)}): the predicted "
-                "step's copy time is too short by as much; a defect of the chain (profile it again, or report it)")
+        return copies_off([("D2H a step", m.d2h_bytes_per_step, p.d2h_bytes_per_step),
+                           ("H2D a step", m.h2d_bytes_per_step, p.h2d_bytes_per_step)], p.blob_slack_bytes)
 
     def in_scope(self, peaks: Measured | Predicted | Baseline) -> int | None:
         """``peaks``'s peak in the budget's scope (activations when there is no budget)."""

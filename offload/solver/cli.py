@@ -15,7 +15,7 @@ from offload.errors import FormatError
 from offload.io.argtypes import fraction, integer, seconds
 from offload.io.contention import busy_warning
 from offload.io.files import input_path, output_path
-from offload.io.text import clipped, format_bytes, format_seconds, printable
+from offload.io.text import clipped, copies_off, format_bytes, format_seconds, printable
 from offload.step.budget import Budget
 from offload.step.chain import Chain
 from offload.step.chainfile import load_chain
@@ -329,8 +329,7 @@ def _verified_line(verified: dict, limit: int) -> str:
             + (f"{over['op']} held {format_bytes(over['bytes'])} over its prediction" if over else
                "every op within its prediction")
             + ("" if moved is None else f"; its copies move {format_bytes(moved)} each way, as booked" if moved == booked
-               else f"; its copies move {format_bytes(moved)} each way where the chain books {format_bytes(booked)}: "
-                    "the predicted step's copy time is off (a defect of the chain: profile again, or report it)"))
+               else "; " + copies_off([("each way", moved, booked)])))
 
 
 def _unused_flags(args: argparse.Namespace) -> list[str]:

@@ -94,6 +94,28 @@ def test_a_skip_dying_inside_a_stage_is_counted_through_it(profiled):
         {op: predicted[op] - measured[op] for op in measured if predicted[op] != measured[op]}
 
 
+@pytest.mark.slow  # make test-all (a Whisper compiled whole, 15 s)
+def test_a_stage_ending_at_a_blocks_start_is_cut_there_in_the_compiled_graph_too():
+    """Whisper compiled whole: its stages end where its eager profile's do, at the start of each
+    stack's first layer (``:in``) too; the floor offloaded trains with every op within its
+    prediction, the bytes moved as booked, gradients those of the compile without it."""
+    import torch
+
+    chain = profile(str(ROOT / "tests" / "models" / "whisper.py") + ":build",
+                    ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, compile="aot_eager",
+                                   whole_graph=True, recompute=False)).chain
+    assert {"model.encoder.layers.0:in", "model.decoder.layers.0:in"} <= set(chain.recipe.cuts)
+    sched = make_schedule(chain, floor_offloads(chain))
+    torch._dynamo.reset()
+    report, error = train(None, chain, sched, TrainOptions(steps=1, backend="cpu-lazy", check_grads=True,
+                                                           op_memory=True))
+    m, p = report.measured, report.predicted
+    assert error is None and report.grads_match is True
+    assert m.d2h_bytes_per_step == p.d2h_bytes_per_step > 0
+    assert all(m.op_peak_bytes[op] <= p.op_bytes[op] for op in p.op_bytes), \
+        {op: m.op_peak_bytes[op] - p.op_bytes[op] for op in p.op_bytes}
+
+
 def test_skip_features_leave_the_device_until_their_up_block(profiled):
     """Everything offloaded at once, and the skip features the model's code holds taken off the
     device with their units and copied back for the up block that concatenates them (issue

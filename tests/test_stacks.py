@@ -348,13 +348,18 @@ def test_checkpointing_is_kept(reentrant):
     input (the profile sees less saved than without it), and offloading around it is exact.
     Reentrant checkpointing hides its blocks' calls from the capture: fewer stages, still
     exact.  (Its cut inside the last block leaves that block's input, a unit-1 storage, held
-    by the outer loop's local as stage 3 starts: the holding pass books it.)"""
+    by the outer loop's local as stage 3 starts: the holding pass books it.)  The chain's
+    notes name the stages the model checkpoints itself, and how to let the solver choose."""
     def chain(every):
         return profile(CHECKPOINTED, ProfileOptions(batch=16, repeats=1, warmup=1,
                                                     options={"every": every, "reentrant": reentrant})).chain
     kept, plain = chain(2), chain(0)
     assert sum(s.saved_bytes for s in kept.stages) < sum(s.saved_bytes for s in plain.stages)
     assert kept.L >= (8 if not reentrant else 3)
+    said = [n for n in kept.source["notes"] if "own activation checkpointing" in n]
+    first, last = ("blocks.0", "blocks.4") if not reentrant else ("blocks.1", "blocks.5")  # (0 joins 1: unseen)
+    assert len(said) == 1 and said[0].startswith(f"3 of {kept.L} stages ({first} .. {last}) run under")
+    assert not any("own activation checkpointing" in n for n in plain.source.get("notes", ()))
     check_train(kept, everything(kept))
 
 

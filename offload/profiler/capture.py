@@ -133,7 +133,8 @@ class _Recorder(TorchFunctionMode):
         inner = self.stack[-1] if self.stack else ""
         name = type(fn).__name__.removesuffix("Backward")
         self.graph.add_node(node, op=name, module=inner, kind=self.kinds[inner] if inner else _kind(name),
-                            params=any(type(b).__name__ == "AccumulateGrad" for b, _ in fn.next_functions))
+                            params=any(type(b).__name__ == "AccumulateGrad" for b, _ in fn.next_functions),
+                            checkpointed=name == "CheckpointFunction")  # a reentrant checkpoint's region
         self.order.append(node)
         for producer in producers:
             self.graph.add_edge(producer, node)
@@ -171,6 +172,7 @@ class _Recorder(TorchFunctionMode):
             first = next(t for t in outs if t.requires_grad)
             self.graph.add_node(node, op=name, module=inner, kind=self.kinds[inner] if inner else _kind(name),
                                 params=any(id(t) in self.params and t.requires_grad for t in ins),
+                                checkpointed=_in_checkpoint(),
                                 value=f"{str(first.dtype).removeprefix('torch.')}{list(first.shape)}",
                                 bytes=first.numel() * first.element_size())
             self.order.append(node)
@@ -208,6 +210,13 @@ class _Recorder(TorchFunctionMode):
                 if data and producer is not None:
                     outputs.append((n, producer))
         self.calls.append(CallRecord(Site(name, occurrence), depth, outputs, start, inputs))
+
+
+def _in_checkpoint() -> bool:
+    """Whether the op running now is in a region of the model's own (non-reentrant) activation
+    checkpointing: ``torch.utils.checkpoint``'s saved-tensor hooks are the innermost."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return bool(top) and getattr(top[0], "__qualname__", "").startswith("_checkpoint_hook.")
 
 
 def _add_openings(rec: _Recorder, best: dict[int, CallRecord], ancestors: set, blocks: set[str]) -> None:

@@ -153,6 +153,9 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
             stages, runner, result = _measured(cap, [cuts[e] for e in ends], spec, device, opts, tick)
         elif opts.stages and opts.stages > stages.L:
             stages.notes.append(f"asked for {opts.stages} stages; the model has {stages.L} cut points' worth")
+        own = own_checkpointing(cap, stages)
+        if own:
+            stages.notes.append(own)
         if turned_off:
             stages.notes.append("the model's config asks for a key/value cache (use_cache=True), which a training step "
                                 "has no use for and which keeps every block from being recomputed: profiled with "
@@ -336,6 +339,25 @@ def _floor_holder(chain: Chain) -> str:
     i = o + 1 if o < chain.L else 2 * chain.L - o
     return (f"{op_name(chain, o)} ({printable(chain.stage(i).name)}) holds it, {format_bytes(own)} of it the op's own "
             "temporary memory, which no schedule moves")
+
+
+def own_checkpointing(cap: Capture, stages: Stages) -> str:
+    """Where stages run under the model's own activation checkpointing (``torch.utils.checkpoint``,
+    transformers' ``gradient_checkpointing_enable()``), the note that says what that fixes
+    and how to let the solver choose instead; else ''.  Such a stage keeps only what enters
+    its checkpoint and runs it again in its backward, at every budget: its unit is small, its
+    backward's peak holds the whole region, and the profile of a transformers Qwen2 so had
+    its smallest budget at 90% of that model's peak."""
+    fixed = [k for k, st in enumerate(stages.stages, 1) if any(cap.graph.nodes[op].get("checkpointed") for op in st.ops)]
+    if not fixed:
+        return ""
+    names = stages.stages[fixed[0] - 1].name + (f" .. {stages.stages[fixed[-1] - 1].name}" if len(fixed) > 1 else "")
+    return (f"{len(fixed)} of {stages.L} stages ({names}) run under the model's own activation checkpointing "
+            "(torch.utils.checkpoint): each keeps only its checkpoint's input and runs its forward again in its "
+            "backward, whatever the budget; the solver weighs that choice per stage beside offloading (recomputing "
+            "every block is one of its schedules): profile the model with its checkpointing off (transformers: "
+            "model.gradient_checkpointing_disable(), activation_checkpointing_disable() in recent versions) and "
+            "solve with --recompute")
 
 
 def collapse_warnings(chain: Chain, cap: Capture, module: nn.Module) -> list[str]:

@@ -259,6 +259,52 @@ def test_the_recipe_says_how_to_rebuild_and_cut(profiled):
     assert chain.source["cpu_wait_share"] >= 0  # how busy the machine was (tests/test_contention.py)
 
 
+class _Adapted(nn.Module):
+    """A frozen linear with a trainable low-rank update (LoRA)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width).requires_grad_(False)
+        self.down, self.up = nn.Linear(width, 4, bias=False), nn.Linear(4, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.attn = _Adapted(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+def test_a_lora_models_stages_are_named_by_the_layers_they_run():
+    """Only adapters train (LoRA): a stage is named by the layers it runs, frozen weights and
+    all, not by its adapters alone (``layers.1`` was ``layers.1.attn``), and a span with no
+    common prefix by its first and last items (``layers.2..head``, was ``layers..head``).
+    (The first adapter's output is the first value with a gradient: a cut of its own.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.layers = nn.ModuleList(_Layer(16) for _ in range(3))
+    model.head = nn.Linear(16, 4).requires_grad_(False)
+
+    batch = torch.randn(2, 16)
+
+    def run():
+        x = batch
+        for layer in model.layers:
+            x = layer(x)
+        return model.head(x).square().mean()
+    cap = capture(model, run, batch)
+    names = [st.name for st in stages_at(cap, default_cuts(cap)).stages]
+    assert names == ["layers.0.attn.down", "layers.0.attn..mlp.2", "layers.1", "layers.2..head"]
+
+
 def test_cut_sites_read_back_as_written():
     """A site's text (a chain's ``recipe.cuts``) parses back to it, a cut at a call's start too."""
     for text in ("h.3", "relu@2", "block@0[1]", "layers.0:in", "layers.0@1:in[2]"):

@@ -132,8 +132,9 @@ class _Recorder(TorchFunctionMode):
         node = len(self.order)
         inner = self.stack[-1] if self.stack else ""
         name = type(fn).__name__.removesuffix("Backward")
+        params = any(type(b).__name__ == "AccumulateGrad" for b, _ in fn.next_functions)
         self.graph.add_node(node, op=name, module=inner, kind=self.kinds[inner] if inner else _kind(name),
-                            params=any(type(b).__name__ == "AccumulateGrad" for b, _ in fn.next_functions),
+                            params=params, weights=params,
                             checkpointed=name == "CheckpointFunction")  # a reentrant checkpoint's region
         self.order.append(node)
         for producer in producers:
@@ -172,6 +173,7 @@ class _Recorder(TorchFunctionMode):
             first = next(t for t in outs if t.requires_grad)
             self.graph.add_node(node, op=name, module=inner, kind=self.kinds[inner] if inner else _kind(name),
                                 params=any(id(t) in self.params and t.requires_grad for t in ins),
+                                weights=any(id(t) in self.params for t in ins),  # frozen ones too (LoRA's base)
                                 checkpointed=_in_checkpoint(),
                                 value=f"{str(first.dtype).removeprefix('torch.')}{list(first.shape)}",
                                 bytes=first.numel() * first.element_size())

@@ -99,9 +99,11 @@ def merge_to(weights: Sequence[float], count: int) -> list[int]:
 
 
 def _labels(cap: Capture, ops: list[int]) -> list[str]:
-    """The module paths that name a stage: its parameterized ops', or all of them if it has none."""
+    """The module paths that name a stage: its ops' that read weights, frozen ones too (a LoRA
+    model's stage runs its frozen layer, not only the adapters that train), or all of them if
+    it has none."""
     g = cap.graph.nodes
-    named = [g[op]["module"] or g[op]["op"] for op in ops if g[op]["params"]]
+    named = [g[op]["module"] or g[op]["op"] for op in ops if g[op]["weights"]]
     return named or [g[op]["module"] or g[op]["op"] for op in ops]
 
 
@@ -110,10 +112,18 @@ def _stage_name(labels: list[str], detailed: bool) -> str:
     prefix = os.path.commonprefix(parts)
     rest = [_head(p, len(prefix)) for p in parts if len(p) > len(prefix)]
     common = ".".join(prefix)
+    if rest and not common and rest[0] != rest[-1]:  # from the first item to the last: model.layers.3..lm_head
+        return f"{_item(parts[0])}..{_item(parts[-1])}"
     if rest and (detailed or not common):
         span = rest[0] if rest[0] == rest[-1] else f"{rest[0]}..{rest[-1]}"
         return f"{common}.{span}" if common else span
     return common or labels[0]
+
+
+def _item(path: list[str]) -> str:
+    """``path`` up to its first container index (``model.layers.3``), or whole."""
+    at = next((n for n, part in enumerate(path) if part.isdigit()), len(path) - 1)
+    return ".".join(path[:at + 1])
 
 
 def _head(path: list[str], at: int) -> str:

@@ -44,7 +44,9 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
     sometimes ``recomputable: false``, in half of the
     stages the input's own storage (what an offloaded checkpoint moves), and in a third of
     the stages an in-stage option.  ``casts``:
-    stages make weight casts (``None``: a third of the chains, some of their stages)."""
+    stages make weight casts (``None``: a third of the chains, some of their stages).
+    Without encodings, a quarter of the units' copies move less than the unit frees
+    (``moved_bytes``, as a compiled graph's copies move the extent their values span)."""
     L = draw(st.integers(min_stages, max_stages))
     host = draw(st.integers(0, 2)) == 0  # a GPU whose host issues kernels slower than some stages run
     if casts is None:  # autocast: weight casts made again by the backward unless kept
@@ -64,6 +66,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             "encodings": _encodings(draw, saved, need - i + 1) if encodings else [],
             "input_bytes": draw(st.integers(0, 60)) if inputs and i > 1 else 0,
         })
+        if saved and not encodings and draw(st.integers(0, 3)) == 0:  # a compiled copy: the extent its values span
+            stages[-1]["moved_bytes"] = draw(st.integers(1, saved))
         if casts and draw(st.booleans()):
             stages[-1].update(cast_bytes=draw(st.integers(1, 40)),
                               recast_s=draw(st.integers(0, stages[-1]["bwd_s"] * 1000)) / 1000)

@@ -8,6 +8,7 @@ from offload.step.budget import Budget
 from offload.step.chainfile import chain_from_dict, load_chain, save_chain
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import load_schedule, save_schedule, schedule_from_dict, schedule_to_dict
+from offload.step.simulate import simulate
 from tests.conftest import chain_doc
 
 
@@ -71,6 +72,8 @@ def test_workspace_bytes_round_trip_and_count_in_the_identity_only_when_there():
     (lambda d: d["stages"][0].update(held_bytes=50, held_until=3, held_saves=[], held_read_at=3), "name the held"),
     (lambda d: d["stages"][0].update(held_bytes=50, held_until=3, held_saves=[1], held_read_at=3, shared_saves=[1]),
      "in held_saves and in shared_saves"),
+    (lambda d: d["stages"][0].update(moved_bytes=d["stages"][0]["saved_bytes"] + 1), "moved_bytes' must be in [1, "),
+    (lambda d: d["stages"][0].update(moved_bytes=0), "moved_bytes' must be in [1, "),
 ])
 def test_malformed_chain_names_the_field(mutate, words):
     doc = chain_doc()
@@ -86,6 +89,19 @@ def test_shared_saves_round_trip_and_count_in_the_identity_only_when_there():
     assert chain.stage(2).shared_saves == (0, 4) and chain_from_dict(chain.document()) == chain
     assert chain.sha256 != chain_from_dict(chain_doc()).sha256
     assert "shared_saves" not in chain_from_dict(chain_doc()).document()["stages"][1]  # older chains keep their sha256
+
+
+def test_moved_bytes_round_trip_and_time_the_copies_only_when_there():
+    """A unit whose copies move less than it frees (a compiled graph's extents): its copies
+    are timed by what they move, its memory by the unit."""
+    doc = chain_doc()
+    doc["stages"][0]["moved_bytes"] = doc["stages"][0]["saved_bytes"] // 2
+    chain, plain = chain_from_dict(doc), chain_from_dict(chain_doc())
+    assert chain_from_dict(chain.document()) == chain and chain.sha256 != plain.sha256
+    assert "moved_bytes" not in plain.document()["stages"][0]  # older chains keep their sha256
+    assert chain.d2h_s(1) == plain.platform.d2h_s(doc["stages"][0]["moved_bytes"]) < plain.d2h_s(1)
+    sim, before = simulate(chain, [Offload(1, 2, 3)]), simulate(plain, [Offload(1, 2, 3)])
+    assert sim.d2h_bytes == doc["stages"][0]["moved_bytes"] and list(sim.memory) == list(before.memory)
 
 
 def test_held_reads_and_restores_round_trip_and_old_files_read_as_before(four, tmp_path):

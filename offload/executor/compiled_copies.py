@@ -319,13 +319,15 @@ class UnitStorage:
     (the graph keeps it that long, released or not; the forward's end, ``L``, for a reader
     the partitioner put there), ``need_from`` the first backward stage that reads it (the
     largest: a causal mask that every attention backward reads is needed from the last's,
-    though it is its first stage's unit)."""
+    though it is its first stage's unit), ``moved`` what its copy moves (the extent its
+    values span: ``None``, the whole storage)."""
 
     unit: int
     name: str
     nbytes: int
     held_until: int
     need_from: int
+    moved: int | None = None
 
 
 def counted_storages(forward: fx.GraphModule, backward: fx.GraphModule, moving: Sequence[_Storage],
@@ -346,7 +348,7 @@ def counted_storages(forward: fx.GraphModule, backward: fx.GraphModule, moving: 
         ref = StorageWeakRef(value.untyped_storage())
         out.append(UnitStorage(s.unit, s.name, allocated_bytes(storage_bytes(value), value.device),
                                max(s.unit, readers.get(ref, 0)),
-                               max([s.unit, *(needed.get(v.name, 0) for v in s.values)])))
+                               max([s.unit, *(needed.get(v.name, 0) for v in s.values)]), s.nbytes))
     return out
 
 

@@ -69,8 +69,8 @@ def copies_off(moved: list[tuple[str, int, int]], slack: int = 0) -> str:
     than the executor moves predicts the step too short, a defect (a compiled Qwen2's
     offloaded checkpoints moved twice their booked bytes before the chain booked their dropout
     masks); more, and the prediction is an upper bound (a compiled copy moves the extent of
-    its storage that the saved values span, the chain books the whole storage, which its
-    release frees: a GPT-NeoX 128 B a step, a ViT 5%)."""
+    its storage that the saved values span, which a chain of the compiled graph profiled
+    before ``Stage.moved_bytes`` booked as the whole storage: a ViT's 5%)."""
     off = [f"{way} {format_bytes(done)} where it books {format_bytes(booked)}"
            for way, done, booked in moved if abs(done - booked) > slack]
     if not off:

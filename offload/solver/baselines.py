@@ -121,12 +121,11 @@ def _idle_times(chain: Chain) -> np.ndarray:
 
 def swap_ranked(chain: Chain, budget: int, by_size: bool) -> Plan | None:
     """Zhang et al.'s swap selection with DOA (``by_size=False``) or AOA ranking."""
-    p = chain.platform
     idle = _idle_times(chain)
     score = {}
     for i in chain.offloadable:
         if by_size:
-            adjusted = idle[i] - p.d2h_s(float(chain.a[i])) - p.h2d_s(float(chain.a[i]))
+            adjusted = idle[i] - chain.d2h_s(i) - chain.h2d_s(i)
             score[i] = adjusted * chain.a[i] if adjusted > 0 else idle[i] / chain.a[i]
         else:
             score[i] = idle[i]

@@ -37,8 +37,11 @@ def fluid_lp(chain: Chain, budget: int, deadline: Deadline | None = None) -> Flu
     tau, mu = chain.time_unit_s, chain.memory_unit_bytes
     f, b = chain.f / tau, (chain.b - chain.rc) / tau  # every weight cast kept: the fastest backward
     a = {i: chain.a[i] / mu for i in range(1, L + 1)}
-    bw_d = chain.platform.d2h_bytes_per_s * tau / mu
-    bw_h = chain.platform.h2d_bytes_per_s * tau / mu
+    # volume is memory freed; a copy may move less than its unit frees (``Stage.moved``): the
+    # link then frees memory faster than it moves bytes, at most by the least moved share
+    share = min([chain.mv[i] / chain.a[i] for i in U], default=1.0)  # (> 0: a unit moves a byte at least)
+    bw_d = chain.platform.d2h_bytes_per_s * tau / mu / share
+    bw_h = chain.platform.h2d_bytes_per_s * tau / mu / share
     B = budget / mu
     if chain.fp[1] > budget:
         return None
@@ -104,13 +107,14 @@ def coarsened(chain: Chain, groups: int) -> tuple[Chain, np.ndarray]:
     stages = []
     for g, (lo, hi) in enumerate(zip(edges[:-1] + 1, edges[1:]), start=1):
         group[lo: hi + 1] = g
-        a = chain.a[lo: hi + 1]
+        a, moved = chain.a[lo: hi + 1], chain.mv[lo: hi + 1]
         before = np.concatenate([[0], np.cumsum(a)[:-1]])  # own units saved earlier in the group
         after = a.sum() - np.cumsum(a)  # own units of later stages of the group
         stages.append(Stage(name=f"{chain.stage(lo).name}..{chain.stage(hi).name}", kind="group",
                             fwd_s=float(chain.f[lo: hi + 1].sum()), bwd_s=float(chain.b[lo: hi + 1].sum()),
                             saved_bytes=int(a.sum()), fwd_peak_bytes=int(max(a.sum(), (chain.fp[lo: hi + 1] + before).max())),
-                            bwd_peak_bytes=int(max(0, (chain.bp[lo: hi + 1] - after).max())), need_from=0))
+                            bwd_peak_bytes=int(max(0, (chain.bp[lo: hi + 1] - after).max())), need_from=0,
+                            moved_bytes=int(moved.sum()) if moved.sum() < a.sum() else None))
     need = [int(group[chain.need[lo: hi + 1].max()]) for lo, hi in zip(edges[:-1] + 1, edges[1:])]
     stages = [replace(s, need_from=n) for s, n in zip(stages, need)]
     return replace(chain, stages=tuple(stages)), group

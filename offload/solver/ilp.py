@@ -256,8 +256,11 @@ class Model:
                 self.moving[r.first, form] = r
                 self.forms[r.first].append(form)
                 self.size[r.first, form] = moved / self.mu
-        self.dd = {(i, o): p.d2h_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.forms[i]}
-        self.hd = {(i, o): p.h2d_s(self.size[i, o] * self.mu) / self.tau for i in self.U for o in self.forms[i]}
+        # a copy's time is its moved bytes' (a unit's raw copy may move less than it frees: ``Stage.moved``)
+        copied = {(i, o): float(chain.mv[i]) if o == RAW else self.size[i, o] * self.mu
+                  for i in self.U for o in self.forms[i]}
+        self.dd = {slot: p.d2h_s(nbytes) / self.tau for slot, nbytes in copied.items()}
+        self.hd = {slot: p.h2d_s(nbytes) / self.tau for slot, nbytes in copied.items()}
         # the host's time to issue a slot's copy, either way: per storage
         self.ih = {(i, o): chain.issue_host_s(i, checkpoint=self.moving[i, o].option if (i, o) in self.moving else None)
                    / self.tau for i in self.U for o in self.forms[i]}

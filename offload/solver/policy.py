@@ -94,7 +94,7 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
     S = set(units)
     runs = tuple(runs)
     recomputed = {i for r in runs for i in r.stages}
-    L, p = chain.L, chain.platform
+    L = chain.L
     f, a = chain.f, chain.a
     fp = [int(x) for x in chain.fp]  # F_j's own transient
     for r in runs:
@@ -147,7 +147,7 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
         t += f[j]
         resident += int(chain.carry[j] if j in recomputed else a[j])
         if j in S:
-            d2h_free = max(t, d2h_free) + p.d2h_s(float(a[j]))
+            d2h_free = max(t, d2h_free) + chain.d2h_s(j)
             d2h_end[j] = d2h_free
             pending.append(j)
     for i in pending[head:]:
@@ -213,7 +213,7 @@ def prefetch_earliest(chain: Chain, units: Iterable[int], budget: int, runs: Ite
 def prefetch_latest(chain: Chain, units: Iterable[int], budget: int) -> Points:
     """"No-overhead" prefetch: as late as serialized copies on the ideal timeline allow,
     later still where memory forces it ("stick to the limit")."""
-    L, p = chain.L, chain.platform
+    L = chain.L
     order = prefetch_order(chain, units)
     # ideal start time of B_j, measured from the start of B_L
     t_b = np.zeros(L + 2)
@@ -222,7 +222,7 @@ def prefetch_latest(chain: Chain, units: Iterable[int], budget: int) -> Points:
     latest: dict[int, float] = {}
     nxt = np.inf
     for u in reversed(order):
-        dur = p.h2d_s(float(chain.a[u]))
+        dur = chain.h2d_s(u)
         latest[u] = min(t_b[int(chain.need[u])], nxt) - dur
         nxt = latest[u]
     mem = _backward_memory(chain, units)

@@ -153,6 +153,8 @@ class Stage:
     rerun_host_s: float = 0.0  # host time to issue the executor's re-run of Fi (CUDA; 0: fwd_host_s)
     storages: int = 0  # distinct storages in the unit: a copy of it issues one each (0: not counted)
     saves: int = 0  # saved tensors of the unit's storages in a step: each a handle when it moves or is rebuilt (0: not counted)
+    moved_bytes: int | None = None  # what a copy of the unit moves each way, where less than the unit (None: all of
+    # it): a compiled graph's copy moves the extent of each storage its values span, its release frees the storage
     options: tuple[StageOption, ...] = ()  # in-stage options, measured: a recomputed run may choose one
     cast_bytes: int = 0  # weight casts (autocast) Fi makes and Bi reads: dropped and made again unless kept ...
     recast_s: float = 0.0  # ... what making them again costs Bi (part of bwd_s): docs/model.md, "Weight casts"
@@ -175,6 +177,11 @@ class Stage:
     def rerun_host(self) -> float:
         """The host's time to issue a re-run of ``Fi``: measured, else ``Fi``'s own."""
         return self.rerun_host_s or self.fwd_host_s
+
+    @property
+    def moved(self) -> int:
+        """Bytes a copy of the unit moves, each way (its copies' time: docs/model.md, "Copies")."""
+        return self.saved_bytes if self.moved_bytes is None else self.moved_bytes
 
     @property
     def carried(self) -> int:
@@ -341,6 +348,8 @@ def _stage_document(s: Stage) -> dict:
         d["storages"] = s.storages
     if s.saves:  # likewise
         d["saves"] = s.saves
+    if s.moved_bytes is not None:  # likewise
+        d["moved_bytes"] = s.moved_bytes
     return d
 
 
@@ -371,6 +380,7 @@ class Chain:
     f = _column("fwd_s", np.float64)
     b = _column("bwd_s", np.float64)
     a = _column("saved_bytes")
+    mv = _column("moved")
     fp = _column("fwd_peak_bytes")
     bp = _column("bwd_peak_bytes")
     held = _column("held_bytes")
@@ -463,10 +473,12 @@ class Chain:
         return self.platform.copy_host_s * len(self.stage(i).held_saves)
 
     def d2h_s(self, i: int) -> float:
-        return self.platform.d2h_s(float(self.a[i]))
+        """Unit ``i``'s copy to the host: its moved bytes'."""
+        return self.platform.d2h_s(float(self.mv[i]))
 
     def h2d_s(self, i: int) -> float:
-        return self.platform.h2d_s(float(self.a[i]))
+        """Unit ``i``'s copy back to the device."""
+        return self.platform.h2d_s(float(self.mv[i]))
 
     @cached_property
     def ideal_makespan_s(self) -> float:

@@ -32,7 +32,7 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes", "rerun_peak_bytes", "rebuilt_bytes",
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
                "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "shared_saves",
-               "held_saves", "held_read_at", "storages", "saves"}
+               "held_saves", "held_read_at", "storages", "saves", "moved_bytes"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors", "fwd_held_bytes", "next_held_bytes",
                   "bwd_held_bytes"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
@@ -243,6 +243,7 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                  rerun_host_s=v.seconds(s, "rerun_host_s", ctx) if "rerun_host_s" in s else 0.0,
                  storages=v.whole(s, "storages", ctx, 0, saved) if "storages" in s else 0,
                  saves=v.whole(s, "saves", ctx) if "saves" in s else 0,
+                 moved_bytes=v.whole(s, "moved_bytes", ctx, min(1, saved), saved) if "moved_bytes" in s else None,
                  cast_bytes=v.nbytes(s, "cast_bytes", ctx) if "cast_bytes" in s else 0, recast_s=recast)
 
 

@@ -200,7 +200,6 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     memory, rebuilt_memory = memory_profile(chain, offloads, runs, kept)
     sub_memory = {j: nbytes for _, j, nbytes in rebuilt_memory}
     L, p = chain.L, chain.platform
-    a = chain.a
     handling = handling_host(chain, offloads, encode, runs)
     fh = chain.fh + recording_host(chain, runs) + handling
     bh = chain.bh + handling
@@ -225,7 +224,7 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     h = 0.0  # when the host has issued everything so far
     def moved(e: Event) -> int:
         """The bytes a copy moves: the unit's, or the offloaded checkpoint's of a run."""
-        return moved_checkpoint_bytes(chain, e.run) if e.run is not None else int(a[e.stage])
+        return moved_checkpoint_bytes(chain, e.run) if e.run is not None else int(chain.mv[e.stage])
 
     def issue(e: Event) -> float:
         """The host's time to issue a copy: the unit's or the run's checkpoint's."""

@@ -175,9 +175,10 @@ class Staging:
         self._handles = [root.register_forward_pre_hook(self._begin),
                          root.register_forward_hook(self._end)]
         for name in self.cuts:
-            self._handles.append(modules[name].register_forward_hook(self._cut(name)))
+            self._handles.append(modules[name].register_forward_hook(self._hook(name, opening=False)))
         for name in self.openings:
-            self._handles.append(modules[name].register_forward_pre_hook(self._opening(name), with_kwargs=True))
+            self._handles.append(modules[name].register_forward_pre_hook(self._hook(name, opening=True),
+                                                                         with_kwargs=True))
 
     def remove(self) -> None:
         """Take the hooks off the module."""
@@ -235,30 +236,21 @@ class Staging:
             torch.autograd.graph.register_multi_grad_hook(grads, lambda _: listener.backward_boundary(self.L), mode="any")
         return None
 
-    def _cut(self, name: str):
-        @torch.compiler.disable
-        def hook(module: nn.Module, args: tuple, out: Any) -> Any:
-            if self.listener is None or not self.forwarding:
-                return None
-            n = self.calls[name]
-            self.calls[name] += 1
-            cut = self.cuts[name].get(n)
-            if cut is None:
-                return None
-            return self._pass(out, cut, opening=False)
-        return hook
+    def _hook(self, name: str, opening: bool):
+        """The hook on ``name``'s calls: at their start (``opening``: a forward pre-hook, the
+        boundary on an input of its ``(args, kwargs)``) or at their end (on its output)."""
+        counts, table = (self.started, self.openings) if opening else (self.calls, self.cuts)
 
-    def _opening(self, name: str):
         @torch.compiler.disable
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        def hook(module: nn.Module, args: tuple, values: Any) -> Any:  # values: the kwargs, or the output
             if self.listener is None or not self.forwarding:
                 return None
-            n = self.started[name]
-            self.started[name] += 1
-            cut = self.openings[name].get(n)
+            n = counts[name]
+            counts[name] += 1
+            cut = table[name].get(n)
             if cut is None:
                 return None
-            return self._pass((args, kwargs), cut, opening=True)
+            return self._pass((args, values) if opening else values, cut, opening)
         return hook
 
     def _pass(self, values: Any, cut: tuple[int, int], opening: bool) -> Any:

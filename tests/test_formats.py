@@ -141,7 +141,8 @@ def test_format_1_files_still_load_for_solving():
 
 def test_recipe_round_trips_and_is_part_of_the_identity(four):
     recipe = {"model": "resnet18", "batch": 8, "options": {"image": 32}, "dtype": "float32", "seed": 0,
-              "optimizer": "adam", "cuts": ["layer1.0", "relu@2", "block@0[1]"], "inputs": ["0:float32[8,3,32,32]"]}
+              "optimizer": "adam", "cuts": ["layer1.0", "relu@2", "block@0[1]", "layers.0:in", "layers.1@1:in[2]"],
+              "inputs": ["0:float32[8,3,32,32]"]}
     a = chain_from_dict(chain_doc(recipe=recipe))
     assert chain_from_dict(a.document()) == a
     b = chain_from_dict(chain_doc(recipe={**recipe, "batch": 2}))

@@ -25,7 +25,7 @@ from .names import AUTOCAST, COMPILE_BACKENDS, DTYPES, ENCODERS, OPTIMIZERS, WHO
 
 OLD_FORMATS = ("offload-chain/1",)
 MAX_TOTAL_BYTES = 2 ** 62  # sums of per-op memory stay exact in int64
-_SITE = re.compile(r"[^@\[\]]*(@\d+)?(\[\d+\])?")
+_SITE = re.compile(r"[^@\[\]]*(@\d+)?(:in)?(\[\d+\])?")  # offload.core.staging.Site.text
 _KEYS = {"format", "name", "source", "platform", "base_bytes", "workspace_bytes", "stages", "recipe"}
 _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "need_from", "encodings",
                "held_bytes", "held_until", "input_bytes", "recomputable", "rerun_output",
@@ -169,7 +169,7 @@ def recipe_from_dict(d: Any) -> Recipe:
                   options=dict(options), dtype=v.choice(d, "dtype", "recipe", DTYPES, "float32"),
                   seed=v.whole(d, "seed", "recipe", 0, 2 ** 63) if "seed" in d else 0,
                   optimizer=v.choice(d, "optimizer", "recipe", OPTIMIZERS, "adam"),
-                  cuts=v.matching(d, "cuts", "recipe", _SITE, "call sites (module path, optional @call and [value])"),
+                  cuts=v.matching(d, "cuts", "recipe", _SITE, "call sites (module path, optional @call, :in and [value])"),
                   inputs=v.matching(d, "inputs", "recipe", _INPUT, "input signatures (name:dtype[shape])"),
                   autocast=v.choice(d, "autocast", "recipe", AUTOCAST),
                   set_to_none=v.flag(d, "set_to_none", "recipe", False),

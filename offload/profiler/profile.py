@@ -386,9 +386,12 @@ def collapse_warnings(chain: Chain, cap: Capture, module: nn.Module) -> list[str
                        "crosses them, the layers inside one only there")
     peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
     if peak and floor > FLOOR_WARNING * peak:
+        own = any(node.get("checkpointed") for _, node in cap.graph.nodes(data=True))
         out.append(f"the smallest feasible budget is {100 * floor / peak:.0f}% of the no-offload peak: "
                    f"{_floor_holder(chain)}; offloading can barely help with these stages "
-                   + ("(a smaller batch lowers it)" if inert else
+                   + ("(the model checkpoints its own layers, each backward running its forward again: profile it "
+                      "with its checkpointing off and solve with --recompute; `offload show` names them)" if own else
+                      "(a smaller batch lowers it)" if inert else
                       "(too few cuts, or one op holds most of the memory); try --stages with more stages, or a smaller batch"))
     return out
 

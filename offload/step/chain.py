@@ -180,7 +180,7 @@ class Stage:
 
     @property
     def moved(self) -> int:
-        """Bytes a copy of the unit moves, each way (its copies' time: docs/model.md, "Copies")."""
+        """Bytes a copy of the unit moves, each way (its copies' time: docs/model.md, "Schedules")."""
         return self.saved_bytes if self.moved_bytes is None else self.moved_bytes
 
     @property

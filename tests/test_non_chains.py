@@ -94,6 +94,21 @@ def test_a_skip_dying_inside_a_stage_is_counted_through_it(profiled):
         {op: predicted[op] - measured[op] for op in measured if predicted[op] != measured[op]}
 
 
+def test_a_cut_at_a_blocks_start_falls_on_a_keyword_input_and_the_block_re_runs():
+    """Blocks called with keyword arguments only, the hidden state after a gradient-free one,
+    and the positions and a functional dropout before the first block in the model's own
+    code: the cut at that block's start is on its second input (``layers.0@0:in[1]``), the
+    chain keeps it (its recipe was refused so), and the block re-runs from it, bit for bit
+    with dropout, every op within its prediction."""
+    chain = profile(str(ROOT / "tests" / "models" / "keyword_blocks.py") + ":build",
+                    ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False)).chain
+    k = list(chain.recipe.cuts).index("layers.0@0:in[1]") + 1  # the stage it ends: the positions' and dropout's
+    assert k not in chain.recomputable and {k + 1, k + 2} <= chain.recomputable
+    runs = [Recompute(k + 1, k + 1), Recompute(k + 2, k + 2)]
+    offloads = [Offload(i, i + 1, chain.stage(i).need_from) for i in chain.offloadable if i <= k]
+    check_run(chain, make_schedule(chain, offloads, recompute=runs), "cpu-lazy", "keyword blocks")
+
+
 @pytest.mark.slow  # make test-all (a Whisper compiled whole, 15 s)
 def test_a_stage_ending_at_a_blocks_start_is_cut_there_in_the_compiled_graph_too():
     """Whisper compiled whole: its stages end where its eager profile's do, at the start of each

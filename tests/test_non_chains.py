@@ -3,7 +3,7 @@ encoder's output, every block the attention bias), a transformers Whisper (a spe
 encoder-decoder: a convolutional front end, the encoder's output read by every decoder
 block's cross-attention) and a U-Net (the encoder's features cross every boundary up to
 the decoder block that concatenates them) are cut at every block,
-whatever crosses it; the smallest feasible budget then comes from the largest block, and
+whatever crosses it (and at a block's start where the model's own code makes its input); the smallest feasible budget then comes from the largest block, and
 each trains bit-exact with every op's measured memory as predicted.  ``--split-blocks`` cuts
 a Mixtral's layers at their attention too, its MLP halves re-run only as the end of a run."""
 from __future__ import annotations

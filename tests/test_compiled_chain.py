@@ -563,6 +563,8 @@ def test_solve_verify_solves_again_for_less_where_the_compiled_schedule_held_mor
     assert "a defect of the chain" in _verified_line(wrongly, budget)
     fewer = {**written.solver["verified"], "booked_moved_bytes": written.solver["verified"]["moved_bytes"] + 128}
     assert "copy time is that much too long (an upper bound)" in _verified_line(fewer, budget)  # an extent moved
+    assert main(["solve", str(tmp_path / "chain.json"), "--budget", "97%"]) == 0  # without --verify: said
+    assert "verified     not: each op's memory comes from the profile's compiles" in capsys.readouterr().out
 
 
 def test_solve_verify_gives_up_after_its_rounds_and_below_the_floor(monkeypatch):

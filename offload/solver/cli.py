@@ -311,6 +311,11 @@ def cmd_solve(args: argparse.Namespace) -> int:
         _line("note", res.info["note"])
     if "verified" in res.info:
         _line("verified", _verified_line(res.info["verified"], budget.activations(chain)))
+    elif chain.recipe and chain.recipe.whole_graph and (res.schedule.offloads or res.schedule.recompute):
+        _line("verified", "not: each op's memory comes from the profile's compiles, not this schedule's (a compiled "
+                          "ViT recomputing a stage beside an offloaded neighbour held 65 KiB over it); --verify "
+                          "compiles this one and meters it op by op, solving again for less where an op held more "
+                          "than the budget")
     _print_simulation(chain, res.simulation, budget.base(chain))
     if args.output:
         save_schedule(res.schedule, chain, args.output)

@@ -305,6 +305,34 @@ def test_a_lora_models_stages_are_named_by_the_layers_they_run():
     assert names == ["layers.0.attn.down", "layers.0.attn..mlp.2", "layers.1", "layers.2..head"]
 
 
+class _Transposed(nn.Module):
+    """A linear layer as Falcon writes its own: the input times a view of the weight."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(x @ self.weight.T)
+
+
+def test_a_weight_read_through_a_view_is_a_weight():
+    """Blocks whose only weight is read as ``self.weight.T`` hold parameters: each is a stage
+    (they were read as parameter-free, and the whole model one stage, ``blocks.0..mean``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.blocks = nn.ModuleList(_Transposed(16) for _ in range(3))
+    batch = torch.randn(2, 16)
+
+    def run():
+        x = batch
+        for block in model.blocks:
+            x = block(x)
+        return x.square().mean()
+    cap = capture(model, run, batch)
+    assert [st.name for st in stages_at(cap, default_cuts(cap)).stages] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
 def test_cut_sites_read_back_as_written():
     """A site's text (a chain's ``recipe.cuts``) parses back to it, a cut at a call's start too."""
     for text in ("h.3", "relu@2", "block@0[1]", "layers.0:in", "layers.0@1:in[2]"):

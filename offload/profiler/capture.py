@@ -121,6 +121,11 @@ class _Recorder(TorchFunctionMode):
             return node, True
         return entry[1], entry[2]
 
+    def _weight(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a parameter of the model, or a view of one (Falcon's linear layers
+        multiply by ``self.weight.T``: read as no weight, its stages were named by their norms)."""
+        return id(t) in self.params or (t._base is not None and id(t._base) in self.params)
+
     def _node_of(self, fn: Any) -> int | None:
         """The graph node of autograd node ``fn``: one recorded, or a new one (a custom
         Function's backward) whose edges come from the nodes its inputs' autograd nodes are."""
@@ -172,8 +177,8 @@ class _Recorder(TorchFunctionMode):
             inner = self.stack[-1] if self.stack else ""
             first = next(t for t in outs if t.requires_grad)
             self.graph.add_node(node, op=name, module=inner, kind=self.kinds[inner] if inner else _kind(name),
-                                params=any(id(t) in self.params and t.requires_grad for t in ins),
-                                weights=any(id(t) in self.params for t in ins),  # frozen ones too (LoRA's base)
+                                params=any(self._weight(t) and t.requires_grad for t in ins),
+                                weights=any(self._weight(t) for t in ins),  # frozen ones too (LoRA's base)
                                 checkpointed=_in_checkpoint(),
                                 value=f"{str(first.dtype).removeprefix('torch.')}{list(first.shape)}",
                                 bytes=first.numel() * first.element_size())

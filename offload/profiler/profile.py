@@ -341,6 +341,11 @@ def _floor_holder(chain: Chain) -> str:
             "temporary memory, which no schedule moves")
 
 
+def _checkpointed(cap: Capture, ops: list[int]) -> bool:
+    """Whether any of the captured ``ops`` ran under the model's own activation checkpointing."""
+    return any(cap.graph.nodes[op].get("checkpointed") for op in ops)
+
+
 def own_checkpointing(cap: Capture, stages: Stages) -> str:
     """Where stages run under the model's own activation checkpointing (``torch.utils.checkpoint``,
     transformers' ``gradient_checkpointing_enable()``), the note that says what that fixes
@@ -348,7 +353,7 @@ def own_checkpointing(cap: Capture, stages: Stages) -> str:
     its checkpoint and runs it again in its backward, at every budget: its unit is small, its
     backward's peak holds the whole region, and the profile of a transformers Qwen2 so had
     its smallest budget at 90% of that model's peak."""
-    fixed = [k for k, st in enumerate(stages.stages, 1) if any(cap.graph.nodes[op].get("checkpointed") for op in st.ops)]
+    fixed = [k for k, st in enumerate(stages.stages, 1) if _checkpointed(cap, st.ops)]
     if not fixed:
         return ""
     names = stages.stages[fixed[0] - 1].name + (f" .. {stages.stages[fixed[-1] - 1].name}" if len(fixed) > 1 else "")
@@ -386,7 +391,7 @@ def collapse_warnings(chain: Chain, cap: Capture, module: nn.Module) -> list[str
                        "crosses them, the layers inside one only there")
     peak, floor = no_offload_peak(chain), smallest_feasible_budget(chain)
     if peak and floor > FLOOR_WARNING * peak:
-        own = any(node.get("checkpointed") for _, node in cap.graph.nodes(data=True))
+        own = _checkpointed(cap, cap.order)
         out.append(f"the smallest feasible budget is {100 * floor / peak:.0f}% of the no-offload peak: "
                    f"{_floor_holder(chain)}; offloading can barely help with these stages "
                    + ("(the model checkpoints its own layers, each backward running its forward again: profile it "

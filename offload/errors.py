@@ -30,6 +30,12 @@ class Stopped(KeyboardInterrupt):
         return cls(signum, note or (exc.note if isinstance(exc, Stopped) else "no output written"))
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of another library's error, cut to ``limit`` characters: what a
+    message of ours quotes of it (its traceback is not shown)."""
+    return str(exc).splitlines()[0][:limit] if str(exc) else ""
+
+
 class OffloadError(Exception):
     """Base class: ``str(err)`` is the problem, ``err.hint`` what to do."""
 

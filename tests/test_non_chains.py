@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from offload.errors import ScheduleRejected
+from offload.errors import ModelError, ScheduleRejected
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
@@ -129,6 +129,21 @@ def test_a_stage_ending_at_a_blocks_start_is_cut_there_in_the_compiled_graph_too
     assert m.d2h_bytes_per_step == p.d2h_bytes_per_step > 0
     assert all(m.op_peak_bytes[op] <= p.op_bytes[op] for op in p.op_bytes), \
         {op: m.op_peak_bytes[op] - p.op_bytes[op] for op in p.op_bytes}
+
+
+@pytest.mark.slow  # make test-all (a Whisper compiled split, 20 s)
+def test_a_backend_that_fails_only_split_at_the_boundaries_is_named():
+    """Whisper (dropout on) under aot_eager with a graph break at each stage boundary: the first block's graph
+    takes the permuted convolution output as its input, and aot_eager's backward views a
+    gradient laid out otherwise than it traced (a PyTorch defect; Inductor and the whole graph
+    run).  The profile says the model runs compiled as it is and what to do, not "check that
+    the model runs"."""
+    with pytest.raises(ModelError) as raised:
+        profile(str(ROOT / "tests" / "models" / "whisper.py") + ":build",
+                ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, compile="aot_eager",
+                               options={"dropout": 0.1}))
+    assert "fails on this model split at its" in str(raised.value)
+    assert "runs compiled as it is" in str(raised.value) and "--whole-graph" in raised.value.hint
 
 
 def test_skip_features_leave_the_device_until_their_up_block(profiled):

@@ -213,6 +213,35 @@ def test_a_module_compiled_otherwise_than_its_chain_is_told(chains):
         Offloaded(torch.compile(spec.module, backend="eager"), chain, make_schedule(chain, []))
 
 
+@pytest.mark.parametrize("as_it_is", ["runs", "fails"])
+def test_a_compiled_model_that_fails_only_split_is_told_so(monkeypatch, as_it_is):
+    """A profile's steps under torch.compile failing (here made to fail) with a graph break at
+    each stage boundary: where the compiled model runs as it is, the message says so and points
+    to the whole graph (a compiler's defect, e.g. aot_eager on Whisper: tests/test_non_chains);
+    where it fails as it is too, the model's own failure is said as for an eager model."""
+    from offload.errors import ModelError
+    from offload.profiler import profile as profile_module
+
+    def failing(runner, *args):
+        if as_it_is == "fails":
+            runner.spec.module._orig_mod.register_forward_pre_hook(lambda *_: 1 / 0)
+        raise RuntimeError("a backward laid out otherwise than traced")
+    monkeypatch.setattr(profile_module, "measure", failing)
+    try:
+        with pytest.raises(ModelError) as raised:
+            profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=GPT, compile="eager"))
+    finally:
+        torch._dynamo.reset()
+    said = str(raised.value)
+    if as_it_is == "runs":
+        assert said.startswith("torch.compile's eager backend fails on this model split at its") and \
+            "(RuntimeError: a backward laid out otherwise than traced)" in said and \
+            "runs compiled as it is" in said
+        assert "--whole-graph" in raised.value.hint and "--compile inductor" in raised.value.hint
+    else:
+        assert said == "running gpt failed: RuntimeError: a backward laid out otherwise than traced"
+
+
 @pytest.mark.filterwarnings("ignore:this module is compiled")
 def test_hooks_added_after_a_compiled_call_say_so(chains):
     chain = chains["gpt"]

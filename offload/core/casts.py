@@ -73,7 +73,3 @@ def unpack(packed: Any) -> torch.Tensor:
     """The inverse of ``pack``."""
     return packed.tensor() if isinstance(packed, Recast) else packed
 
-
-def hooks() -> torch.autograd.graph.saved_tensors_hooks:
-    """``pack``/``unpack`` as saved-tensor hooks: a step that saves nothing else specially."""
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

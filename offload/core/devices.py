@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from offload.errors import ModelError, OffloadError
+from offload.errors import ModelError, OffloadError, first_line
 from offload.step import names
 
 DTYPES = {name: getattr(torch, name) for name in names.DTYPES}
@@ -108,12 +108,11 @@ def running(what: str, hint: str = "check that the model runs forward and backwa
     except OffloadError:
         raise
     except torch.cuda.OutOfMemoryError as exc:
-        raise ModelError(f"{what}: out of GPU memory ({str(exc).splitlines()[0][:200]})",
+        raise ModelError(f"{what}: out of GPU memory ({first_line(exc)})",
                          "the step must fit once without offloading to be profiled: use a smaller --batch (times "
                          "and bytes scale about linearly with it) or --dtype bfloat16") from None
     except Exception as exc:
-        first = str(exc).splitlines()[0][:300] if str(exc) else ""
-        raise ModelError(f"{what} failed: {type(exc).__name__}: {first}", hint) from exc
+        raise ModelError(f"{what} failed: {type(exc).__name__}: {first_line(exc, 300)}", hint) from exc
 
 
 CGROUP = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")  # cgroup v2: limit, usage

@@ -17,7 +17,7 @@ import torch
 
 from offload.core.devices import available_host_bytes
 from offload.core.meters import host_allocation
-from offload.errors import HostMemoryShortfall
+from offload.errors import HostMemoryShortfall, first_line
 from offload.io.text import format_bytes
 
 from .backends import Copy
@@ -66,7 +66,7 @@ class HostArena:
                 chunk = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         except RuntimeError as exc:  # cudaHostAlloc refuses, or the host allocator does
             raise HostMemoryShortfall(f"could not allocate {format_bytes(nbytes)} of {kind} for the host arena "
-                                      f"({str(exc).splitlines()[0][:200]})", _SHORTFALL_HINT) from None
+                                      f"({first_line(exc)})", _SHORTFALL_HINT) from None
         self.chunks.append(chunk)
         self.allocations += 1
         self._fill = 0

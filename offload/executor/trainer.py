@@ -31,7 +31,7 @@ import torch
 
 from offload.core.devices import persistent_tensors, running
 from offload.core.meters import make_meter
-from offload.errors import OffloadError, OutOfMemory, offload_cause
+from offload.errors import OffloadError, OutOfMemory, first_line, offload_cause
 from offload.io.contention import CpuWait
 from offload.models.spec import ModelSpec, tensors_in
 
@@ -78,7 +78,7 @@ def step_errors(what: str) -> Iterator[None]:
         try:
             yield
         except torch.cuda.OutOfMemoryError as exc:
-            raise OutOfMemory(f"{what}: out of GPU memory ({str(exc).splitlines()[0][:200]})",
+            raise OutOfMemory(f"{what}: out of GPU memory ({first_line(exc)})",
                               "the step needs more than the chain predicts: solve again with a lower budget to "
                               "leave room for allocator slack and other processes (`nvidia-smi` shows them), "
                               "or profile the chain again on this machine") from None

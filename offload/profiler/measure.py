@@ -306,9 +306,14 @@ class StepRunner:
     def forward(self, args: tuple, kwargs: dict, listener: StageListener | None,
                 pack: Callable[[torch.Tensor], Any] | None = None,
                 unpack: Callable[[Any], torch.Tensor] = casts.unpack) -> torch.Tensor:
-        """Forward and loss of one step; ``pack`` sees every tensor saved for backward."""
-        # the executor's treatment of weight casts (dropped, made again when read) in every pass
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack) if pack else casts.hooks()
+        """Forward and loss of one step; ``pack`` sees every tensor saved for backward.
+
+        The hooks run behind ``torch.compiler.disable``, as the executor's do: under a compiled
+        model with graph breaks, Dynamo would otherwise compile them too, again for each new kind
+        of tensor they see.  ``pack`` defaults to the executor's treatment of weight casts
+        (dropped, made again when read), which every pass shares."""
+        hooks = torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(pack or casts.pack),
+                                                         torch.compiler.disable(unpack))
         listening = self.staging.listening(listener) if listener else contextlib.nullcontext()
         with listening, hooks, self.spec.autocasting():
             return self.spec.loss(self.spec.module(*args, **kwargs))
@@ -443,9 +448,9 @@ class StepRunner:
                 return casts.pack(t)
             self.sync()
             clock.mark()
-            # behind torch.compiler.disable as the executor's hooks are: its cost on every saved
-            # tensor, both ways, is the executor's too (about 1 us each on the development CPU)
-            loss = self.forward(args, kwargs, listener, torch.compiler.disable(pack), torch.compiler.disable(casts.unpack))
+            # behind torch.compiler.disable as the executor's hooks are (``forward``): its cost on
+            # every saved tensor, both ways, is the executor's too (about 1 us each on the development CPU)
+            loss = self.forward(args, kwargs, listener, pack)
             loss.backward()
             clock.mark()
         times, host = clock.intervals(), clock.host_intervals()  # F_1..F_L, then B_L..B_1

@@ -22,7 +22,7 @@ from torch import nn
 from offload.core.devices import DTYPES, OPTIMIZERS, pick_device, running
 from offload.core.encoders import ENCODERS, usable_on
 from offload.core.staging import Staging
-from offload.errors import ModelError, OffloadError
+from offload.errors import ModelError, OffloadError, first_line
 from offload.executor.handle_cost import handle_host_seconds
 from offload.io.contention import BUSY_SHARE, CpuWait, busy_warning
 from offload.io.text import format_bytes, printable
@@ -113,9 +113,34 @@ def _measured(cap: Capture, cuts: list, spec: ModelSpec, device: torch.device, o
     runner = StepRunner(staging, spec, device, opts.optimizer)
     try:
         return stages, runner, measure(runner, opts.repeats, opts.warmup, tick)
-    except BaseException:
+    except BaseException as exc:
         staging.remove()
+        if opts.compile and not isinstance(exc, (OffloadError, KeyboardInterrupt)) and _runs_unsplit(spec):
+            raise ModelError(
+                f"torch.compile's {opts.compile} backend fails on this model split at its {stages.L - 1} stage "
+                f"boundaries ({type(exc).__name__}: {first_line(exc)}), though the model runs compiled as it is",
+                _unsplit_hint(opts.compile)) from exc
         raise
+
+
+def _unsplit_hint(backend: str) -> str:
+    whole = "--whole-graph" if backend in WHOLE_GRAPH_BACKENDS else "--compile inductor --whole-graph"
+    split = "" if backend == "inductor" else ", or split under --compile inductor"
+    return f"profile the graph of the whole step instead ({whole}){split}"
+
+
+def _runs_unsplit(spec: ModelSpec) -> bool:
+    """Whether the compiled model (hooks removed) runs a forward and backward as it is: a
+    failure that only its split at the stage boundaries brings is a compiler's, not the model's."""
+    torch._dynamo.reset()
+    try:
+        args, kwargs = spec.batch()
+        _forward_and_loss(spec, args, kwargs).backward()
+        return True
+    except Exception:
+        return False
+    finally:
+        spec.zero_grads([p for p in spec.module.parameters() if p.requires_grad])
 
 
 def _forward_and_loss(spec: ModelSpec, args: tuple, kwargs: dict) -> torch.Tensor:

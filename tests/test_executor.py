@@ -259,6 +259,28 @@ def test_host_arena_is_never_device_memory_and_grows_a_slot_in_place():
     assert meter.peak == 0 and meter.live == 0
 
 
+def test_a_tensor_made_from_python_data_is_counted_while_it_lives():
+    """``torch.tensor([...])`` (Falcon's ``fused_qkv[..., [-2], :]`` saves two such indices
+    per layer) allocates outside the dispatcher and hands the tensor to it through
+    ``lift_fresh``: new storage the meter counts, as the units that save it do (an offloaded
+    Falcon layer read 16 B over its prediction when it did not: the unit's release lowered the
+    prediction by bytes the meter never added); a view of a tensor from before the step stays
+    uncounted."""
+    from offload.core.meters import CpuMeter
+
+    before = torch.zeros(4)
+    meter = CpuMeter()
+    with meter:
+        index = torch.tensor([-2, 1])
+        picked = before[..., index]
+        view = before[1:]
+        live = meter.live
+        del index, picked
+        after = meter.live
+    meter.close()
+    assert live == 2 * 8 + 2 * 4 and after == 0 and view.numel() == 3
+
+
 def _files(chain, sched, tmp_path):
     save_chain(chain, tmp_path / "c.json")
     save_schedule(sched, chain, tmp_path / "s.json")

@@ -4,7 +4,8 @@ A meter answers two questions at each boundary: how many bytes are live now, and
 the most live since the last boundary.  On CUDA the caching allocator's counters answer
 them (``memory_allocated`` / ``max_memory_allocated``, so cuDNN/cuBLAS workspaces count).
 The CPU has no such counters, so ``CpuMeter`` keeps exact tensor accounting: a
-``TorchDispatchMode`` sees every op's outputs, registers each new storage once, and a
+``TorchDispatchMode`` sees every op's outputs, registers each new storage once (one made
+from Python data too, which reaches the dispatcher through ``lift_fresh``), and a
 ``weakref.finalize`` on the storage (PyTorch keeps one Python object per live storage)
 subtracts it when it is really freed, whoever held it (autograd's saved tensors included);
 a storage resized in place (``inductor.resize_storage_bytes_``) counts its new size.
@@ -37,6 +38,9 @@ from offload.io.text import native_output_discarded
 
 _host = threading.local()
 _RESIZE = torch.ops.inductor.resize_storage_bytes_.default  # what the executor resizes storages with
+# a tensor made from Python data (``torch.tensor([-2])``, an index list) is allocated outside
+# the dispatcher, then handed to it through these: new storage, though it is their input's
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default)
 
 
 def timed(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = 3) -> tuple[Any, float]:
@@ -136,7 +140,7 @@ class CpuMeter(TorchDispatchMode):
         inputs = {t.untyped_storage()._cdata for t in _held(tree_flatten((args, kwargs))[0])}
         for t in made:
             key = t.untyped_storage()._cdata
-            if key in inputs and key not in self._tracked:
+            if key in inputs and key not in self._tracked and func not in _LIFTS:
                 self._ignore(t)  # a view of a tensor from before the step: not allocated here
             else:
                 self._register(t)

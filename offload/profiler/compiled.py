@@ -57,7 +57,8 @@ and one the rest, so that a run's neighbours are kept, as in most schedules:
 * its rebuild: a compiled backward re-runs each recomputed op right before its reader, inside
   ``Bk``, and frees it after its last, where the eager executor rebuilds the whole unit before
   ``Bk``; so the unit counts, from its rebuild through ``Bk``, what those ops held over the
-  rest (``rebuilt_bytes``, at most the unit: ``_rebuilds``), and the re-run op holds no
+  rest (``rebuilt_bytes``, at most the unit: ``_rebuilds``, with the other runs' checkpoints
+  at their storages alone, not what their ``F(k+1)`` held over), and the re-run op holds no
   transient of its own (its checkpoint and the units are live as ``Bk`` starts anyway) but
   what ``Bn`` held beyond the whole unit rebuilt (``rerun_peak_bytes``: Inductor re-running
   a BERT layer's attention, 592 KiB), no op predicted below what it held;
@@ -329,6 +330,7 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
     fields: dict[int, dict] = {}
     need: dict[int, int] = {}
     largest: dict[int, int] = {}
+    unbooked: dict[int, int] = {}  # by run: what F(k+1) held over its checkpoint's storages (_fit_runs)
     metered: dict[str, tuple[list[Offload], list[Recompute], list[int]]] = {}
     compiles: list[tuple[list[int], list[Recompute], list[int], dict[int, dict], bool]] = []
     for name, part in [*parts, *checks]:
@@ -348,7 +350,7 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
         for k, unit in here.items():
             largest[k] = max(unit["saved_bytes"], largest.get(k, base.stage(k).saved_bytes))
         if fits:
-            _fit_runs(base, part, runs, partitioner, measured, sizes, fields)
+            _fit_runs(base, part, runs, partitioner, measured, sizes, fields, unbooked)
         compiles.append((part, runs, measured, sizes, fits))
         tick(f"compiled recomputing {', '.join(map(str, part))}")
     needs = {k: dict(need_from=n) for k, n in need.items()}
@@ -358,7 +360,7 @@ def _fitted(chain: Chain, rerunnable: list[int], parts: list[tuple[str, list[int
                                    for k in range(1, base.L + 1)})
     for part, runs, measured, sizes, fits in compiles:
         if fits and all(fields[k].get("recomputable", True) for k in part):
-            for k, rebuild in _rebuilds(costed(sizes, part), runs, measured).items():
+            for k, rebuild in _rebuilds(costed(sizes, part), runs, measured, unbooked).items():
                 fields[k].update(rebuild)
     for k in set(need) | set(largest):
         fields[k] = {**fields.get(k, {}), "need_from": need.get(k, base.stage(k).need_from),
@@ -435,10 +437,11 @@ def _booked(base: Chain, fields: dict[int, dict], over: dict[tuple[int, str], in
 
 
 def _fit_runs(base: Chain, part: list[int], runs: list[Recompute], partitioner: SchedulePartitioner,
-              measured: list[int], sizes: dict[int, dict], fields: dict[int, dict]) -> None:
+              measured: list[int], sizes: dict[int, dict], fields: dict[int, dict], unbooked: dict[int, int]) -> None:
     """Each run of ``part`` costed from the compile that recomputed it (``measured``, made by
     ``partitioner``; ``sizes`` the kept units there): its checkpoint, its recomputed forward's
-    transient, into ``fields`` (or not offered: its forward held more than kept)."""
+    transient, into ``fields`` (or not offered: its forward held more than kept); what
+    ``F(k+1)`` held over the checkpoint's storages, into ``unbooked`` too."""
     costs = {k: dict(input_bytes=whole + shared, input_own_bytes=whole)
              for k, (whole, shared) in partitioner.checkpoints.items()}
     fitted = _with_fields(base, {**sizes, **costs})
@@ -446,9 +449,9 @@ def _fit_runs(base: Chain, part: list[int], runs: list[Recompute], partitioner: 
     for k in part:
         # what F(k+1) holds over its prediction stays until the run is rebuilt: booked with
         # the checkpoint (not a storage that offloading the checkpoint moves)
-        unbooked = max(0, measured[k] - int(predicted[k]))
+        unbooked[k] = max(0, measured[k] - int(predicted[k]))
         fwd_peak = int(fitted.rfp[k]) + measured[k - 1] - int(predicted[k - 1])  # Fk's op as measured
-        fields[k] = {**costs[k], "input_bytes": costs[k]["input_bytes"] + unbooked,
+        fields[k] = {**costs[k], "input_bytes": costs[k]["input_bytes"] + unbooked[k],
                      "recomputed_fwd_peak_bytes": min(max(0, fwd_peak), base.stage(k).fwd_peak_bytes)}
         if fwd_peak > base.stage(k).fwd_peak_bytes:  # recomputed, Fk held more than kept: not offered
             fields[k] = dict(recomputable=False, rerun_output=True, carry_bytes=None)
@@ -478,7 +481,7 @@ def _metered(chain: Chain, offloads: list[Offload], runs: list[Recompute], spec:
     return metered(chain, make_schedule(chain, offloads, recompute=runs), spec, device, backend)
 
 
-def _rebuilds(chain: Chain, runs: list[Recompute], measured: list[int]) -> dict[int, dict]:
+def _rebuilds(chain: Chain, runs: list[Recompute], measured: list[int], unbooked: dict[int, int]) -> dict[int, dict]:
     """Per run (by its stage), its rebuild's fields, fitted to the ops of a compile that ran
     ``runs``, ``measured`` its ops' memory: the compiled backward re-runs each op right before
     its reader, inside ``Bk``, so the re-run op holds no transient of its own
@@ -487,21 +490,30 @@ def _rebuilds(chain: Chain, runs: list[Recompute], measured: list[int]) -> dict[
     more than the unit), no op predicted below what it held; where ``Bn`` held more than
     with the whole unit rebuilt (Inductor re-running a BERT layer's attention: 592 KiB), the
     excess is the re-run's transient (``rerun_peak_bytes``), which the rebuild's row at ``Bn``
-    books."""
+    books.  Each run is fitted with the other runs' checkpoints at their storages alone: what
+    a neighbour's ``F(k+1)`` held over (``unbooked``, by run) is booked with its checkpoint
+    until its rebuild, but may be gone long before (a ViT's embeddings re-run: its first
+    block's forward held 64 KiB more, gone at the next); fitted beside it, a rebuild came
+    out that much short wherever the neighbour is kept (a ViT block's at ``B4``, 64 KiB)."""
     L = chain.L
     fields: dict[int, dict] = {r.first: {"rerun_peak_bytes": 0} for r in runs}
     window = {k: range(2 * L - int(chain.need[k]), 2 * L - k + 1) for k in fields}  # Bn .. Bk: the unit rebuilt
-    predicted, _ = memory_profile(_with_fields(chain, fields), [], runs)
-    for k, ops in window.items():
-        spare = min(int(predicted[o]) - measured[o] for o in ops)
+
+    def predicted_for(k: int, fitted: dict[int, dict]) -> tuple[list, list]:  # run k's fit: the others' storages
+        others = {j: {**fitted[j], "input_bytes": int(chain.stage(j).input_bytes) - unbooked.get(j, 0)}
+                  for j in fitted if j != k}
+        return memory_profile(_with_fields(chain, {**fitted, **others}), [], runs)
+    spares = {k: min(int(predicted_for(k, fields)[0][o]) - measured[o] for o in ops) for k, ops in window.items()}
+    for k, spare in spares.items():
         fields[k]["rebuilt_bytes"] = max(0, int(chain.a[k]) - max(0, spare))
-    predicted, _ = memory_profile(_with_fields(chain, fields), [], runs)
     for k, ops in window.items():  # units rebuilt at one op share its spare: each back whole where it ran short
+        predicted = predicted_for(k, fields)[0]
         if any(int(predicted[o]) < measured[o] for o in ops):
             fields[k]["rebuilt_bytes"] = None
-    _, rows = memory_profile(_with_fields(chain, fields), [], runs)
-    for n, k, nbytes in rows:  # (each run one stage: its row's bytes with no transient of its own)
-        fields[k]["rerun_peak_bytes"] = max(0, measured[2 * L - n] - nbytes)
+    for k in list(fields):  # (each run one stage: its row's bytes with no transient of its own)
+        for n, j, nbytes in predicted_for(k, fields)[1]:
+            if j == k:
+                fields[k]["rerun_peak_bytes"] = max(0, measured[2 * L - n] - nbytes)
     return fields
 
 

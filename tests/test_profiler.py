@@ -5,6 +5,7 @@ import importlib.util
 import itertools
 import json
 import textwrap
+from types import SimpleNamespace
 
 import networkx as nx
 import pytest
@@ -151,6 +152,26 @@ USER_MODEL = textwrap.dedent('''
 
     def not_a_tuple(batch):
         return nn.Linear(3, 3)
+
+    class Flagged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+        def forward(self, x, return_loss=False, mode="sum"):
+            out = self.b(torch.relu(self.a(x)))
+            return out.sum() if return_loss else out
+
+    def flagged(batch):
+        return Flagged(), {"x": torch.randn(batch, 8), "return_loss": True, "mode": "sum"}
+
+    def listed(batch):
+        return Flagged(), {"x": torch.randn(batch, 8), "extra": [torch.ones(2)]}
+
+    def layer_dropping(batch):  # as a transformers Wav2Vec2 is by default
+        import types
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        model.config = types.SimpleNamespace(layerdrop=0.1, encoder_layerdrop=0.0, use_cache=False)
+        return model, torch.randn(batch, 8)
 ''')
 
 
@@ -379,6 +400,36 @@ def test_keyword_inputs_and_dict_outputs(user_file):
     assert p.chain.L == 2
 
 
+def test_plain_values_beside_the_tensors_are_part_of_the_batch(user_file):
+    """A transformers CLIP takes ``return_loss=True`` beside its tensors: a plain value in the
+    example input is handed to every step, recorded in the chain's signature, and a batch that
+    hands another is refused (it changes what the step runs)."""
+    from offload.errors import ChainMismatch
+    from offload.executor import Offloaded
+    from offload.step.schedule import make_schedule
+
+    p = profile(f"{user_file}:flagged", ProfileOptions(batch=4, repeats=1, warmup=1))
+    assert p.chain.recipe.inputs == ("mode='sum'", "return_loss=True", "x:float32[4,8]")
+    assert load_chain_doc(p.chain).recipe.inputs == p.chain.recipe.inputs
+    run = Offloaded(p.spec.module, p.chain, make_schedule(p.chain, []))
+    run(x=torch.randn(4, 8), return_loss=True, mode="sum").backward()
+    with pytest.raises(ChainMismatch, match="return_loss=False"):
+        run(x=torch.randn(4, 8), return_loss=False, mode="sum")
+
+
+def test_a_model_set_to_drop_layers_after_its_profile_is_refused_by_the_executor(user_file):
+    """LayerDrop turned on after the profile (the profile refuses it: test_bad_models_get_one_
+    clear_error): wrapping the model says so before any step, rather than failing at the
+    first step whose draws skip a layer."""
+    from offload.executor import Offloaded
+    from offload.step.schedule import make_schedule
+
+    p = profile(f"{user_file}:flagged", ProfileOptions(batch=4, repeats=1, warmup=1))
+    p.spec.module.config = SimpleNamespace(layerdrop=0.2)
+    with pytest.raises(ModelError, match=r"config.layerdrop=0.2\)"):
+        Offloaded(p.spec.module, p.chain, make_schedule(p.chain, []))
+
+
 def test_a_list_of_layers_is_cut_though_a_shared_value_crosses_it(user_file):
     p = profile(f"{user_file}:shared", ProfileOptions(batch=4, repeats=1, warmup=1))
     assert p.chain.recipe.cuts[:5] == ("emb", "blocks.0", "blocks.1", "blocks.2", "blocks.3")
@@ -574,6 +625,8 @@ def test_a_few_slow_small_copies_make_no_latency():
     ("{file}:exits", "building {file}:exits failed: SystemExit"),
     ("{file}:bad_forward", "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
     ("{file}:not_a_tuple", "expected (module, example_input[, loss_fn])"),
+    ("{file}:layer_dropping", "skips whole layers at random while training (LayerDrop: config.layerdrop=0.1)"),
+    ("{file}:listed", "with plain values (bool, int, float, str, NoneType) beside them as options; found Tensor, list"),
     ("no_such_package_xyz:fn", "cannot import module 'no_such_package_xyz'"),
     ("torchvision:resnet18", "torchvision cannot be imported"),
 ])

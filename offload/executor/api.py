@@ -33,7 +33,7 @@ from offload.core.devices import persistent_tensors
 from offload.core.meters import make_meter
 from offload.core.staging import Site, Staging, compiled, unwrap
 from offload.errors import ChainMismatch
-from offload.models.spec import signature, uses_cache
+from offload.models.spec import check_no_layer_drop, signature, uses_cache
 from offload.step.chain import Chain
 from offload.step.chainfile import load_chain
 from offload.step.schedule import Schedule
@@ -128,6 +128,7 @@ class Offloaded(nn.Module):
                                 "profiled with it off: set model.config.use_cache = False before training",
                                 "a training step has no use for the cache, and it keeps every block from being "
                                 "recomputed (transformers turns it off under gradient checkpointing too)")
+        check_no_layer_drop(unwrap(module), "this model")
         _check_compiled(module, self.chain)
         self.module = module
         self.freed_grads = 0  # forwards that found the gradients freed where the chain counts them allocated

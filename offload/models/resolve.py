@@ -9,7 +9,7 @@
 * ``path/to/file.py:fn`` or ``package.module:fn``, where ``fn(batch_size, **options)``
   returns ``(module, example_input)`` or ``(module, example_input, loss_fn)``.  The example
   input is a tensor, a tuple of tensors (positional arguments) or a dict of tensors
-  (keyword arguments, ``input_ids=…, labels=…``); ``loss_fn(output)`` gives the scalar to
+  (keyword arguments, ``input_ids=…, labels=…``), plain values (``PLAIN``) beside them; ``loss_fn(output)`` gives the scalar to
   differentiate, by default ``output.loss`` / ``output["loss"]`` when the model computes
   one, else the mean of the squared floating outputs.
 
@@ -33,7 +33,7 @@ from offload.errors import FormatError, ModelError
 from offload.io.files import regular_file
 
 from .hf import HF_ZOO
-from .spec import ModelSpec, default_loss, tensors_in
+from .spec import PLAIN, ModelSpec, default_loss, tensors_in
 from .zoo import ZOO, image_batch
 
 ALL_ZOO: dict[str, Callable[..., ModelSpec]] = {**ZOO, **HF_ZOO}
@@ -148,10 +148,14 @@ def _from_user(result: Any, what: str) -> ModelSpec:
     else:
         args, kwargs = (tuple(example) if isinstance(example, (tuple, list)) else (example,)), {}
     values = list(args) + list(kwargs.values())
-    if not values or not all(isinstance(t, torch.Tensor) for t in values):
+    if not any(isinstance(v, torch.Tensor) for v in values) or not all(
+            isinstance(v, (torch.Tensor, *PLAIN)) for v in values):
         found = ", ".join(sorted({type(v).__name__ for v in values})) or "nothing"
-        raise ModelError(f"{what}: the example input must be a tensor, a tuple of tensors or a dict of tensors; "
-                         f"found {found}")
+        raise ModelError(f"{what}: the example input must be a tensor, a tuple of tensors or a dict of tensors, "
+                         f"with plain values ({', '.join(t.__name__ for t in PLAIN)}) beside them as options; "
+                         f"found {found}",
+                         "return the batch's tensors as the model's forward takes them (a model's own config "
+                         "belongs in the module)")
     if not callable(loss):
         raise ModelError(f"{what}: the third element (loss_fn) must be callable")
     return ModelSpec(module, args, kwargs, loss, what)

@@ -64,6 +64,25 @@ def cache_off(module: nn.Module) -> None:
     module.config.use_cache = False
 
 
+def check_no_layer_drop(module: nn.Module, what: str) -> None:
+    """Refuse a transformers model that skips whole layers at random in training (LayerDrop:
+    ``layerdrop``, ``encoder_layerdrop``, ... above 0, a Wav2Vec2's default): one step's stages
+    are then not the next's, and a schedule is made for one.  A profile might even pass (its
+    draws kept every layer) and training fail at random later.
+
+    Raises:
+        ModelError: naming the config's rate and how to turn it off."""
+    config = getattr(module, "config", None)
+    rates = {k: v for k, v in vars(config).items() if k.endswith("layerdrop") and isinstance(v, (int, float))
+             and not isinstance(v, bool) and v > 0} if config is not None and hasattr(config, "__dict__") else {}
+    if rates:
+        said = ", ".join(f"config.{k}={v}" for k, v in sorted(rates.items()))
+        raise ModelError(f"{what} skips whole layers at random while training (LayerDrop: {said}): one step's "
+                         "stages are not the next's, and a schedule is made for one sequence of them",
+                         "set " + " and ".join(f"model.config.{k} = 0" for k in sorted(rates)) + " where the model "
+                         "is built, for the profile and for training alike")
+
+
 def tensors_in(value: Any) -> list[torch.Tensor]:
     """The tensors in a nested value (a batch, an output)."""
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
@@ -118,9 +137,14 @@ class ModelSpec:
         self.args, self.kwargs = tree_map(move, (self.args, self.kwargs))
 
 
+PLAIN = (bool, int, float, str, type(None))  # values a batch may hand the forward beside its tensors
+
+
 def signature(args: tuple, kwargs: dict) -> tuple[str, ...]:
-    """``name:dtype[shape]`` of each tensor of a batch (positional ones named by position):
-    what a chain's recipe records, and what every step's batch is checked against."""
+    """``name:dtype[shape]`` of each tensor of a batch and ``name=value`` of each plain value
+    (``return_loss=True``; positional ones named by position): what a chain's recipe records,
+    and what every step's batch is checked against (such a value changes what the step runs)."""
     named = [(str(n), v) for n, v in enumerate(args)] + sorted(kwargs.items())
-    return tuple(f"{name}:{str(t.dtype).removeprefix('torch.')}[{','.join(map(str, t.shape))}]"
-                 for name, t in named if isinstance(t, torch.Tensor))
+    return tuple(f"{name}:{str(v.dtype).removeprefix('torch.')}[{','.join(map(str, v.shape))}]"
+                 if isinstance(v, torch.Tensor) else f"{name}={v!r}"
+                 for name, v in named if isinstance(v, (torch.Tensor, *PLAIN)))

@@ -46,7 +46,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(zoo_help())
         print("torchvision:NAME  any torchvision model (when torchvision is installed). Options: image=224, classes=1000.")
         print("FILE.py:FN / package.module:FN  FN(batch_size, **options) -> (module, example_input[, loss_fn]); "
-              "the input is a tensor, a tuple of tensors or a dict of keyword tensors")
+              "the input is a tensor, a tuple of tensors or a dict of keyword tensors (plain values such as "
+              "return_loss=True beside them)")
         return 0
     if args.model is None or args.batch is None or args.output is None:
         raise FormatError("MODEL, --batch and -o are required", "e.g. offload profile resnet50 --batch 32 -o chain.json")
@@ -86,7 +87,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     "platform's copy bandwidth are measured on --device.",
         epilog="MODEL is a zoo name (--list-models), torchvision:NAME, path/file.py:fn or package.module:fn where\n"
                "fn(batch_size, **options) returns (module, example_input[, loss_fn]); example_input is a tensor,\n"
-               "a tuple of tensors or a dict of keyword tensors; without loss_fn the loss is output.loss when the\n"
+               "a tuple of tensors or a dict of keyword tensors (plain values such as return_loss=True beside\n"
+               "them); without loss_fn the loss is output.loss when the\n"
                "model computes one (Hugging Face labels=), else the mean of the squared outputs.\n\n"
                "examples:\n"
                "  offload profile resnet50 --batch 32 -o resnet50.json\n"

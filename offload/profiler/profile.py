@@ -28,7 +28,7 @@ from offload.io.contention import BUSY_SHARE, CpuWait, busy_warning
 from offload.io.text import format_bytes, printable
 from offload.models import ModelSpec, resolve
 from offload.models.resolve import file_reference, file_sha256
-from offload.models.spec import cache_off, signature, uses_cache
+from offload.models.spec import cache_off, check_no_layer_drop, signature, uses_cache
 from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage, StageOption
 from offload.step.chainfile import make_chain
 from offload.step.memory import floor_bound_memory, no_offload_peak, op_name, smallest_feasible_budget
@@ -155,6 +155,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     device = pick_device(opts.device)
     spec = resolve(model, opts.batch, opts.options, opts.seed)
     spec.autocast, spec.set_to_none = opts.autocast, opts.set_to_none
+    check_no_layer_drop(spec.module, model)
     turned_off = not opts.keep_cache and uses_cache(spec.module)
     if turned_off:
         cache_off(spec.module)

@@ -39,7 +39,7 @@ _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspa
 _PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note", "copy_host_s", "handle_host_s"}
 _RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none",
                 "cache_off", "casts_cleared", "casts_uncached", "compile", "whole_graph"}
-_INPUT = re.compile(r"[^:]+:[a-z0-9]+\[[0-9,]*\]")
+_INPUT = re.compile(r"[^:=]+:[a-z0-9]+\[[0-9,]*\]|[^:=]+=.+")  # a tensor's name:dtype[shape], a plain name=value
 
 
 def _indices(raw: Any, ctx: str) -> tuple[int, ...]:
@@ -170,7 +170,7 @@ def recipe_from_dict(d: Any) -> Recipe:
                   seed=v.whole(d, "seed", "recipe", 0, 2 ** 63) if "seed" in d else 0,
                   optimizer=v.choice(d, "optimizer", "recipe", OPTIMIZERS, "adam"),
                   cuts=v.matching(d, "cuts", "recipe", _SITE, "call sites (module path, optional @call, :in and [value])"),
-                  inputs=v.matching(d, "inputs", "recipe", _INPUT, "input signatures (name:dtype[shape])"),
+                  inputs=v.matching(d, "inputs", "recipe", _INPUT, "input signatures (name:dtype[shape] or name=value)"),
                   autocast=v.choice(d, "autocast", "recipe", AUTOCAST),
                   set_to_none=v.flag(d, "set_to_none", "recipe", False),
                   cache_off=v.flag(d, "cache_off", "recipe", False),

@@ -866,6 +866,23 @@ def test_a_model_that_breaks_the_graph_is_told_how_to_profile(tmp_path):
     assert "find its graph breaks with torch._dynamo.explain" in error.value.hint
 
 
+@pytest.mark.slow  # make test-all (a ConvNeXt compiled whole, 40 s)
+def test_a_metered_compiled_step_comes_after_the_steps_that_compile_it():
+    """A transformers ConvNeXt recompiles at its second step (its loss sets the config's
+    problem type at the first), and that step allocates 8 B per stochastic-depth block that
+    stay from then on: the profile reads a later step, and ``solve --verify`` read the second
+    (32 B over at every op, as "F1 held 32 B over its prediction"); every metered compile now
+    comes after ``WARM_STEPS``, as ``train --op-memory`` does."""
+    from tests.runs import ROOT
+    chain = profile(str(ROOT / "tests" / "models" / "convnext.py") + ":build",
+                    ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, compile="inductor",
+                                   whole_graph=True, recompute=False)).chain
+    torch._dynamo.reset()
+    step = verify.meter(chain, make_schedule(chain, floor_offloads(chain)), torch.device("cpu"))
+    over, op = step.most_over()
+    assert over <= 0, f"{op_name(chain, op)} held {over} B over its prediction"
+
+
 def test_metering_a_compiled_step_prints_nothing_of_torch_profilers_own():
     """torch 2.13's profiler writes "USDT: ... profiler_start" and "profiler_stop" lines to the
     process's stderr from C++ each time it starts and stops: a compiled step metered op by op

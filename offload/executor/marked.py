@@ -24,6 +24,9 @@ from offload.step.memory import op_name
 from .compiled import SchedulePartitioner, compile_with
 
 MARK = "offload.mark."  # the CPU marks' names in torch.profiler's trace
+# steps before a metered one: the first compiles and makes the gradients, and the second still
+# allocates state that stays from then on (32 B at every op of a ConvNeXt's, read as over)
+WARM_STEPS = 2
 
 
 def intervals(L: int) -> list[tuple[int, int]]:

@@ -32,7 +32,7 @@ from .api import Offloaded
 from .backends import default_backend
 from .checks import EAGER_REFERENCE, GradCheck, compare_baselines, compare_steps, compiled_reference, trace_step
 from .compiled import SchedulePartitioner, compile_scheduled
-from .marked import MarkedRun
+from .marked import WARM_STEPS, MarkedRun
 from .report import Report
 from .trainer import Run, Trainer, young_heap
 
@@ -180,13 +180,13 @@ def _run_whole_graph(chain: Chain, schedule: Schedule, spec: ModelSpec, backend:
 def _marked_op_peaks(chain: Chain, schedule: Schedule, spec: ModelSpec, device: torch.device,
                      backend: str) -> dict[str, int]:
     """``--op-memory`` on a chain of the compiled graph: each op's peak in a step of the schedule
-    compiled again with the profiler's marks at its stage boundaries (``marked.MarkedRun``: its
-    third step, after one that compiles and one that makes the gradients), as the profile read
+    compiled again with the profiler's marks at its stage boundaries (``marked.MarkedRun``: the
+    step after ``WARM_STEPS``), as the profile read
     the chain's.  A second compile: the marks are ops of its graph, not of the run's."""
     with running("compiling the schedule again with marks at its stage boundaries (--op-memory)"):
         run = MarkedRun(spec, SchedulePartitioner(chain, schedule, copy_backend=backend, marks=True), device,
                         chain.recipe.compile)
-        for _ in range(2):
+        for _ in range(WARM_STEPS):
             run.step()
         return run.op_peaks(chain)
 

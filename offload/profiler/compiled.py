@@ -145,7 +145,7 @@ from offload.core.devices import running
 from offload.errors import ChainMismatch, offload_cause
 from offload.executor.compiled import SchedulePartitioner
 from offload.executor.compiled_copies import UnitStorage, unit_needs
-from offload.executor.marked import MarkedRun
+from offload.executor.marked import WARM_STEPS, MarkedRun
 from offload.io.text import format_bytes
 from offload.models.spec import ModelSpec
 from offload.step.actions import Offload, Recompute
@@ -177,7 +177,7 @@ def whole_graph_chain(chain: Chain, spec: ModelSpec, device: torch.device, backe
     """
     L = chain.L
     partitioner = SchedulePartitioner(chain, make_schedule(chain, []), marks=True)
-    run = _compiled(spec, partitioner, device, backend, max(warmup, 1))
+    run = _compiled(spec, partitioner, device, backend, max(warmup, WARM_STEPS))
     tick("compile")
     timed = [run.seconds() for _ in range(repeats)]
     seconds = [statistics.median(t[o] for t in timed) for o in range(2 * L)]
@@ -472,7 +472,7 @@ def metered(chain: Chain, schedule: Schedule, spec: ModelSpec, device: torch.dev
     compiles (``offload solve --verify`` meters its schedule so), and the partitioner that
     made its graphs (what it saves: the units' storages, the runs' checkpoints)."""
     partitioner = SchedulePartitioner(chain, schedule, marks=True)
-    return _compiled(spec, partitioner, device, backend or chain.recipe.compile, 1).peaks(), partitioner
+    return _compiled(spec, partitioner, device, backend or chain.recipe.compile, WARM_STEPS).peaks(), partitioner
 
 
 def _metered(chain: Chain, offloads: list[Offload], runs: list[Recompute], spec: ModelSpec, device: torch.device,

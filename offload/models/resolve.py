@@ -9,9 +9,10 @@
 * ``path/to/file.py:fn`` or ``package.module:fn``, where ``fn(batch_size, **options)``
   returns ``(module, example_input)`` or ``(module, example_input, loss_fn)``.  The example
   input is a tensor, a tuple of tensors (positional arguments) or a dict of tensors
-  (keyword arguments, ``input_ids=…, labels=…``), plain values (``PLAIN``) beside them; ``loss_fn(output)`` gives the scalar to
-  differentiate, by default ``output.loss`` / ``output["loss"]`` when the model computes
-  one, else the mean of the squared floating outputs.
+  (keyword arguments, ``input_ids=…, labels=…``), plain values (``PLAIN``) beside them;
+  ``loss_fn(output)`` gives the scalar to differentiate, by default ``output.loss`` /
+  ``output["loss"]`` when the model computes one, else the mean of the squared floating
+  outputs.
 
 Every way this can go wrong ends in one ``ModelError`` that says what and what to do.
 """

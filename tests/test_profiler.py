@@ -167,6 +167,38 @@ USER_MODEL = textwrap.dedent('''
     def listed(batch):
         return Flagged(), {"x": torch.randn(batch, 8), "extra": [torch.ones(2)]}
 
+    class RunAgain(torch.autograd.Function):
+        """Layers run without autograd, run again in the backward: a reversible network's way."""
+        @staticmethod
+        def forward(ctx, x, layers, *params):
+            ctx.layers, ctx.params = layers, params
+            ctx.save_for_backward(x)
+            with torch.no_grad():
+                for layer in layers:
+                    x = torch.relu(layer(x))
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, = ctx.saved_tensors
+            with torch.enable_grad():
+                y = x = x.detach().requires_grad_()
+                for layer in ctx.layers:
+                    y = torch.relu(layer(y))
+                grads = torch.autograd.grad(y, (x, *ctx.params), grad)
+            return (grads[0], None, *grads[1:])
+
+    class Reversible(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Linear(8, 16), nn.Linear(16, 2)
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        def forward(self, x):
+            return self.head(RunAgain.apply(self.emb(x), self.layers, *self.layers.parameters()))
+
+    def reversible(batch):
+        return Reversible(), torch.randn(batch, 8)
+
     def layer_dropping(batch):  # as a transformers Wav2Vec2 is by default
         import types
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
@@ -466,6 +498,16 @@ def test_a_frozen_backbone_is_said_for_what_it_is(user_file, head):
     assert "6 of the 6 blocks of 0 compute without gradient" in warning and "no cut was found" not in warning
     if head == 1:
         assert "F1 (1) holds it" in warning and "a smaller batch" in warning and "--stages" not in warning
+
+
+def test_blocks_run_again_by_a_custom_function_are_not_called_frozen(user_file):
+    """Reformer's reversible layers run inside one autograd Function that records nothing and
+    runs them again in its backward: like frozen blocks they save nothing and no stage ends
+    among them, but their weights train, and the warning says where they run instead."""
+    p = profile(f"{user_file}:reversible", ProfileOptions(batch=4, repeats=1, warmup=1))
+    warning = " ".join(p.warnings)
+    assert "4 of the 4 blocks of layers compute without gradient though their weights train" in warning
+    assert "frozen" not in warning
 
 
 @pytest.mark.slow  # make test-all (time: make test stays under 3 minutes in a fresh clone)

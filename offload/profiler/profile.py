@@ -401,8 +401,14 @@ def collapse_warnings(chain: Chain, cap: Capture, module: nn.Module) -> list[str
         spans = _block_spans(cap, name)
         if len(spans) < count and not inert:
             inert = True
+            unseen = [block for i, block in enumerate(module.get_submodule(name)) if str(i) not in spans]
+            why = ("(frozen, with an input that needs none)" if not any(
+                p.requires_grad for block in unseen for p in block.parameters()) else
+                   "though their weights train (they run where autograd records nothing: under torch.no_grad, or "
+                   "inside a custom autograd Function that runs them again in its backward, as a reversible network "
+                   "such as Reformer's does)")
             out.append(f"{count - len(spans)} of the {count} blocks of {name or 'the model'} compute without gradient "
-                       "(frozen, with an input that needs none): they save nothing for the backward, so there is nothing "
+                       f"{why}: they save nothing for the backward, so there is nothing "
                        "in them to offload or recompute, and no stage ends among them; their forward's temporary memory "
                        "counts in the stage that runs them, whatever the schedule")
         if not collapsed and len(spans) >= 2 and chain.L < len(spans) // 2 + 1:

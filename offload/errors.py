@@ -98,6 +98,18 @@ class ModelError(OffloadError):
     exit_code = 2
 
 
+class CallsDiffer(ModelError, RuntimeError):
+    """A forward whose module calls are not the profiled ones (stage boundaries out of order or
+    missing): the model's control flow depends on random draws or on the input's values.  A
+    ``RuntimeError`` too: it is raised inside the model's forward, from a hook."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "a schedule follows one sequence of module calls, the profiled one: a model that "
+                                  "skips blocks at random while training (stochastic depth that skips whole blocks, "
+                                  "LayerDrop) or calls them by the input's values cannot follow it; make its calls "
+                                  "the same at every step (turn the skipping off for training with offload)")
+
+
 class ResourceExhausted(OffloadError):
     """A training step ran out of something; the steps before it are in the report."""
 

@@ -199,6 +199,21 @@ USER_MODEL = textwrap.dedent('''
     def reversible(batch):
         return Reversible(), torch.randn(batch, 8)
 
+    class Skipping(nn.Module):
+        """Stochastic depth that skips whole blocks while training: ``skip`` of them at random."""
+        def __init__(self, skip):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+            self.skip, self.draws = skip, __import__("random").Random(1)
+        def forward(self, x):
+            for block in self.blocks:
+                if not (self.training and self.draws.random() < self.skip):
+                    x = x + torch.relu(block(x))
+            return x
+
+    def skipping(batch, skip=0.3):
+        return Skipping(skip), torch.randn(batch, 16)
+
     def layer_dropping(batch):  # as a transformers Wav2Vec2 is by default
         import types
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
@@ -500,6 +515,24 @@ def test_a_frozen_backbone_is_said_for_what_it_is(user_file, head):
         assert "F1 (1) holds it" in warning and "a smaller batch" in warning and "--stages" not in warning
 
 
+def test_a_forward_whose_calls_differ_from_the_profiled_ones_is_told_why(user_file):
+    """Blocks skipped after the profile (here all of them, turned on after it; the profile of a
+    model that skips at random stops so too: test_bad_models_get_one_clear_error): the step
+    stops at the first boundary out of order, or at its end with none passed, with a
+    ``CallsDiffer`` (a ``ModelError``: exit 2) whose hint names the likely cause, not "check
+    that the model runs"."""
+    from offload.errors import CallsDiffer
+    from offload.executor import Offloaded
+    from offload.step.schedule import make_schedule
+
+    p = profile(f"{user_file}:skipping", ProfileOptions(batch=4, repeats=1, warmup=1, options={"skip": 0.0}))
+    run = Offloaded(p.spec.module, p.chain, make_schedule(p.chain, []))
+    p.spec.module.skip = 1.0
+    with pytest.raises(CallsDiffer, match="0 of the 5 stage boundaries were passed in this forward: the model's calls ") as raised:
+        run(torch.randn(4, 16))
+    assert isinstance(raised.value, ModelError) and "skips blocks at random" in raised.value.hint
+
+
 def test_blocks_run_again_by_a_custom_function_are_not_called_frozen(user_file):
     """Reformer's reversible layers run inside one autograd Function that records nothing and
     runs them again in its backward: like frozen blocks they save nothing and no stage ends
@@ -667,6 +700,7 @@ def test_a_few_slow_small_copies_make_no_latency():
     ("{file}:exits", "building {file}:exits failed: SystemExit"),
     ("{file}:bad_forward", "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
     ("{file}:not_a_tuple", "expected (module, example_input[, loss_fn])"),
+    ("{file}:skipping", "the model's calls differ from the profiled ones"),
     ("{file}:layer_dropping", "skips whole layers at random while training (LayerDrop: config.layerdrop=0.1)"),
     ("{file}:listed", "with plain values (bool, int, float, str, NoneType) beside them as options; found Tensor, list"),
     ("no_such_package_xyz:fn", "cannot import module 'no_such_package_xyz'"),

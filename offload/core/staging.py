@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from offload.errors import CallsDiffer
+
 
 @dataclass(frozen=True, order=True)
 class Site:
@@ -225,11 +227,12 @@ class Staging:
         self.forwarding = False
         self._recache()
         if self.seen != self.L - 1:
-            why = ("the model's calls differ from the profiled ones (control flow that depends on the input?)"
-                   if self.seen else "if the model was compiled (torch.compile, .compile()), its compiled code does "
-                   "not see hooks added after its first call: wrap it before its first compiled call, or call "
-                   "torch._dynamo.reset() first")
-            raise RuntimeError(f"{self.seen} of the {self.L - 1} stage boundaries were passed in this forward: {why}")
+            passed = f"{self.seen} of the {self.L - 1} stage boundaries were passed in this forward"
+            if self.seen or not compiled(self.module):
+                raise CallsDiffer(f"{passed}: the model's calls differ from the profiled ones")
+            raise RuntimeError(f"{passed}: if the model was compiled (torch.compile, .compile()), its compiled code does "
+                               "not see hooks added after its first call: wrap it before its first compiled call, or "
+                               "call torch._dynamo.reset() first")
         listener.forward_boundary(self.L)
         grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if grads:
@@ -258,8 +261,8 @@ class Staging:
         through boundary ``cut[0]``."""
         k, leaf = cut
         if k != self.seen + 1:
-            raise RuntimeError(f"stage boundary {k} came after {self.seen}: the model's calls differ from the "
-                               "profiled ones")
+            raise CallsDiffer(f"stage boundary {k} came after {self.seen}: the model's calls differ from the profiled "
+                              "ones")
         self.seen = k
         leaves, spec = tree_flatten(values)
         leaves[leaf] = stage_boundary(leaves[leaf], k, self.listener, opening)

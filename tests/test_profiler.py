@@ -214,10 +214,15 @@ USER_MODEL = textwrap.dedent('''
     def skipping(batch, skip=0.3):
         return Skipping(skip), torch.randn(batch, 16)
 
+    class EncoderConfig:  # a config held in another (an encoder-decoder's config.encoder)
+        layerdrop = 0.0
+
     def layer_dropping(batch):  # as a transformers Wav2Vec2 is by default
         import types
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-        model.config = types.SimpleNamespace(layerdrop=0.1, encoder_layerdrop=0.0, use_cache=False)
+        encoder = EncoderConfig()
+        encoder.layerdrop = 0.05
+        model.config = types.SimpleNamespace(layerdrop=0.1, encoder_layerdrop=0.0, use_cache=False, encoder=encoder)
         return model, torch.randn(batch, 8)
 ''')
 
@@ -701,7 +706,8 @@ def test_a_few_slow_small_copies_make_no_latency():
     ("{file}:bad_forward", "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
     ("{file}:not_a_tuple", "expected (module, example_input[, loss_fn])"),
     ("{file}:skipping", "the model's calls differ from the profiled ones"),
-    ("{file}:layer_dropping", "skips whole layers at random while training (LayerDrop: config.layerdrop=0.1)"),
+    ("{file}:layer_dropping", "skips whole layers at random while training (LayerDrop: config.encoder.layerdrop=0.05, "
+                              "config.layerdrop=0.1)"),
     ("{file}:listed", "with plain values (bool, int, float, str, NoneType) beside them as options; found Tensor, list"),
     ("no_such_package_xyz:fn", "cannot import module 'no_such_package_xyz'"),
     ("torchvision:resnet18", "torchvision cannot be imported"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -72,15 +72,25 @@ def check_no_layer_drop(module: nn.Module, what: str) -> None:
 
     Raises:
         ModelError: naming the config's rate and how to turn it off."""
-    config = getattr(module, "config", None)
-    rates = {k: v for k, v in vars(config).items() if k.endswith("layerdrop") and isinstance(v, (int, float))
-             and not isinstance(v, bool) and v > 0} if config is not None and hasattr(config, "__dict__") else {}
+    rates = dict(_layer_drops(getattr(module, "config", None), "config"))
     if rates:
-        said = ", ".join(f"config.{k}={v}" for k, v in sorted(rates.items()))
+        said = ", ".join(f"{k}={v}" for k, v in sorted(rates.items()))
         raise ModelError(f"{what} skips whole layers at random while training (LayerDrop: {said}): one step's "
                          "stages are not the next's, and a schedule is made for one sequence of them",
-                         "set " + " and ".join(f"model.config.{k} = 0" for k in sorted(rates)) + " where the model "
+                         "set " + " and ".join(f"model.{k} = 0" for k in sorted(rates)) + " where the model "
                          "is built, for the profile and for training alike")
+
+
+def _layer_drops(config: Any, path: str) -> Iterator[tuple[str, float]]:
+    """``(path, rate)`` of each LayerDrop rate above 0 in ``config`` and the configs it holds
+    (an encoder-decoder's ``config.encoder``)."""
+    if config is None or not hasattr(config, "__dict__"):
+        return
+    for k, v in vars(config).items():
+        if k.endswith("layerdrop") and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            yield f"{path}.{k}", v
+        elif type(v).__name__.endswith("Config"):
+            yield from _layer_drops(v, f"{path}.{k}")
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

@@ -195,28 +195,26 @@ class _Recorder(TorchFunctionMode):
         return out
 
     # -- module calls
-    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        name = self.names.get(module, "?")
-        self.stack.append(name)
-        inputs = []
-        for n, t in enumerate(tree_flatten((args, kwargs))[0]):
+    def _activations(self, values: Any) -> list[tuple[int, int]]:
+        """(pytree leaf index, producing node) of each differentiable activation in ``values``."""
+        out = []
+        for n, t in enumerate(tree_flatten(values)[0]):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 producer, data = self._lookup(t)
                 if data and producer is not None:
-                    inputs.append((n, producer))
-        self.open.append((name, self.count[name], len(self.open), len(self.order), inputs))
+                    out.append((n, producer))
+        return out
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        name = self.names.get(module, "?")
+        self.stack.append(name)
+        self.open.append((name, self.count[name], len(self.open), len(self.order), self._activations((args, kwargs))))
         self.count[name] += 1
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self.stack.pop()
         name, occurrence, depth, start, inputs = self.open.pop()
-        outputs = []
-        for n, t in enumerate(tree_flatten(out)[0]):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                producer, data = self._lookup(t)
-                if data and producer is not None:
-                    outputs.append((n, producer))
-        self.calls.append(CallRecord(Site(name, occurrence), depth, outputs, start, inputs))
+        self.calls.append(CallRecord(Site(name, occurrence), depth, self._activations(out), start, inputs))
 
 
 def _in_checkpoint() -> bool:

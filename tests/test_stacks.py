@@ -242,6 +242,19 @@ def test_a_compiled_model_that_fails_only_split_is_told_so(monkeypatch, as_it_is
         assert said == "running gpt failed: RuntimeError: a backward laid out otherwise than traced"
 
 
+def test_an_eager_pass_that_fails_before_the_whole_graph_is_the_models(monkeypatch):
+    """With --whole-graph the profile's first passes run the model eagerly: their failure is
+    said as the model's, not blamed on a compiler that has not run yet."""
+    from offload.errors import ModelError
+    from offload.profiler import profile as profile_module
+
+    def failing(runner, *args):
+        raise RuntimeError("the model's own failure")
+    monkeypatch.setattr(profile_module, "measure", failing)
+    with pytest.raises(ModelError, match="^running gpt failed: RuntimeError: the model's own failure$"):
+        profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=GPT, compile="inductor", whole_graph=True))
+
+
 @pytest.mark.filterwarnings("ignore:this module is compiled")
 def test_hooks_added_after_a_compiled_call_say_so(chains):
     chain = chains["gpt"]

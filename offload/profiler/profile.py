@@ -21,7 +21,7 @@ from torch import nn
 
 from offload.core.devices import DTYPES, OPTIMIZERS, pick_device, running
 from offload.core.encoders import ENCODERS, usable_on
-from offload.core.staging import Staging
+from offload.core.staging import Staging, compiled
 from offload.errors import ModelError, OffloadError, first_line
 from offload.executor.handle_cost import handle_host_seconds
 from offload.io.contention import BUSY_SHARE, CpuWait, busy_warning
@@ -115,7 +115,8 @@ def _measured(cap: Capture, cuts: list, spec: ModelSpec, device: torch.device, o
         return stages, runner, measure(runner, opts.repeats, opts.warmup, tick)
     except BaseException as exc:
         staging.remove()
-        if opts.compile and not isinstance(exc, (OffloadError, KeyboardInterrupt)) and _runs_unsplit(spec):
+        # (with --whole-graph these passes run the eager model: its failure is the model's)
+        if compiled(spec.module) and not isinstance(exc, (OffloadError, KeyboardInterrupt)) and _runs_unsplit(spec):
             raise ModelError(
                 f"torch.compile's {opts.compile} backend fails on this model split at its {stages.L - 1} stage "
                 f"boundaries ({type(exc).__name__}: {first_line(exc)}), though the model runs compiled as it is",

@@ -65,8 +65,21 @@ def recast(t: torch.Tensor) -> Recast | None:
 
 
 def pack(t: torch.Tensor) -> Any:
-    """A saved tensor as it is kept: a ``Recast`` for a weight's cast, else itself."""
-    return recast(t) or t
+    """A saved tensor as it is kept: a ``Recast`` for a weight's cast, else itself (``kept``)."""
+    return recast(t) or kept(t)
+
+
+def kept(t: torch.Tensor) -> torch.Tensor:
+    """A saved tensor kept as it is, by a pack hook: detached where it is an op's output.
+
+    The node that saves its own output would otherwise hold, through what the hook returned,
+    a tensor whose ``grad_fn`` is that node: a reference cycle through autograd that Python's
+    collector cannot free (PyTorch's own saved outputs keep their data alone for this).  A
+    backward that runs the node breaks it; one that never reaches it does not: the graph of
+    an output the loss does not read (a pooler beside a language-model head) stayed alive
+    after every step, one more each step.  Unpacking gives the tensor its place in the graph
+    back, so nothing else changes."""
+    return t.detach() if t.grad_fn is not None else t
 
 
 def unpack(packed: Any) -> torch.Tensor:

@@ -41,6 +41,10 @@ _RESIZE = torch.ops.inductor.resize_storage_bytes_.default  # what the executor 
 # a tensor made from Python data (``torch.tensor([-2])``, an index list) is allocated outside
 # the dispatcher, then handed to it through these: new storage, though it is their input's
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default)
+# an alias without autograd history allocates nothing, and the pack hooks make one of each saved
+# output they keep (``core.casts.kept``): no op of the model's that a pass numbers, so that passes
+# whose hooks keep more or fewer saved tensors number the model's ops alike
+UNCOUNTED = torch.ops.aten.detach.default
 
 
 def timed(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = 3) -> tuple[Any, float]:
@@ -128,6 +132,8 @@ class CpuMeter(TorchDispatchMode):
             self._tracked[key] = nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is UNCOUNTED:
+            return func(*args, **(kwargs or {}))
         self.ops += 1
         out = func(*args, **(kwargs or {}))
         if func is _RESIZE:  # a storage resized in place (a held part taken off the device or back)

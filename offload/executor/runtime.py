@@ -112,6 +112,13 @@ class _Stored:
         if self.device is not None and self.codec is None:
             self.aliases[id(base)] = (t.detach(), t._version)
 
+    def read_once(self) -> None:
+        """One saved reference read by the backward, or gone unread: after the last, the
+        buffer goes, as autograd frees a saved tensor after the last node that reads it."""
+        self.readers -= 1
+        if self.readers == 0:
+            self.buffer = self.decoded = None
+
     def check_versions(self) -> None:
         for alias, version in [*self.aliases.values(), *((ref(), v) for ref, v in self.watched.values())]:
             if alias is not None and alias._version != version:
@@ -145,14 +152,23 @@ class _Parts:
         return [buffers[n].view(dtype).as_strided(size, stride, offset) for n, dtype, size, stride, offset in self.places]
 
 
-@dataclass(frozen=True)
 class _Handle:
-    step: "_Step"
-    sid: int  # the storage's id in its step (addresses are reused once a storage is released)
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
+    """What the pack hook gives autograd for a saved tensor of a storage the step holds: the
+    storage's id in its step (addresses are reused once a storage is released) and the
+    tensor's layout in it.  One that dies unread counts as read (``_Stored.read_once``): its
+    node was let go by the forward (the graph of an output the model discards), and the
+    storage's buffer must not wait for it through the backward."""
+
+    __slots__ = ("step", "sid", "dtype", "size", "stride", "offset", "read")
+
+    def __init__(self, step: "_Step", sid: int, t: torch.Tensor) -> None:
+        self.step, self.sid = step, sid
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.read = False
+
+    def __del__(self) -> None:
+        if not self.read:
+            self.step.stored[self.sid].read_once()
 
 
 class _Step(StageListener):
@@ -189,12 +205,12 @@ class _Step(StageListener):
             self.ordinals[self.recorder.stage].append(sid)
         if sid is None:
             if saved is not None:  # a kept unit's storage (never a weight's cast: ``saw`` checked it)
-                return t
+                return casts.kept(t)
             # not a unit's: a weight's cast, kept or made again when read
-            return t if self.tracker.stage in self.plan.casts_kept else casts.pack(t)
+            return casts.kept(t) if self.tracker.stage in self.plan.casts_kept else casts.pack(t)
         self.stored[sid].readers += 1
         self.stored[sid].saw(t)
-        return _Handle(self, sid, t.dtype, t.size(), t.stride(), t.storage_offset())
+        return _Handle(self, sid, t)
 
     def _hold(self, key: int, t: torch.Tensor, unit: int, index: int) -> None:
         """Take a new storage of ``unit`` into the step's hands if the schedule moves or encodes it."""
@@ -245,9 +261,8 @@ class _Step(StageListener):
                 s.decoded = encoder.decode(s.buffer, dtype, numel).view(torch.uint8)
             raw = s.decoded
         out = raw.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
-        s.readers -= 1
-        if s.readers == 0:  # the last saved reference is read: autograd would free it after this node
-            s.buffer = s.decoded = None
+        packed.read = True
+        s.read_once()
         return out
 
     # -------------------------------------------------------------- recomputation

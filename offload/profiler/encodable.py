@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from offload.core import casts
 from offload.core.devices import persistent_tensors
 from offload.core.encoders import ENCODERS, flat_storage, usable_on
 from offload.core.meters import make_meter, timed
@@ -156,7 +157,7 @@ def encodings_pass(runner: StepRunner) -> list[list[SavedStorage]]:
         saved = tracker.saw(t)
         if saved is not None and saved.new:
             tensors[saved.key] = (saved, t)
-        return t
+        return casts.kept(t)
 
     stages: list[list[SavedStorage]] = [[] for _ in range(runner.L)]
     usable = usable_on(gpu=runner.device.type == "cuda")

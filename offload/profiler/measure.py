@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten
 
 from offload.core import casts
 from offload.core.devices import deterministic_kernels, make_optimizer, persistent_tensors
-from offload.core.meters import Clock, CpuMeter, make_meter, timed
+from offload.core.meters import UNCOUNTED, Clock, CpuMeter, make_meter, timed
 from offload.core.rerun import NotRerunnable, StageRecorder, written_later
 from offload.core.selective import KeptOutputs
 from offload.core.staging import StageListener, Staging
@@ -390,7 +390,7 @@ class StepRunner:
             tracker.saw(t)
             listener.saved()
             packed = casts.pack(t)
-            if packed is not t:  # one cast per weight and dtype in a stage, however many views of it are saved
+            if isinstance(packed, casts.Recast):  # one cast per weight and dtype in a stage, however many views of it are saved
                 recasts[tracker.stage - 1].setdefault((id(packed.parameter), packed.dtype), packed)
             return packed
 
@@ -509,6 +509,8 @@ class _Holding(StageListener, TorchDispatchMode):
             self.first_op[k + 1] = self.ops + 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is UNCOUNTED:
+            return func(*args, **(kwargs or {}))
         self.ops += 1
         for t in tree_flatten((args, kwargs))[0]:
             if self.number and isinstance(t, torch.Tensor) and plain(t):

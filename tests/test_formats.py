@@ -63,7 +63,11 @@ def test_workspace_bytes_round_trip_and_count_in_the_identity_only_when_there():
     (lambda d: d["stages"][0].update(shared_saves=[3, 1]), "distinct indices in increasing order"),
     (lambda d: d["stages"][0].update(shared_saves=[-1]), "shared_saves"),
     (lambda d: d["stages"][0].update(shared_saves=[0], encodings=[{"name": "x", "encode_s": 0, "decode_s": 0, "tensors": [
-        {"index": 0, "encoder": "sparse", "bytes": 10, "encoded_bytes": 5}]}]), "both encoded and in shared_saves"),
+        {"index": 0, "encoder": "sparse", "bytes": 10, "encoded_bytes": 5}]}]), "encoded and in shared_saves"),
+    (lambda d: d["stages"][0].update(dropped_saves=[0], encodings=[{"name": "x", "encode_s": 0, "decode_s": 0, "tensors": [
+        {"index": 0, "encoder": "sparse", "bytes": 10, "encoded_bytes": 5}]}]), "encoded and in shared_saves or dropped"),
+    (lambda d: d["stages"][0].update(dropped_saves=[2, 2]), "dropped_saves must hold distinct"),
+    (lambda d: d["stages"][0].update(shared_saves=[1], dropped_saves=[1]), "in shared_saves and in dropped_saves"),
     (lambda d: d.update(stages=[]), "stages"),
     (lambda d: d.update(base_bytes=100, workspace_bytes=101), "workspace_bytes"),  # a part of the base
     (lambda d: d["stages"][0].update(held_saves=[0], held_read_at=3), "held_read_at needs held_bytes"),

@@ -298,16 +298,16 @@ def test_a_weights_autocast_copy_is_never_offloaded():
 
 
 def test_a_storage_the_chain_shares_stays_out_of_every_unit_and_keeps_its_number():
-    """``UnitTracker(shared=...)``: a storage that a stage after the next saves too (the
+    """``UnitTracker(staying=...)``: a storage that a stage after the next saves too (the
     chain's ``shared_saves``, by its number among its first saver's storages) is in no unit,
     at every save; the storages after it keep the numbers the profile gave them."""
     from offload.core.units import UnitTracker
     a, table, b = torch.zeros(4), torch.zeros(8), torch.zeros(2)
-    tracker = UnitTracker(torch.device("cpu"), [], shared={1: [1]})
+    tracker = UnitTracker(torch.device("cpu"), [], staying={1: [1]})
     first = [tracker.saw(t) for t in (a, table, b)]
     tracker.stage = 2
     again = tracker.saw(table)
-    assert first[1] is None and again is None
+    assert first[1] is None and again is None and tracker.stays(table) and not tracker.stays(a)
     assert [(s.unit, s.index, s.nbytes) for s in (first[0], first[2])] == [(1, 0, 16), (1, 2, 8)]
     assert tracker.units(2) == ([24, 0], [1, 2])
     whole = UnitTracker(torch.device("cpu"), [])  # what the profile's first pass finds
@@ -318,6 +318,20 @@ def test_a_storage_the_chain_shares_stays_out_of_every_unit_and_keeps_its_number
     whole.stage = 3
     whole.saw(table)  # a stage after the next
     assert whole.shared_saves(3) == [(1,), (), ()] and whole.units(3) == ([56, 0, 0], [3, 2, 3])
+
+
+def test_a_storage_gone_before_the_backward_is_a_dropped_save():
+    """``UnitTracker.dropped_saves``: a saved storage that is gone as the forward ends (its
+    saver's graph let go) is named by its number, as a shared one is."""
+    from offload.core.units import UnitTracker
+    tracker = UnitTracker(torch.device("cpu"), [])
+    kept, side = torch.zeros(4), torch.zeros(8)
+    tracker.saw(kept)
+    tracker.stage = 2
+    tracker.saw(kept[:2])  # the next stage saves a view of it: still U1's
+    tracker.saw(side)
+    del side
+    assert tracker.dropped_saves(2) == [(), (0,)]
 
 
 def test_a_weights_cast_is_made_again_not_saved_and_gradients_are_the_same():

@@ -11,8 +11,11 @@ A storage that a stage after the next saves too (a rotary table or a mask every 
 saves, an encoder's output every decoder layer saves) is in no unit either when the chain
 says so (``Stage.shared_saves``, found by the profiler's memory pass): it stays on the device, in
 the ops' transients, where its first saver's unit would otherwise be needed from the last
-saver's backward on, held whole through most of the backward for one small tensor.  It
-keeps its place in the numbering, so the other storages keep theirs.
+saver's backward on, held whole through most of the backward for one small tensor.  So is
+one that the forward saves and then lets go before the backward (``Stage.dropped_saves``:
+the graph of an output the model discards died with it), which a unit would count as
+memory it frees where it frees nothing.  Such a storage keeps its place in the numbering,
+so the other storages keep theirs.
 
 Never part of a unit: storages that live across steps (weights, buffers, gradients,
 optimizer state: the chain's constant ``base_bytes``; a parameter or a view of one is
@@ -86,10 +89,11 @@ class UnitTracker:
     """Attribute saved tensors to units (module docstring); ``stage`` is the stage running now."""
 
     def __init__(self, device: torch.device, excluded: Iterable[torch.Tensor] = (),
-                 shared: Mapping[int, Iterable[int]] | None = None) -> None:
+                 staying: Mapping[int, Iterable[int]] | None = None) -> None:
         self.device = device
         self.excluded: set[int] = {storage_key(t) for t in excluded if plain(t)}
-        self.shared = {k: frozenset(v) for k, v in (shared or {}).items()}  # stage -> indices that stay
+        # stage -> indices of its first saves in no unit (``Stage.staying``: shared or dropped saves)
+        self.staying = {k: frozenset(v) for k, v in (staying or {}).items()}
         self.stage = 1
         self.reset()
 
@@ -97,6 +101,7 @@ class UnitTracker:
         """A new step: every storage starts afresh."""
         self.stage = 1
         self._refs: dict[int, weakref.ref] = {}
+        self._record_refs: list[weakref.ref] = []  # per record, its storage
         self._known: dict[int, int] = {}  # live storage key -> its record
         self.records: list[Saved] = []  # every storage saved this step, in first-save order
         self.last: list[int] = []  # per record, the last stage that saved it
@@ -131,10 +136,11 @@ class UnitTracker:
             return None
         index = self.count.get(self.stage, 0)
         self.count[self.stage] = index + 1
-        if index in self.shared.get(self.stage, ()):
+        if index in self.staying.get(self.stage, ()):
             self._staying[key] = weakref.ref(storage)
             return None
-        self._refs[key] = weakref.ref(storage)  # new, or an address reused by a new storage
+        ref = self._refs[key] = weakref.ref(storage)  # new, or an address reused by a new storage
+        self._record_refs.append(ref)
         self.unit_bytes[self.stage] = self.unit_bytes.get(self.stage, 0) + storage.nbytes()
         saved = Saved(key, self.stage, index, storage.nbytes(), True)
         self._known[key] = len(self.records)
@@ -142,6 +148,11 @@ class UnitTracker:
         self.saves[self.stage] = self.saves.get(self.stage, 0) + 1
         self.last.append(self.stage)
         return saved
+
+    def stays(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is one of those in no unit that stay (``staying``), as seen."""
+        ref = self._staying.get(storage_key(t)) if plain(t) else None
+        return ref is not None and ref() is t.untyped_storage()
 
     def record_of(self, key: int) -> Saved | None:
         """The record of the live storage ``key`` if it was saved this step (``None`` otherwise)."""
@@ -155,6 +166,17 @@ class UnitTracker:
         out: list[list[int]] = [[] for _ in range(L + 1)]
         for s, last in zip(self.records, self.last):
             if last > s.unit + 1:
+                out[s.unit].append(s.index)
+        return [tuple(v) for v in out[1:]]
+
+    def dropped_saves(self, L: int) -> list[tuple[int, ...]]:
+        """Per stage ``1..L``, the indices of the storages it saved first that are already gone:
+        read as the forward ends, those that no backward will read, saved by autograd nodes the
+        forward made and then let go (the graph of an output the model computes and discards,
+        such as BigBird's attention probabilities: ``Stage.dropped_saves``)."""
+        out: list[list[int]] = [[] for _ in range(L + 1)]
+        for s, ref in zip(self.records, self._record_refs):
+            if ref() is None:
                 out[s.unit].append(s.index)
         return [tuple(v) for v in out[1:]]
 

@@ -29,7 +29,7 @@ class StepPlan:
     encoders: dict[int, dict[int, EncodedTensor]]  # encoded unit -> storage index -> its encoding, as profiled
     unit_bytes: tuple[int, ...]  # per stage 0..L, the bytes its unit saves, as profiled
     casts_kept: frozenset[int] = frozenset()
-    shared: dict[int, tuple[int, ...]] = field(default_factory=dict)  # stage -> storages a stage after the next saves too
+    staying: dict[int, tuple[int, ...]] = field(default_factory=dict)  # stage -> its saves in no unit (``Stage.staying``)
     evicted: dict[int, frozenset[int]] = field(default_factory=dict)  # restoring unit -> its held storages' indices
 
     @property
@@ -69,6 +69,6 @@ class StepPlan:
             encoders={i: {t.index: t for t in e.tensors} for i, e in chosen.items()},
             unit_bytes=tuple(int(a) for a in chain.a),
             casts_kept=frozenset(schedule.casts_kept),
-            shared={k: s.shared_saves for k, s in enumerate(chain.stages, 1) if s.shared_saves},
+            staying={k: s.staying for k, s in enumerate(chain.stages, 1) if s.staying},
             evicted={e.stage: frozenset(chain.stage(e.stage).held_saves) for e in events.of(EVICT)},
         )

@@ -176,7 +176,7 @@ class _Step(StageListener):
 
     def __init__(self, runtime: "OffloadRuntime", excluded: list[torch.Tensor]) -> None:
         self.runtime, self.plan, self.backend = runtime, runtime.plan, runtime.backend
-        self.tracker = UnitTracker(runtime.device, excluded, self.plan.shared)
+        self.tracker = UnitTracker(runtime.device, excluded, self.plan.staying)
         self.sid: dict[int, int] = {}  # live storage key -> id of its held storage
         self.stored: list[_Stored] = []  # held storages (offloaded or encoded), by id
         self.units: dict[int, list[int]] = {i: [] for i in self.plan.offloaded | set(self.plan.encoders)

@@ -76,6 +76,7 @@ class StageMeasurement:
     rerun_output: bool = True  # its re-run rebuilds its output (else it can only end a recomputed run)
     input_own_bytes: int = 0  # of input_bytes, the input's own storage (what an offloaded checkpoint moves)
     shared_saves: tuple[int, ...] = ()  # its first saves a stage after the next saves too
+    dropped_saves: tuple[int, ...] = ()  # its first saves gone as the forward ends (no backward reads them)
     held_saves: tuple[int, ...] = ()  # the storages held_bytes counts ...
     held_read_at: int = 0  # ... and the first forward after the next that reads one (0: none)
     storages: int = 0  # the storages of its unit
@@ -105,6 +106,7 @@ class MemoryPass:
     shared_casts: bool = False  # a weight cast in two stages (``_CastsMade``) ...
     casts_twice: bool = False  # ... or twice in the forward
     shared_saves: list[tuple[int, ...]] = field(default_factory=list)  # per stage, found by the pass (``UnitTracker.shared_saves``)
+    dropped_saves: list[tuple[int, ...]] = field(default_factory=list)  # and ``UnitTracker.dropped_saves``
     storages: list[int] = field(default_factory=list)  # per stage, the storages of its unit
     saves: list[int] = field(default_factory=list)  # per stage, the saves of its unit's storages
 
@@ -286,11 +288,11 @@ class StepRunner:
         self.staging, self.spec, self.device = staging, spec, device
         self.params = [p for p in spec.module.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, self.params, lr)
-        self.shared: dict[int, tuple[int, ...]] = {}  # stage -> storages a stage after the next saves too
+        self.staying: dict[int, tuple[int, ...]] = {}  # stage -> its first saves in no unit (shared or dropped)
 
     def tracker(self, excluded: list[torch.Tensor]) -> UnitTracker:
-        """The units' rule for a pass: ``excluded`` never in one, nor the storages ``shared`` names."""
-        return UnitTracker(self.device, excluded, self.shared)
+        """The units' rule for a pass: ``excluded`` never in one, nor the storages ``staying`` names."""
+        return UnitTracker(self.device, excluded, self.staying)
 
     @property
     def L(self) -> int:
@@ -411,6 +413,7 @@ class StepRunner:
                         loss = self.forward(args, kwargs, listener, pack)
                 finally:
                     listener.close()
+                dropped = tracker.dropped_saves(L)
                 loss.backward()  # the boundaries' autograd contexts and the turn's hook hold the listener
                 readings.append(meter.boundary())  # B_1
                 del loss
@@ -427,7 +430,7 @@ class StepRunner:
                           listener.inputs, listener.own, listener.new_held, listener.output_rebuilt, listener.why,
                           workspace,
                           [list(r.values()) for r in recasts], made.shared, made.twice, tracker.shared_saves(L),
-                          tracker.storage_counts(L), tracker.save_counts(L))
+                          dropped, tracker.storage_counts(L), tracker.save_counts(L))
 
     def recast_seconds(self, recasts: list[casts.Recast]) -> float:
         """What making a stage's weight casts again costs its backward: the casts, timed."""
@@ -531,8 +534,10 @@ class _Holding(StageListener, TorchDispatchMode):
         if saved.unit < self.tracker.stage:
             self.earlier -= saved.nbytes
 
-    def pack(self, t: torch.Tensor) -> None:
+    def pack(self, t: torch.Tensor) -> torch.Tensor | None:
         saved = self.tracker.saw(t)
+        if saved is None and self.tracker.stays(t):  # autograd keeps it, as in every step (core.units)
+            return casts.kept(t)
         if saved is not None and saved.new:
             self.unit_alive[saved.unit] += saved.nbytes
             self.death.append(float("inf"))
@@ -540,7 +545,7 @@ class _Holding(StageListener, TorchDispatchMode):
             self.number[saved.key] = len(self.storages)
             self._finalizers.append(weakref.finalize(t.untyped_storage(), self._died, len(self.storages), saved.key))
             self.storages.append(saved)
-        # nothing is returned: autograd keeps no reference, only the model's own code can
+        return None  # autograd keeps no reference to a unit's storage: only the model's own code can
 
     def stop_keeping(self) -> None:
         if self.kept is not None:
@@ -667,9 +672,10 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     if mem.shared_casts and runner.staging.clear_casts:  # the same
         runner.staging.clear_casts = False
         mem = runner.memory_pass()
-    if any(mem.shared_saves):  # storages a stage after the next saves too stay, in no unit (core.units)
-        runner.shared = {k: v for k, v in enumerate(mem.shared_saves, 1) if v}
-        mem = replace(runner.memory_pass(), shared_saves=mem.shared_saves)
+    if any(mem.shared_saves) or any(mem.dropped_saves):  # they stay, in no unit (core.units)
+        runner.staying = {k: tuple(sorted(a + b)) for k, (a, b) in enumerate(zip(mem.shared_saves, mem.dropped_saves), 1)
+                          if a or b}
+        mem = replace(runner.memory_pass(), shared_saves=mem.shared_saves, dropped_saves=mem.dropped_saves)
     if runner.device.type == "cuda":  # the gradient check trains under deterministic kernels: budget for both
         with deterministic_kernels(runner.device):
             runner.warmup(1)  # the workspaces they make on first use exist before the pass reads
@@ -701,6 +707,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        sum(r.nbytes for r in mem.casts[i]), recast_s[i], mem.new_held[i],
                                        mem.output_rebuilt[i], mem.inputs[i][1],
                                        mem.shared_saves[i] if mem.shared_saves else (),
+                                       mem.dropped_saves[i] if mem.dropped_saves else (),
                                        tuple(sorted(held[i].held)) if held[i].held_read_at else (),
                                        held[i].held_read_at, mem.storages[i] if mem.storages else 0,
                                        mem.saves[i] if mem.saves else 0))

@@ -310,7 +310,8 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                   fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s, rerun_host_s=rerun_host.get(k, 0.0),
                   recording_host_s=recording_host.get(k, 0.0),
                   cast_bytes=s.cast_bytes, recast_s=min(s.recast_s, s.bwd_s) if s.cast_bytes else 0.0, options=opt,
-                  shared_saves=s.shared_saves, held_saves=s.held_saves, held_read_at=s.held_read_at,
+                  shared_saves=s.shared_saves, dropped_saves=s.dropped_saves,
+                  held_saves=s.held_saves, held_read_at=s.held_read_at,
                   storages=s.storages, saves=s.saves)
             for k, (info, s, enc, opt) in enumerate(zip(stages.stages, m.stages, encodings, options), 1)]
     return make_chain(opts.name or f"{_model_label(model)}-b{opts.batch}", rows, plat, m.base_bytes, source, recipe,

@@ -72,14 +72,24 @@ def _print_restorable(chain: Chain) -> None:
                           for i in chain.restorable))
 
 
-def _print_shared(chain: Chain) -> None:
-    """The storages that stay on the device, in no unit, because a stage after the next saves them too."""
+def _print_staying(chain: Chain) -> None:
+    """The storages that stay on the device, in no unit: because a stage after the next saves
+    them too, or because the forward lets them go before the backward."""
     shared = [(k, s.shared_saves) for k, s in enumerate(chain.stages, 1) if s.shared_saves]
-    if shared:
+    dropped = [(k, s.dropped_saves) for k, s in enumerate(chain.stages, 1) if s.dropped_saves]
+    if shared or dropped:
         print()
+    if shared:
         print("shared      storages a stage after the next saves too: in no unit, they stay on the device (their "
-              "bytes in the transients), so each unit is needed from its own backward: "
-              + ", ".join(f"U{k} #{', #'.join(map(str, v))}" for k, v in shared))
+              "bytes in the transients), so each unit is needed from its own backward: " + _storages(shared))
+    if dropped:
+        print("dropped     storages the forward saves and lets go before the backward (the graph of an output the "
+              "model discards): in no unit, they stay on the device until they die (their bytes in the "
+              "transients), and no copy moves them: " + _storages(dropped))
+
+
+def _storages(per_stage: list[tuple[int, tuple[int, ...]]]) -> str:
+    return ", ".join(f"U{k} #{', #'.join(map(str, v))}" for k, v in per_stage)
 
 
 def print_chain(chain: Chain) -> None:
@@ -128,7 +138,7 @@ def print_chain(chain: Chain) -> None:
               f"{format_bytes(s.saved_bytes):>11} {format_bytes(s.fwd_peak_bytes):>11} {format_bytes(s.bwd_peak_bytes):>11} "
               f"{s.need_from:>5}" + (f" {format_bytes(s.cast_bytes):>11}" if casts else ""))
     _print_crossing(chain)
-    _print_shared(chain)
+    _print_staying(chain)
     _print_restorable(chain)
     if chain.has_encodings:
         print()

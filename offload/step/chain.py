@@ -158,7 +158,14 @@ class Stage:
     options: tuple[StageOption, ...] = ()  # in-stage options, measured: a recomputed run may choose one
     cast_bytes: int = 0  # weight casts (autocast) Fi makes and Bi reads: dropped and made again unless kept ...
     recast_s: float = 0.0  # ... what making them again costs Bi (part of bwd_s): docs/model.md, "Weight casts"
-    shared_saves: tuple[int, ...] = ()  # Fi's first saves a stage after the next saves too: in no unit
+    shared_saves: tuple[int, ...] = ()  # Fi's first saves a stage after the next saves too: in no unit ...
+    dropped_saves: tuple[int, ...] = ()  # ... nor those the forward lets go before the backward (a discarded output's)
+
+    @property
+    def staying(self) -> tuple[int, ...]:
+        """Fi's first saves that are in no unit: they stay where the model's autograd graph keeps
+        them, their bytes in the transients (``shared_saves`` and ``dropped_saves``)."""
+        return tuple(sorted(self.shared_saves + self.dropped_saves))
     held_saves: tuple[int, ...] = ()  # the storages of the unit held_bytes counts (indices in first-save order) ...
     held_read_at: int = 0  # ... and the first forward after F(i+1) that reads one (0: none): an offloaded unit's
     # held part may leave the device at its release and come back for that forward (``Offload.restore``)
@@ -342,6 +349,8 @@ def _stage_document(s: Stage) -> dict:
         d["input_own_bytes"] = s.input_own_bytes
     if s.shared_saves:  # likewise
         d["shared_saves"] = list(s.shared_saves)
+    if s.dropped_saves:  # likewise
+        d["dropped_saves"] = list(s.dropped_saves)
     if s.held_read_at:  # likewise
         d.update(held_saves=list(s.held_saves), held_read_at=s.held_read_at)
     if s.storages:  # likewise

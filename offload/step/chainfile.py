@@ -32,7 +32,7 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes", "rerun_peak_bytes", "rebuilt_bytes",
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
                "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "shared_saves",
-               "held_saves", "held_read_at", "storages", "saves", "moved_bytes"}
+               "dropped_saves", "held_saves", "held_read_at", "storages", "saves", "moved_bytes"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors", "fwd_held_bytes", "next_held_bytes",
                   "bwd_held_bytes"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
@@ -43,7 +43,8 @@ _INPUT = re.compile(r"[^:=]+:[a-z0-9]+\[[0-9,]*\]|[^:=]+=.+")  # a tensor's name
 
 
 def _indices(raw: Any, ctx: str) -> tuple[int, ...]:
-    """A stage's list of storage indices (``shared_saves``, ``held_saves``): distinct, in increasing order."""
+    """A stage's list of storage indices (``shared_saves``, ``dropped_saves``, ``held_saves``): distinct, in
+    increasing order."""
     if not isinstance(raw, list):
         raise FormatError(f"{ctx} must be a list of storage indices")
     items = {str(j): x for j, x in enumerate(raw)}  # each element validated under its position
@@ -211,19 +212,23 @@ def _stage(s: Any, i: int, L: int) -> Stage:
     carried = v.whole(s, "input_carried_bytes", ctx, 0, min(checkpoint, saved if carry is None else carry)) \
         if "input_carried_bytes" in s else 0
     shared = _indices(s["shared_saves"], f"{ctx}.shared_saves") if "shared_saves" in s else ()
+    dropped = _indices(s["dropped_saves"], f"{ctx}.dropped_saves") if "dropped_saves" in s else ()
     held_saves, read_at = _held_read_at(s, ctx, i, L, held, until)
     encodings = _encodings(s.get("encodings", []), saved, need - i + 1, ctx)
-    both = sorted({t.index for e in encodings for t in e.tensors} & set(shared))
-    if both:
-        raise FormatError(f"{ctx}: storage #{both[0]} is both encoded and in shared_saves (which stay on the device, "
-                          "in no unit)")
-    if set(held_saves) & set(shared):
-        raise FormatError(f"{ctx}: storage #{min(set(held_saves) & set(shared))} is in held_saves and in shared_saves "
-                          "(which are in no unit)")
+    staying = set(shared) | set(dropped)
+    for what, a, b in (("in shared_saves and in dropped_saves", shared, dropped),
+                       ("encoded and in shared_saves or dropped_saves", {t.index for e in encodings for t in e.tensors},
+                        staying),
+                       ("in held_saves and in shared_saves or dropped_saves", held_saves, staying)):
+        both = sorted(set(a) & set(b))
+        if both:
+            raise FormatError(f"{ctx}: storage #{both[0]} is {what} (those stay on the device, in no unit, for one "
+                              "reason each)")
     return Stage(name=v.string(s, "name", ctx, f"stage{i}"), kind=v.string(s, "kind", ctx, "layer"),
                  fwd_s=fwd_s, bwd_s=bwd_s, saved_bytes=saved,
                  fwd_peak_bytes=fwd_peak, bwd_peak_bytes=bwd_peak, need_from=need,
                  encodings=encodings, held_bytes=held, held_until=until, shared_saves=shared,
+                 dropped_saves=dropped,
                  held_saves=held_saves, held_read_at=read_at,
                  options=_options(s.get("options", []), saved, fwd_s, ctx),
                  input_bytes=checkpoint,

@@ -9,11 +9,14 @@ a Mixtral's layers at their attention too, its MLP halves re-run only as the end
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 from dataclasses import replace
 
 import pytest
 
 from offload.errors import ModelError, ScheduleRejected
+from offload.executor import Offloaded
 from offload.executor.train import TrainOptions, train
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
@@ -24,6 +27,7 @@ from offload.step.schedule import make_schedule
 from offload.step.simulate import simulate
 from tests.brute import brute_force_each
 from tests.conftest import chain_doc
+from tests.models import side_output
 from tests.runs import ROOT, TOLERANCE, check_run, recomputing
 
 pytest.importorskip("transformers")
@@ -239,6 +243,46 @@ def test_the_tables_every_layer_saves_stay_and_the_first_layer_is_needed_for_its
     assert first.shared_saves and all(s.need_from == k for k, s in enumerate(chain.stages, 1))
     assert smallest_feasible_budget(chain, recompute=True) < 0.5 * no_offload_peak(chain)
     check_run(chain, recomputing(chain)["blocks+offload"], "cpu-eager", "mixtral/blocks+offload")  # each layer moved
+
+
+def test_what_the_forward_saves_and_lets_go_stays_out_of_every_unit():
+    """A side output the loss does not read (BigBird's attention probabilities) dies with its
+    graph as its block returns, and with it the index that graph saved: counted in the
+    block's unit, it was memory an offload freed where nothing was freed (BigBird at 50%: ops
+    288 B over their prediction, one per layer offloaded).  It stays in no unit instead
+    (``Stage.dropped_saves``), in the ops' transients; and the pooler beside the head, which
+    gets no gradient, keeps none in training as in plain PyTorch (the gradient check compared
+    our zeros with the reference's ``None`` and failed).  Offloading every block trains bit
+    for bit with every op within its prediction and the bytes moved as predicted."""
+    chain = _side_output()
+    blocks = [k for k, cut in enumerate(chain.recipe.cuts, 1) if cut.startswith("blocks.")]
+    assert len(blocks) == 3 and all(chain.stage(k).dropped_saves for k in blocks)
+    check_run(chain, make_schedule(chain, floor_offloads(chain)), "cpu-eager", "side output/floor")
+    check_run(chain, recomputing(chain)["blocks+offload"], "cpu-eager", "side output/blocks+offload")
+
+
+def test_an_output_the_loss_does_not_read_is_freed_after_each_step():
+    """The pooler's output saves itself (``tanh``); the pack hook kept it as the tensor whose
+    ``grad_fn`` is the node that saved it, a cycle through autograd that no collector frees
+    and no backward reached: one pooled output and its graph stayed alive per step
+    (``core.casts.kept`` detaches it)."""
+    chain = _side_output()
+    module, batch = side_output.build(2)
+    run = Offloaded(module, chain, make_schedule(chain, floor_offloads(chain)))
+    pooled = []
+    for _ in range(3):
+        out = run(batch)
+        pooled.append(weakref.ref(out["pooled"]))
+        out["loss"].backward()
+        del out
+    gc.collect()
+    assert [ref() for ref in pooled] == [None] * 3
+
+
+@functools.cache
+def _side_output():
+    return profile(str(ROOT / "tests" / "models" / "side_output.py:build"),
+                   ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False)).chain
 
 
 def test_a_stage_ending_in_the_blocks_own_code_can_only_end_a_run():

@@ -61,11 +61,28 @@ NOISE_SAMPLES = 3
 NOISE_SAMPLES_MAX = 8
 
 
-def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """||a - b|| / ||b|| over all the tensors, in float64."""
-    diff = sum(float((x.double() - y.double()).square().sum()) for x, y in zip(a, b))
-    norm = sum(float(y.double().square().sum()) for y in b)
+Grads = list[torch.Tensor | None]  # a step's gradients, one per trained weight: None where it got none
+
+
+def _square(g: torch.Tensor | None) -> float:
+    """||g||^2 in float64 (0 for no gradient)."""
+    return float(g.double().square().sum()) if g is not None else 0.0
+
+
+def _relative(a: Grads, b: Grads) -> float:
+    """||a - b|| / ||b|| over all the tensors, in float64 (a weight without a gradient
+    counts as zeros)."""
+    diff = sum(_square(y if x is None else x if y is None else x.double() - y.double()) for x, y in zip(a, b))
+    norm = sum(_square(y) for y in b)
     return (diff / norm) ** 0.5 if norm > 0 else 0.0
+
+
+def _differs(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two gradients of one weight are not the same bits: a weight that got no
+    gradient (a pooler the loss does not read) matches one that got none either."""
+    if a is None or b is None:
+        return a is not b
+    return not torch.equal(a, b)
 
 
 class GradCheck(StepHooks):
@@ -99,7 +116,7 @@ class GradCheck(StepHooks):
     def before_step(self) -> None:
         self.state = _rng_state(self.device)
 
-    def _reference_step(self) -> list[torch.Tensor]:
+    def _reference_step(self) -> Grads:
         """The reference's gradients for our weights and our step's random numbers (its own
         ``.grad`` tensors: the next reference step replaces them)."""
         _set_rng_state(self.state, self.device)
@@ -116,10 +133,10 @@ class GradCheck(StepHooks):
     def after_step(self) -> None:
         after = _rng_state(self.device)
         ours, ref = [p.grad for p in self.params], self._reference_step()
-        mismatches = sum(not torch.equal(a, b) for a, b in zip(ours, ref))
+        mismatches = sum(_differs(a, b) for a, b in zip(ours, ref))
         floor = None
         if mismatches:  # the reference again, its first gradients kept aside: copies only where they differ
-            ref = [g.clone() for g in ref]
+            ref = [g.clone() if g is not None else None for g in ref]
             floor, runs = 0.0, 0
             while runs < NOISE_SAMPLES or (floor == 0 and runs < NOISE_SAMPLES_MAX):
                 floor, runs = max(floor, _relative(self._reference_step(), ref)), runs + 1

@@ -4,12 +4,10 @@ A chain's stages end at *call sites*: a submodule's path in the model and which 
 calls in one forward (``Site``), chosen by the profiler's capture.  ``Staging`` puts a
 forward hook on each such submodule of the user's module (a forward pre-hook where the
 stage ends as the call starts, on its input: ``Site.before``); while a listener is attached
-and the model's forward runs, the hook passes the stage's output through a *boundary*,
-an identity autograd function, so that the listener hears the end of stage ``k`` in the
-forward (``forward_boundary(k)``) and the end of stage ``k+1``'s backward
-(``backward_boundary(k)``, just before stage ``k``'s backward).  An identity function
-fires reliably where a ``grad_fn`` hook may not.  It returns ``x.detach()`` rather than a
-view, so a later in-place op on the cut value (``ReLU(inplace=True)``) stays legal.
+and the model's forward runs, the hook tells the listener of the stage's end in the forward
+(``forward_boundary(k)``) and adds a hook to the value that crosses the boundary, which
+tells it of the end of stage ``k+1``'s backward (``backward_boundary(k)``, just before
+stage ``k``'s backward): the value itself goes on, and the graph is the model's own.
 
 The *turn* (the end of the last stage's forward, the start of the backward) is the model's
 output: ``forward_boundary(L)`` when the forward returns, ``backward_boundary(L)`` once,
@@ -20,7 +18,7 @@ when the first of the output's differentiable values receives its gradient
 Nothing else changes: the user's forward, its other hooks, checkpointing and compilation
 run as written, and calls after the forward (a checkpoint's recomputation in the
 backward) pass no boundary.  Without a listener the hooks return the output untouched.
-The listener is held by this object and by each boundary's autograd context, never in a
+The listener is held by this object and by the hook on each boundary's value, never in a
 thread-local: the backward may run on another thread (CUDA's autograd device threads).
 """
 from __future__ import annotations
@@ -95,25 +93,48 @@ class StageListener:
         a call's start, ``Site.before``), whose start the module hooks added from here miss."""
 
 
-class _Boundary(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, k: int, listener: StageListener) -> torch.Tensor:
-        ctx.k, ctx.listener = k, listener
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        ctx.listener.backward_boundary(ctx.k)
-        return grad, None, None
-
-
 def stage_boundary(x: torch.Tensor, k: int, listener: StageListener, opening: bool = False) -> torch.Tensor:
-    """The end of stage ``k``'s forward on its output ``x`` (``opening``: at a call's start)."""
+    """The end of stage ``k``'s forward on its output ``x`` (``opening``: at a call's start): the
+    listener hears it now, and ``backward_boundary(k)`` once ``x``'s gradient is whole
+    (``_BackwardBoundaries``).  Returns ``x`` itself."""
     listener.stage_output(k, x, opening)
     listener.forward_boundary(k)
-    if not x.requires_grad:  # nothing flows back through here (a frozen prefix)
-        return x
-    return _Boundary.apply(x, k, listener)
+    if x.requires_grad:  # else nothing flows back through here (a frozen prefix)
+        _BackwardBoundaries.on(x, listener).ks.append(k)
+    return x
+
+
+class _BackwardBoundaries:
+    """The boundaries a value crosses, heard in the backward by a hook on the value itself:
+    it runs as the value's gradient is whole, just before the op that made it runs its
+    backward.  No node is added to the graph, so the backward runs as the model's own would,
+    the same ops in the same order: an identity autograd function at each boundary did not
+    (a Funnel decoder layer called on one tensor as query, key and value, cut at its start,
+    took one of the three through it and the others not, and the sums of their gradients
+    came out in another order: 63 weights' gradients off by rounding, 1.2e-7).  One hook per
+    value: one that crosses several boundaries (a stage that hands its input on as it is)
+    hears them in backward order, the latest first, where hooks run in the order they were
+    added."""
+
+    ATTRIBUTE = "_offload_backward_boundaries"
+
+    def __init__(self, listener: StageListener) -> None:
+        self.listener = listener  # held by the hook, as the graph holds it, until the backward
+        self.ks: list[int] = []
+
+    @classmethod
+    def on(cls, x: torch.Tensor, listener: StageListener) -> "_BackwardBoundaries":
+        """The boundaries ``x`` crosses for ``listener``: made, and its hook added, at the first."""
+        found = getattr(x, cls.ATTRIBUTE, None)
+        if found is None or found.listener is not listener:
+            found = cls(listener)
+            setattr(x, cls.ATTRIBUTE, found)
+            x.register_hook(found)
+        return found
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        for k in reversed(self.ks):
+            self.listener.backward_boundary(k)
 
 
 def unwrap(module: nn.Module) -> nn.Module:

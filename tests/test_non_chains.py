@@ -18,6 +18,7 @@ import pytest
 from offload.errors import ModelError, ScheduleRejected
 from offload.executor import Offloaded
 from offload.executor.train import TrainOptions, train
+from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.actions import Offload, Recompute
@@ -80,6 +81,20 @@ def test_trains_bit_exact_with_every_op_as_predicted(profiled, name, way):
     predicted."""
     chain = profiled(name).chain
     check_run(chain, recomputing(chain)[way], "cpu-eager", f"{name}/{way}")
+
+
+def test_a_forward_whose_output_is_dropped_frees_its_step(profiled):
+    """A recomputed up block reads the U-Net's skip features; its program held them with
+    their autograd history, which tied it to the step's graph, which holds the step: a cycle
+    no collector frees.  A forward whose output was dropped before its backward (an
+    evaluation under autograd) left the step alive and unfinished, and every later forward
+    was refused ("the previous forward's backward has not finished")."""
+    chain = profiled("unet").chain
+    spec = resolve(str(ROOT / "tests" / "models" / "unet.py:build"), 4, {"image": 32})
+    run = Offloaded(spec.module, chain, recomputing(chain)["blocks+offload"])
+    dropped = run(*spec.args)
+    del dropped
+    spec.loss(run(*spec.args)).backward()
 
 
 @pytest.mark.slow  # make test: the U-Net's mixed schedule above, every op at or below its prediction

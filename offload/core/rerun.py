@@ -249,6 +249,7 @@ class StageRecorder:
         self.input_requires_grad = bool(stage_input is not None and stage_input.requires_grad)
         self.calls: list[Call] = []  # completed calls not inside another completed call, in order
         self.held: dict[int, _Held] = {}  # storage key -> the tensor held for the re-run
+        self._aliases: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id of a held tensor -> it, its alias
         self.outputs: dict[int, list[tuple[weakref.ref, int, int]]] = {}  # storage key -> (tensor ref, call, leaf)
         # per level (the stage itself, then each call begun in it and still running): where its
         # completed calls begin in ``calls``, and why it cannot be re-run if it ends the stage open
@@ -331,9 +332,24 @@ class StageRecorder:
             return FromInput(_view_of(t, self.input) if t is not self.input else None)
         key = storage_key(t)
         if key not in self.held:
-            self.held[key] = _Held(t if self.keep else None, weakref.ref(t), weakref.ref(t.untyped_storage()),
-                                   t._version, t.untyped_storage().nbytes(), len(self.calls))
-        return t
+            self.held[key] = _Held(self._detached(t) if self.keep else None, weakref.ref(t),
+                                   weakref.ref(t.untyped_storage()), t._version, t.untyped_storage().nbytes(),
+                                   len(self.calls))
+        return self._detached(t)
+
+    def _detached(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the re-run reads it where it is held (``keep``): an alias without its
+        autograd history, a leaf that requires grad where ``t`` does, so that the re-run's ops
+        save what the stage's did.  Held as it was, it tied the program to the step's graph,
+        which holds the step: a cycle through autograd that no collector frees (a U-Net's skip
+        features, read by a recomputed up block, kept a forward whose output was dropped alive,
+        and the next forward was refused)."""
+        if not self.keep:
+            return t
+        found = self._aliases.get(id(t))
+        if found is None or found[0]() is not t:
+            found = self._aliases[id(t)] = (weakref.ref(t), t.detach().requires_grad_(t.requires_grad))
+        return found[1]
 
     def finish(self, output: torch.Tensor) -> StageProgram:
         """The stage ended with ``output`` (the value crossing its boundary)."""

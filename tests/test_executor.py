@@ -452,6 +452,26 @@ def test_a_rare_nondeterminism_is_sampled_until_it_shows():
     assert _Rare.calls == 7
 
 
+def test_a_weight_without_a_gradient_matches_only_one_without():
+    """A weight the loss does not read has no gradient in either run: the same (it raised a
+    ``TypeError``).  Where ours has none and the reference zeros, the gradients differ by
+    nothing measurable, and that is no kernel's noise: a mismatch beyond it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    for reads_second in (False, True):
+        spec = SimpleNamespace(module=reference, batch=lambda: ((x,), {}), autocasting=contextlib.nullcontext,
+                               loss=lambda out: out.square().sum())
+        reference[1].forward = (lambda h: 0 * reference[1].weight.sum() + h) if reads_second else (lambda h: h)
+        check = GradCheck(spec, list(model.parameters()), torch.device("cpu"))
+        check.before_step()
+        model.zero_grad(set_to_none=True)
+        model[0](x).square().sum().backward()  # ours: the second layer gets no gradient
+        check.after_step()
+        assert check.mismatches == [int(reads_second)] and check.within_noise is (not reads_second)
+
+
 @pytest.mark.parametrize("model", ["gpt", pytest.param("resnet18", marks=pytest.mark.slow)])  # resnet18: make test-all
 def test_the_saves_a_profile_counts_are_the_tensors_the_runtime_handles(chains, model):
     """``Stage.saves`` is what ``handle_host_s`` is charged per: each is a tensor the runtime's

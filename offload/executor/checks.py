@@ -105,8 +105,10 @@ class GradCheck(StepHooks):
 
     @property
     def within_noise(self) -> bool:
-        """Every step bit for bit, or within its noise floor (a floor of 0: bit for bit)."""
-        return all(not n or d <= NOISE_MARGIN * (floor or 0.0)
+        """Every step bit for bit, or within its noise floor (a floor of 0: bit for bit).  A
+        step whose gradients differ by nothing measurable (a weight with no gradient where the
+        reference has zeros, a NaN) is not noise: no kernel's rounding makes that."""
+        return all(not n or 0 < d <= NOISE_MARGIN * (floor or 0.0)
                    for n, d, floor in zip(self.mismatches, self.rel_diffs, self.noise_floors))
 
     def tensors(self) -> list[torch.Tensor]:

@@ -278,6 +278,29 @@ def test_every_forward_peak_holds_the_stage_unit(profiled, name):
         assert s.bwd_peak_bytes >= 0 and s.fwd_s > 0 and s.bwd_s > 0
 
 
+def test_a_storage_dropped_right_after_a_boundary_is_carried_into_the_next_stage():
+    """``x = block(x)`` drops the old value after the block's hooks: after the boundary, before
+    the next stage's first op.  It is alive as that stage starts, and the meter's reading at
+    the boundary starts the stage's peak, so it is carried into it (ResNet's stem: counted as
+    dead there, a recomputed stem's next stage read 7.5 KiB over its prediction)."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            x = self.a(x)
+            x = self.b(x)  # b saves a's output (its unit's), dropped here, after b's boundary
+            return self.c(torch.tanh(x))
+
+    torch.manual_seed(0)
+    module = Net()
+    spec = ModelSpec(module, (torch.randn(2, 16),), {}, lambda out: out.square().mean())
+    m = measure(StepRunner(Staging(module, [Site("a"), Site("b")]), spec, torch.device("cpu"), "sgd"),
+                repeats=1, warmup=1)
+    assert m.stages[1].carry_bytes == 2 * 16 * 4  # a's output, into F3
+
+
 def test_hand_counted_mlp():
     """Linear(4,8) -> ReLU -> Linear(8,3), batch 2, float32, loss mean(out^2): the bytes counted by hand."""
     torch.manual_seed(0)

@@ -414,7 +414,7 @@ class StepRunner:
                 finally:
                     listener.close()
                 dropped = tracker.dropped_saves(L)
-                loss.backward()  # the boundaries' autograd contexts and the turn's hook hold the listener
+                loss.backward()  # the hooks on the boundaries' values and on the turn hold the listener
                 readings.append(meter.boundary())  # B_1
                 del loss
         meter.close()
@@ -462,6 +462,9 @@ class StepRunner:
         return times[:self.L], times[self.L:][::-1], host[:self.L], host[self.L:][::-1]
 
 
+BOUNDARY_DEATH = 0.5  # a storage that dies after a boundary, before the next op: its death's place
+
+
 class _Holding(StageListener, TorchDispatchMode):
     """The holding pass: counts the ops, records at which op each saved storage dies, and reads
     the meter (the mode outside this one) after every op: the most bytes live beyond ``m0``
@@ -478,6 +481,7 @@ class _Holding(StageListener, TorchDispatchMode):
         self.checkpoint: StageRecorder | None = None  # of the running stage (what it holds, nothing else)
         self.keeping, self.kept = keeping or {}, None  # stage -> option; the running stage's KeptOutputs
         self.ops = 0
+        self.past_boundary = False  # a forward boundary came after the last op counted
         self.m0 = 0  # bytes live as the forward starts
         self.first_op = [0] * (L + 2)  # per stage, its first op
         self.storages: list[Saved] = []
@@ -510,11 +514,13 @@ class _Holding(StageListener, TorchDispatchMode):
             self.earlier += self.unit_alive[k]
             self.tracker.stage = k + 1
             self.first_op[k + 1] = self.ops + 1
+            self.past_boundary = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is UNCOUNTED:
             return func(*args, **(kwargs or {}))
         self.ops += 1
+        self.past_boundary = False
         for t in tree_flatten((args, kwargs))[0]:
             if self.number and isinstance(t, torch.Tensor) and plain(t):
                 n = self.number.get(storage_key(t))
@@ -526,7 +532,10 @@ class _Holding(StageListener, TorchDispatchMode):
         return out
 
     def _died(self, n: int, key: int) -> None:
-        self.death[n] = self.ops
+        # between a boundary and the next stage's first op (the caller's ``x = block(x)`` drops
+        # the old value after the block's hooks): half an op on, so that it counts as alive into
+        # that stage, as the meter counts it, whose reading at the boundary starts the stage's
+        self.death[n] = self.ops + (BOUNDARY_DEATH if self.past_boundary else 0)
         if self.number.get(key) == n:
             del self.number[key]
         saved = self.storages[n]
@@ -637,7 +646,7 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
     out = [Holding(0, 0, 0, 0) for _ in range(runner.L + 1)]
     for saved, death in zip(holding.storages, holding.death):
         i, h = saved.unit, out[saved.unit]
-        if i < runner.L and death >= holding.first_op[i + 1]:  # alive into F(i+1): its peak may move
+        if i < runner.L and death > holding.first_op[i + 1] - 1:  # alive into F(i+1): its peak may move
             h.carry_bytes += saved.nbytes  # there once the unit is not saved, so at any of its ops
             h.carried.add(saved.index)
         alive = [j for j in range(i + 2, runner.L + 1)

@@ -7,7 +7,9 @@ stage ends as the call starts, on its input: ``Site.before``); while a listener 
 and the model's forward runs, the hook tells the listener of the stage's end in the forward
 (``forward_boundary(k)``) and adds a hook to the value that crosses the boundary, which
 tells it of the end of stage ``k+1``'s backward (``backward_boundary(k)``, just before
-stage ``k``'s backward): the value itself goes on, and the graph is the model's own.
+stage ``k``'s backward): the value itself goes on, and the graph is the model's own.  A
+value that is a view goes through an identity autograd function instead, whose backward
+fires where a hook on the view may not (an in-place op on it later rewrites its history).
 
 The *turn* (the end of the last stage's forward, the start of the backward) is the model's
 output: ``forward_boundary(L)`` when the forward returns, ``backward_boundary(L)`` once,
@@ -95,13 +97,36 @@ class StageListener:
 
 def stage_boundary(x: torch.Tensor, k: int, listener: StageListener, opening: bool = False) -> torch.Tensor:
     """The end of stage ``k``'s forward on its output ``x`` (``opening``: at a call's start): the
-    listener hears it now, and ``backward_boundary(k)`` once ``x``'s gradient is whole
-    (``_BackwardBoundaries``).  Returns ``x`` itself."""
+    listener hears it now, and ``backward_boundary(k)`` once ``x``'s gradient is whole.
+    Returns ``x`` itself, heard by a hook (``_BackwardBoundaries``); a view, the value of an
+    identity function (``_Boundary``)."""
     listener.stage_output(k, x, opening)
     listener.forward_boundary(k)
-    if x.requires_grad:  # else nothing flows back through here (a frozen prefix)
-        _BackwardBoundaries.on(x, listener).ks.append(k)
+    if not x.requires_grad:  # nothing flows back through here (a frozen prefix)
+        return x
+    if x._is_view():
+        return _Boundary.apply(x, k, listener)
+    _BackwardBoundaries.on(x, listener).ks.append(k)
     return x
+
+
+class _Boundary(torch.autograd.Function):
+    """An identity function whose backward is the boundary's, for a value that is a view: an
+    in-place op on a view later (Hubert masks its projected features, a view of a matmul's
+    output, in place) rewrites its history, and the node a hook was on never runs.  It returns
+    ``x.detach()``, which is no view, so such an op stays legal and runs through this node.
+    It adds a node: ``Staging`` takes every reference to ``x`` in the call's values through
+    it, so that their gradients are summed as the model's were."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, k: int, listener: StageListener) -> torch.Tensor:
+        ctx.k, ctx.listener = k, listener
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.listener.backward_boundary(ctx.k)
+        return grad, None, None
 
 
 class _BackwardBoundaries:
@@ -111,10 +136,10 @@ class _BackwardBoundaries:
     the same ops in the same order: an identity autograd function at each boundary did not
     (a Funnel decoder layer called on one tensor as query, key and value, cut at its start,
     took one of the three through it and the others not, and the sums of their gradients
-    came out in another order: 63 weights' gradients off by rounding, 1.2e-7).  One hook per
-    value: one that crosses several boundaries (a stage that hands its input on as it is)
-    hears them in backward order, the latest first, where hooks run in the order they were
-    added."""
+    came out in another order: 63 weights' gradients off by rounding, 1.2e-7), and the
+    model's code may hold the value elsewhere too.  One hook per value: one that crosses
+    several boundaries (a stage that hands its input on as it is) hears them in backward
+    order, the latest first, where hooks run in the order they were added."""
 
     ATTRIBUTE = "_offload_backward_boundaries"
 
@@ -286,7 +311,10 @@ class Staging:
                               "ones")
         self.seen = k
         leaves, spec = tree_flatten(values)
-        leaves[leaf] = stage_boundary(leaves[leaf], k, self.listener, opening)
+        value = leaves[leaf]
+        crossed = stage_boundary(value, k, self.listener, opening)
+        if crossed is not value:  # every reference to it (a layer called with it as query, key and value)
+            leaves = [crossed if v is value else v for v in leaves]
         if self.clear_casts:
             torch.clear_autocast_cache()
         return tree_unflatten(leaves, spec)

@@ -294,6 +294,19 @@ def test_an_output_the_loss_does_not_read_is_freed_after_each_step():
     assert [ref() for ref in pooled] == [None] * 3
 
 
+def test_masks_drawn_from_numpy_are_drawn_again_alike():
+    """Hubert and Wav2Vec2 pick SpecAugment's spans with ``np.random``: the gradient check's
+    reference replayed torch's generators alone and masked other spans (Hubert: 0.29 apart,
+    called kernel noise), and a recomputed block would have masked others again.  NumPy's and
+    Python's generators are replayed with torch's (``core.rng``): offloaded or recomputed,
+    the blocks train bit for bit."""
+    chain = profile(str(ROOT / "tests" / "models" / "numpy_masks.py:build"),
+                    ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False)).chain
+    assert chain.recomputable
+    check_run(chain, make_schedule(chain, floor_offloads(chain)), "cpu-eager", "numpy masks/floor")
+    check_run(chain, recomputing(chain)["blocks+offload"], "cpu-eager", "numpy masks/blocks+offload")
+
+
 @functools.cache
 def _side_output():
     return profile(str(ROOT / "tests" / "models" / "side_output.py:build"),

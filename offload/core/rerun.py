@@ -53,6 +53,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .rng import RngState, forked_rng, rng_state, set_rng_state
 from .units import is_weight, plain, storage_key
 
 View = tuple[torch.Size, tuple[int, ...], int] | None  # size, stride, storage offset (None: the tensor itself)
@@ -116,7 +117,7 @@ class StageProgram:
     output: FromCall | None  # None: the re-run does not rebuild the stage's output (it can only end a run)
     input_requires_grad: bool
     held: list[tuple[torch.Tensor, int]]  # tensors held for the re-run, their versions when recorded
-    rng: tuple[torch.Tensor, torch.Tensor | None]  # CPU and device generator states at the stage's start
+    rng: RngState  # every generator's state at the stage's start
     autocast: list[tuple[str, bool, torch.dtype]]
 
     def run(self, stage_input: torch.Tensor | None, device: torch.device,
@@ -151,10 +152,8 @@ class StageProgram:
         sink = [saved]
         with contextlib.ExitStack() as stack:
             stack.callback(sink.clear)
-            stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
-            torch.set_rng_state(self.rng[0])
-            if self.rng[1] is not None:
-                torch.cuda.set_rng_state(self.rng[1], device)
+            stack.enter_context(forked_rng(device))
+            set_rng_state(self.rng, device)
             stack.enter_context(torch.enable_grad())
             for device_type, enabled, dtype in self.autocast:
                 # no cast cache: a weight's cast dies with its reader, where the cache would
@@ -255,7 +254,7 @@ class StageRecorder:
         # completed calls begin in ``calls``, and why it cannot be re-run if it ends the stage open
         self.starts: list[int] = [0]
         self.whys: list[str | None] = [None]
-        self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        self.rng = rng_state(device)
         self.autocast = _autocast_state(device)
         # the hooks reach this recorder through a weak reference: a module call running when they
         # were installed keeps them in its frame until it returns (a Sequential the stage ends in),

@@ -4,9 +4,9 @@ with selective checkpointing (step time, in rounds interleaved with ours, and pe
 ``torch.profiler`` trace of one more step (copy overlap).
 
 The gradient check is exact with dropout on: before each of our steps the random state
-(CPU and CUDA generators) is saved; the reference step replays it, so it draws the same
-dropout masks, and the state after our step is then put back, so training goes on as if
-the reference had not run.  The reference takes our weights each step instead of training
+(torch's CPU and CUDA generators, NumPy's and Python's: ``offload.core.rng``) is saved; the
+reference step replays it, so it draws the same dropout masks, and the state after our
+step is then put back, so training goes on as if the reference had not run.  The reference takes our weights each step instead of training
 alongside: PyTorch's CPU optimizers are not bit-reproducible from run to run (two
 identical models updated by identical Adam steps drift apart in about one process in
 six), which would be blamed on the offloading.
@@ -24,6 +24,7 @@ import torch
 from offload.core.devices import persistent_tensors
 from offload.core.selective import selective_checkpointing
 from offload.core.meters import QuietProfile, chrome_trace
+from offload.core.rng import rng_state, set_rng_state
 from offload.core.staging import Site
 from offload.io.files import write_atomic
 from offload.models.spec import ModelSpec
@@ -35,16 +36,6 @@ from .compiled import plain_compile
 from .report import BASELINES, Baseline, total
 from .traces import copy_overlap, device_time
 from .trainer import Run, StepHooks, Trainer, step_errors
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 # Ours is within the noise when it differs from the reference by at most NOISE_MARGIN times the
@@ -116,12 +107,12 @@ class GradCheck(StepHooks):
         return persistent_tensors(self.reference.module, None, self.device) + self.reference.tensors()
 
     def before_step(self) -> None:
-        self.state = _rng_state(self.device)
+        self.state = rng_state(self.device)
 
     def _reference_step(self) -> Grads:
         """The reference's gradients for our weights and our step's random numbers (its own
         ``.grad`` tensors: the next reference step replaces them)."""
-        _set_rng_state(self.state, self.device)
+        set_rng_state(self.state, self.device)
         with torch.no_grad():
             for mine, ref in zip(self.params, self.ref_params):
                 ref.copy_(mine)
@@ -133,7 +124,7 @@ class GradCheck(StepHooks):
         return [p.grad for p in self.ref_params]
 
     def after_step(self) -> None:
-        after = _rng_state(self.device)
+        after = rng_state(self.device)
         ours, ref = [p.grad for p in self.params], self._reference_step()
         mismatches = sum(_differs(a, b) for a, b in zip(ours, ref))
         floor = None
@@ -142,7 +133,7 @@ class GradCheck(StepHooks):
             floor, runs = 0.0, 0
             while runs < NOISE_SAMPLES or (floor == 0 and runs < NOISE_SAMPLES_MAX):
                 floor, runs = max(floor, _relative(self._reference_step(), ref)), runs + 1
-        _set_rng_state(after, self.device)
+        set_rng_state(after, self.device)
         self.mismatches.append(mismatches)
         self.rel_diffs.append(_relative(ours, ref))
         self.noise_floors.append(floor)

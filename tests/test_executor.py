@@ -134,7 +134,7 @@ def test_out_of_memory_in_a_step_is_one_clear_error(chains, monkeypatch):
     monkeypatch.setattr("offload.executor.runtime._Step.forward_boundary", refuse)
     report, error = train(None, chains["mlp"], schedules(chains["mlp"])["all"], TrainOptions(steps=2))
     assert isinstance(error, OutOfMemory) and error.exit_code == 6
-    assert "training step 1: out of GPU memory (CUDA out of memory" in str(error) and "lower budget" in error.hint
+    assert "the warm-up step: out of GPU memory (CUDA out of memory" in str(error) and "lower budget" in error.hint
     assert report.steps_done == 0 and report.measured.step_s is None
 
 
@@ -381,7 +381,7 @@ def test_the_runtime_runs_every_event_of_the_table_in_order(chains, monkeypatch)
     report, error = train(None, gpt, sched, TrainOptions(steps=1, check_grads=True))
     assert error is None and report.grads_match is True
     table = [e for e in StepPlan.from_schedule(gpt, sched).events.sequence if e.kind not in (FORWARD, BACKWARD)]
-    assert runs and offloads and seen == table * 2  # on the CPU: the metered step, then the timed one
+    assert runs and offloads and seen == table * 3  # on the CPU: the warm-up step, the metered one, the timed one
 
 
 NOISY = str(ROOT / "tests" / "models" / "noisy.py") + ":build"

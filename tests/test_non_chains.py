@@ -267,8 +267,10 @@ def test_what_the_forward_saves_and_lets_go_stays_out_of_every_unit():
     288 B over their prediction, one per layer offloaded).  It stays in no unit instead
     (``Stage.dropped_saves``), in the ops' transients; and the pooler beside the head, which
     gets no gradient, keeps none in training as in plain PyTorch (the gradient check compared
-    our zeros with the reference's ``None`` and failed).  Offloading every block trains bit
-    for bit with every op within its prediction and the bytes moved as predicted."""
+    our zeros with the reference's ``None`` and failed).  The table each block makes on its
+    first call and keeps is made in ``train``'s warm-up step (it read over the prediction at
+    every op of the first measured step after the first block).  Offloading every block
+    trains bit for bit with every op within its prediction and the bytes moved as predicted."""
     chain = _side_output()
     blocks = [k for k, cut in enumerate(chain.recipe.cuts, 1) if cut.startswith("blocks.")]
     assert len(blocks) == 3 and all(chain.stage(k).dropped_saves for k in blocks)

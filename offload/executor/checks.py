@@ -244,7 +244,7 @@ def _compiled_way(trainer: Trainer, steps: int, forward: Callable[[tuple, dict],
                   ) -> tuple[Run, Exception | None]:
     """A step that compiles (not measured), then ``steps`` measured ones."""
     try:
-        trainer.compiling_step(forward, f"compiling {label}")
+        trainer.warm_up_step(forward, f"compiling {label}")
     except Exception as exc:  # that way's failure is its row's, as a measured step's is
         return Run(), exc
     return trainer.measure(steps, forward, label=label)

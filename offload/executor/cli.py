@@ -222,8 +222,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "it also reports how much of the copy time ran under compute, and how long the device "
                         "waited for the host and for copies beside the prediction's")
     p.add_argument("--op-memory", action="store_true",
-                   help="read memory at every op's end in step 1 and compare each op with the simulator's (report: "
-                        "measured.op_peak_bytes, predicted.op_bytes); on a GPU this synchronizes step 1 at every "
+                   help="read memory at every op's end in the first measured step (after the warm-up step) and "
+                        "compare each op with the simulator's (report: measured.op_peak_bytes, predicted.op_bytes); "
+                        "on a GPU this synchronizes that step at every "
                         "boundary; on a chain of the compiled graph (--whole-graph) the schedule is compiled again with "
                         "marks at its stage boundaries, and a third step of that compile is read")
     p.add_argument("--report", metavar="JSON", type=output_path, help="write the run report here (also when a step fails its budget)")

@@ -173,7 +173,7 @@ def _run_whole_graph(chain: Chain, schedule: Schedule, spec: ModelSpec, backend:
     measured: it compiles, and it makes the host arena)."""
     run = compile_scheduled(spec.module, chain, schedule, backend=chain.recipe.compile, copy_backend=backend,
                             fullgraph=False)  # as profiled: a loss compiled apart is allowed
-    trainer.compiling_step(lambda args, kwargs: run(*args, **kwargs), "compiling the first step")
+    trainer.warm_up_step(lambda args, kwargs: run(*args, **kwargs), "compiling the first step")
     return run
 
 
@@ -222,7 +222,8 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
             run = Offloaded(spec.module if ranks == 1 else distributed.wrap(spec.module), chain, schedule, backend)
         steps, error = trainer.measure(opts.steps, lambda args, kwargs: run(*args, **kwargs), hooks=check,
                                        runtime=None if whole else run.runtime, probe=opts.op_memory and not whole,
-                                       label="offloaded" + (" (and the reference)" if check else ""))
+                                       label="offloaded" + (" (and the reference)" if check else ""),
+                                       warm_up=not whole)  # compiled whole: its compiling step warmed it up
     except HostMemoryShortfall as exc:  # the host arena: nothing ran
         steps, error = Run(), exc
     completed = error is None  # every step ran (it may still have gone over the budget)

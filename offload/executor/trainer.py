@@ -139,8 +139,12 @@ class Trainer:
                 p.grad = None
         self._unfed_marks = None
 
-    def compiling_step(self, forward: Forward, what: str) -> None:
-        """A step not measured, its gradients dropped: the one that compiles ``forward``."""
+    def warm_up_step(self, forward: Forward, what: str) -> None:
+        """A step not measured, its gradients dropped, before the measured ones, as the profile
+        warmed the model up before it measured: the one that compiles ``forward``, and the one
+        in which the model makes what it keeps from its first call on (transformers' BEiT
+        caches its relative position index, 2.3 KiB: made in the first metered step, every op
+        from there on read it over its prediction) and the executor its host arena."""
         with step_errors(what):
             try:
                 self.one_step(forward, self.spec.batch(), contextlib.nullcontext)
@@ -159,14 +163,21 @@ class Trainer:
 
     def measure(self, steps: int, forward: Forward, wrap: Callable[[], ContextManager] = contextlib.nullcontext,
                 hooks: StepHooks | None = None, runtime: OffloadRuntime | None = None,
-                probe: bool = False, label: str = "", timed: bool = True) -> tuple[Run, OffloadError | None]:
+                probe: bool = False, label: str = "", timed: bool = True,
+                warm_up: bool = False) -> tuple[Run, OffloadError | None]:
         """``steps`` steps with memory metered, then (on the CPU, unless not ``timed``) ``steps``
         more timed without the meter, after the metered ones warmed up; on a GPU the metered
-        steps are timed, the first left out as a warm-up (``warmup_s``).  On running out of
-        memory: the steps before it, and the error.  With ``probe``, the first step's memory is
-        read at every op's end too (``run.op_peaks``, from ``runtime``).  ``label`` names the way
-        of training in ``tick``.  ``run.cpu_wait_share`` says how much the machine's other
+        steps are timed, the first left out as a warm-up (``warmup_s``).  With ``warm_up``, a
+        step not measured comes first (``warm_up_step``).  On running out of memory: the steps
+        before it, and the error.  With ``probe``, the first metered step's memory is read at
+        every op's end too (``run.op_peaks``, from ``runtime``).  ``label`` names the way of
+        training in ``tick``.  ``run.cpu_wait_share`` says how much the machine's other
         processes held its CPUs meanwhile (``offload.io.contention``)."""
+        if warm_up:
+            try:
+                self.warm_up_step(forward, "the warm-up step")
+            except OffloadError as exc:  # the step's error, as a metered step's is
+                return Run(), exc
         waited = CpuWait()
         run, error = self._metered(steps, forward, wrap, hooks or StepHooks(), runtime, probe, label)
         if self.device.type == "cuda":

@@ -1,7 +1,8 @@
 """A model that computes outputs its loss does not read, as transformers' BigBird does: each
 block builds a side output (BigBird's attention probabilities) whose graph saves an index
 made inside the block and dies when the block returns, and a pooler beside the head whose
-weights get no gradient."""
+weights get no gradient.  Each block also makes a table on its first call and keeps it, as
+BEiT caches its relative position index."""
 from __future__ import annotations
 
 import torch
@@ -12,9 +13,12 @@ class Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.fc = nn.Linear(width, width)
+        self.table: torch.Tensor | None = None  # made on the first call and kept, as BEiT caches its position index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.fc(x))
+        if self.table is None:
+            self.table = torch.linspace(0, 1, 16 * x.shape[-1]).view(16, -1)[: x.shape[-2]]
+        h = torch.tanh(self.fc(x) + self.table)
         order = (torch.arange(h.numel()) % h.shape[-1]).view_as(h).flip(-1)  # new storage, saved by the gather
         probs = torch.gather(h, -1, order)  # the side output: let go as the block returns
         del probs

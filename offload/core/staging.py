@@ -98,13 +98,13 @@ class StageListener:
 def stage_boundary(x: torch.Tensor, k: int, listener: StageListener, opening: bool = False) -> torch.Tensor:
     """The end of stage ``k``'s forward on its output ``x`` (``opening``: at a call's start): the
     listener hears it now, and ``backward_boundary(k)`` once ``x``'s gradient is whole.
-    Returns ``x`` itself, heard by a hook (``_BackwardBoundaries``); a view, the value of an
-    identity function (``_Boundary``)."""
+    Returns ``x`` itself, heard by a hook (``_BackwardBoundaries``); a view or a leaf, the
+    value of an identity function (``_Boundary``)."""
     listener.stage_output(k, x, opening)
     listener.forward_boundary(k)
     if not x.requires_grad:  # nothing flows back through here (a frozen prefix)
         return x
-    if x._is_view():
+    if x._is_view() or x.is_leaf:  # a leaf (a weight handed on as it is) lives on: no hook on it
         return _Boundary.apply(x, k, listener)
     _BackwardBoundaries.on(x, listener).ks.append(k)
     return x

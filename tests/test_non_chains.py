@@ -269,8 +269,10 @@ def test_what_the_forward_saves_and_lets_go_stays_out_of_every_unit():
     gets no gradient, keeps none in training as in plain PyTorch (the gradient check compared
     our zeros with the reference's ``None`` and failed).  The table each block makes on its
     first call and keeps is made in ``train``'s warm-up step (it read over the prediction at
-    every op of the first measured step after the first block).  Offloading every block
-    trains bit for bit with every op within its prediction and the bytes moved as predicted."""
+    every op of the first measured step after the first block); the state each block stores
+    on itself is put back after a re-run, as its buffers are (the re-run's held its graph
+    through the rest of the backward).  Offloading every block, or recomputing them, trains
+    bit for bit with every op within its prediction and the bytes moved as predicted."""
     chain = _side_output()
     blocks = [k for k, cut in enumerate(chain.recipe.cuts, 1) if cut.startswith("blocks.")]
     assert len(blocks) == 3 and all(chain.stage(k).dropped_saves for k in blocks)

@@ -145,6 +145,7 @@ class StageProgram:
             return ref
 
         buffers = [(b, b.clone()) for call in self.calls for b in call.module.buffers()]
+        stored = _stored_tensors([call.module for call in self.calls])
         # the replay's graph keeps its pack hook (each saved variable holds it) for as long as
         # whatever ``saved`` stores keeps the graph: emptied after the replay, so that the hook
         # holds no way back to that store (a cycle through autograd that Python cannot collect:
@@ -171,6 +172,8 @@ class StageProgram:
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
+        for module, name, value in stored:
+            setattr(module, name, value)
         return resolve(self.output).detach() if self.output is not None else None
 
     def _last_reads(self) -> dict[int, list[int]]:
@@ -187,6 +190,16 @@ class StageProgram:
         for m, at in last.items():
             out.setdefault(at, []).append(m)
         return out
+
+
+def _stored_tensors(modules: list[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor | None]]:
+    """The plain attributes of these modules and theirs that hold a tensor (or ``None``), put
+    back after a re-run as its buffers are: a forward may store a tensor on its module
+    (RecurrentGemma's recurrent layer keeps its last state, with its autograd history), and
+    the re-run's would replace the forward's, holding the re-run's graph until the next
+    forward (15 KiB over the prediction through the rest of the backward)."""
+    return [(m, name, value) for top in modules for m in top.modules()
+            for name, value in vars(m).items() if value is None or type(value) is torch.Tensor]
 
 
 def _never_unpacked(_: None) -> torch.Tensor:

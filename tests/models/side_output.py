@@ -2,7 +2,8 @@
 block builds a side output (BigBird's attention probabilities) whose graph saves an index
 made inside the block and dies when the block returns, and a pooler beside the head whose
 weights get no gradient.  Each block also makes a table on its first call and keeps it, as
-BEiT caches its relative position index."""
+BEiT caches its relative position index, and stores a state on itself each call, its autograd
+history with it, as RecurrentGemma's recurrent layer does."""
 from __future__ import annotations
 
 import torch
@@ -22,6 +23,7 @@ class Block(nn.Module):
         order = (torch.arange(h.numel()) % h.shape[-1]).view_as(h).flip(-1)  # new storage, saved by the gather
         probs = torch.gather(h, -1, order)  # the side output: let go as the block returns
         del probs
+        self.state = torch.tanh(h.sum(-2))  # kept on the module, its history with it (RecurrentGemma's last state)
         return x + h
 
 

@@ -211,7 +211,7 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
     trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes,
                       elsewhere=check.tensors() if check is not None else None, compiled=whole)
     if opts.progress is not None:
-        total = (trainer.steps_per_measure(opts.steps) + bool(opts.trace)
+        total = (trainer.steps_per_measure(opts.steps) + (not whole) + bool(opts.trace)
                  + (compare_steps(trainer, opts.steps, whole) if opts.compare else 0))
         trainer.tick = lambda what: opts.progress(what, total)
     run = None

@@ -178,6 +178,7 @@ class Trainer:
                 self.warm_up_step(forward, "the warm-up step")
             except OffloadError as exc:  # the step's error, as a metered step's is
                 return Run(), exc
+            self.tick(f"{label} warm-up step".strip())
         waited = CpuWait()
         run, error = self._metered(steps, forward, wrap, hooks or StepHooks(), runtime, probe, label)
         if self.device.type == "cuda":

@@ -8,8 +8,9 @@ and the model's forward runs, the hook tells the listener of the stage's end in 
 (``forward_boundary(k)``) and adds a hook to the value that crosses the boundary, which
 tells it of the end of stage ``k+1``'s backward (``backward_boundary(k)``, just before
 stage ``k``'s backward): the value itself goes on, and the graph is the model's own.  A
-value that is a view goes through an identity autograd function instead, whose backward
-fires where a hook on the view may not (an in-place op on it later rewrites its history).
+value that is a view or a leaf goes through an identity autograd function instead, whose
+backward fires where a hook may not (an in-place op on a view later rewrites its history;
+a leaf lives on from step to step).
 
 The *turn* (the end of the last stage's forward, the start of the backward) is the model's
 output: ``forward_boundary(L)`` when the forward returns, ``backward_boundary(L)`` once,
@@ -104,19 +105,20 @@ def stage_boundary(x: torch.Tensor, k: int, listener: StageListener, opening: bo
     listener.forward_boundary(k)
     if not x.requires_grad:  # nothing flows back through here (a frozen prefix)
         return x
-    if x._is_view() or x.is_leaf:  # a leaf (a weight handed on as it is) lives on: no hook on it
+    if x._is_view() or x.is_leaf:
         return _Boundary.apply(x, k, listener)
     _BackwardBoundaries.on(x, listener).ks.append(k)
     return x
 
 
 class _Boundary(torch.autograd.Function):
-    """An identity function whose backward is the boundary's, for a value that is a view: an
-    in-place op on a view later (Hubert masks its projected features, a view of a matmul's
-    output, in place) rewrites its history, and the node a hook was on never runs.  It returns
-    ``x.detach()``, which is no view, so such an op stays legal and runs through this node.
-    It adds a node: ``Staging`` takes every reference to ``x`` in the call's values through
-    it, so that their gradients are summed as the model's were."""
+    """An identity function whose backward is the boundary's, for a value that is a view or a
+    leaf: an in-place op on a view later (Hubert masks its projected features, a view of a
+    matmul's output, in place) rewrites its history, and the node a hook was on never runs; a
+    leaf (a weight handed on as it is) lives on, and a hook on it would be added every step.
+    It returns ``x.detach()``, which is no view, so such an op stays legal and runs through
+    this node.  It adds a node: ``Staging`` takes every reference to ``x`` in the call's
+    values through it, so that their gradients are summed as the model's were."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, k: int, listener: StageListener) -> torch.Tensor:

@@ -6,10 +6,11 @@ with selective checkpointing (step time, in rounds interleaved with ours, and pe
 The gradient check is exact with dropout on: before each of our steps the random state
 (torch's CPU and CUDA generators, NumPy's and Python's: ``offload.core.rng``) is saved; the
 reference step replays it, so it draws the same dropout masks, and the state after our
-step is then put back, so training goes on as if the reference had not run.  The reference takes our weights each step instead of training
-alongside: PyTorch's CPU optimizers are not bit-reproducible from run to run (two
-identical models updated by identical Adam steps drift apart in about one process in
-six), which would be blamed on the offloading.
+step is then put back, so training goes on as if the reference had not run.  The
+reference takes our weights each step instead of training alongside: PyTorch's CPU
+optimizers are not bit-reproducible from run to run (two identical models updated by
+identical Adam steps drift apart in about one process in six), which would be blamed on
+the offloading.
 """
 from __future__ import annotations
 

@@ -109,10 +109,6 @@ class Trainer:
         self.base_untracked: int | None = None
         self.untracked_after: int | None = None
         self.elsewhere = list(elsewhere or [])  # device tensors the run keeps beside the model (a reference copy)
-        # the gradients allocated before the first step, as they stand: those the first backward leaves untouched
-        # belong to weights the loss does not read (a pooler beside a language-model head), freed after it
-        self._unfed_marks: list[tuple[torch.Tensor, torch.Tensor, int]] | None = [
-            (p, p.grad, p.grad._version) for p in params if p.grad is not None]
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -125,31 +121,28 @@ class Trainer:
                 loss = self.spec.loss(forward(args, kwargs))
             loss.backward()
         del loss
-        self._drop_unfed()
-
-    def _drop_unfed(self) -> None:
-        """After the first backward: the gradients allocated in advance that it did not write
-        (the same tensor, its version unchanged) set to ``None``, as plain PyTorch leaves the
-        ``.grad`` of a weight the loss does not read, so that the optimizer skips that weight
-        (AdamW would decay it) and the gradient check finds ``None`` where the reference does."""
-        if self._unfed_marks is None:
-            return
-        for p, grad, version in self._unfed_marks:
-            if p.grad is grad and grad._version == version:
-                p.grad = None
-        self._unfed_marks = None
 
     def warm_up_step(self, forward: Forward, what: str) -> None:
         """A step not measured, its gradients dropped, before the measured ones, as the profile
         warmed the model up before it measured: the one that compiles ``forward``, and the one
         in which the model makes what it keeps from its first call on (transformers' BEiT
         caches its relative position index, 2.3 KiB: made in the first metered step, every op
-        from there on read it over its prediction) and the executor its host arena."""
+        from there on read it over its prediction) and the executor its host arena.
+
+        A gradient allocated before it (``offload train`` allocates them all, as profiled) that
+        its backward did not write (the same tensor, its version unchanged) is set to ``None``,
+        as plain PyTorch leaves the ``.grad`` of a weight the loss does not read: the optimizer
+        skips that weight (AdamW would decay it), and the gradient check finds ``None`` where
+        the reference does."""
+        allocated = [(p, p.grad, p.grad._version) for p in self.params if p.grad is not None]
         with step_errors(what):
             try:
                 self.one_step(forward, self.spec.batch(), contextlib.nullcontext)
             except Exception as exc:  # our partitioner's refusal, handed back by the compiler as its own
                 raise offload_cause(exc) or exc
+        for p, grad, version in allocated:
+            if p.grad is grad and grad._version == version:
+                p.grad = None
         self.spec.zero_grads(self.params)
 
     def finish_step(self) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from offload.core.devices import persistent_tensors
 from offload.core.meters import make_meter
+from offload.core.rng import forked_rng
 from offload.executor.api import Offloaded
 from offload.models.spec import ModelSpec, tensors_in
 from offload.step.chain import Chain, Encoding
@@ -113,7 +114,7 @@ def _op_peaks(chain: Chain, spec: ModelSpec, device: torch.device, schedule: Sch
     args, kwargs = spec.batch()
     meter = make_meter(device)
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), meter, \
+        with forked_rng(device), meter, \
                 run.runtime.reading(meter) as peaks:
             torch.manual_seed(SEED)
             meter.track(persistent_tensors(spec.module, None, device) + tensors_in((args, kwargs)))

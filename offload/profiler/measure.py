@@ -49,6 +49,7 @@ from offload.core.selective import KeptOutputs
 from offload.core.staging import StageListener, Staging
 from offload.core.units import Saved, UnitTracker, plain, storage_key
 from offload.models.spec import ModelSpec, tensors_in
+from offload.step.chain import staying_saves
 
 
 @dataclass
@@ -682,7 +683,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
         runner.staging.clear_casts = False
         mem = runner.memory_pass()
     if any(mem.shared_saves) or any(mem.dropped_saves):  # they stay, in no unit (core.units)
-        runner.staying = {k: tuple(sorted(a + b)) for k, (a, b) in enumerate(zip(mem.shared_saves, mem.dropped_saves), 1)
+        runner.staying = {k: staying_saves(a, b) for k, (a, b) in enumerate(zip(mem.shared_saves, mem.dropped_saves), 1)
                           if a or b}
         mem = replace(runner.memory_pass(), shared_saves=mem.shared_saves, dropped_saves=mem.dropped_saves)
     if runner.device.type == "cuda":  # the gradient check trains under deterministic kernels: budget for both

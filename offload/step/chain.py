@@ -14,7 +14,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -119,6 +119,13 @@ class StageOption:
     kept_storages: int = 0  # the distinct storages of the kept outputs: an offloaded checkpoint copies each (0: not counted)
 
 
+def staying_saves(shared: Iterable[int], dropped: Iterable[int]) -> tuple[int, ...]:
+    """A stage's first saves (by their number in first-save order) that are in no unit: those
+    a stage after the next saves too (``shared_saves``) and those the forward lets go before
+    the backward (``dropped_saves``)."""
+    return tuple(sorted({*shared, *dropped}))
+
+
 @dataclass(frozen=True)
 class Stage:
     """One stage: its op durations (s) and the memory it holds (bytes)."""
@@ -160,12 +167,6 @@ class Stage:
     recast_s: float = 0.0  # ... what making them again costs Bi (part of bwd_s): docs/model.md, "Weight casts"
     shared_saves: tuple[int, ...] = ()  # Fi's first saves a stage after the next saves too: in no unit ...
     dropped_saves: tuple[int, ...] = ()  # ... nor those the forward lets go before the backward (a discarded output's)
-
-    @property
-    def staying(self) -> tuple[int, ...]:
-        """Fi's first saves that are in no unit: they stay where the model's autograd graph keeps
-        them, their bytes in the transients (``shared_saves`` and ``dropped_saves``)."""
-        return tuple(sorted(self.shared_saves + self.dropped_saves))
     held_saves: tuple[int, ...] = ()  # the storages of the unit held_bytes counts (indices in first-save order) ...
     held_read_at: int = 0  # ... and the first forward after F(i+1) that reads one (0: none): an offloaded unit's
     # held part may leave the device at its release and come back for that forward (``Offload.restore``)
@@ -194,6 +195,12 @@ class Stage:
     def carried(self) -> int:
         """Bytes of the unit a recomputation still finds alive during the next stage's forward."""
         return self.saved_bytes if self.carry_bytes is None else self.carry_bytes
+
+    @property
+    def staying(self) -> tuple[int, ...]:
+        """Fi's first saves that are in no unit: they stay where the model's autograd graph keeps
+        them, their bytes in the transients (``staying_saves``)."""
+        return staying_saves(self.shared_saves, self.dropped_saves)
 
     def option(self, name: str) -> StageOption:
         """The in-stage option called ``name`` (``KeyError`` if the stage offers none by that name)."""

@@ -261,7 +261,7 @@ class StageRecorder:
         self.input_requires_grad = bool(stage_input is not None and stage_input.requires_grad)
         self.calls: list[Call] = []  # completed calls not inside another completed call, in order
         self.held: dict[int, _Held] = {}  # storage key -> the tensor held for the re-run
-        self._aliases: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id of a held tensor -> it, its alias
+        self._aliases: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id of a held tensor -> it, its alias
         self.outputs: dict[int, list[tuple[weakref.ref, int, int]]] = {}  # storage key -> (tensor ref, call, leaf)
         # per level (the stage itself, then each call begun in it and still running): where its
         # completed calls begin in ``calls``, and why it cannot be re-run if it ends the stage open
@@ -355,13 +355,20 @@ class StageRecorder:
         save what the stage's did.  Held as it was, it tied the program to the step's graph,
         which holds the step: a cycle through autograd that no collector frees (a U-Net's skip
         features, read by a recomputed up block, kept a forward whose output was dropped alive,
-        and the next forward was refused)."""
+        and the next forward was refused).  One alias per tensor while the program holds it
+        (a held tensor, a call's argument), known here only weakly: an alias kept here held its
+        storage after the program let go of it (what only calls nested in a completed call read
+        is no longer held), until a new tensor happened to take the dead one's ``id``, a moment
+        that follows Python's garbage collections (a Whisper layer's recorded forward read
+        32 KiB more or less, run to run)."""
         if not self.keep:
             return t
         found = self._aliases.get(id(t))
-        if found is None or found[0]() is not t:
-            found = self._aliases[id(t)] = (weakref.ref(t), t.detach().requires_grad_(t.requires_grad))
-        return found[1]
+        alias = found[1]() if found is not None and found[0]() is t else None
+        if alias is None:
+            alias = t.detach().requires_grad_(t.requires_grad)
+            self._aliases[id(t)] = (weakref.ref(t), weakref.ref(alias))
+        return alias
 
     def finish(self, output: torch.Tensor) -> StageProgram:
         """The stage ended with ``output`` (the value crossing its boundary)."""

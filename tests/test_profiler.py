@@ -112,8 +112,25 @@ USER_MODEL = textwrap.dedent('''
             bias.add_(1.0)
             return self.out(h * 2)
 
+    class Pooled(nn.Module):
+        """A head that drops out, in place, the pool its forward's code made (MobileViT's)."""
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Linear(16, 32)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3))
+            self.drop, self.out = nn.Dropout(0.5, inplace=True), nn.Linear(32, 4)
+
+        def forward(self, x):
+            h = self.emb(x)
+            for block in self.blocks:
+                h = block(h)
+            return self.out(self.drop(h.mean(1)))
+
     def build(batch):
         return Gated(), torch.randn(batch, 16)
+
+    def pooled(batch):
+        return Pooled(), torch.randn(batch, 6, 16)
 
     def overwritten(batch):
         return Overwritten(), torch.randn(batch, 16)
@@ -519,6 +536,19 @@ def test_a_stage_whose_held_tensor_the_forward_writes_later_is_not_re_run(user_f
     assert p.chain.recipe.cuts[:4] == ("emb", "blocks.0", "blocks.1", "blocks.2")
     assert not {2, 3, 4} & p.chain.recomputable
     assert any("writes in place, after the stage, a tensor its re-run reads" in n for n in p.chain.source["notes"])
+
+
+def test_a_stage_whose_call_writes_a_tensor_it_holds_is_not_re_run(user_file):
+    """The last stage pools in its forward's code and drops the pool out in place (MobileViT's
+    head): a re-run would read the pool written, so the stage is not re-runnable and the note
+    says why; its recorded version was read once the dropout had run, and the profile's replay
+    of it died ("a leaf Variable that requires grad is being used in an in-place operation")."""
+    p = profile(f"{user_file}:pooled", ProfileOptions(batch=4, repeats=1, warmup=1))
+    cuts = list(p.chain.recipe.cuts)
+    k = cuts.index("drop") + 1  # the stage the dropout ends: the last block, the pool and the dropout
+    assert cuts[k - 2] == "blocks.1" and k not in p.chain.recomputable and {2, 3} <= p.chain.recomputable
+    assert any(f"stage {k} cannot be re-run: a call of it writes in place a tensor made before that call" in n
+               for n in p.chain.source["notes"])
 
 
 def test_a_collapsed_chain_says_so_and_names_the_cause(user_file):

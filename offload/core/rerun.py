@@ -43,6 +43,7 @@ reported as not re-runnable, never replayed wrong.
 from __future__ import annotations
 
 import contextlib
+import functools
 import enum
 import types
 import weakref
@@ -267,6 +268,10 @@ class StageRecorder:
         # completed calls begin in ``calls``, and why it cannot be re-run if it ends the stage open
         self.starts: list[int] = [0]
         self.whys: list[str | None] = [None]
+        # per level, the versions of the call's positional tensor arguments as it began: a
+        # call that writes in place what it reads (an in-place dropout on a pooled output the
+        # model's code made) has changed them by the time its post-hook sees them
+        self.versions_before: list[dict[int, int]] = [{}]
         self.rng = rng_state(device)
         self.autocast = _autocast_state(device)
         # the hooks reach this recorder through a weak reference: a module call running when they
@@ -294,19 +299,22 @@ class StageRecorder:
     def _pre(self, module: nn.Module | None, args: tuple) -> None:
         self.starts.append(len(self.calls))
         self.whys.append(None)
+        self.versions_before.append({id(t): t._version for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)})
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         if len(self.starts) == 1:
             return  # a call that began before the stage (the block the stage ends in)
         start = self.starts.pop()
         self.whys.pop()  # what happened inside it is re-run with it
+        before = self.versions_before.pop()
         del self.calls[start:]
         self.outputs = {k: kept for k, v in self.outputs.items() if (kept := [o for o in v if o[1] < start])}
         # what only the calls inside it read is made again by its re-run (a decoder layer's
         # residual sum, read by its MLP's norm): held, it would double the checkpoint
         self.held = {k: h for k, h in self.held.items() if h.call < start}
         try:
-            call = Call(module, tree_map(self._reference, args), tree_map(self._reference, kwargs))
+            reference = functools.partial(self._reference, before=before)
+            call = Call(module, tree_map(reference, args), tree_map(reference, kwargs))
         except NotRerunnable as exc:
             self._fail(f"{exc} (a call of {type(module).__name__})")
             return
@@ -327,7 +335,9 @@ class StageRecorder:
                 found = FromCall(call, leaf, _view_of(t, source))
         return found
 
-    def _reference(self, t: Any) -> Any:
+    def _reference(self, t: Any, before: dict[int, int]) -> Any:
+        """``t``, an argument of a call that has returned, as the re-run finds it; ``before``:
+        the versions of the call's arguments as it began."""
         if not isinstance(t, torch.Tensor):
             if not isinstance(t, _UNCHANGING):
                 raise NotRerunnable(f"a call takes a {type(t).__name__} argument, an object whose state the forward may "
@@ -345,8 +355,8 @@ class StageRecorder:
         key = storage_key(t)
         if key not in self.held:
             self.held[key] = _Held(self._detached(t) if self.keep else None, weakref.ref(t),
-                                   weakref.ref(t.untyped_storage()), t._version, t.untyped_storage().nbytes(),
-                                   len(self.calls))
+                                   weakref.ref(t.untyped_storage()), before.get(id(t), t._version),
+                                   t.untyped_storage().nbytes(), len(self.calls))
         return self._detached(t)
 
     def _detached(self, t: torch.Tensor) -> torch.Tensor:
@@ -376,6 +386,8 @@ class StageRecorder:
         why = next((w for w in self.whys if w is not None), None)
         if why is None and self.input is not None and self.input._version != self.input_version:
             why = "it writes its input in place"
+        if why is None and written_later([(h.ref, h.version) for h in self.held.values()]):
+            why = "a call of it writes in place a tensor made before that call, which its re-run would read written"
         if why is not None:
             raise NotRerunnable(f"stage {self.stage} cannot be re-run: {why}")
         return StageProgram(self.stage, self.calls, self._source(output), self.input_requires_grad,

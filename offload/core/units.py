@@ -4,7 +4,11 @@ Autograd saves tensors for the backward through ``saved_tensors_hooks``; the pac
 sees each one.  The chain's unit ``Ui`` is the storages that stage ``i`` is the *first* to
 save, deduplicated by storage (views of one storage are one thing to move), numbered in
 first-save order (the chain's ``EncodedTensor.index``); a storage's ``need_from`` is the
-*last* stage that saves it (the first backward to read it).  The profiler sizes the units
+*last* stage that saves it (the first backward to read it), or a later stage whose
+backward's window is the first to read it (``UnitTracker.read``): a value a stage makes
+beside its output and later stages read (SpeechT5's relative position bias, built after
+its first layer's input) has its backward run once theirs have given it its gradient,
+before the backward of the stage that made it.  The profiler sizes the units
 with this rule and the executor moves them with it, so they match byte for byte.
 
 A storage that a stage after the next saves too (a rotary table or a mask every layer
@@ -105,6 +109,7 @@ class UnitTracker:
         self._known: dict[int, int] = {}  # live storage key -> its record
         self.records: list[Saved] = []  # every storage saved this step, in first-save order
         self.last: list[int] = []  # per record, the last stage that saved it
+        self.read_in: list[int] = []  # per record, the latest stage whose backward's window read it (0: none)
         self.count: dict[int, int] = {}  # unit -> storages so far
         self.unit_bytes: dict[int, int] = {}  # unit -> bytes so far
         self.saves: dict[int, int] = {}  # unit -> its storages' saves so far (each a handle when the unit is handled)
@@ -147,7 +152,17 @@ class UnitTracker:
         self.records.append(saved)
         self.saves[self.stage] = self.saves.get(self.stage, 0) + 1
         self.last.append(self.stage)
+        self.read_in.append(0)
         return saved
+
+    def read(self, t: torch.Tensor, stage: int) -> None:
+        """The backward reads saved tensor ``t`` in stage ``stage``'s window (between the
+        boundaries that begin and end ``B_stage``)."""
+        key = storage_key(t) if plain(t) else None
+        ref = self._refs.get(key) if key is not None else None
+        if ref is not None and ref() is t.untyped_storage():
+            n = self._known[key]
+            self.read_in[n] = max(self.read_in[n], stage)
 
     def stays(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage is one of those in no unit that stay (``staying``), as seen."""
@@ -193,9 +208,10 @@ class UnitTracker:
 
     def units(self, L: int) -> tuple[list[int], list[int]]:
         """(bytes of each unit, need_from of each unit), stages ``1..L`` (a unit's ``need_from``
-        is the latest last saver among its storages, at least its own stage)."""
+        is the latest last saver among its storages, or the latest backward window seen reading
+        one, at least its own stage)."""
         saved, need = [0] * (L + 1), list(range(L + 1))
-        for s, last in zip(self.records, self.last):
+        for s, last, read in zip(self.records, self.last, self.read_in):
             saved[s.unit] += s.nbytes
-            need[s.unit] = max(need[s.unit], last)
+            need[s.unit] = max(need[s.unit], last, read)
         return saved[1:], need[1:]

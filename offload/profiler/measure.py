@@ -409,9 +409,14 @@ class StepRunner:
                 lives: list[int] = []
                 if isinstance(meter, CpuMeter):
                     meter.trace = lives
+                def unpack(packed: Any) -> torch.Tensor:
+                    t = casts.unpack(packed)
+                    # the window of B_k: L + (L - k) readings so far (before the turn, the loss's backward: F_L's)
+                    tracker.read(t, min(L, 2 * L - len(readings)))
+                    return t
                 try:
                     with made, listener.writes:
-                        loss = self.forward(args, kwargs, listener, pack)
+                        loss = self.forward(args, kwargs, listener, pack, unpack)
                 finally:
                     listener.close()
                 dropped = tracker.dropped_saves(L)
@@ -703,7 +708,11 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     resident = 0
     for i in range(runner.L):
         fwd_peak = peak_f[i] - m0 - resident
-        bwd_peak = peak_b[i] - m0 - resident - saved[i]
+        # below the units where part of U_i was freed before B_i began: the backward of a value
+        # F_i made and later stages read beside its output (SpeechT5's relative position
+        # bias, read by every encoder layer) runs once their backwards have given it its
+        # gradient, before B_i; the model holds U_i whole until B_i, above what was measured
+        bwd_peak = max(0, peak_b[i] - m0 - resident - saved[i])
         bwd_start = min(bwd_peak, max(0, mem.bwd_starts[i] - m0 - resident - saved[i]))
         resident += saved[i]
         stages.append(StageMeasurement(statistics.median(t[0][i] for t in times), statistics.median(t[1][i] for t in times),

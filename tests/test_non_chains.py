@@ -333,6 +333,21 @@ def test_masks_drawn_from_numpy_are_drawn_again_alike():
     check_run(chain, recomputing(chain)["blocks+offload"], "cpu-eager", "numpy masks/blocks+offload")
 
 
+def test_a_cache_the_first_call_fills_is_the_models_own_from_that_call_on():
+    """A table made on the model's first call, kept on a module whose attribute was ``None``
+    until then, and saved by every block (Wav2Vec2-Conformer's rotary table): the profile,
+    which warmed the model up, counts it with the weights; the executor, which found the
+    attributes as it wrapped the model, took it for the first block's, which the later blocks
+    save too, and the first step's backward read it from that unit before it was back ("U6 is
+    read by the backward but was not prefetched or rebuilt").  Offloaded or recomputed from
+    the first step on, the blocks train bit for bit, the bytes moved as predicted."""
+    chain = profile(str(ROOT / "tests" / "models" / "cached_table.py:build"),
+                    ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False)).chain
+    assert not any(s.shared_saves for s in chain.stages)
+    check_run(chain, make_schedule(chain, floor_offloads(chain)), "cpu-eager", "cached table/floor")
+    check_run(chain, recomputing(chain)["blocks+offload"], "cpu-eager", "cached table/blocks+offload")
+
+
 @functools.cache
 def _side_output():
     return profile(str(ROOT / "tests" / "models" / "side_output.py:build"),

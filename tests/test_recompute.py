@@ -456,7 +456,7 @@ def test_a_replay_lets_go_of_what_it_rebuilt():
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
     x = torch.randn(4, 8, requires_grad=True)
-    recorder = StageRecorder(1, x, torch.device("cpu"), set())
+    recorder = StageRecorder(1, x, torch.device("cpu"), {})
     y = block(x)
     program = recorder.finish(y)
     rebuilt: list[torch.Tensor] = []
@@ -492,7 +492,7 @@ def test_a_recorded_stage_lets_go_of_what_only_a_completed_calls_inner_calls_rea
     outer = Outer()
     x = torch.randn(4, 8, requires_grad=True)
     with CpuMeter() as meter:
-        recorder = StageRecorder(1, x, torch.device("cpu"), set())
+        recorder = StageRecorder(1, x, torch.device("cpu"), {})
         y = outer(x)
         assert meter.live == y.untyped_storage().nbytes()  # ``x * 2`` gone as the call returned
         program = recorder.finish(y)
@@ -517,7 +517,7 @@ def test_a_replay_under_autocast_holds_one_weight_cast_at_a_time():
     cast = 256 * 256 * 2  # one weight in bf16
     saved: list[torch.Tensor] = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        recorder = StageRecorder(1, x, torch.device("cpu"), set())
+        recorder = StageRecorder(1, x, torch.device("cpu"), {})
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             y = block(x)
         program = recorder.finish(y)
@@ -545,7 +545,7 @@ def test_recording_leaves_no_global_hook_behind():
     before = {name: len(getattr(module_hooks, name)) for name in dir(module_hooks) if name.startswith("_global_")
               and isinstance(getattr(module_hooks, name), dict)}
     for _ in range(3):
-        StageRecorder(1, None, torch.device("cpu"), set()).close()
+        StageRecorder(1, None, torch.device("cpu"), {}).close()
     after = {name: len(getattr(module_hooks, name)) for name in before}
     assert after == before
 

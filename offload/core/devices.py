@@ -71,21 +71,34 @@ def pick_device(name: str | None) -> torch.device:
     return device
 
 
+_MODULE_STATE = frozenset(vars(nn.Module()))  # every module's own attributes (``_compiled_call_impl``: None)
+
+
 class ModuleTensors:
     """The parameters, buffers and plain tensor attributes of a module tree, read again at every
-    step from the modules and attribute names found when it was made: a step walks lists, not
-    ``named_modules``' recursion and every module's ``__dict__`` (0.5 ms on a ResNet-50)."""
+    step from the modules and attribute names found when it was made (``scan``): a step walks
+    lists, not ``named_modules``' recursion and every module's ``__dict__`` (0.5 ms on a
+    ResNet-50).  An attribute that holds ``None`` is one too: a cache that the module's first
+    call fills (Wav2Vec2-Conformer's rotary table, made once and read by every layer)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.modules = list(module.modules())
+        self.scan()
+
+    def scan(self) -> None:
+        """Find the attributes again (after a first call, which may have set new ones)."""
         self.attributes = [(sub, name) for sub in self.modules for name, v in vars(sub).items()
-                           if isinstance(v, torch.Tensor)]
+                           if isinstance(v, torch.Tensor) or (v is None and name not in _MODULE_STATE)]
 
     def now(self) -> list[torch.Tensor]:
         """The tensors as they are now (a parameter replaced since is the new one)."""
         out = [t for sub in self.modules for held in (sub._parameters, sub._buffers) for t in held.values()
                if t is not None]
-        return out + [v for sub, name in self.attributes if isinstance(v := getattr(sub, name, None), torch.Tensor)]
+        return out + self.held()
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors the attributes hold now."""
+        return [v for sub, name in self.attributes if isinstance(v := getattr(sub, name, None), torch.Tensor)]
 
 
 def persistent_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None,

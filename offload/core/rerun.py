@@ -48,14 +48,14 @@ import enum
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .rng import RngState, forked_rng, rng_state, set_rng_state
-from .units import is_weight, plain, storage_key
+from .units import among, is_weight, plain, storage_key
 
 View = tuple[torch.Size, tuple[int, ...], int] | None  # size, stride, storage offset (None: the tensor itself)
 
@@ -239,8 +239,9 @@ class StageRecorder:
 
     Made as the stage begins (it installs the hooks); ``saved`` is told of every tensor
     saved for the backward; ``finish`` takes the stage's output, removes the hooks and
-    returns the ``StageProgram`` (``NotRerunnable`` if there is none).  ``excluded``: keys
-    of storages that are never a stage's input (the batch, parameters, buffers).  Without
+    returns the ``StageProgram`` (``NotRerunnable`` if there is none).  ``excluded``: the
+    storages (by key, ``UnitTracker.excluded``) that are never a stage's input (the batch,
+    parameters, buffers).  Without
     ``keep`` (the profiler, which only asks whether and at what cost) the input and the held
     tensors are sized, not held: recording must not change the memory it measures (a U-Net's
     up block drops its input after upsampling it).  ``opening``: the stage begins with a
@@ -248,9 +249,9 @@ class StageRecorder:
     the hooks installed here miss its start, so it is opened here, and is a call of the stage."""
 
     def __init__(self, stage: int, stage_input: torch.Tensor | None, device: torch.device,
-                 excluded: set[int], keep: bool = True, opening: bool = False) -> None:
+                 excluded: Mapping[int, weakref.ref], keep: bool = True, opening: bool = False) -> None:
         self.stage, self.device, self.excluded, self.keep = stage, device, excluded, keep
-        if stage_input is not None and storage_key(stage_input) in excluded:
+        if stage_input is not None and plain(stage_input) and among(stage_input, excluded):
             stage_input = None  # the batch: the training loop holds it anyway
         self._input = stage_input if keep else None  # held (``keep``): the executor re-runs from it
         self._input_ref = weakref.ref(stage_input) if stage_input is not None else None
@@ -343,7 +344,7 @@ class StageRecorder:
                 raise NotRerunnable(f"a call takes a {type(t).__name__} argument, an object whose state the forward may "
                                     "change before the re-run (a key/value cache: train with use_cache=False)")
             return t
-        if not plain(t) or is_weight(t) or storage_key(t) in self.excluded:
+        if not plain(t) or is_weight(t) or among(t, self.excluded):
             return t
         made = self._source(t)
         if made is not None:

@@ -33,7 +33,7 @@ a new storage, which starts afresh.
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
@@ -79,6 +79,13 @@ def cast_parameter(t: torch.Tensor) -> torch.nn.Parameter | None:
     return variable if isinstance(variable, torch.nn.Parameter) else None
 
 
+def among(t: torch.Tensor, storages: Mapping[int, weakref.ref]) -> bool:
+    """Whether ``t``'s storage is one of ``storages`` (storage key -> the storage, known while it
+    lives: a dead one's key may be a new storage's)."""
+    ref = storages.get(storage_key(t))
+    return ref is not None and ref() is t.untyped_storage()
+
+
 class Saved(NamedTuple):
     """A saved tensor's storage, as the tracker knows it (a tuple: one is made per save)."""
 
@@ -93,9 +100,16 @@ class UnitTracker:
     """Attribute saved tensors to units (module docstring); ``stage`` is the stage running now."""
 
     def __init__(self, device: torch.device, excluded: Iterable[torch.Tensor] = (),
-                 staying: Mapping[int, Iterable[int]] | None = None) -> None:
+                 staying: Mapping[int, Iterable[int]] | None = None,
+                 filling: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
         self.device = device
-        self.excluded: set[int] = {storage_key(t) for t in excluded if plain(t)}
+        # storage key -> the storage, while it lives (a storage replaced within the step, a
+        # state the model keeps on itself, frees its key for a new one, which is not excluded)
+        self.excluded: dict[int, weakref.ref] = {}
+        self.exclude(excluded)
+        # where the model may still keep new tensors across steps (its first step: a cache its
+        # first call fills), what it keeps now: asked as each storage is first saved
+        self.filling = filling
         # stage -> indices of its first saves in no unit (``Stage.staying``: shared or dropped saves)
         self.staying = {k: frozenset(v) for k, v in (staying or {}).items()}
         self.stage = 1
@@ -117,7 +131,7 @@ class UnitTracker:
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never attribute these storages (the step's input batch, say)."""
-        self.excluded.update(storage_key(t) for t in tensors if plain(t))
+        self.excluded.update((storage_key(t), weakref.ref(t.untyped_storage())) for t in tensors if plain(t))
 
     def saw(self, t: torch.Tensor) -> Saved | None:
         """The storage of a tensor being saved now, or ``None`` if it is never part of a unit."""
@@ -125,9 +139,14 @@ class UnitTracker:
             return None
         storage = t.untyped_storage()
         key = storage._cdata
-        if key in self.excluded:
+        excluded = self.excluded.get(key)
+        if excluded is not None and excluded() is storage:
             return None
         ref = self._refs.get(key)
+        if (ref is None or ref() is not storage) and self.filling is not None \
+                and key in {storage_key(v) for v in self.filling() if plain(v)}:
+            self.excluded[key] = weakref.ref(storage)
+            return None
         if ref is not None and ref() is storage:  # known this step: not a weight (checked when new)
             n = self._known[key]
             self.last[n] = self.stage
@@ -166,8 +185,7 @@ class UnitTracker:
 
     def stays(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage is one of those in no unit that stay (``staying``), as seen."""
-        ref = self._staying.get(storage_key(t)) if plain(t) else None
-        return ref is not None and ref() is t.untyped_storage()
+        return plain(t) and among(t, self._staying)
 
     def record_of(self, key: int) -> Saved | None:
         """The record of the live storage ``key`` if it was saved this step (``None`` otherwise)."""

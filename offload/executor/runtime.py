@@ -174,9 +174,10 @@ class _Handle:
 class _Step(StageListener):
     """The state of one forward and its backward."""
 
-    def __init__(self, runtime: "OffloadRuntime", excluded: list[torch.Tensor]) -> None:
+    def __init__(self, runtime: "OffloadRuntime", excluded: list[torch.Tensor],
+                 filling: Callable[[], list[torch.Tensor]] | None = None) -> None:
         self.runtime, self.plan, self.backend = runtime, runtime.plan, runtime.backend
-        self.tracker = UnitTracker(runtime.device, excluded, self.plan.staying)
+        self.tracker = UnitTracker(runtime.device, excluded, self.plan.staying, filling)
         self.sid: dict[int, int] = {}  # live storage key -> id of its held storage
         self.stored: list[_Stored] = []  # held storages (offloaded or encoded), by id
         self.units: dict[int, list[int]] = {i: [] for i in self.plan.offloaded | set(self.plan.encoders)
@@ -562,7 +563,10 @@ class OffloadRuntime:
             raise RuntimeError("a forward while the previous forward's backward has not finished: the schedule covers "
                                "one forward and its backward at a time; call backward() first (several micro-batches: "
                                "forward and backward each in turn), or evaluate under torch.no_grad()")
-        step = _Step(self, self.persistent.now() + tensors_in((args, kwargs)))
+        if self.steps == 1:  # attributes the first call set, a cache it filled: persistent from here on
+            self.persistent.scan()
+        step = _Step(self, self.persistent.now() + tensors_in((args, kwargs)),
+                     self.persistent.held if self.steps == 0 else None)
         self.read(None)  # what ran since the last backward (the optimizer step, data loading) is no op's
         self._last = weakref.ref(step)  # alive as long as its autograd graph holds a handle or a boundary
         self.steps += 1

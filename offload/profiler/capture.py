@@ -229,18 +229,20 @@ def _add_openings(rec: _Recorder, best: dict[int, CallRecord], ancestors: set, b
     made last) whose input the model's own code made outside the calls that end candidates,
     with parameters on the way (an encoder's positions added and dropped out before its first
     layer: that code, which no module call holds, then ends the stage before, and the block can
-    be re-run alone).  Not where a candidate already ends just before the call, nor where the
-    code since the candidate before holds no parameters (a stage of its own it would join the
-    block before, making that one end outside its calls)."""
+    be re-run alone).  Not where a candidate already ends just before the call, or makes the
+    block's input (SqueezeBERT's pooler runs after its encoder's output, inside the model's
+    call that returns it, and no loss reads it: a cut at the head's start made a stage of no
+    ops), nor where the code since the candidate before holds no parameters (a stage of its
+    own it would join the block before, making that one end outside its calls)."""
     for call in sorted(rec.calls, key=lambda c: c.start):
         live = [(leaf, node) for leaf, node in call.inputs if node in ancestors]
         if call.site.module not in blocks or not live or call.start == 0:
             continue
         end = call.start - 1  # the node made last before the call (nodes are numbered in order)
-        since = max((n for n in best if n < end), default=-1)
-        if end in best or not any(rec.graph.nodes[n]["params"] for n in rec.order[since + 1:end + 1]):
+        leaf, made = max(live, key=lambda out: out[1])  # the input made last
+        since = max((n for n in best if n < made), default=-1)
+        if end in best or made in best or not any(rec.graph.nodes[n]["params"] for n in rec.order[since + 1:made + 1]):
             continue
-        leaf, _ = max(live, key=lambda out: out[1])
         best[end] = CallRecord(Site(call.site.module, call.site.occurrence, leaf, before=True), call.depth,
                                call.outputs, call.start, call.inputs)
 

@@ -268,6 +268,37 @@ USER_MODEL = textwrap.dedent('''
     class EncoderConfig:  # a config held in another (an encoder-decoder's config.encoder)
         layerdrop = 0.0
 
+    class Routed(nn.Module):
+        """Rows routed at random, those over a capacity dropped (a Switch Transformer's experts)."""
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        def forward(self, x):
+            for block in self.blocks:
+                routed = torch.rand(x.shape[0]) < 0.5
+                x = x.index_put((routed,), torch.tanh(block(x[routed])))
+            return x
+
+    def routed(batch):
+        return Routed(), torch.randn(batch * 16, 16)
+
+    class Thresholded(nn.Module):
+        """Rows picked by a trained threshold: which, follows the weights, not the draws."""
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+            self.threshold = nn.Parameter(torch.zeros(()))
+        def forward(self, x):
+            for block in self.blocks:
+                x = torch.tanh(block(x[x[:, 0] > self.threshold]))
+                x = torch.cat([x, x.new_full((1, 16), 1e-5)]) + self.threshold
+            return x
+
+    def thresholded(batch):  # a step of the threshold (Adam, lr 1e-4) moves it past rows 1e-5 apart
+        x = torch.randn(401, 16)
+        x[:, 0] = torch.linspace(-2e-3, 2e-3, 401)
+        return Thresholded(), x
+
     def layer_dropping(batch):  # as a transformers Wav2Vec2 is by default
         import types
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
@@ -805,6 +836,8 @@ def test_a_few_slow_small_copies_make_no_latency():
     ("{file}:skipping", "the model's calls differ from the profiled ones"),
     ("{file}:layer_dropping", "skips whole layers at random while training (LayerDrop: config.encoder.layerdrop=0.05, "
                               "config.layerdrop=0.1)"),
+    ("{file}:routed", "what the model saves for the backward changes from one step to the next on the same batch"),
+    ("{file}:thresholded", "what the model saves for the backward changes from one step to the next on the same batch"),
     ("{file}:listed", "with plain values (bool, int, float, str, NoneType) beside them as options; found Tensor, list"),
     ("no_such_package_xyz:fn", "cannot import module 'no_such_package_xyz'"),
     ("torchvision:resnet18", "torchvision cannot be imported"),

@@ -48,6 +48,7 @@ from offload.core.rerun import NotRerunnable, StageRecorder, written_later
 from offload.core.selective import KeptOutputs
 from offload.core.staging import StageListener, Staging
 from offload.core.units import Saved, UnitTracker, plain, storage_key
+from offload.errors import ModelError
 from offload.models.spec import ModelSpec, tensors_in
 from offload.step.chain import staying_saves
 
@@ -584,6 +585,7 @@ class Holding:
     carried: set[int] = field(default_factory=set)  # indices in U_i of the storages in carry_bytes ...
     held: set[int] = field(default_factory=set)  # ... and in held_bytes
     held_read_at: int = 0  # the first forward after F(i+1) that reads a storage in held_bytes (0: none does)
+    saved_bytes: int = 0  # U_i in this pass (another step's draws: the memory pass's U_i, unless the data decide it)
 
 
 def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int],
@@ -665,9 +667,29 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
         h = out[saved.unit]
         if later and saved.index in h.held:
             h.held_read_at = min(h.held_read_at or later, later)
+    units, _ = holding.tracker.units(runner.L)
     for j in range(1, runner.L + 1):
         out[j].recomputed_fwd_peak_bytes = max(0, holding.transient[j])
+        out[j].saved_bytes = units[j - 1]
     return out[1:]
+
+
+def _same_units(first: list[int], second: list[int]) -> None:
+    """Refuse a model whose units are not the same bytes in two steps of one batch (``first``,
+    ``second``, the weights updated in between): what a stage saves follows its random draws
+    or its weights (a Switch Transformer routes each token to an expert and drops those over
+    an expert's capacity, so each expert saves as many rows as it got), and a schedule moves
+    and budgets each unit's profiled bytes."""
+    varied = [(k, a, b) for k, (a, b) in enumerate(zip(first, second), 1) if a != b]
+    if varied:
+        k, a, b = varied[0]
+        raise ModelError(f"what the model saves for the backward changes from one step to the next on the same batch: "
+                         f"stage {k} saved {a} B in one step and {b} B in the next ({len(varied)} stage(s) differ); "
+                         "its shapes follow its random draws or its weights (a mixture of experts that drops the "
+                         "tokens over an expert's capacity, say), and a schedule is made for fixed bytes",
+                         "units whose sizes follow the data are not supported yet (docs/executor.md); an expert "
+                         "capacity no batch reaches keeps them fixed (Switch Transformers: expert_capacity at least "
+                         "the tokens of a batch)")
 
 
 def spread(values: list[float]) -> float:
@@ -696,7 +718,9 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
             runner.warmup(1)  # the workspaces they make on first use exist before the pass reads
             mem = mem.widened(runner.memory_pass())
     m0, peak_f, peak_b, saved, need = mem.m0, mem.fwd_peaks, mem.bwd_peaks, mem.saved, mem.need
+    runner.warmup(1)  # the weights updated once more: units whose bytes follow them (routing) differ next
     held = holding_pass(runner, mem.peak_ops, peak_f, mem.starts, op_lives=mem.op_lives)
+    _same_units(saved, [h.saved_bytes for h in held])
     tick("memory pass")
     times, plain = [], []
     for _ in range(repeats):  # each timed step beside a plain one: both see the machine at one pace

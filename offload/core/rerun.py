@@ -43,8 +43,8 @@ reported as not re-runnable, never replayed wrong.
 from __future__ import annotations
 
 import contextlib
-import functools
 import enum
+import functools
 import types
 import weakref
 from dataclasses import dataclass
@@ -241,10 +241,9 @@ class StageRecorder:
     saved for the backward; ``finish`` takes the stage's output, removes the hooks and
     returns the ``StageProgram`` (``NotRerunnable`` if there is none).  ``excluded``: the
     storages (by key, ``UnitTracker.excluded``) that are never a stage's input (the batch,
-    parameters, buffers).  Without
-    ``keep`` (the profiler, which only asks whether and at what cost) the input and the held
-    tensors are sized, not held: recording must not change the memory it measures (a U-Net's
-    up block drops its input after upsampling it).  ``opening``: the stage begins with a
+    parameters, buffers).  Without ``keep`` (the profiler, which only asks whether and at
+    what cost) the input and the held tensors are sized, not held: recording must not change
+    the memory it measures (a U-Net's up block drops its input after upsampling it).  ``opening``: the stage begins with a
     module call that is starting now (its boundary is that call's pre-hook, ``Site.before``):
     the hooks installed here miss its start, so it is opened here, and is a call of the stage."""
 

@@ -585,7 +585,7 @@ class Holding:
     carried: set[int] = field(default_factory=set)  # indices in U_i of the storages in carry_bytes ...
     held: set[int] = field(default_factory=set)  # ... and in held_bytes
     held_read_at: int = 0  # the first forward after F(i+1) that reads a storage in held_bytes (0: none does)
-    saved_bytes: int = 0  # U_i in this pass (another step's draws: the memory pass's U_i, unless the data decide it)
+    saved_bytes: int = 0  # U_i as this pass saw it: the memory pass's, one update later, unless draws or weights set it
 
 
 def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int],

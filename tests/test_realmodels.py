@@ -141,6 +141,23 @@ def test_a_key_value_cache_is_turned_off_for_training(profiled):
     Offloaded(spec.module, chain, make_schedule(chain, []))
 
 
+def test_a_stacks_own_copy_of_the_config_has_its_cache_turned_off_too():
+    """Switch Transformers' decoder stack keeps a copy of the config and reads its ``use_cache``:
+    with only the model's turned off, it still built a cache and handed it to every block, so
+    no decoder block could be re-run ("a call takes a EncoderDecoderCache argument"); every
+    config the model holds is turned off, the note names each, and Offloaded names each that
+    is still on."""
+    chain = profile(str(ROOT / "tests" / "models" / "switch.py:build"),
+                    ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False)).chain
+    decoder = [k for k, cut in enumerate(chain.recipe.cuts, 1) if cut.startswith("decoder.block.")]
+    assert decoder and set(decoder) <= chain.recomputable
+    assert any("model.decoder.config.use_cache = False" in note for note in chain.source["notes"])
+    spec = resolve(str(ROOT / "tests" / "models" / "switch.py:build"), 2, {})
+    spec.module.config.use_cache = False
+    with pytest.raises(ChainMismatch, match=r"set model\.decoder\.config\.use_cache = False before"):
+        Offloaded(spec.module, chain, make_schedule(chain, []))
+
+
 def test_a_key_value_cache_kept_keeps_blocks_from_being_recomputed(profiled):
     """``--keep-cache``: every attention call appends to the cache, so a re-run would see another
     cache; the profiler says so and the executor refuses."""

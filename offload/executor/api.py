@@ -33,7 +33,7 @@ from offload.core.devices import persistent_tensors
 from offload.core.meters import make_meter
 from offload.core.staging import Site, Staging, compiled, unwrap
 from offload.errors import ChainMismatch
-from offload.models.spec import check_no_layer_drop, signature, uses_cache
+from offload.models.spec import cache_configs, check_no_layer_drop, signature
 from offload.step.chain import Chain
 from offload.step.chainfile import load_chain
 from offload.step.schedule import Schedule
@@ -123,9 +123,11 @@ class Offloaded(nn.Module):
         if isinstance(unwrap(module), Offloaded):
             raise ValueError("this module is already offloaded: wrap the user's module once")
         self.chain, self.schedule = chain_and_schedule(chain, schedule)
-        if self.chain.recipe is not None and self.chain.recipe.cache_off and uses_cache(unwrap(module)):
+        caching = cache_configs(unwrap(module)) if self.chain.recipe is not None and self.chain.recipe.cache_off else {}
+        if caching:
+            lines = "; ".join(f"model.{name}.use_cache = False" for name in caching)
             raise ChainMismatch("the model's config asks for a key/value cache (use_cache=True); the chain was "
-                                "profiled with it off: set model.config.use_cache = False before training",
+                                f"profiled with it off: set {lines} before training",
                                 "a training step has no use for the cache, and it keeps every block from being "
                                 "recomputed (transformers turns it off under gradient checkpointing too)")
         check_no_layer_drop(unwrap(module), "this model")

@@ -52,16 +52,24 @@ def default_loss(output: Any) -> torch.Tensor:
     return sum(t.float().square().mean() for t in tensors)
 
 
-def uses_cache(module: nn.Module) -> bool:
-    """Whether a transformers model's config asks for a key/value cache (``use_cache=True``, their
-    default): in a training step the model then builds one and hands it to every block."""
-    return getattr(getattr(module, "config", None), "use_cache", None) is True
+def cache_configs(module: nn.Module) -> dict[str, Any]:
+    """The configs of a transformers model that ask for a key/value cache (``use_cache=True``,
+    their default), by the name of the first module holding each (``config`` for the model's
+    own): in a training step the model then builds one and hands it to every block.  A stack
+    may keep a copy of its own (Switch Transformers' decoder reads its copy's ``use_cache``)."""
+    found: dict[int, tuple[str, Any]] = {}
+    for name, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "use_cache", None) is True and id(config) not in found:
+            found[id(config)] = (f"{name}.config" if name else "config", config)
+    return dict(found.values())
 
 
 def cache_off(module: nn.Module) -> None:
-    """Turn a transformers model's key/value cache off, as transformers does under gradient
-    checkpointing."""
-    module.config.use_cache = False
+    """Turn a transformers model's key/value cache off, in every config it holds, as
+    transformers does under gradient checkpointing."""
+    for config in cache_configs(module).values():
+        config.use_cache = False
 
 
 def check_no_layer_drop(module: nn.Module, what: str) -> None:

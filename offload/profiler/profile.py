@@ -28,7 +28,7 @@ from offload.io.contention import BUSY_SHARE, CpuWait, busy_warning
 from offload.io.text import format_bytes, printable
 from offload.models import ModelSpec, resolve
 from offload.models.resolve import file_reference, file_sha256
-from offload.models.spec import cache_off, check_no_layer_drop, signature, uses_cache
+from offload.models.spec import cache_configs, cache_off, check_no_layer_drop, signature
 from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage, StageOption
 from offload.step.chainfile import make_chain
 from offload.step.memory import floor_bound_memory, no_offload_peak, op_name, smallest_feasible_budget
@@ -157,7 +157,8 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     spec = resolve(model, opts.batch, opts.options, opts.seed)
     spec.autocast, spec.set_to_none = opts.autocast, opts.set_to_none
     check_no_layer_drop(spec.module, model)
-    turned_off = not opts.keep_cache and uses_cache(spec.module)
+    caching = {} if opts.keep_cache else cache_configs(spec.module)
+    turned_off = bool(caching)
     if turned_off:
         cache_off(spec.module)
 
@@ -186,7 +187,9 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
         if turned_off:
             stages.notes.append("the model's config asks for a key/value cache (use_cache=True), which a training step "
                                 "has no use for and which keeps every block from being recomputed: profiled with "
-                                "use_cache=False; train with model.config.use_cache = False (--keep-cache keeps it on)")
+                                "use_cache=False; train with "
+                                + "; ".join(f"model.{name}.use_cache = False" for name in caching)
+                                + " (--keep-cache keeps it on)")
         encodings: list[tuple[Encoding, ...]] = [() for _ in range(stages.L)]
         options: list[tuple[StageOption, ...]] = [() for _ in range(stages.L)]
         rerun_host: dict[int, float] = {}

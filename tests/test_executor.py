@@ -395,6 +395,7 @@ def test_the_gradient_check_tells_noise_from_a_defect(tmp_path, capsys, monkeypa
     sched = make_schedule(chain, floor_offloads(chain))
     report, error = train(None, chain, sched, TrainOptions(steps=2, check_grads=True))
     assert error is None and report.grads_match is False and report.grads_within_noise is True
+    assert report.grads_reseeded is False  # its noise is a kernel's, not the seeds'
     assert all(0 < f < 1e-5 for f in report.grad_noise_floor) and max(report.grad_rel_diff) < 1e-5
     assert report.deterministic is False  # asked for on CUDA only: the CPU's kernels are
     save_chain(chain, tmp_path / "c.json")
@@ -406,6 +407,21 @@ def test_the_gradient_check_tells_noise_from_a_defect(tmp_path, capsys, monkeypa
     monkeypatch.setattr(CpuLazyBackend, "wait", lambda self, copy: None if copy.direction == "h2d" else original(self, copy))
     assert main(["train", *files, "--backend", "cpu-lazy"]) == 7
     assert "beyond it" in capsys.readouterr().out
+
+
+def test_a_model_that_seeds_from_the_operating_system_is_said_to(tmp_path, capsys):
+    """A model that seeds its generators anew from the operating system at every step
+    (``torch.seed()``, as Reformer's reversible layers do) draws other dropout masks in each
+    run of one step, whatever the check replays: the reference differs from itself, and the
+    check says why, not "kernels that are not deterministic"."""
+    chain = profile(NOISY, ProfileOptions(batch=4, repeats=1, warmup=1, options={"reseeded": 1})).chain
+    report, error = train(None, chain, make_schedule(chain, []), TrainOptions(steps=1, check_grads=True))
+    assert error is None and report.grads_match is False and report.grads_reseeded is True
+    save_chain(chain, tmp_path / "c.json")
+    save_schedule(make_schedule(chain, []), chain, tmp_path / "s.json")
+    main(["train", "--chain", str(tmp_path / "c.json"), "--schedule", str(tmp_path / "s.json"), "--steps", "1",
+          "--check-grads"])
+    assert "seeds its generators anew from the operating system" in capsys.readouterr().out
 
 
 def test_deterministic_kernels_are_asked_for_on_cuda_and_put_back():

@@ -77,6 +77,13 @@ def _differs(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return not torch.equal(a, b)
 
 
+def _seeds(device: torch.device) -> tuple[int, int | None]:
+    """The seeds the generators were last given: the same after each run of one step from one
+    state, unless the model seeds them anew from the operating system (``torch.seed()``, as
+    Reformer's reversible layers do), which no replay of their states can follow."""
+    return torch.initial_seed(), torch.cuda.initial_seed() if device.type == "cuda" else None
+
+
 class GradCheck(StepHooks):
     """After each step, the same step of ``reference`` (a copy of the model, without offloading)
     from our weights and our random numbers: how many gradients differ, and by how much.
@@ -94,6 +101,7 @@ class GradCheck(StepHooks):
         self.mismatches: list[int] = []
         self.rel_diffs: list[float] = []  # ||ours - reference|| / ||reference||, per step
         self.noise_floors: list[float | None] = []  # per step: measured where the gradients differ
+        self.reseeded = False  # the reference's runs of one step left its generators seeded apart
 
     @property
     def within_noise(self) -> bool:
@@ -131,9 +139,12 @@ class GradCheck(StepHooks):
         floor = None
         if mismatches:  # the reference again, its first gradients kept aside: copies only where they differ
             ref = [g.clone() if g is not None else None for g in ref]
+            seeds = {_seeds(self.device)}
             floor, runs = 0.0, 0
             while runs < NOISE_SAMPLES or (floor == 0 and runs < NOISE_SAMPLES_MAX):
                 floor, runs = max(floor, _relative(self._reference_step(), ref)), runs + 1
+                seeds.add(_seeds(self.device))
+            self.reseeded |= len(seeds) > 1
         set_rng_state(after, self.device)
         self.mismatches.append(mismatches)
         self.rel_diffs.append(_relative(ours, ref))

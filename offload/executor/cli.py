@@ -119,7 +119,9 @@ def _print_report(r: Report) -> None:
         floors = [f for f in r.grad_noise_floor if f is not None]
         if floors and not r.lossy:
             print(f"grad noise    ours differ from the reference by at most {max(r.grad_rel_diff):.3g}; the reference "
-                  f"differs from itself by up to {max(floors):.3g} (kernels that are not deterministic): "
+                  f"differs from itself by up to {max(floors):.3g} ("
+                  + ("the model seeds its generators anew from the operating system, torch.seed(): no replay follows "
+                     "its draws" if r.grads_reseeded else "kernels that are not deterministic") + "): "
                   + ("within the noise" if r.grads_within_noise else "beyond it"))
         if r.lossy:
             d = r.grad_rel_diff

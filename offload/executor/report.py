@@ -125,6 +125,7 @@ class Report:
     grad_rel_diff: list[float] | None = None  # per step, ||ours - reference|| / ||reference||
     grad_noise_floor: list[float | None] | None = None  # per step they differ: how far the reference is from itself
     grads_within_noise: bool | None = None  # bit for bit, or within the noise floor at every step
+    grads_reseeded: bool | None = None  # the noise is the model's: it seeds its generators anew from the OS
     deterministic: bool | None = None  # deterministic kernels were asked for (CUDA, with the gradient check)
     compare: dict[str, Baseline] | None = None  # BASELINES
     compare_our_step_times_s: list[float] | None = None  # ours in the rounds --compare interleaved (empty: not)

@@ -242,6 +242,7 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         report.grads_within_noise = check.within_noise if steps.peaks else None
         report.grad_mismatches, report.grad_rel_diff = check.mismatches, check.rel_diffs
         report.grad_noise_floor = check.noise_floors
+        report.grads_reseeded = check.reseeded
     report.error = str(error) if error else None
     return error
 

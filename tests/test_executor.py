@@ -20,6 +20,7 @@ from offload.executor import Offloaded
 from offload.executor.backends import CpuLazyBackend
 from offload.executor.checks import EAGER_REFERENCE, GradCheck
 from offload.core.devices import deterministic_kernels
+from offload.core.meters import make_meter
 from offload.executor.plan import StepPlan
 from offload.executor.runtime import _Step
 from offload.executor.train import TrainOptions, train
@@ -422,6 +423,30 @@ def test_a_model_that_seeds_from_the_operating_system_is_said_to(tmp_path, capsy
     main(["train", "--chain", str(tmp_path / "c.json"), "--schedule", str(tmp_path / "s.json"), "--steps", "1",
           "--check-grads"])
     assert "seeds its generators anew from the operating system" in capsys.readouterr().out
+
+
+def test_what_a_reference_cycle_holds_is_measured_alike_whenever_the_collector_runs():
+    """Each block leaves a cycle holding a tensor, freed whenever Python's collector next runs,
+    a moment that follows every allocation of Python objects before it: profiled with the
+    collector running at every allocation and trained with its default pace, the ops read
+    the cycles' bytes over their prediction (a TimeSeriesTransformer: 16 B, from one run to
+    the next).  While a meter runs the collector does not, so what a cycle holds lives to the
+    step's end in both, and every op is as predicted."""
+    import gc
+
+    model = str(ROOT / "tests" / "models" / "cyclic.py") + ":build"
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        chain = profile(model, ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False))
+    finally:
+        gc.set_threshold(*thresholds)
+    assert gc.isenabled()
+    report, error = train(None, chain.chain, make_schedule(chain.chain, []), TrainOptions(steps=1, op_memory=True))
+    assert error is None and report.measured.op_peak_bytes == report.predicted.op_bytes
+    with make_meter(torch.device("cpu")):
+        assert not gc.isenabled()
+    assert gc.isenabled()
 
 
 def test_deterministic_kernels_are_asked_for_on_cuda_and_put_back():

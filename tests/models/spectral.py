@@ -18,20 +18,7 @@ class Block(nn.Module):
         return x + torch.tanh(corr)
 
 
-class Net(nn.Module):
-    def __init__(self, width: int, blocks: int) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
-        self.head = nn.Linear(width, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def build(batch: int, width: int = 16, blocks: int = 3, seq: int = 12):
     torch.manual_seed(0)
-    return Net(width, blocks), torch.randn(batch, seq, 8)
+    net = nn.Sequential(nn.Linear(8, width), *(Block(width) for _ in range(blocks)), nn.Linear(width, 4))
+    return net, torch.randn(batch, seq, 8)

@@ -79,6 +79,14 @@ def cast_parameter(t: torch.Tensor) -> torch.nn.Parameter | None:
     return variable if isinstance(variable, torch.nn.Parameter) else None
 
 
+def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen.setdefault(storage_key(t), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
 def among(t: torch.Tensor, storages: Mapping[int, weakref.ref]) -> bool:
     """Whether ``t``'s storage is one of ``storages`` (storage key -> the storage, known while it
     lives: a dead one's key may be a new storage's)."""

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from offload.core.devices import persistent_tensors
+from offload.core.units import distinct_bytes
 from offload.core.meters import make_meter
 from offload.core.staging import Site, Staging, compiled, unwrap
 from offload.errors import ChainMismatch
@@ -189,8 +190,9 @@ class Offloaded(nn.Module):
         On exit the ``Report`` (``offload.executor.report``, the one ``offload train`` writes)
         holds ``steps_done``, ``measured`` (the activation peak: the most bytes live on the
         device during any forward or backward op, above what was live when the block began,
-        so a batch made inside the block counts; the optimizer step is left out, as in the
-        chain; with ``base_bytes`` the total peak; the bytes moved and the seconds, per step,
+        so a batch made inside the block counts, but not what the block makes that every
+        step keeps, the optimizer's first state, which the chain counts in its base; the
+        optimizer step is left out, as in the chain; with ``base_bytes`` the total peak; the bytes moved and the seconds, per step,
         the optimizer step included) and ``predicted`` (the simulator's), and, when the
         measured activation peak is above the predicted one, ``over_prediction``: by how much
         and why when known (also a warning: plain ``zero_grad()`` on a chain that counts the
@@ -207,8 +209,12 @@ class Offloaded(nn.Module):
         steps, moved = runtime.steps, (runtime.d2h_bytes, runtime.h2d_bytes, runtime.encoded_bytes)
         freed = self.freed_grads
         report = Report.start(self.chain, self.schedule, runtime.backend.name, runtime.device)
+
+        def kept() -> int:  # weights, gradients, the optimizer's state: base, whenever made
+            return distinct_bytes(persistent_tensors(self.module, optimizer, runtime.device))
+        before = kept()
         try:  # every op read at its end, the optimizer step left out
-            with meter, runtime.reading(meter) as op_peaks:
+            with meter, runtime.reading(meter, lambda: kept() - before) as op_peaks:
                 start = meter.live
                 t0 = time.perf_counter()
                 yield report

@@ -35,7 +35,7 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -47,7 +47,7 @@ from offload.core.meters import UNCOUNTED, Clock, CpuMeter, make_meter, timed
 from offload.core.rerun import NotRerunnable, StageRecorder, written_later
 from offload.core.selective import KeptOutputs
 from offload.core.staging import StageListener, Staging
-from offload.core.units import Saved, UnitTracker, plain, storage_key
+from offload.core.units import Saved, UnitTracker, distinct_bytes, plain, storage_key
 from offload.errors import ModelError
 from offload.models.spec import ModelSpec, tensors_in
 from offload.step.chain import staying_saves
@@ -133,13 +133,6 @@ class Measurement:
     casts_cleared: bool = False  # autocast's cache cleared at every stage boundary (``Recipe.casts_cleared``)
     casts_uncached: bool = False  # autocast's cache off in the forward (``Recipe.casts_uncached``)
     plain_step_s: list[float] = field(default_factory=list)  # the step as plain PyTorch runs it, beside each repeat
-
-
-def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        seen.setdefault(storage_key(t), t.untyped_storage().nbytes())
-    return sum(seen.values())
 
 
 class Boundaries(StageListener):
@@ -365,11 +358,11 @@ class StepRunner:
 
     def base_parts(self) -> dict[str, int]:
         m = self.spec.module
-        parts = {"parameters": _tensor_bytes(m.parameters()), "buffers": _tensor_bytes(m.buffers()),
-                 "gradients": _tensor_bytes(p.grad for p in self.params if p.grad is not None),
-                 "batch": _tensor_bytes(self.spec.tensors())}
+        parts = {"parameters": distinct_bytes(m.parameters()), "buffers": distinct_bytes(m.buffers()),
+                 "gradients": distinct_bytes(p.grad for p in self.params if p.grad is not None),
+                 "batch": distinct_bytes(self.spec.tensors())}
         if self.optimizer is not None:
-            parts["optimizer"] = _tensor_bytes(v for st in self.optimizer.state.values() for v in st.values()
+            parts["optimizer"] = distinct_bytes(v for st in self.optimizer.state.values() for v in st.values()
                                                if isinstance(v, torch.Tensor) and v.dim() > 0)
         return parts
 

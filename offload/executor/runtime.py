@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -133,29 +133,25 @@ class _Stored:
         self.aliases = {}
 
 
-class _Place(NamedTuple):
+Place = tuple[torch.dtype, torch.Size, tuple[int, ...], int, bool, bool]  # dtype, size, stride, offset, conj, neg
+
+
+def _place(t: torch.Tensor) -> Place:
     """A tensor's place in its storage's bytes, and the lazy bits it reads them with: a
     conjugate or negative view holds the same bytes as its base (Autoformer's autocorrelation
     saves ``torch.conj`` of its keys' spectrum; rebuilt without the bit, its gradients came
-    out 3e-8 off, the bytes copied exactly)."""
+    out 3e-8 off, the bytes copied exactly).  A plain tuple: one is made per handled tensor
+    (a named one cost 0.7 us more, here)."""
+    return t.dtype, t.size(), t.stride(), t.storage_offset(), t.is_conj(), t.is_neg()
 
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-    conj: bool
-    neg: bool
 
-    @classmethod
-    def of(cls, t: torch.Tensor) -> "_Place":
-        return cls(t.dtype, t.size(), t.stride(), t.storage_offset(), t.is_conj(), t.is_neg())
-
-    def on(self, raw: torch.Tensor) -> torch.Tensor:
-        """The tensor again, in ``raw`` (the storage's bytes, or the same bytes elsewhere)."""
-        out = raw.view(self.dtype).as_strided(self.size, self.stride, self.offset)
-        if self.conj:
-            out = out.conj()
-        return torch._neg_view(out) if self.neg else out
+def _at(place: Place, raw: torch.Tensor) -> torch.Tensor:
+    """The tensor again, in ``raw`` (its storage's bytes, or the same bytes elsewhere)."""
+    dtype, size, stride, offset, conj, neg = place
+    out = raw.view(dtype).as_strided(size, stride, offset)
+    if conj:
+        out = out.conj()
+    return torch._neg_view(out) if neg else out
 
 
 class _Parts:
@@ -165,16 +161,16 @@ class _Parts:
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.storages: list[torch.Tensor] = []
-        self.places: list[tuple[int, _Place]] = []  # per tensor, its storage's index and its place there
+        self.places: list[tuple[int, Place]] = []  # per tensor, its storage's index and its place there
         index: dict[int, int] = {}
         for t in tensors:
             n = index.setdefault(storage_key(t), len(self.storages))
             if n == len(self.storages):
                 self.storages.append(_bytes_of(t))
-            self.places.append((n, _Place.of(t)))
+            self.places.append((n, _place(t)))
 
     def rebuild(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [place.on(buffers[n]) for n, place in self.places]
+        return [_at(place, buffers[n]) for n, place in self.places]
 
 
 class _Handle:
@@ -187,7 +183,7 @@ class _Handle:
     __slots__ = ("step", "sid", "place", "read")
 
     def __init__(self, step: "_Step", sid: int, t: torch.Tensor) -> None:
-        self.step, self.sid, self.place = step, sid, _Place.of(t)
+        self.step, self.sid, self.place = step, sid, _place(t)
         self.read = False
 
     def __del__(self) -> None:
@@ -285,7 +281,7 @@ class _Step(StageListener):
                 encoder, dtype, numel = s.codec
                 s.decoded = encoder.decode(s.buffer, dtype, numel).view(torch.uint8)
             raw = s.decoded
-        out = packed.place.on(raw)
+        out = _at(packed.place, raw)
         packed.read = True
         s.read_once()
         return out

@@ -83,27 +83,19 @@ class _CollectorPaused:
     """Every meter: Python's collector off while it runs (module docstring), back on after it
     as it was (a meter inside another leaves it off)."""
 
+    _collecting = False  # the collector was on as the meter began
+
     def _pause(self) -> None:
         self._collecting = gc.isenabled()
         gc.disable()
 
     def _resume(self) -> None:
-        if getattr(self, "_collecting", False):
+        if self._collecting:
             gc.enable()
 
 
 class CpuMeter(_CollectorPaused, TorchDispatchMode):
     """Exact live-bytes accounting of CPU tensors; enter it around the measured step."""
-
-    def __enter__(self) -> "CpuMeter":
-        self._pause()
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            self._resume()
 
     def __init__(self) -> None:
         super().__init__()
@@ -117,6 +109,16 @@ class CpuMeter(_CollectorPaused, TorchDispatchMode):
         self._ignored: set[int] = set()
         self.reserved_peak: int | None = None  # no allocator holds more than the tensors: nothing to report
         self._finalizers: list[weakref.finalize] = []
+
+    def __enter__(self) -> "CpuMeter":
+        self._pause()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._resume()
 
     def track(self, tensors: Iterable[Any]) -> None:
         """Count tensors that exist before the step (weights, gradients, optimizer state, inputs)."""

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .devices import ModuleTensors
 from .rng import RngState, forked_rng, rng_state, set_rng_state
 from .units import among, is_weight, plain, storage_key
 
@@ -194,13 +195,12 @@ class StageProgram:
 
 
 def _stored_tensors(modules: list[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor | None]]:
-    """The plain attributes of these modules and theirs that hold a tensor (or ``None``), put
-    back after a re-run as its buffers are: a forward may store a tensor on its module
-    (RecurrentGemma's recurrent layer keeps its last state, with its autograd history), and
-    the re-run's would replace the forward's, holding the re-run's graph until the next
-    forward (15 KiB over the prediction through the rest of the backward)."""
-    return [(m, name, value) for top in modules for m in top.modules()
-            for name, value in vars(m).items() if value is None or type(value) is torch.Tensor]
+    """The plain attributes of these modules and theirs that hold a tensor (or ``None``:
+    ``ModuleTensors``), put back after a re-run as its buffers are: a forward may store a
+    tensor on its module (RecurrentGemma's recurrent layer keeps its last state, with its
+    autograd history), and the re-run's would replace the forward's, holding the re-run's
+    graph until the next forward (15 KiB over the prediction through the rest of the backward)."""
+    return [(m, name, getattr(m, name)) for top in modules for m, name in ModuleTensors(top).attributes]
 
 
 def _never_unpacked(_: None) -> torch.Tensor:

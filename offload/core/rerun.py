@@ -55,10 +55,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .devices import ModuleTensors
+from .places import Place, place_of, view_at
 from .rng import RngState, forked_rng, rng_state, set_rng_state
 from .units import among, is_weight, plain, storage_key
 
-View = tuple[torch.Size, tuple[int, ...], int] | None  # size, stride, storage offset (None: the tensor itself)
+View = Place | None  # where in the source's storage (None: the source itself)
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,11 @@ _UNCHANGING = (type(None), bool, int, float, complex, str, bytes, slice, type(El
 
 
 def _view_of(t: torch.Tensor, source: torch.Tensor | None) -> View:
-    return None if t is source else (t.size(), t.stride(), t.storage_offset())
+    return None if t is source else place_of(t)
 
 
 def _apply_view(base: torch.Tensor, view: View) -> torch.Tensor:
-    return base if view is None else base.as_strided(*view)
+    return base if view is None else view_at(view, base)
 
 
 class NotRerunnable(Exception):

@@ -21,9 +21,11 @@ from types import SimpleNamespace
 
 import torch
 
+from offload.core.places import bytes_of
+
 from .arena import HostArena
 from .backends import CpuEagerBackend, CudaBackend, make_backend
-from .runtime import _bytes_of, _Step, _Stored
+from .runtime import _Step, _Stored
 
 
 def copy_host_seconds(device: torch.device, units: int = 8, storages: int = 16, nbytes: int = 64 * 2**10,
@@ -56,7 +58,7 @@ def copy_host_seconds(device: torch.device, units: int = 8, storages: int = 16, 
         sids = [list(range(u * storages, (u + 1) * storages)) for u in range(units)]
         start = time.perf_counter()
         for u, ids in enumerate(sids):  # the forward: each unit taken in hand as it is saved, then copied out
-            step.stored += [_Stored(u, _bytes_of(tensors[sid]), nbytes) for sid in ids]
+            step.stored += [_Stored(u, bytes_of(tensors[sid]), nbytes) for sid in ids]
             _Step._offload(step, ids)
         for ids in sids:  # released, then fetched back and waited for by the backward
             _Step._release(step, ids)

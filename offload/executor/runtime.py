@@ -58,6 +58,7 @@ import torch
 from offload.core import casts
 from offload.core.devices import ModuleTensors
 from offload.core.encoders import ENCODERS, Encoder, flat_storage, usable_on
+from offload.core.places import Place, at, bytes_of, place_of
 from offload.core.rerun import NotRerunnable, StageProgram, StageRecorder
 from offload.core.selective import KeptOutputs
 from offload.core.staging import StageListener, Staging
@@ -133,27 +134,6 @@ class _Stored:
         self.aliases = {}
 
 
-Place = tuple[torch.dtype, torch.Size, tuple[int, ...], int, bool, bool]  # dtype, size, stride, offset, conj, neg
-
-
-def _place(t: torch.Tensor) -> Place:
-    """A tensor's place in its storage's bytes, and the lazy bits it reads them with: a
-    conjugate or negative view holds the same bytes as its base (Autoformer's autocorrelation
-    saves ``torch.conj`` of its keys' spectrum; rebuilt without the bit, its gradients came
-    out 3e-8 off, the bytes copied exactly).  A plain tuple: one is made per handled tensor
-    (a named one cost 0.7 us more, here)."""
-    return t.dtype, t.size(), t.stride(), t.storage_offset(), t.is_conj(), t.is_neg()
-
-
-def _at(place: Place, raw: torch.Tensor) -> torch.Tensor:
-    """The tensor again, in ``raw`` (its storage's bytes, or the same bytes elsewhere)."""
-    dtype, size, stride, offset, conj, neg = place
-    out = raw.view(dtype).as_strided(size, stride, offset)
-    if conj:
-        out = out.conj()
-    return torch._neg_view(out) if neg else out
-
-
 class _Parts:
     """Tensors that are views of a few storages (a checkpoint: the stage's input and what its
     option keeps) taken apart: each distinct storage's bytes, and each tensor's place in them,
@@ -166,11 +146,11 @@ class _Parts:
         for t in tensors:
             n = index.setdefault(storage_key(t), len(self.storages))
             if n == len(self.storages):
-                self.storages.append(_bytes_of(t))
-            self.places.append((n, _place(t)))
+                self.storages.append(bytes_of(t))
+            self.places.append((n, place_of(t)))
 
     def rebuild(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [_at(place, buffers[n]) for n, place in self.places]
+        return [at(place, buffers[n]) for n, place in self.places]
 
 
 class _Handle:
@@ -183,7 +163,7 @@ class _Handle:
     __slots__ = ("step", "sid", "place", "read")
 
     def __init__(self, step: "_Step", sid: int, t: torch.Tensor) -> None:
-        self.step, self.sid, self.place = step, sid, _place(t)
+        self.step, self.sid, self.place = step, sid, place_of(t)
         self.read = False
 
     def __del__(self) -> None:
@@ -258,7 +238,7 @@ class _Step(StageListener):
             self.runtime.encoded_bytes += held.numel()
         else:
             codec = None
-            held = _bytes_of(t)
+            held = bytes_of(t)
         offloaded = unit in self.plan.offloaded
         self.stored.append(_Stored(unit, held if offloaded else None, held.numel(), codec=codec,
                                    buffer=None if offloaded else held))
@@ -281,7 +261,7 @@ class _Step(StageListener):
                 encoder, dtype, numel = s.codec
                 s.decoded = encoder.decode(s.buffer, dtype, numel).view(torch.uint8)
             raw = s.decoded
-        out = _at(packed.place, raw)
+        out = at(packed.place, raw)
         packed.read = True
         s.read_once()
         return out
@@ -484,11 +464,6 @@ class _Step(StageListener):
             self.stored[sid].buffer = self.stored[sid].decoded = None
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """The whole storage behind ``t``, as bytes."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-
-
 class _Replay:
     """The saves of one recomputed stage's replay, matched to its forward's by their place; those
     of the run's own units become their buffers (a unit of another run is that run's to
@@ -504,7 +479,7 @@ class _Replay:
         if sid is not None:
             s = self.step.stored[sid]
             if s.unit in self.run and s.buffer is None:
-                raw = _bytes_of(t)
+                raw = bytes_of(t)
                 if raw.numel() != s.nbytes:
                     raise RuntimeError(f"re-running stage {self.stage} saved a {raw.numel()} B storage where its "
                                        f"forward saved {s.nbytes} B: the stage does not run the same way twice")

@@ -937,3 +937,15 @@ def test_the_allocation_meter_counts_from_its_own_start_whatever_the_process_met
     meter.boundary()
     blocks.clear()  # a free, in this interval, of a block made under an earlier profile
     assert meter.boundary() == (0, -(2 ** 20))
+
+
+@pytest.mark.slow  # make test-all (time): the eager path is tested in make test
+def test_a_saved_conjugate_view_moved_by_the_compiled_graph_comes_back_conjugate():
+    """The compiled graph of Autoformer-like blocks saves ``aten._conj`` of a spectrum, a view
+    with the conjugate bit: every unit offloaded, its copies read it back with the bit (the
+    eager runtime once dropped it: tests/test_executor.py), gradients bit for bit."""
+    model = str(Path(__file__).resolve().parent / "models" / "spectral.py") + ":build"
+    chain = profile(model, ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, compile="aot_eager",
+                                          whole_graph=True)).chain
+    report, error = train(None, chain, make_schedule(chain, floor_offloads(chain)), TrainOptions(steps=1, check_grads=True))
+    assert error is None and report.grads_match is True and report.measured.d2h_bytes_per_step > 0

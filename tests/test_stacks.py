@@ -482,6 +482,29 @@ def test_an_optimizers_state_made_in_the_measured_block_is_base(chains):
     assert 0 <= report.predicted.activation_peak_bytes - report.measured.activation_peak_bytes <= TOLERANCE
 
 
+def test_a_batch_made_in_the_measured_block_is_not_an_activation(chains):
+    """The loop most users write makes each batch inside the block (``x.to(device)``, a
+    loader's next one): the chain counts the batch beside the activations, as the profile
+    measured them above what was live as the forward began, and the report counted it in
+    every op, over the prediction by its bytes (a Wav2Vec2-Conformer's loop: 32,000 B).  Each
+    step's readings start where its forward does."""
+    chain = chains["gpt"]
+    spec = resolve("gpt", 2, GPT)
+    run = Offloaded(spec.module, chain, halfway(chain)[1], backend="cpu-lazy")
+    optimizer = torch.optim.SGD(run.parameters(), lr=0.1)
+    spec.loss(run(*spec.args)).backward()
+    optimizer.step(), optimizer.zero_grad(set_to_none=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with run.measured(optimizer) as report:
+            for _ in range(2):
+                batch = [a.clone() for a in spec.args]  # made in the block, held through the step
+                spec.loss(run(*batch)).backward()
+                optimizer.step(), optimizer.zero_grad(set_to_none=False)
+    assert report.over_prediction is None
+    assert 0 <= report.predicted.activation_peak_bytes - report.measured.activation_peak_bytes <= TOLERANCE
+
+
 def test_gradients_freed_between_steps():
     """Profiled with ``--set-to-none`` (PyTorch's default ``zero_grad``): the gradients leave
     ``base_bytes`` and are counted in the backward ops that allocate them; ``offload train``

@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from offload.core.devices import persistent_tensors
-from offload.core.units import distinct_bytes
 from offload.core.meters import make_meter
 from offload.core.staging import Site, Staging, compiled, unwrap
 from offload.errors import ChainMismatch
@@ -189,10 +188,11 @@ class Offloaded(nn.Module):
 
         On exit the ``Report`` (``offload.executor.report``, the one ``offload train`` writes)
         holds ``steps_done``, ``measured`` (the activation peak: the most bytes live on the
-        device during any forward or backward op, above what was live when the block began,
-        so a batch made inside the block counts, but not what the block makes that every
-        step keeps, the optimizer's first state, which the chain counts in its base; the
-        optimizer step is left out, as in the chain; with ``base_bytes`` the total peak; the bytes moved and the seconds, per step,
+        device during any forward or backward op, above what was live as that op's forward
+        began, as the profile measured it: the batch, made before the block or in it, and
+        the optimizer's state, made by its first step, are not activations, which the chain
+        counts beside the batch and in its base; the optimizer step is left out, as in the
+        chain; with ``base_bytes`` the total peak; the bytes moved and the seconds, per step,
         the optimizer step included) and ``predicted`` (the simulator's), and, when the
         measured activation peak is above the predicted one, ``over_prediction``: by how much
         and why when known (also a warning: plain ``zero_grad()`` on a chain that counts the
@@ -209,12 +209,8 @@ class Offloaded(nn.Module):
         steps, moved = runtime.steps, (runtime.d2h_bytes, runtime.h2d_bytes, runtime.encoded_bytes)
         freed = self.freed_grads
         report = Report.start(self.chain, self.schedule, runtime.backend.name, runtime.device)
-
-        def kept() -> int:  # weights, gradients, the optimizer's state: base, whenever made
-            return distinct_bytes(persistent_tensors(self.module, optimizer, runtime.device))
-        before = kept()
         try:  # every op read at its end, the optimizer step left out
-            with meter, runtime.reading(meter, lambda: kept() - before) as op_peaks:
+            with meter, runtime.reading(meter, lambda: meter.live - start) as op_peaks:
                 start = meter.live
                 t0 = time.perf_counter()
                 yield report

@@ -515,8 +515,8 @@ class OffloadRuntime:
         _check_encoders(plan, backend)
         self.arena = HostArena(plan.planned_bytes, pin=backend.pin)
         self.meter: Any = None  # set by ``reading``: read at every op's end into ``op_peaks``
-        self.grown: Callable[[], int] | None = None  # set by ``reading``: what the steps keep, made in the block
-        self.shift = 0  # its bytes as the running step began
+        self.baseline: Callable[[], int] | None = None  # set by ``reading``: asked as each forward starts
+        self.shift = 0  # its answer for the running step
         self.op_peaks: dict[str, int] = {}  # op name -> the most bytes live during it
         self.d2h_bytes = self.h2d_bytes = 0
         self.encoded_bytes = 0  # blobs made by the encoders, all steps
@@ -525,16 +525,16 @@ class OffloadRuntime:
         self.persistent = ModuleTensors(staging.module)  # never a unit's: excluded at every step
 
     @contextlib.contextmanager
-    def reading(self, meter: Any, grown: Callable[[], int] | None = None) -> Iterator[dict[str, int]]:
+    def reading(self, meter: Any, baseline: Callable[[], int] | None = None) -> Iterator[dict[str, int]]:
         """In this block, each op's peak is read from ``meter`` at its end: ``op_peaks``,
-        restarted.  ``grown``: the bytes made in the block that live across steps (an
-        optimizer's state, made by its first step), asked as each forward starts and taken
-        off every reading after it."""
-        self.meter, self.op_peaks, self.grown, self.shift = meter, {}, grown, 0
+        restarted.  ``baseline``: asked as each forward starts, the bytes taken off every
+        reading of that step (what the loop made since the block began and holds as the
+        forward starts: its batch, the optimizer's state)."""
+        self.meter, self.op_peaks, self.baseline, self.shift = meter, {}, baseline, 0
         try:
             yield self.op_peaks
         finally:
-            self.meter = self.grown = None
+            self.meter = self.baseline = None
 
     def read(self, op: str | None) -> None:
         """The peak since the last reading, as the memory of ``op`` (``None``: just restart)."""
@@ -568,8 +568,8 @@ class OffloadRuntime:
         step = _Step(self, self.persistent.now() + tensors_in((args, kwargs)),
                      self.persistent.held if self.steps == 0 else None)
         self.read(None)  # what ran since the last backward (the optimizer step, data loading) is no op's
-        if self.grown is not None:
-            self.shift = self.grown()
+        if self.baseline is not None:
+            self.shift = self.baseline()
         self._last = weakref.ref(step)  # alive as long as its autograd graph holds a handle or a boundary
         self.steps += 1
         self.arena.start_step()

@@ -497,7 +497,7 @@ def test_a_recorded_stage_lets_go_of_what_only_a_completed_calls_inner_calls_rea
         assert meter.live == y.untyped_storage().nbytes()  # ``x * 2`` gone as the call returned
         program = recorder.finish(y)
     meter.close()
-    assert [type(c.module) for c in program.calls] == [Outer] and not program.held
+    assert [type(c.fn) for c in program.calls] == [Outer] and not program.held
 
 
 def test_a_replay_under_autocast_holds_one_weight_cast_at_a_time():
@@ -548,6 +548,84 @@ def test_recording_leaves_no_global_hook_behind():
         StageRecorder(1, None, torch.device("cpu"), {}).close()
     after = {name: len(getattr(module_hooks, name)) for name in before}
     assert after == before
+
+
+def test_the_models_own_functions_between_blocks_are_re_run_with_them():
+    """The model's own code applies ``F.gelu`` and ``F.dropout`` between its blocks (each saves
+    a tensor outside any module call: no stage after the first could be re-run, BART's and
+    Whisper's embeddings' stages neither) and scales the dropout's output in place: recorded
+    as calls of the stage, in order with the block's, every stage re-runs, gradients bit for
+    bit with dropout, bytes moved and every op's memory as predicted."""
+    from offload.profiler.profile import ProfileOptions, profile
+    from tests.runs import ROOT, check_run, recomputing
+
+    chain = profile(str(ROOT / "tests" / "models" / "functional.py") + ":build",
+                    ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False)).chain
+    assert chain.recomputable == set(range(1, chain.L)) and all(chain.stage(i).rerun_output for i in chain.recomputable)
+    for name, sched in recomputing(chain).items():
+        check_run(chain, sched, "cpu-lazy", f"functional/{name}")
+
+
+def test_a_recorders_mode_leaves_the_stack_and_anothers_stays():
+    """The recorder's mode is on the torch function mode stack while the stage runs; closed,
+    it leaves, and a mode the model entered in the stage and left open stays."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from offload.core.rerun import StageRecorder
+
+    depth = torch._C._len_torch_function_stack()
+    recorder = StageRecorder(1, None, torch.device("cpu"), {}, code=frozenset())
+    assert torch._C._len_torch_function_stack() == depth + 1
+    theirs = TorchFunctionMode()
+    theirs.__enter__()
+    recorder.close()
+    assert torch._C._len_torch_function_stack() == depth + 1
+    assert torch._C._get_function_stack_at(depth) is theirs
+    theirs.__exit__(None, None, None)
+    assert torch._C._len_torch_function_stack() == depth
+
+
+def test_a_forward_that_fails_in_a_recorded_stage_leaves_no_mode_and_no_hook():
+    """A forward that raises inside a stage the schedule recomputes: its recorder lets go of
+    the model (mode and hooks), and the next forward runs."""
+    import torch
+    import torch.nn.modules.module as module_hooks
+
+    from offload.executor import Offloaded
+    from offload.models import resolve
+    from offload.profiler.profile import ProfileOptions, profile
+    from tests.runs import ROOT
+
+    model = str(ROOT / "tests" / "models" / "functional.py") + ":build"
+    chain = profile(model, ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False)).chain
+    spec = resolve(model, 2, {})
+    run = Offloaded(spec.module, chain, make_schedule(chain, [], recompute=[Recompute(3, 3)]))
+    hooks = len(module_hooks._global_forward_hooks)
+    fail = spec.module.blocks[1].register_forward_pre_hook(lambda *_: 1 / 0)  # inside stage 3
+    with pytest.raises(ZeroDivisionError):
+        run(*spec.args)
+    assert torch._C._len_torch_function_stack() == 0 and len(module_hooks._global_forward_hooks) == hooks
+    fail.remove()
+    spec.loss(run(*spec.args)).backward()
+
+
+def test_no_code_is_recorded_under_a_compiled_module():
+    """Under ``torch.compile`` the stages' own code is not watched (Dynamo would trace the
+    recorder's mode and compile the model again): a compiled block is enough."""
+    import torch
+    from torch import nn
+
+    from offload.core.staging import Site, Staging
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    staging = Staging(model, [Site("0", 0), Site("1", 0)])
+    assert staging.enclosing == [frozenset({model}), frozenset({model})]
+    staging.remove()
+    model[1] = torch.compile(model[1])
+    staging = Staging(model, [Site("0", 0), Site("1", 0)])
+    assert staging.enclosing is None
+    staging.remove()
 
 
 def test_an_op_over_the_budget_whatever_the_schedule_makes_the_milp_infeasible():

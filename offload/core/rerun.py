@@ -5,7 +5,16 @@ own to call again.  While it runs, a ``StageRecorder`` (global module hooks, ins
 that stage only) records its *top-level module calls*: the calls that start and end within
 the stage, not nested in another such call (when the stage ends inside a call that began
 in it, a ``Sequential`` whose first block ends the stage, the calls completed inside that
-one count, in order).  The stage can be re-run exactly when
+one count, in order).  Beside them, a ``TorchFunctionMode`` sees the torch calls of the
+stage's own code, the code of the model (or of a block the stage ends in) between those
+module calls, and records each that saves a tensor for the backward (BART's and Whisper's
+functional dropouts after their embeddings, DenseNet's functional ReLUs, a U-Net's
+pooling) or writes in place what a recorded call made, in order with the module calls:
+their re-run replays them, under the grad mode they ran in.  The rest of that code (a
+residual sum, a concatenation, a mask) is not replayed: what it makes is held where a call
+reads it.  Only the modules whose calls may still run where the stage ends are watched so
+(``StageListener.enclosing``: its boundary's ancestors), and none under a compiled module,
+whose code Dynamo would trace with the mode.  The stage can be re-run exactly when
 
 * every tensor it saves for the backward is saved inside one of those calls, and
 * every tensor argument of a call is a parameter or buffer, part of the step's batch, the
@@ -48,10 +57,11 @@ import functools
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .devices import ModuleTensors
@@ -80,11 +90,13 @@ class FromCall:
 
 @dataclass
 class Call:
-    """One top-level module call: its module, and its arguments with tensors as references."""
+    """One top-level call: a module, or a torch function the stage's own code calls, its
+    arguments with tensors as references, and whether grad mode was on."""
 
-    module: nn.Module
+    fn: Callable[..., Any]  # an nn.Module or a torch function
     args: tuple
     kwargs: dict
+    grad: bool = True
 
 
 # argument values a re-run may pass again as they are: nothing can change them in between
@@ -147,8 +159,9 @@ class StageProgram:
                 return _apply_view(outputs[ref.call][ref.leaf], ref.view)
             return ref
 
-        buffers = [(b, b.clone()) for call in self.calls for b in call.module.buffers()]
-        stored = _stored_tensors([call.module for call in self.calls])
+        modules = [call.fn for call in self.calls if isinstance(call.fn, nn.Module)]
+        buffers = [(b, b.clone()) for module in modules for b in module.buffers()]
+        stored = _stored_tensors(modules)
         # the replay's graph keeps its pack hook (each saved variable holds it) for as long as
         # whatever ``saved`` stores keeps the graph: emptied after the replay, so that the hook
         # holds no way back to that store (a cycle through autograd that Python cannot collect:
@@ -167,7 +180,8 @@ class StageProgram:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: sink[0](t), _never_unpacked))
             last_read = self._last_reads()
             for n, call in enumerate(self.calls):
-                out = call.module(*tree_map(resolve, call.args), **tree_map(resolve, call.kwargs))
+                with torch.set_grad_enabled(call.grad):
+                    out = call.fn(*tree_map(resolve, call.args), **tree_map(resolve, call.kwargs))
                 outputs.append(tree_flatten(out)[0])
                 del out
                 for done in last_read.get(n, ()):  # as the forward's code drops them
@@ -224,6 +238,53 @@ class _Held(NamedTuple):
     call: int  # the index in ``StageRecorder.calls`` of the call that first read it
 
 
+class _Own:
+    """How many of our hooks are running now (``own_code``)."""
+
+    depth = 0
+
+
+@contextlib.contextmanager
+def own_code() -> Iterator[None]:
+    """Around the hooks of ours that run inside a model's forward (stage boundaries, the
+    recorder's own): their torch calls are no stage's code, and no recorder records them."""
+    _Own.depth += 1
+    try:
+        yield
+    finally:
+        _Own.depth -= 1
+
+
+class _StageCode(TorchFunctionMode):
+    """Hands its recorder the torch calls the stage's own code makes (``StageRecorder._op``):
+    those outside every module call begun in the stage and outside our hooks; the others run
+    as they are."""
+
+    def __init__(self, recorder: "StageRecorder") -> None:
+        super().__init__()
+        self.recorder = weakref.ref(recorder)
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        recorder = self.recorder()
+        if recorder is None or _Own.depth or not recorder.recording[-1]:
+            return func(*args, **kwargs)
+        return recorder._op(func, args, kwargs)
+
+
+def _remove_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off the torch function mode stack, wherever it is (a mode the model
+    entered in the stage and left open stays, above it or not)."""
+    above = []
+    while torch._C._len_torch_function_stack():
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+
+
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
     """``method`` of an object, called while the object lives, through a weak reference."""
     ref = weakref.WeakMethod(method)
@@ -231,7 +292,8 @@ def _weakly(method: Callable[..., None]) -> Callable[..., None]:
     def hook(*args: Any) -> None:
         bound = ref()
         if bound is not None:
-            bound(*args)
+            with own_code():
+                bound(*args)
     return hook
 
 
@@ -249,7 +311,8 @@ class StageRecorder:
     the hooks installed here miss its start, so it is opened here, and is a call of the stage."""
 
     def __init__(self, stage: int, stage_input: torch.Tensor | None, device: torch.device,
-                 excluded: Mapping[int, weakref.ref], keep: bool = True, opening: bool = False) -> None:
+                 excluded: Mapping[int, weakref.ref], keep: bool = True, opening: bool = False,
+                 code: frozenset[nn.Module] | None = None) -> None:
         self.stage, self.device, self.excluded, self.keep = stage, device, excluded, keep
         if stage_input is not None and plain(stage_input) and among(stage_input, excluded):
             stage_input = None  # the batch: the training loop holds it anyway
@@ -264,7 +327,8 @@ class StageRecorder:
         self.calls: list[Call] = []  # completed calls not inside another completed call, in order
         self.held: dict[int, _Held] = {}  # storage key -> the tensor held for the re-run
         self._aliases: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id of a held tensor -> it, its alias
-        self.outputs: dict[int, list[tuple[weakref.ref, int, int]]] = {}  # storage key -> (tensor ref, call, leaf)
+        # storage key -> (tensor ref, call, leaf, whether it required grad as the call returned)
+        self.outputs: dict[int, list[tuple[weakref.ref, int, int, bool]]] = {}
         # per level (the stage itself, then each call begun in it and still running): where its
         # completed calls begin in ``calls``, and why it cannot be re-run if it ends the stage open
         self.starts: list[int] = [0]
@@ -273,6 +337,9 @@ class StageRecorder:
         # call that writes in place what it reads (an in-place dropout on a pooled output the
         # model's code made) has changed them by the time its post-hook sees them
         self.versions_before: list[dict[int, int]] = [{}]
+        # per level, whether the torch calls of its own code are recorded (``code``: the
+        # modules whose calls may still run where the stage ends; the stage's own level is)
+        self.code, self.recording = code, [code is not None]
         self.rng = rng_state(device)
         self.autocast = _autocast_state(device)
         # the hooks reach this recorder through a weak reference: a module call running when they
@@ -282,10 +349,14 @@ class StageRecorder:
                          nn.modules.module.register_module_forward_hook(_weakly(self._post), with_kwargs=True)]
         if opening:
             self._pre(None, ())
+        self._code = _StageCode(self) if code is not None else None
+        if self._code is not None:
+            self._code.__enter__()
 
     def saved(self) -> None:
         """A tensor is being saved for the backward now."""
-        self._fail("it saves a tensor for the backward outside any module call")
+        self._fail("it saves a tensor for the backward outside any module call" + (
+            "" if self.code is None else " or torch function (a custom autograd.Function's ctx.save_for_backward)"))
 
     def _fail(self, why: str) -> None:
         """Not re-runnable, unless the innermost running call completes within the stage."""
@@ -301,38 +372,91 @@ class StageRecorder:
         self.starts.append(len(self.calls))
         self.whys.append(None)
         self.versions_before.append({id(t): t._version for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)})
+        self.recording.append(self.code is not None and module in self.code)
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         if len(self.starts) == 1:
             return  # a call that began before the stage (the block the stage ends in)
-        start = self.starts.pop()
-        self.whys.pop()  # what happened inside it is re-run with it
-        before = self.versions_before.pop()
-        del self.calls[start:]
-        self.outputs = {k: kept for k, v in self.outputs.items() if (kept := [o for o in v if o[1] < start])}
-        # what only the calls inside it read is made again by its re-run (a decoder layer's
-        # residual sum, read by its MLP's norm): held, it would double the checkpoint
-        self.held = {k: h for k, h in self.held.items() if h.call < start}
+        _, before = self._completed()  # what happened inside it is re-run with it
         try:
-            reference = functools.partial(self._reference, before=before)
-            call = Call(module, tree_map(reference, args), tree_map(reference, kwargs))
+            call = self._call(module, args, kwargs, before)
         except NotRerunnable as exc:
             self._fail(f"{exc} (a call of {type(module).__name__})")
             return
+        self._append(call, out)
+
+    def _op(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """A torch call of the stage's own code (``_StageCode``), recorded as a call when it
+        saves a tensor for the backward (a functional dropout between two layers, BART's), so
+        that its re-run saves it again, or when it writes in place what a recorded call made,
+        so that its re-run reads it written.  Any other (a residual sum, a concatenation, a
+        size asked) is left to the forward: what it makes is held where a call reads it.  One
+        that saves but writes in place a tensor made before it, or takes an argument a re-run
+        cannot pass again, makes the stage one that cannot be re-run."""
+        self._pre(None, (args, kwargs))
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            saved, before = self._completed()
+        written = [t for t in tree_flatten((args, kwargs))[0]
+                   if isinstance(t, torch.Tensor) and t._version != before[id(t)]]
+        made_here = [plain(t) and self._source(t) is not None for t in written]
+        if saved is None and not any(made_here):
+            return out
+        try:
+            if not all(made_here):
+                raise NotRerunnable("it writes in place a tensor made before it")
+            call = self._call(func, args, kwargs, before)
+        except NotRerunnable as exc:
+            self._fail(f"{exc} ({getattr(func, '__name__', func)})")
+            return out
+        self._append(call, out)
+        for t in written:  # written from a tensor that requires grad, it may require grad now, as its re-run will
+            key = storage_key(t)
+            self.outputs[key] = [(ref, n, leaf, source.requires_grad if (source := ref()) is not None else grad)
+                                 for ref, n, leaf, grad in self.outputs[key]]
+        return out
+
+    def _completed(self) -> tuple[str | None, dict[int, int]]:
+        """The innermost running call has completed: its level closed, what was recorded
+        inside it dropped (it is re-run whole).  Returns why the level could not be re-run on
+        its own (a tensor it saved outside its calls), and its arguments' versions as it began."""
+        start = self.starts.pop()
+        why = self.whys.pop()
+        before = self.versions_before.pop()
+        self.recording.pop()
+        if start < len(self.calls):
+            del self.calls[start:]
+            self.outputs = {k: kept for k, v in self.outputs.items() if (kept := [o for o in v if o[1] < start])}
+        # what only the calls inside it read is made again by its re-run (a decoder layer's
+        # residual sum, read by its MLP's norm): held, it would double the checkpoint
+        self.held = {k: h for k, h in self.held.items() if h.call < start}
+        return why, before
+
+    def _call(self, fn: Callable, args: tuple, kwargs: dict, before: dict[int, int]) -> Call:
+        reference = functools.partial(self._reference, before=before)
+        return Call(fn, tree_map(reference, args), tree_map(reference, kwargs), torch.is_grad_enabled())
+
+    def _append(self, call: Call, out: Any) -> None:
         n = len(self.calls)
         self.calls.append(call)
         for leaf, t in enumerate(tree_flatten(out)[0]):
             if isinstance(t, torch.Tensor) and plain(t):
-                self.outputs.setdefault(storage_key(t), []).append((weakref.ref(t), n, leaf))
+                self.outputs.setdefault(storage_key(t), []).append((weakref.ref(t), n, leaf, t.requires_grad))
 
     def _source(self, t: torch.Tensor) -> FromCall | None:
-        """``t`` as an output of an earlier call (itself first, else a view of a live one)."""
+        """``t`` as an output of an earlier call (itself first, else a view of a live one).
+        Not an output that requires grad now and did not as its call returned: the call ran in
+        a custom ``autograd.Function``'s forward (under no grad), whose ``apply`` made it the
+        function's output, which a re-run of the call would not."""
         found = None
-        for ref, call, leaf in reversed(self.outputs.get(storage_key(t), ())):
+        for ref, call, leaf, requires_grad in reversed(self.outputs.get(storage_key(t), ())):
             source = ref()
+            if source is None or source.requires_grad != requires_grad:
+                continue
             if source is t:
                 return FromCall(call, leaf, None)
-            if source is not None and found is None:
+            if found is None:
                 found = FromCall(call, leaf, _view_of(t, source))
         return found
 
@@ -396,6 +520,9 @@ class StageRecorder:
                             self.autocast)
 
     def close(self) -> None:
+        if self._code is not None:
+            _remove_mode(self._code)
+            self._code = None
         for h in self._handles:
             h.remove()
             # torch marks a global hook registered ``with_kwargs`` in a dict its handle does not

@@ -37,6 +37,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload.errors import CallsDiffer
 
+from .rerun import own_code
+
 
 @dataclass(frozen=True, order=True)
 class Site:
@@ -79,7 +81,17 @@ class StageListener:
     ``forward_boundary(k)`` runs when the forward of stage ``k`` has ended (``1 <= k <= L``,
     ``L``: the model returned), ``backward_boundary(k)`` when the backward of stage ``k+1``
     has ended, just before the backward of stage ``k`` (``k = L``: the backward starts).
+    ``enclosing``: set by ``Staging.listening``: per stage ``k`` (index ``k - 1``), the modules
+    whose calls may still run where the stage ends (its boundary's ancestors in the module
+    tree), whose own torch calls a ``StageRecorder`` records; ``None`` under a compiled module
+    (Dynamo would trace the recorder's mode, and compile the model again).
     """
+
+    enclosing: list[frozenset[nn.Module]] | None = None
+
+    def encloses(self, k: int) -> frozenset[nn.Module] | None:
+        """The modules whose calls may still run where stage ``k`` ends (``enclosing``)."""
+        return self.enclosing[k - 1] if self.enclosing is not None and k <= len(self.enclosing) else None
 
     def forward_start(self) -> None:
         """The model's forward begins (stage 1 starts)."""
@@ -203,6 +215,10 @@ class Staging:
         missing = [s.text for s in self.sites if s.module not in modules]
         if missing:
             raise KeyError(f"no submodule {missing[0]!r} in {type(root).__name__}")
+        compiles = compiled(module) or any(compiled(m) for m in root.modules())
+        self.enclosing = None if compiles else [
+            frozenset(modules[".".join(s.module.split(".")[:n])] for n in range(s.module.count(".") + 1 if s.module else 0))
+            for s in self.sites]
         # module -> occurrence -> (k, leaf): boundaries at calls' ends, and at their starts
         self.cuts: dict[str, dict[int, tuple[int, int]]] = {}
         self.openings: dict[str, dict[int, tuple[int, int]]] = {}
@@ -240,6 +256,7 @@ class Staging:
     def listening(self, listener: StageListener) -> Iterator[None]:
         """Route the boundaries of the forwards (and their backwards) in this block to ``listener``."""
         previous, self.listener = self.listener, listener
+        listener.enclosing = self.enclosing
         try:
             yield
         finally:
@@ -265,10 +282,15 @@ class Staging:
             self.started.clear()
             self.seen, self.forwarding = 0, True
             self._uncache()
-            self.listener.forward_start()
+            with own_code():
+                self.listener.forward_start()
 
     @torch.compiler.disable
     def _end(self, module: nn.Module, args: tuple, out: Any) -> Any:
+        with own_code():
+            return self._ended(out)
+
+    def _ended(self, out: Any) -> None:
         listener = self.listener
         if listener is None or not self.forwarding:
             return None
@@ -301,7 +323,8 @@ class Staging:
             cut = table[name].get(n)
             if cut is None:
                 return None
-            return self._pass((args, values) if opening else values, cut, opening)
+            with own_code():
+                return self._pass((args, values) if opening else values, cut, opening)
         return hook
 
     def _pass(self, values: Any, cut: tuple[int, int], opening: bool) -> Any:

@@ -287,7 +287,8 @@ class _Step(StageListener):
         starts there (``opening``: with a call that is starting, ``StageRecorder``)."""
         if k not in self.plan.recomputed:
             return
-        self.recorder = StageRecorder(k, x, self.runtime.device, self.tracker.excluded, opening=opening)
+        self.recorder = StageRecorder(k, x, self.runtime.device, self.tracker.excluded, opening=opening,
+                                      code=self.encloses(k))
         self.ordinals[k] = []
         if x is not None and k in self.plan.run_starts:
             self.checkpoints[k] = x.detach()
@@ -300,6 +301,12 @@ class _Step(StageListener):
         if self.keeping is not None:
             self.keeping.__exit__(None, None, None)
             self.keeping = None
+
+    def stop_recording(self) -> None:
+        """The forward failed in a stage being recorded: its recorder lets go of the model."""
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
 
     def _offload_checkpoint(self, k: int) -> None:
         """Stage ``k``'s forward ended: its checkpoint (input, kept outputs) goes to the host."""
@@ -555,6 +562,7 @@ class OffloadRuntime:
                 return self.staging.module(*args, **kwargs)
         finally:
             step.stop_keeping()
+            step.stop_recording()
 
     @torch.compiler.disable
     def _new_step(self, args: tuple, kwargs: dict) -> _Step:

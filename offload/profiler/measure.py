@@ -49,6 +49,7 @@ from offload.core.selective import KeptOutputs
 from offload.core.staging import StageListener, Staging
 from offload.core.units import Saved, UnitTracker, distinct_bytes, plain, storage_key
 from offload.errors import ModelError
+from offload.io.text import format_bytes
 from offload.models.spec import ModelSpec, tensors_in
 from offload.step.chain import staying_saves
 
@@ -197,7 +198,8 @@ class _Recording(Boundaries):
         return new
 
     def _start(self, k: int, x: torch.Tensor | None, opening: bool = False) -> None:
-        self.recorder = StageRecorder(k, x, self.device, self.tracker.excluded, keep=False, opening=opening)
+        self.recorder = StageRecorder(k, x, self.device, self.tracker.excluded, keep=False, opening=opening,
+                                      code=self.encloses(k))
 
     def saved(self) -> None:
         if self.recorder is not None:
@@ -500,10 +502,10 @@ class _Holding(StageListener, TorchDispatchMode):
         self._hold(k + 1, x if k + 1 < self.L else None, opening)
 
     def _hold(self, k: int, x: torch.Tensor | None, opening: bool = False) -> None:
-        if self.checkpoint is not None:
-            self.checkpoint.close()
+        self.stop_recording()
         self.stop_keeping()  # the kept outputs are let go: the model counts them from F(k) on
-        self.checkpoint = (StageRecorder(k, x, self.device, self.tracker.excluded, opening=opening)
+        self.checkpoint = (StageRecorder(k, x, self.device, self.tracker.excluded, opening=opening,
+                                         code=self.encloses(k))
                            if k < self.L else None)
         if k in self.keeping:
             self.kept = KeptOutputs(k, self.keeping[k])
@@ -544,6 +546,8 @@ class _Holding(StageListener, TorchDispatchMode):
             self.earlier -= saved.nbytes
 
     def pack(self, t: torch.Tensor) -> torch.Tensor | None:
+        if self.checkpoint is not None:  # its recorder records what its own code saves with
+            self.checkpoint.saved()
         saved = self.tracker.saw(t)
         if saved is None and self.tracker.stays(t):  # autograd keeps it, as in every step (core.units)
             return casts.kept(t)
@@ -560,6 +564,12 @@ class _Holding(StageListener, TorchDispatchMode):
         if self.kept is not None:
             self.kept.__exit__(None, None, None)
             self.kept = None
+
+    def stop_recording(self) -> None:
+        """The running stage has ended (or the forward failed in it)."""
+        if self.checkpoint is not None:
+            self.checkpoint.close()
+            self.checkpoint = None
 
     def close(self) -> None:
         self._hold(self.L, None)
@@ -619,6 +629,7 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
                     loss = runner.forward(args, kwargs, holding, holding.pack)
                 finally:
                     holding.stop_keeping()
+                    holding.stop_recording()
                 end = holding.ops  # the forward and the loss are done (an autocast cache is emptied here)
             del loss
     meter.close()
@@ -723,8 +734,16 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     recast_s = [runner.recast_seconds(r) for r in mem.casts]
     stages = []
     resident = 0
+    why_not = list(mem.rerun)  # per stage, why it cannot be re-run (None: it can)
     for i in range(runner.L):
         fwd_peak = peak_f[i] - m0 - resident
+        if why_not[i] is None and held[i].recomputed_fwd_peak_bytes > fwd_peak:
+            # the model's code drops the stage's input (or a value its re-run reads) inside it, and
+            # the checkpoint would hold it through its forward: above F_i's peak, which the
+            # model takes to count the checkpoint's bytes
+            why_not[i] = (f"stage {i + 1} cannot be re-run: the model's code lets go of its input inside it, and held "
+                          f"as the re-run's checkpoint through its forward, it would take "
+                          f"{format_bytes(held[i].recomputed_fwd_peak_bytes - fwd_peak)} above the stage's peak")
         # below the units where part of U_i was freed before B_i began: the backward of a value
         # F_i made and later stages read beside its output (SpeechT5's relative position
         # bias, read by every encoder layer) runs once their backwards have given it its
@@ -734,7 +753,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
         resident += saved[i]
         stages.append(StageMeasurement(statistics.median(t[0][i] for t in times), statistics.median(t[1][i] for t in times),
                                        saved[i], fwd_peak, bwd_peak, need[i], held[i].held_bytes,
-                                       held[i].held_until, held[i].carry_bytes, mem.inputs[i][0], mem.rerun[i] is None,
+                                       held[i].held_until, held[i].carry_bytes, mem.inputs[i][0], why_not[i] is None,
                                        bwd_start, min(fwd_peak, held[i].recomputed_fwd_peak_bytes),
                                        sum(b for n, b in mem.own[i].items() if n in held[i].carried),
                                        sum(b for n, b in mem.own[i].items() if n in held[i].held),
@@ -748,7 +767,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        held[i].held_read_at, mem.storages[i] if mem.storages else 0,
                                        mem.saves[i] if mem.saves else 0))
     step = [sum(f) + sum(b) for f, b, *_ in times]
-    fixed = [why for why, a in zip(mem.rerun[:-1], saved) if why is not None and a > 0]
+    fixed = [why for why, a in zip(why_not[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "
              f"first: {fixed[0]}"] if fixed else []
     return Measurement(stages, m0, runner.base_parts(), step, update_s, notes, mem.workspace,

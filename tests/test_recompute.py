@@ -566,6 +566,32 @@ def test_the_models_own_functions_between_blocks_are_re_run_with_them():
         check_run(chain, sched, "cpu-lazy", f"functional/{name}")
 
 
+def test_the_recorders_mode_sees_no_torch_call_inside_a_block(monkeypatch):
+    """While a call whose own code is not recorded runs (a block, hundreds of torch calls in a
+    transformer layer), the recorder's mode is off the stack: it sees only the model's own
+    code between the calls (a bf16 Llama's host time per recomputed stage is what it adds)."""
+    from offload.core import rerun
+    from offload.executor import Offloaded
+    from offload.models import resolve
+    from offload.profiler.profile import ProfileOptions, profile
+    from tests.runs import ROOT
+
+    seen = []
+    handle = rerun._StageCode.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        seen.append(self.recorder().recording[-1])
+        return handle(self, func, types, args, kwargs)
+    monkeypatch.setattr(rerun._StageCode, "__torch_function__", counted)
+    model = str(ROOT / "tests" / "models" / "functional.py") + ":build"
+    chain = profile(model, ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False)).chain
+    spec = resolve(model, 2, {})
+    run = Offloaded(spec.module, chain, make_schedule(chain, [], recompute=[Recompute(i, i) for i in chain.recomputable]))
+    seen.clear()
+    spec.loss(run(*spec.args)).backward()
+    assert seen and all(seen), (len(seen), seen.count(False))
+
+
 def test_a_recorders_mode_leaves_the_stack_and_anothers_stays():
     """The recorder's mode is on the torch function mode stack while the stage runs; closed,
     it leaves, and a mode the model entered in the stage and left open stays."""

@@ -347,11 +347,15 @@ class StageRecorder:
         # and a strong one would keep the stage's input and calls alive that long
         self._handles = [nn.modules.module.register_module_forward_pre_hook(_weakly(self._pre)),
                          nn.modules.module.register_module_forward_hook(_weakly(self._post), with_kwargs=True)]
+        self._code = _StageCode(self) if code is not None else None
+        self._off = False  # the mode taken off the stack while a call whose code it does not record runs
         if opening:
             self._pre(None, ())
-        self._code = _StageCode(self) if code is not None else None
-        if self._code is not None:
-            self._code.__enter__()
+        if self._code is not None:  # on the stack now, or once the call the stage opens in returns
+            if self.recording[-1]:
+                self._code.__enter__()
+            else:
+                self._off = True
 
     def saved(self) -> None:
         """A tensor is being saved for the backward now."""
@@ -372,12 +376,17 @@ class StageRecorder:
         self.starts.append(len(self.calls))
         self.whys.append(None)
         self.versions_before.append({id(t): t._version for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)})
-        self.recording.append(self.code is not None and module in self.code)
+        recording = self.code is not None and module in self.code
+        if self.recording[-1] and not recording:
+            self._code_off()
+        self.recording.append(recording)
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         if len(self.starts) == 1:
             return  # a call that began before the stage (the block the stage ends in)
         _, before = self._completed()  # what happened inside it is re-run with it
+        if self.recording[-1]:
+            self._code_on()
         try:
             call = self._call(module, args, kwargs, before)
         except NotRerunnable as exc:
@@ -416,6 +425,19 @@ class StageRecorder:
             self.outputs[key] = [(ref, n, leaf, source.requires_grad if (source := ref()) is not None else grad)
                                  for ref, n, leaf, grad in self.outputs[key]]
         return out
+
+    def _code_off(self) -> None:
+        """A call whose own code is not recorded begins: the mode leaves the stack while it
+        runs, so that its torch calls (a block's hundreds) pay nothing for it."""
+        n = torch._C._len_torch_function_stack()
+        if self._code is not None and not self._off and n and torch._C._get_function_stack_at(n - 1) is self._code:
+            torch._C._pop_torch_function_stack()
+            self._off = True
+
+    def _code_on(self) -> None:
+        if self._off:
+            torch._C._push_on_torch_function_stack(self._code)
+            self._off = False
 
     def _completed(self) -> tuple[str | None, dict[int, int]]:
         """The innermost running call has completed: its level closed, what was recorded
@@ -521,7 +543,8 @@ class StageRecorder:
 
     def close(self) -> None:
         if self._code is not None:
-            _remove_mode(self._code)
+            if not self._off:
+                _remove_mode(self._code)
             self._code = None
         for h in self._handles:
             h.remove()

@@ -223,8 +223,9 @@ class Offloaded(nn.Module):
         m = report.measured
         m.step_s = seconds / per
         m.set_peak(max(op_peaks.values(), default=start) - start, self.chain)
-        report.judge_peak(freed_grads=self.freed_grads - freed)
         m.reserved_peak_bytes, m.host_arena_bytes = meter.reserved_peak, runtime.arena.nbytes
+        m.host_arena_grown_bytes = runtime.arena.grown
+        report.judge_peak(freed_grads=self.freed_grads - freed)
         m.d2h_bytes_per_step, m.h2d_bytes_per_step, m.encoded_bytes_per_step = (
             (now - before) // per for now, before in zip((runtime.d2h_bytes, runtime.h2d_bytes, runtime.encoded_bytes),
                                                          moved))

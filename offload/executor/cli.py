@@ -77,6 +77,8 @@ def _print_report(r: Report) -> None:
                   "step beside ours and says how much of that is the machine's pace")
     print(f"{'peak memory':<14}{format_bytes(r.in_scope(m)):>16}{format_bytes(r.in_scope(p)):>16}"
           + (f"   budget {format_bytes(r.budget.nbytes)} ({r.budget.scope})" if r.budget else ""))
+    if r.over_prediction:
+        print(f"{'':<14}{r.over_prediction}")
     if m.reserved_peak_bytes is not None:
         print(f"{'reserved':<14}{format_bytes(m.reserved_peak_bytes):>16}   by the allocator (its slack included)")
     print(f"{'D2H per step':<14}{format_bytes(m.d2h_bytes_per_step):>16}{format_bytes(p.d2h_bytes_per_step):>16}")
@@ -85,6 +87,9 @@ def _print_report(r: Report) -> None:
     if copies_off:
         print(f"{'':<14}{copies_off}")
     print(f"{'host arena':<14}{format_bytes(m.host_arena_bytes):>16}")
+    grew = r.arena_grew()
+    if grew and grew not in (r.over_prediction or ""):
+        print(f"{'':<14}{grew}")
     if r.encoded_units:
         print(f"{'encoded':<14}{format_bytes(m.encoded_bytes_per_step):>16}   per step, units "
               + ", ".join(f"U{i} {name}" for i, name in r.encoded_units.items())

@@ -53,6 +53,7 @@ class Measured:
     leaked_by_step: list[int] = field(default_factory=list)  # bytes still live after each step, over its start
     base_growth_bytes: int = 0  # GPU: held by no tensor, made between steps (the optimizer's state rounded up): base
     host_arena_bytes: int = 0
+    host_arena_grown_bytes: int = 0  # of it, taken beyond the plan: a saved storage larger than the chain's
     host_allocations: list[int] = field(default_factory=list)  # arena buffers so far, after each step
     cpu_wait_share: float | None = None  # our steps' threads waited for a CPU this share of their run (contention)
 
@@ -180,12 +181,13 @@ class Report:
         rounds = self.compare_our_step_times_s
         return statistics.median(rounds) if rounds else self.measured.step_s
 
-    def judge_peak(self, freed_grads: int = 0) -> None:
-        """Say so (``over_prediction``, and a warning) when the measured activation peak is above
-        the predicted one, with the cause when it is known: ``freed_grads`` forwards found the
-        gradients freed (``optimizer.zero_grad()``'s default, or no backward yet) while the chain
-        counts them as allocated, in ``base_bytes``: the backward then allocates them on top; or
-        the excess is within what the encoded units' blobs may vary."""
+    def judge_peak(self, freed_grads: int = 0, warn: bool = True) -> None:
+        """Say so (``over_prediction``, and with ``warn`` a warning) when the measured activation
+        peak is above the predicted one, with the cause when it is known: ``freed_grads``
+        forwards found the gradients freed (``optimizer.zero_grad()``'s default, or no backward
+        yet) while the chain counts them as allocated, in ``base_bytes``: the backward then
+        allocates them on top; or the excess is within what the encoded units' blobs may vary;
+        or a saved storage grew past its profiled size after the first step (``arena_grew``)."""
         measured, predicted = self.measured.activation_peak_bytes, self.predicted.activation_peak_bytes
         if measured is None or measured <= predicted:
             return
@@ -195,12 +197,26 @@ class Report:
                    "optimizer.zero_grad(set_to_none=False) and run one step before measuring, or profile with "
                    "--set-to-none")
         else:
-            blobs = self.within_blob_slack(measured - predicted)
+            blobs = self.within_blob_slack(measured - predicted) or self.arena_grew()
             why = f"; {blobs}" if blobs else ""
         self.over_prediction = (f"the activation peak measured {format_bytes(measured)} is "
                                 f"{format_bytes(measured - predicted)} above the predicted {format_bytes(predicted)}"
                                 + why)
-        warnings.warn(self.over_prediction, stacklevel=4)  # at the with statement of measured()
+        if warn:
+            warnings.warn(self.over_prediction, stacklevel=4)  # at the with statement of measured()
+
+    def arena_grew(self) -> str:
+        """Where the host arena took more than the schedule planned, the sentence that says so
+        and why: a storage saved larger than the chain's (a sparse blob with fewer zeros than
+        profiled, or a storage whose size follows the data or the routing, as a mixture of
+        experts' inputs to each expert do, which move with the weights); else ''."""
+        grown = self.measured.host_arena_grown_bytes
+        if not grown:
+            return ""
+        return (f"the host arena took {format_bytes(grown)} beyond the plan: a saved storage was larger than profiled "
+                "(a sparse blob with fewer zeros, or a storage whose size follows the data or the routing, as a "
+                "mixture of experts' expert inputs do: docs/executor.md), so memory and copies differ from the "
+                "chain's")
 
     def within_blob_slack(self, over: int) -> str:
         """Where ``over`` bytes above a prediction are what the encoded units' blobs may vary

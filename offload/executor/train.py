@@ -271,11 +271,13 @@ def _measured(report: Report, steps: Run, run: nn.Module | None, chain: Chain) -
     if isinstance(run, Offloaded):
         runtime = run.runtime
         done = max(1, runtime.steps)
-        m.host_arena_bytes = runtime.arena.nbytes
+        m.host_arena_bytes, m.host_arena_grown_bytes = runtime.arena.nbytes, runtime.arena.grown
         m.d2h_bytes_per_step, m.h2d_bytes_per_step = runtime.d2h_bytes // done, runtime.h2d_bytes // done
         m.encoded_bytes_per_step = runtime.encoded_bytes // done
     elif run is not None:  # one compiled graph: its copies' runtime
         copies = run.partitioner.runtime
         done = max(1, copies.steps)
-        m.host_arena_bytes = copies.arena.nbytes if copies.arena is not None else 0
+        if copies.arena is not None:
+            m.host_arena_bytes, m.host_arena_grown_bytes = copies.arena.nbytes, copies.arena.grown
         m.d2h_bytes_per_step, m.h2d_bytes_per_step = copies.d2h_bytes // done, copies.h2d_bytes // done
+    report.judge_peak(warn=False)  # the arena's growth known: a cause it may name

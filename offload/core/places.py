@@ -47,9 +47,9 @@ def view_at(place: Place, base: torch.Tensor) -> torch.Tensor:
     rotary embeddings do); any other dtype change is not differentiable, in the stage either."""
     dtype, size, stride, offset, conj, neg = place
     raw = _with_bits(base, base.is_conj(), base.is_neg())  # the bytes as they are: the bits cleared
-    if dtype != raw.dtype and raw.is_complex() and dtype == raw.real.dtype:
+    if dtype != raw.dtype and raw.is_complex() and dtype == raw.dtype.to_real():
         raw = torch.view_as_real(raw)
-    if dtype != raw.dtype and dtype.is_complex and raw.dtype == torch.empty(0, dtype=dtype).real.dtype:
+    if dtype != raw.dtype and dtype.is_complex and raw.dtype == dtype.to_real():
         pairs = raw.as_strided((*size, 2), (*(2 * s for s in stride), 1), 2 * offset)
         return _with_bits(torch.view_as_complex(pairs), conj, neg)
     if dtype != raw.dtype:

@@ -373,12 +373,16 @@ class StageRecorder:
         return self._input_ref() if self._input_ref is not None else None
 
     def _pre(self, module: nn.Module | None, args: tuple) -> None:
-        self.starts.append(len(self.calls))
-        self.whys.append(None)
-        self.versions_before.append({id(t): t._version for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)})
         recording = self.code is not None and module in self.code
         if self.recording[-1] and not recording:
             self._code_off()
+        self._open(args, recording)
+
+    def _open(self, values: Any, recording: bool) -> None:
+        """A call begins: a level of its own, ``recording`` the torch calls of its code or not."""
+        self.starts.append(len(self.calls))
+        self.whys.append(None)
+        self.versions_before.append({id(t): t._version for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)})
         self.recording.append(recording)
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
@@ -402,7 +406,7 @@ class StageRecorder:
         size asked) is left to the forward: what it makes is held where a call reads it.  One
         that saves but writes in place a tensor made before it, or takes an argument a re-run
         cannot pass again, makes the stage one that cannot be re-run."""
-        self._pre(None, (args, kwargs))
+        self._open((args, kwargs), False)
         try:
             out = func(*args, **kwargs)
         finally:

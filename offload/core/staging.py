@@ -203,6 +203,12 @@ def is_staged(module: nn.Module) -> bool:
     return any(isinstance(getattr(hook, "__self__", None), Staging) for hook in unwrap(module)._forward_pre_hooks.values())
 
 
+def _ancestors(modules: dict[str, nn.Module], path: str) -> frozenset[nn.Module]:
+    """The modules above ``path`` in the module tree, the root included (not itself)."""
+    parts = path.split(".") if path else []
+    return frozenset(modules[".".join(parts[:n])] for n in range(len(parts)))
+
+
 class Staging:
     """Boundaries at ``sites`` (stage ``k`` ends at ``sites[k-1]``) on ``module`` itself (on the
     module inside it when it is a wrapper, ``unwrap``; the wrapper is what runs)."""
@@ -216,9 +222,7 @@ class Staging:
         if missing:
             raise KeyError(f"no submodule {missing[0]!r} in {type(root).__name__}")
         compiles = compiled(module) or any(compiled(m) for m in root.modules())
-        self.enclosing = None if compiles else [
-            frozenset(modules[".".join(s.module.split(".")[:n])] for n in range(s.module.count(".") + 1 if s.module else 0))
-            for s in self.sites]
+        self.enclosing = None if compiles else [_ancestors(modules, s.module) for s in self.sites]
         # module -> occurrence -> (k, leaf): boundaries at calls' ends, and at their starts
         self.cuts: dict[str, dict[int, tuple[int, int]]] = {}
         self.openings: dict[str, dict[int, tuple[int, int]]] = {}

@@ -576,6 +576,12 @@ class StageRecorder:
         """The held tensors' storages (while they live: ``None`` after) and bytes, by key (not the input)."""
         return {k: (h.storage(), h.nbytes) for k, h in self.held.items() if k != self.input_key}
 
+    def let_go(self) -> bool:
+        """Whether the model's code let go, inside the stage, of what a re-run would hold (its
+        input, a held tensor): known where they are held weakly (without ``keep``)."""
+        return ((self._input_ref is not None and self._input_ref() is None)
+                or any(h.ref() is None for h in self.held.values()))
+
     def held_bytes(self) -> int:
         """Bytes the program holds besides the stage's input (distinct storages)."""
         return sum(h.nbytes for k, h in self.held.items() if k != self.input_key)

@@ -112,6 +112,7 @@ class MemoryPass:
     dropped_saves: list[tuple[int, ...]] = field(default_factory=list)  # and ``UnitTracker.dropped_saves``
     storages: list[int] = field(default_factory=list)  # per stage, the storages of its unit
     saves: list[int] = field(default_factory=list)  # per stage, the saves of its unit's storages
+    lets_go: list[bool] = field(default_factory=list)  # per stage, ``_Recording.lets_go``
 
     def widened(self, other: "MemoryPass") -> "MemoryPass":
         """This pass with each stage's peak (over its own ``m0``) the larger of the two passes'
@@ -165,6 +166,7 @@ class _Recording(Boundaries):
         self.own: list[dict[int, int]] = [{} for _ in range(L)]  # per stage, its checkpoint's storages in its unit
         self.new_held = [0] * L  # per stage, bytes its re-run holds that the stage before's does not
         self.output_rebuilt = [True] * L  # per stage, whether its re-run rebuilds its output
+        self.lets_go = [False] * L  # per stage, whether the model's code let go inside it of what its re-run holds
         self.writes = _Writes()  # enter it around the forward
         self.previous: dict[int, weakref.ref] = {}  # the storages the stage before's re-run holds, by key
 
@@ -173,6 +175,7 @@ class _Recording(Boundaries):
 
     def stage_output(self, k: int, x: torch.Tensor, opening: bool) -> None:
         recorder, self.recorder = self.recorder, None
+        self.lets_go[k - 1] = recorder.let_go()
         try:
             self.output_rebuilt[k - 1] = recorder.finish(x).output is not None
             self.why[k - 1] = None
@@ -432,7 +435,7 @@ class StepRunner:
                           listener.inputs, listener.own, listener.new_held, listener.output_rebuilt, listener.why,
                           workspace,
                           [list(r.values()) for r in recasts], made.shared, made.twice, tracker.shared_saves(L),
-                          dropped, tracker.storage_counts(L), tracker.save_counts(L))
+                          dropped, tracker.storage_counts(L), tracker.save_counts(L), listener.lets_go)
 
     def recast_seconds(self, recasts: list[casts.Recast]) -> float:
         """What making a stage's weight casts again costs its backward: the casts, timed."""
@@ -737,10 +740,11 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     why_not = list(mem.rerun)  # per stage, why it cannot be re-run (None: it can)
     for i in range(runner.L):
         fwd_peak = peak_f[i] - m0 - resident
-        if why_not[i] is None and held[i].recomputed_fwd_peak_bytes > fwd_peak:
+        if why_not[i] is None and mem.lets_go[i] and held[i].recomputed_fwd_peak_bytes > fwd_peak:
             # the model's code drops the stage's input (or a value its re-run reads) inside it, and
             # the checkpoint would hold it through its forward: above F_i's peak, which the
-            # model takes to count the checkpoint's bytes
+            # model takes to count the checkpoint's bytes (only where something was let go: two
+            # passes' readings may differ by an allocator's rounding on a GPU)
             why_not[i] = (f"stage {i + 1} cannot be re-run: the model's code lets go of its input inside it, and held "
                           f"as the re-run's checkpoint through its forward, it would take "
                           f"{format_bytes(held[i].recomputed_fwd_peak_bytes - fwd_peak)} above the stage's peak")

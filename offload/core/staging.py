@@ -221,8 +221,7 @@ class Staging:
         missing = [s.text for s in self.sites if s.module not in modules]
         if missing:
             raise KeyError(f"no submodule {missing[0]!r} in {type(root).__name__}")
-        compiles = compiled(module) or any(compiled(m) for m in root.modules())
-        self.enclosing = None if compiles else [_ancestors(modules, s.module) for s in self.sites]
+        self._enclosing = [_ancestors(modules, s.module) for s in self.sites]
         # module -> occurrence -> (k, leaf): boundaries at calls' ends, and at their starts
         self.cuts: dict[str, dict[int, tuple[int, int]]] = {}
         self.openings: dict[str, dict[int, tuple[int, int]]] = {}
@@ -249,6 +248,15 @@ class Staging:
         for name in self.openings:
             self._handles.append(modules[name].register_forward_pre_hook(self._hook(name, opening=True),
                                                                          with_kwargs=True))
+
+    @property
+    def enclosing(self) -> list[frozenset[nn.Module]] | None:
+        """``StageListener.enclosing``: ``None`` while any of the module's calls runs compiled
+        (asked at each forward: ``module.compile()`` may come after the boundaries)."""
+        root = unwrap(self.module)
+        if compiled(self.module) or any(compiled(m) for m in root.modules()):
+            return None
+        return self._enclosing
 
     def remove(self) -> None:
         """Take the hooks off the module."""

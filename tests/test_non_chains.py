@@ -21,6 +21,7 @@ from offload.executor import Offloaded
 from offload.executor.train import TrainOptions, train
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.floors import joint_floor
 from offload.solver.methods import Options, solve
 from offload.step.actions import Offload, Recompute
 from offload.step.chainfile import chain_from_dict
@@ -268,12 +269,14 @@ def test_the_ilp_takes_a_held_part_off_the_device_where_the_budget_needs_it():
 def test_the_ilp_is_brute_force_on_a_unet():
     """A U-Net merged to five stages (boundaries crossed by skip features): the joint MILP's
     optimum is the brute force's (offloaded checkpoints included) near its floor and between
-    its floor and its peak."""
+    its floor and its peak.  Near the floor the MILP meets (``joint_floor``), not at the
+    lower bound under it: the stages merged by measured times differ from run to run, and
+    for some the bound is not met (2.19 MiB bound, no schedule at it)."""
     chain = profile(str(ROOT / "tests" / "models" / "unet.py:build"),
                     ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, stages=5,
                                    options={"depth": 2, "image": 32})).chain
     assert chain.L == 5
-    floor, peak = smallest_feasible_budget(chain, recompute=True), no_offload_peak(chain)
+    floor, peak = joint_floor(chain, encodings="none"), no_offload_peak(chain)
     budgets = [int(floor + share * (peak - floor)) for share in (0.0, 0.3)]
     for budget, best in zip(budgets, brute_force_each(chain, budgets, recompute=True)):
         res = solve(chain, budget, "ilp", Options(gap=0.0, heuristic_time_s=0.02, recompute=True))

@@ -16,6 +16,12 @@ def _ids(b, s, v=100):
     g = torch.Generator().manual_seed(1)
     return torch.randint(3, v, (b, s), generator=g)
 
+def _lm(model_cls, cfg, batch):
+    """The model built under seed 0, and 16 token ids that are their own labels."""
+    torch.manual_seed(0)
+    x = _ids(batch, 16)
+    return model_cls(cfg), {"input_ids": x, "labels": x}
+
 def _small(cfg_cls, **kw):
     base = dict(vocab_size=100, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128)
     base.update(kw)
@@ -44,76 +50,54 @@ def prophetnet(batch):
     return T.ProphetNetForConditionalGeneration(cfg), {"input_ids": _ids(batch, 16), "labels": _ids(batch, 12)}
 
 def bloom(batch):
-    torch.manual_seed(0)
     cfg = T.BloomConfig(vocab_size=100, hidden_size=64, n_layer=3, n_head=4, use_cache=False, hidden_dropout=0.1,
                         attention_dropout=0.1)
-    x = _ids(batch, 16)
-    return T.BloomForCausalLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.BloomForCausalLM, cfg, batch)
 
 def opt(batch):
-    torch.manual_seed(0)
     cfg = T.OPTConfig(vocab_size=100, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, ffn_dim=128,
                       word_embed_proj_dim=32, max_position_embeddings=64, use_cache=False, dropout=0.1, layerdrop=0.0)
-    x = _ids(batch, 16)
-    return T.OPTForCausalLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.OPTForCausalLM, cfg, batch)
 
 def xglm(batch):
-    torch.manual_seed(0)
     cfg = T.XGLMConfig(vocab_size=100, d_model=64, num_layers=3, attention_heads=4, ffn_dim=128,
                        max_position_embeddings=64, use_cache=False, dropout=0.1)
-    x = _ids(batch, 16)
-    return T.XGLMForCausalLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.XGLMForCausalLM, cfg, batch)
 
 def mistral(batch):
-    torch.manual_seed(0)
     cfg = _small(T.MistralConfig, num_key_value_heads=2, sliding_window=8, use_cache=False, attention_dropout=0.1)
-    x = _ids(batch, 16)
-    return T.MistralForCausalLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.MistralForCausalLM, cfg, batch)
 
 
 def olmo2(batch):
-    torch.manual_seed(0)
     cfg = _small(T.Olmo2Config, use_cache=False)
-    x = _ids(batch, 16)
-    return T.Olmo2ForCausalLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.Olmo2ForCausalLM, cfg, batch)
 
 
 def persimmon(batch):
-    torch.manual_seed(0)
     cfg = _small(T.PersimmonConfig, use_cache=False, qk_layernorm=True, hidden_dropout=0.1)
-    x = _ids(batch, 16)
-    return T.PersimmonForCausalLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.PersimmonForCausalLM, cfg, batch)
 
 def roformer(batch):
-    torch.manual_seed(0)
     cfg = _small(T.RoFormerConfig, embedding_size=64, max_position_embeddings=64)
-    x = _ids(batch, 16)
-    return T.RoFormerForMaskedLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.RoFormerForMaskedLM, cfg, batch)
 
 def luke(batch):
-    torch.manual_seed(0)
     cfg = _small(T.LukeConfig, entity_vocab_size=20, entity_emb_size=32, max_position_embeddings=64)
-    x = _ids(batch, 16)
-    return T.LukeForMaskedLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.LukeForMaskedLM, cfg, batch)
 
 def nystromformer(batch):
-    torch.manual_seed(0)
     cfg = _small(T.NystromformerConfig, num_landmarks=4, segment_means_seq_len=16, max_position_embeddings=64,
                  conv_kernel_size=3)
-    x = _ids(batch, 16)
-    return T.NystromformerForMaskedLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.NystromformerForMaskedLM, cfg, batch)
 
 def rembert(batch):
-    torch.manual_seed(0)
     cfg = _small(T.RemBertConfig, input_embedding_size=32, output_embedding_size=32, max_position_embeddings=64)
-    x = _ids(batch, 16)
-    return T.RemBertForMaskedLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.RemBertForMaskedLM, cfg, batch)
 
 def data2vec_text(batch):
-    torch.manual_seed(0)
     cfg = _small(T.Data2VecTextConfig, max_position_embeddings=64)
-    x = _ids(batch, 16)
-    return T.Data2VecTextForMaskedLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.Data2VecTextForMaskedLM, cfg, batch)
 
 def deit(batch):
     torch.manual_seed(0)
@@ -211,43 +195,33 @@ def bigbird_pegasus(batch):
 
 
 def falcon_mamba(batch):
-    torch.manual_seed(0)
     cfg = T.FalconMambaConfig(vocab_size=100, hidden_size=64, num_hidden_layers=3, state_size=8, use_cache=False,
                               use_mambapy=True)
-    x = _ids(batch, 16)
-    return T.FalconMambaForCausalLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.FalconMambaForCausalLM, cfg, batch)
 
 def dbrx(batch):
-    torch.manual_seed(0)
     cfg = T.DbrxConfig(vocab_size=100, d_model=64, n_layers=3, n_heads=4, max_seq_len=64,
                        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}, ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4,
                                                                    "moe_top_k": 2}, use_cache=False)
-    x = _ids(batch, 16)
-    return T.DbrxForCausalLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.DbrxForCausalLM, cfg, batch)
 
 def jetmoe(batch):
-    torch.manual_seed(0)
     cfg = T.JetMoeConfig(vocab_size=100, hidden_size=64, num_hidden_layers=3, num_key_value_heads=2, kv_channels=16,
                          intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, use_cache=False)
-    x = _ids(batch, 16)
-    return T.JetMoeForCausalLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.JetMoeForCausalLM, cfg, batch)
 
 def gpt_oss(batch):
-    torch.manual_seed(0)
     cfg = T.GptOssConfig(vocab_size=100, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4,
                          num_experts_per_tok=2, sliding_window=8, use_cache=False,
                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])
-    x = _ids(batch, 16)
-    return T.GptOssForCausalLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.GptOssForCausalLM, cfg, batch)
 
 def qwen3_moe(batch):
-    torch.manual_seed(0)
     cfg = T.Qwen3MoeConfig(vocab_size=100, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                            num_key_value_heads=2, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
                            num_experts_per_tok=2, use_cache=False, decoder_sparse_step=1)
-    x = _ids(batch, 16)
-    return T.Qwen3MoeForCausalLM(cfg), {"input_ids": x, "labels": x}
+    return _lm(T.Qwen3MoeForCausalLM, cfg, batch)
 
 def pix2struct(batch):
     torch.manual_seed(0)

@@ -52,6 +52,7 @@ def view_at(place: Place, base: torch.Tensor) -> torch.Tensor:
     if dtype != raw.dtype and dtype.is_complex and raw.dtype == dtype.to_real():
         pairs = raw.as_strided((*size, 2), (*(2 * s for s in stride), 1), 2 * offset)
         return _with_bits(torch.view_as_complex(pairs), conj, neg)
+    # not ``at``: viewed to its own dtype, the re-run's ops saved other storages
     if dtype != raw.dtype:
         raw = raw.view(dtype)
     return _with_bits(raw.as_strided(size, stride, offset), conj, neg)

@@ -289,11 +289,11 @@ def _weakly(method: Callable[..., None]) -> Callable[..., None]:
     """``method`` of an object, called while the object lives, through a weak reference."""
     ref = weakref.WeakMethod(method)
 
+    @own_code()
     def hook(*args: Any) -> None:
         bound = ref()
         if bound is not None:
-            with own_code():
-                bound(*args)
+            bound(*args)
     return hook
 
 
@@ -347,13 +347,13 @@ class StageRecorder:
         # and a strong one would keep the stage's input and calls alive that long
         self._handles = [nn.modules.module.register_module_forward_pre_hook(_weakly(self._pre)),
                          nn.modules.module.register_module_forward_hook(_weakly(self._post), with_kwargs=True)]
-        self._code = _StageCode(self) if code is not None else None
+        self._mode = _StageCode(self) if code is not None else None
         self._off = False  # the mode taken off the stack while a call whose code it does not record runs
         if opening:
             self._pre(None, ())
-        if self._code is not None:  # on the stack now, or once the call the stage opens in returns
+        if self._mode is not None:  # on the stack now, or once the call the stage opens in returns
             if self.recording[-1]:
-                self._code.__enter__()
+                self._mode.__enter__()
             else:
                 self._off = True
 
@@ -375,7 +375,7 @@ class StageRecorder:
     def _pre(self, module: nn.Module | None, args: tuple) -> None:
         recording = self.code is not None and module in self.code
         if self.recording[-1] and not recording:
-            self._code_off()
+            self._mode_off()
         self._open(args, recording)
 
     def _open(self, values: Any, recording: bool) -> None:
@@ -390,7 +390,7 @@ class StageRecorder:
             return  # a call that began before the stage (the block the stage ends in)
         _, before = self._completed()  # what happened inside it is re-run with it
         if self.recording[-1]:
-            self._code_on()
+            self._mode_on()
         try:
             call = self._call(module, args, kwargs, before)
         except NotRerunnable as exc:
@@ -430,17 +430,17 @@ class StageRecorder:
                                  for ref, n, leaf, grad in self.outputs[key]]
         return out
 
-    def _code_off(self) -> None:
+    def _mode_off(self) -> None:
         """A call whose own code is not recorded begins: the mode leaves the stack while it
         runs, so that its torch calls (a block's hundreds) pay nothing for it."""
         n = torch._C._len_torch_function_stack()
-        if self._code is not None and not self._off and n and torch._C._get_function_stack_at(n - 1) is self._code:
+        if self._mode is not None and not self._off and n and torch._C._get_function_stack_at(n - 1) is self._mode:
             torch._C._pop_torch_function_stack()
             self._off = True
 
-    def _code_on(self) -> None:
+    def _mode_on(self) -> None:
         if self._off:
-            torch._C._push_on_torch_function_stack(self._code)
+            torch._C._push_on_torch_function_stack(self._mode)
             self._off = False
 
     def _completed(self) -> tuple[str | None, dict[int, int]]:
@@ -546,10 +546,10 @@ class StageRecorder:
                             self.autocast)
 
     def close(self) -> None:
-        if self._code is not None:
+        if self._mode is not None:
             if not self._off:
-                _remove_mode(self._code)
-            self._code = None
+                _remove_mode(self._mode)
+            self._mode = None
         for h in self._handles:
             h.remove()
             # torch marks a global hook registered ``with_kwargs`` in a dict its handle does not

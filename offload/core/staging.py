@@ -288,21 +288,18 @@ class Staging:
     # -- hooks (under torch.compile each runs eagerly: a graph break at every boundary keeps
     # compiled regions inside stages, and the listener's copies out of the graph)
     @torch.compiler.disable
+    @own_code()
     def _begin(self, module: nn.Module, args: tuple) -> None:
         if self.listener is not None:
             self.calls.clear()
             self.started.clear()
             self.seen, self.forwarding = 0, True
             self._uncache()
-            with own_code():
-                self.listener.forward_start()
+            self.listener.forward_start()
 
     @torch.compiler.disable
+    @own_code()
     def _end(self, module: nn.Module, args: tuple, out: Any) -> Any:
-        with own_code():
-            return self._ended(out)
-
-    def _ended(self, out: Any) -> None:
         listener = self.listener
         if listener is None or not self.forwarding:
             return None
@@ -327,6 +324,7 @@ class Staging:
         counts, table = (self.started, self.openings) if opening else (self.calls, self.cuts)
 
         @torch.compiler.disable
+        @own_code()
         def hook(module: nn.Module, args: tuple, values: Any) -> Any:  # values: the kwargs, or the output
             if self.listener is None or not self.forwarding:
                 return None
@@ -335,8 +333,7 @@ class Staging:
             cut = table[name].get(n)
             if cut is None:
                 return None
-            with own_code():
-                return self._pass((args, values) if opening else values, cut, opening)
+            return self._pass((args, values) if opening else values, cut, opening)
         return hook
 
     def _pass(self, values: Any, cut: tuple[int, int], opening: bool) -> Any:

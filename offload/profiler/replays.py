@@ -75,12 +75,12 @@ class _Replaying(Boundaries):
         if k in self.stages:
             option = self.stages[k]
             kept = KeptOutputs(k, option) if option is not None else None
-            self.running = (StageRecorder(k, x, self.device, self.tracker.excluded, opening=opening, code=self.encloses(k)), kept,
-                            x.detach() if x is not None else None)
+            recorder = StageRecorder(k, x, self.device, self.tracker.excluded, opening=opening, code=self.encloses(k))
+            self.running = (recorder, kept, x.detach() if x is not None else None)
             if kept is not None:
                 kept.__enter__()
 
-    def saved(self, _: torch.Tensor) -> None:
+    def pack(self, _: torch.Tensor) -> None:
         """The pack hook (autograd keeps nothing): the running recorder records what its own
         code saves with, as the executor's does."""
         if self.running is not None:
@@ -114,7 +114,7 @@ def recorded(runner: StepRunner, stages: dict[int, str | None], meter: Any = Non
                 meter.track(tensors_in((args, kwargs)))
             runner.sync()
             try:
-                loss = runner.forward(args, kwargs, listener, listener.saved)  # nothing kept: no backward
+                loss = runner.forward(args, kwargs, listener, listener.pack)  # nothing kept: no backward
             finally:
                 listener.close()
             del loss

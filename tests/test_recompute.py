@@ -311,6 +311,21 @@ def test_joint_floor_is_the_offload_floor_when_units_are_carried_whole(small):
         solve(small, floor - 1, "ilp", JOINT)
 
 
+def test_a_rebuild_keeping_less_of_its_unit_lowers_the_bound_in_the_backward():
+    """A compiled backward's rebuild keeps less of the unit live than the floor fetches
+    (``rebuilt_bytes``): the bound takes that off the backward ops too.  It counted the whole
+    unit in ``B1`` and refused a budget the recomputed schedule meets."""
+    stages = [{"fwd_s": 0.001, "bwd_s": 0.001, "saved_bytes": 10, "fwd_peak_bytes": 10, "bwd_peak_bytes": 10,
+               "carry_bytes": 0, "rebuilt_bytes": 0}] + [
+        {"fwd_s": 0.001, "bwd_s": 0.001, "saved_bytes": 0, "fwd_peak_bytes": 0, "bwd_peak_bytes": 0,
+         "recomputable": False} for _ in range(2)]
+    chain = chain_from_dict({"format": "offload-chain/2", "name": "rebuilt", "stages": stages,
+                             "platform": {"d2h_bytes_per_s": 1e4, "h2d_bytes_per_s": 1e4}})
+    assert simulate(chain, [], recompute=[Recompute(1, 1)]).peak_bytes == 10  # B1 holds its transient alone
+    assert smallest_feasible_budget(chain, recompute=True) == 10
+    assert solve(chain, 10, "ilp", JOINT).schedule.recompute == (Recompute(1, 1),)
+
+
 def test_recomputation_goes_below_the_offload_floor():
     """A transformer-like chain: the forward's own code drops most of a unit at its stage's end
     (``carry_bytes``), an offloaded unit stays until its copy is done after the next forward."""

@@ -200,11 +200,14 @@ def floor_offloads(chain: Chain, runs: Iterable[Recompute] = ()) -> list[Offload
 def relieve(chain: Chain, memory: np.ndarray, units: Iterable[int]) -> None:
     """Take off ``memory`` (per op, in place) the most that recomputing each of ``units`` takes
     off what the all-offloaded floor schedule holds: during ``Fi`` what autograd would keep of
-    ``Ui``, during ``F(i+1)`` what it does not carry into it (a recomputation's checkpoint and
-    re-run ops only add)."""
+    ``Ui``, during ``F(i+1)`` what it does not carry into it, and from ``B(need_from)``, where
+    the floor fetches the unit, through ``Bi`` what a rebuild does not keep live
+    (``rebuilt_bytes``: a recomputation's checkpoint and re-run ops only add)."""
+    L = chain.L
     for i in units:
         memory[i - 1] -= int(chain.fp[i]) - int(chain.rfp[i])
         memory[i] -= max(0, int(chain.a[i]) - int(chain.carry[i]))
+        memory[2 * L - int(chain.need[i]):2 * L - i + 1] -= int(chain.a[i]) - int(chain.rb[i])
 
 
 def floor_bound_memory(chain: Chain, recompute: bool) -> np.ndarray:

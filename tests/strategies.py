@@ -39,8 +39,9 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
            casts: bool | None = None) -> Chain:
     """``inputs``: stages carry what recomputation needs: ``input_bytes`` (a checkpoint),
     sometimes ``carry_bytes`` (less than the unit alive in the next forward) with part of the
-    checkpoint in it (and in the held part), a smaller forward transient when recomputed, the
-    gradient live as the backward starts, sometimes less of the unit live once rebuilt,
+    checkpoint in it (and in the held part) and part of it alive until the forward after
+    (``carried_late_bytes``), the forward's transient live as it starts, a smaller forward
+    transient when recomputed, the gradient live as the backward starts, sometimes less of the unit live once rebuilt,
     sometimes ``recomputable: false``, in half of the
     stages the input's own storage (what an offloaded checkpoint moves), and in a third of
     the stages an in-stage option.  ``casts``:
@@ -88,6 +89,7 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
         if inputs:
             st_ = stages[-1]
             st_["bwd_start_bytes"] = draw(st.integers(0, st_["bwd_peak_bytes"]))
+            st_["fwd_start_bytes"] = draw(st.integers(0, st_["fwd_peak_bytes"]))
             if draw(st.booleans()):
                 st_["recomputed_fwd_peak_bytes"] = draw(st.integers(0, st_["fwd_peak_bytes"]))
             if draw(st.booleans()):  # its whole re-run, measured by replaying it
@@ -100,6 +102,10 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             st_["input_carried_bytes"] = draw(st.integers(0, min(st_["carry_bytes"], st_["input_bytes"])))
             if "held_bytes" in st_:
                 st_["input_held_bytes"] = draw(st.integers(0, min(st_["input_carried_bytes"], st_["held_bytes"])))
+            if i + 2 <= L and draw(st.booleans()):  # of it, what the model's code lets go only as F(i+2) starts
+                late = draw(st.integers(0, max(0, st_["carry_bytes"] - st_.get("held_bytes", 0))))
+                st_.update(carried_late_bytes=late,
+                           input_late_bytes=draw(st.integers(0, min(late, st_["input_carried_bytes"]))))
         st_ = stages[-1]
         if inputs and st_["input_bytes"] and draw(st.booleans()):
             st_["input_own_bytes"] = draw(st.integers(1, st_["input_bytes"]))  # its checkpoint may move

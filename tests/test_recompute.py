@@ -26,7 +26,7 @@ from offload.step import encoding
 from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain
 from offload.step.chainfile import chain_from_dict, load_chain, save_chain
-from offload.step.memory import floor_offloads, memory_profile, no_offload_peak, smallest_feasible_budget
+from offload.step.memory import late_carries, floor_offloads, memory_profile, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import schedule_from_dict, schedule_to_dict
 from offload.step.simulate import simulate
@@ -253,7 +253,10 @@ def test_each_memory_row_of_a_loaded_joint_schedule_is_its_ops_memory(cb, rnd):
     """Recomputed runs (some of one stage re-run in part, a rebuild keeping less of its unit
     live: ``rebuilt_bytes``) beside offloads: each memory row of the MILP, loaded with the
     schedule, reads exactly what the simulator's op holds, the re-run ops' rows included
-    (rows only bound the memory, so a row counting too much still loads; this reads them)."""
+    (rows only bound the memory, so a row counting too much still loads; this reads them).
+    An op whose first reading holds a late carry (``memory.late_carries``) is never above
+    the op before it, whose last reading that is: the row of that op bounds it, its own row
+    reads the op without it."""
     chain, _ = cb
     starts = sorted(chain.recomputable)
     runs = [Recompute(i, i, rnd.choice([""] + [o.name for o in chain.stage(i).options])) for i in starts
@@ -261,6 +264,9 @@ def test_each_memory_row_of_a_loaded_joint_schedule_is_its_ops_memory(cb, rnd):
     rebuilt = {r.first for r in runs}
     offloads = [o for o in floor_offloads(chain, runs) if o.stage not in rebuilt and rnd.random() < 0.6]
     memory, reruns = memory_profile(chain, offloads, runs)
+    bare, _ = memory_profile(replace(chain, stages=tuple(replace(s, carried_late_bytes=0) for s in chain.stages)),
+                             offloads, runs)
+    late = {f"F{j}" for j in late_carries(chain, offloads, runs)}
     model = Model(chain, 0, options={}, max_run=8)  # budget 0: no re-run op's row left out as never binding
     model.load(offloads, {}, runs)
     chosen = {f"recompute_{r.first}_{r.last}" + (f"_{r.option}" if r.option else "") for r in runs}
@@ -275,8 +281,12 @@ def test_each_memory_row_of_a_loaded_joint_schedule_is_its_ops_memory(cb, rnd):
         elif rerun and rerun.group(2) in chosen:
             n = next(n for n, j, _ in reruns if j == int(rerun.group(1)))
             rebuilds.setdefault(f"B{n}", []).append((row.value() + model.B) * model.mu)
-    for o, nbytes in enumerate(memory):
+    for o, nbytes in enumerate(bare):
         name = f"F{o + 1}" if o < chain.L else f"B{2 * chain.L - o}"
+        if name in late:
+            assert nbytes <= memory[o] <= max(nbytes, memory[o - 1]), name
+        elif memory[o] != nbytes:
+            raise AssertionError(f"{name}: a late carry changed an op that does not start after it")
         if name in own:  # Bn's memory is the largest of its own and its re-run ops'
             assert max([own[name], *rebuilds.get(name, [])]) == pytest.approx(int(nbytes), abs=1e-6), name
 
@@ -681,3 +691,32 @@ def test_an_op_over_the_budget_whatever_the_schedule_makes_the_milp_infeasible()
                                          stage("stage3", 0, 1, 0, False)),
                   platform=Platform(d2h_bytes_per_s=4000.0, h2d_bytes_per_s=4000.0, latency_s=0.0))
     assert_joint_ilp_is_brute_force(chain, 1, JOINT)
+
+
+def test_a_unit_its_model_lets_go_after_the_next_stage_counts_in_the_reading_after_it():
+    """DenseNet's transitions (``tests/models/transition.py``): the outer ``Sequential`` holds
+    the transition's input, the unit of its norm's stage, until the transition returns, after
+    the reading that ends the stage after the norm; the next stage's first reading holds it.
+    With the norm recomputed inside a run, or offloaded and released at the next stage, and
+    the narrow block after the transition recomputed too (it grows by less than the input's
+    bytes), that block's op read 768 B over its prediction (DenseNet-121: 5 KiB).  The profile
+    measures the late part (``carried_late_bytes``, here the input itself) and the forward's
+    transient live as it starts; every op is at or above its measure, the block's exact."""
+    from offload.executor.train import TrainOptions, train
+    from offload.profiler.profile import ProfileOptions, profile
+    from tests.runs import ROOT
+
+    chain = profile(str(ROOT / "tests" / "models" / "transition.py") + ":build",
+                    ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False)).chain
+    norm = next(i for i, s in enumerate(chain.stages, 1) if s.name == "2.0")
+    block = norm + 2
+    assert chain.stage(block).name.startswith("3") and chain.cl[norm] == chain.xl[norm] == chain.x[norm] > 0
+    for offloads, runs in (([], [Recompute(norm - 1, norm), Recompute(block, block)]),
+                           ([Offload(norm, norm + 1, int(chain.need[norm]))], [Recompute(block, block)])):
+        report, error = train(None, chain, make_schedule(chain, offloads, recompute=runs),
+                              TrainOptions(steps=1, check_grads=True, op_memory=True))
+        m, p = report.measured.op_peak_bytes, report.predicted.op_bytes
+        assert error is None and report.grads_match is True, error
+        assert all(m[op] <= p[op] for op in p), {op: m[op] - p[op] for op in p if m[op] > p[op]}
+        unlate = replace(chain, stages=tuple(replace(s, carried_late_bytes=0) for s in chain.stages))
+        assert m[f"F{block}"] == p[f"F{block}"] > memory_profile(unlate, offloads, runs)[0][block - 1]

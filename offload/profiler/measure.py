@@ -84,6 +84,9 @@ class StageMeasurement:
     held_read_at: int = 0  # ... and the first forward after the next that reads one (0: none)
     storages: int = 0  # the storages of its unit
     saves: int = 0  # the saves of those storages in a step
+    fwd_start_bytes: int = 0  # of fwd_peak_bytes, what is live as the forward starts
+    carried_late_bytes: int = 0  # of carry_bytes, what dies only as F(i+2) starts (``Holding.late_bytes``) ...
+    input_late_bytes: int = 0  # ... and of that, the input's storages (a run's checkpoint holds them)
 
 
 @dataclass
@@ -591,6 +594,8 @@ class Holding:
     carried: set[int] = field(default_factory=set)  # indices in U_i of the storages in carry_bytes ...
     held: set[int] = field(default_factory=set)  # ... and in held_bytes
     held_read_at: int = 0  # the first forward after F(i+1) that reads a storage in held_bytes (0: none does)
+    late_bytes: int = 0  # of carry_bytes, not held, what dies only as F(i+2) starts (after F(i+1)'s last hook) ...
+    late: set[int] = field(default_factory=set)  # ... and its storages (indices in U_i)
     saved_bytes: int = 0  # U_i as this pass saw it: the memory pass's, one update later, unless draws or weights set it
 
 
@@ -612,7 +617,10 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
     started within its bytes of its peak; one that dies within ``F(j+1)`` before its peak
     (a U-Net's skip features, read by the concatenation that starts an up block) likewise, if
     an op before its death came within the bytes of such storages of the peak (``op_lives``:
-    the memory pass's bytes live at each op).  Without op counts (CUDA's meter gives none), a
+    the memory pass's bytes live at each op).  A carried storage, not held, that dies as
+    ``F(i+2)`` starts is *late* (``late_bytes``): the reading that ends ``F(i+1)`` and starts
+    ``F(i+2)`` holds it, so that a schedule which keeps none of ``U_i`` there still finds it in
+    ``F(i+2)``'s first reading.  Without op counts (CUDA's meter gives none), a
     storage alive at a stage's first op counts as held through the stage: a little
     conservative.  ``keeping``: stages (each with an in-stage option) whose kept ops' outputs
     are held through their forward (their transient is then the option's).  The pass also
@@ -670,6 +678,9 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
             h.held_bytes += saved.nbytes
             h.held.add(saved.index)
             h.held_until = max(h.held_until, max(alive))
+        elif i + 2 <= runner.L and death == holding.first_op[i + 2] - 1 + BOUNDARY_DEATH:
+            h.late_bytes += saved.nbytes  # F(i+1)'s end reading holds it: F(i+2)'s starts there
+            h.late.add(saved.index)
     for saved, later in zip(holding.storages, holding.read_later):  # after F(i+1), the first forward reading the part
         h = out[saved.unit]
         if later and saved.index in h.held:
@@ -754,6 +765,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
         # gradient, before B_i; the model holds U_i whole until B_i, above what was measured
         bwd_peak = max(0, peak_b[i] - m0 - resident - saved[i])
         bwd_start = min(bwd_peak, max(0, mem.bwd_starts[i] - m0 - resident - saved[i]))
+        fwd_start = min(fwd_peak, max(0, mem.starts[i] - m0 - resident))
         resident += saved[i]
         stages.append(StageMeasurement(statistics.median(t[0][i] for t in times), statistics.median(t[1][i] for t in times),
                                        saved[i], fwd_peak, bwd_peak, need[i], held[i].held_bytes,
@@ -769,7 +781,8 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        mem.dropped_saves[i] if mem.dropped_saves else (),
                                        tuple(sorted(held[i].held)) if held[i].held_read_at else (),
                                        held[i].held_read_at, mem.storages[i] if mem.storages else 0,
-                                       mem.saves[i] if mem.saves else 0))
+                                       mem.saves[i] if mem.saves else 0, fwd_start, held[i].late_bytes,
+                                       sum(b for n, b in mem.own[i].items() if n in held[i].late)))
     step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(why_not[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "

@@ -152,6 +152,9 @@ class Stage:
     # re-runs each op just before its reader and frees it after, holding less)
     input_carried_bytes: int = 0  # of input_bytes, storages of Ui that carry_bytes counts too ...
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
+    carried_late_bytes: int = 0  # of carry_bytes (not held), what the model's code lets go only as F(i+2) starts ...
+    input_late_bytes: int = 0  # ... and of that, storages of the input (a run starting at i holds them as its checkpoint)
+    fwd_start_bytes: int = 0  # of fwd_peak_bytes, live as Fi starts: F(i-1)'s last reading, where a late carry counts too
     rerun_held_bytes: int = 0  # of input_bytes, held tensors its re-run reads and the stage before's does not
     input_own_bytes: int = 0  # of input_bytes, the input's own storage: what an offloaded checkpoint moves (0: unknown)
     fwd_host_s: float = 0.0  # host time to issue Fi's kernels (CUDA; 0: the device is never waiting for the host)
@@ -350,6 +353,12 @@ def _stage_document(s: Stage) -> dict:
         d["input_carried_bytes"] = s.input_carried_bytes
     if s.input_held_bytes:
         d["input_held_bytes"] = s.input_held_bytes
+    if s.carried_late_bytes:  # absent otherwise: chains from before them keep their sha256
+        d["carried_late_bytes"] = s.carried_late_bytes
+    if s.input_late_bytes:  # likewise
+        d["input_late_bytes"] = s.input_late_bytes
+    if s.fwd_start_bytes:  # likewise
+        d["fwd_start_bytes"] = s.fwd_start_bytes
     if s.rerun_held_bytes:  # absent otherwise: chains from before it keep their sha256
         d["rerun_held_bytes"] = s.rerun_held_bytes
     if s.input_own_bytes:  # likewise
@@ -410,6 +419,9 @@ class Chain:
     rfp = _column("recomputed_fwd_peak")
     xc = _column("input_carried_bytes")
     xh = _column("input_held_bytes")
+    cl = _column("carried_late_bytes")
+    xl = _column("input_late_bytes")
+    fs = _column("fwd_start_bytes")
     xn = _column("rerun_held_bytes")
     xo = _column("input_own_bytes")
     fh = _column("fwd_host_s", np.float64)

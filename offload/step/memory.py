@@ -5,7 +5,10 @@ During ``Fj`` the resident units of earlier stages count plus ``fwd_peak_bytes``
 (which includes ``Uj``; ``recomputed_fwd_peak_bytes`` when ``Uj`` is recomputed, autograd
 keeping none of it, and an in-stage option's kept outputs on top: ``recompute.forward_peak``); during ``Bj`` the resident units of stages ``<= j`` count plus
 ``bwd_peak_bytes``.  A recomputed unit counts its carried part during the next forward op
-(its held part after); a run's checkpoint (with what its option keeps:
+(its held part after); what of it the model's code lets go only as ``F(i+2)`` starts
+(``carried_late_bytes``; of a unit offloaded and released at ``i+1`` too) is live at that op's
+first reading, with ``fwd_start_bytes`` of ``F(i+2)``: the last reading of ``F(i+1)``, so never
+above ``F(i+1)``'s memory; a run's checkpoint (with what its option keeps:
 ``recompute.checkpoint_bytes``) counts from the op after its first forward op until it is
 rebuilt, less what an offloaded one moves between its release and its prefetch point,
 and its units from their rebuild (``rebuilt_bytes`` of each); each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its own transient
@@ -141,6 +144,21 @@ def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompu
     return out
 
 
+def late_carries(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute]) -> dict[int, int]:
+    """``{j: bytes}``: of the units that autograd no longer holds as ``Fj`` starts, the storages
+    the model's code lets go only then (``carried_late_bytes`` of unit ``j - 2``: recomputed, or
+    offloaded and released at ``j - 1``), less the input's where a run starting there holds
+    them as its checkpoint."""
+    out: dict[int, int] = {}
+    for run in runs:
+        for i in run.stages:
+            out[i + 2] = int(chain.cl[i]) - (int(chain.xl[i]) if i == run.first else 0)
+    for o in offloads:
+        if o.release == o.stage + 1:
+            out[o.stage + 2] = int(chain.cl[o.stage])
+    return {j: nbytes for j, nbytes in out.items() if j <= chain.L and nbytes > 0}
+
+
 def memory_profile(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute] = (),
                    casts_kept: Iterable[int] = ()) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """Activation bytes held during each op (int64 array of length ``2L``; ``Bn`` counts the
@@ -151,6 +169,8 @@ def memory_profile(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Rec
     for run in runs:  # a recomputed stage's forward: autograd keeps none of its unit
         for j in run.stages:
             mem[j - 1] += forward_peak(chain, run, j) - int(chain.fp[j])
+    for j, late in sorted(late_carries(chain, offloads, runs).items()):  # Fj's first reading: F(j-1)'s last one
+        mem[j - 1] = max(mem[j - 1], min(mem[j - 2], resident[j - 1] + late + int(chain.fs[j])))
     rebuilt = _recompute_memory(chain, resident, runs)
     for n, _, nbytes in rebuilt:
         mem[2 * chain.L - n] = max(mem[2 * chain.L - n], nbytes)

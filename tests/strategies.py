@@ -39,11 +39,11 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
            casts: bool | None = None) -> Chain:
     """``inputs``: stages carry what recomputation needs: ``input_bytes`` (a checkpoint),
     sometimes ``carry_bytes`` (less than the unit alive in the next forward) with part of the
-    checkpoint in it (and in the held part) and part of it alive until the forward after
-    (``carried_late_bytes``), the forward's transient live as it starts, a smaller forward
-    transient when recomputed, the gradient live as the backward starts, sometimes less of the unit live once rebuilt,
-    sometimes ``recomputable: false``, in half of the
-    stages the input's own storage (what an offloaded checkpoint moves), and in a third of
+    checkpoint in it (and in the held part), part of each alive until the next forward starts
+    (``carried_late_bytes``, ``held_late_bytes``), the forward's transient live as it starts, a
+    smaller forward transient when recomputed, the gradient live as the backward starts,
+    sometimes less of the unit live once rebuilt, sometimes ``recomputable: false``, in half of
+    the stages the input's own storage (what an offloaded checkpoint moves), and in a third of
     the stages an in-stage option.  ``casts``:
     stages make weight casts (``None``: a third of the chains, some of their stages).
     Without encodings, a quarter of the units' copies move less than the unit frees
@@ -83,6 +83,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
                                   rerun_host_s=draw(st.integers(0, 20)) / 1000)
         if saved and i + 2 <= L and draw(st.integers(0, 3)) == 0:  # part held by the model's own code
             stages[-1].update(held_bytes=draw(st.integers(1, saved)), held_until=draw(st.integers(i + 2, L)))
+            if draw(st.booleans()):  # of it, what the model's code lets go only as F(held_until+1) starts
+                stages[-1]["held_late_bytes"] = draw(st.integers(0, stages[-1]["held_bytes"]))
             if draw(st.booleans()):  # read again by a later forward: it may leave the device until then
                 until = stages[-1]["held_until"]
                 stages[-1].update(held_saves=[0], held_read_at=draw(st.integers(i + 2, min(until + 1, L))))
@@ -102,6 +104,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             st_["input_carried_bytes"] = draw(st.integers(0, min(st_["carry_bytes"], st_["input_bytes"])))
             if "held_bytes" in st_:
                 st_["input_held_bytes"] = draw(st.integers(0, min(st_["input_carried_bytes"], st_["held_bytes"])))
+                st_["input_held_late_bytes"] = draw(st.integers(0, min(st_["input_held_bytes"],
+                                                                      st_.get("held_late_bytes", 0))))
             if i + 2 <= L and draw(st.booleans()):  # of it, what the model's code lets go only as F(i+2) starts
                 late = draw(st.integers(0, max(0, st_["carry_bytes"] - st_.get("held_bytes", 0))))
                 st_.update(carried_late_bytes=late,

@@ -26,7 +26,7 @@ from offload.step import encoding
 from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain
 from offload.step.chainfile import chain_from_dict, load_chain, save_chain
-from offload.step.memory import late_carries, floor_offloads, memory_profile, no_offload_peak, smallest_feasible_budget
+from offload.step.memory import late_parts, floor_offloads, memory_profile, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import schedule_from_dict, schedule_to_dict
 from offload.step.simulate import simulate
@@ -254,7 +254,7 @@ def test_each_memory_row_of_a_loaded_joint_schedule_is_its_ops_memory(cb, rnd):
     live: ``rebuilt_bytes``) beside offloads: each memory row of the MILP, loaded with the
     schedule, reads exactly what the simulator's op holds, the re-run ops' rows included
     (rows only bound the memory, so a row counting too much still loads; this reads them).
-    An op whose first reading holds a late carry (``memory.late_carries``) is never above
+    An op whose first reading holds a late part (``memory.late_parts``) is never above
     the op before it, whose last reading that is: the row of that op bounds it, its own row
     reads the op without it."""
     chain, _ = cb
@@ -264,9 +264,9 @@ def test_each_memory_row_of_a_loaded_joint_schedule_is_its_ops_memory(cb, rnd):
     rebuilt = {r.first for r in runs}
     offloads = [o for o in floor_offloads(chain, runs) if o.stage not in rebuilt and rnd.random() < 0.6]
     memory, reruns = memory_profile(chain, offloads, runs)
-    bare, _ = memory_profile(replace(chain, stages=tuple(replace(s, carried_late_bytes=0) for s in chain.stages)),
+    bare, _ = memory_profile(replace(chain, stages=tuple(replace(s, carried_late_bytes=0, held_late_bytes=0) for s in chain.stages)),
                              offloads, runs)
-    late = {f"F{j}" for j in late_carries(chain, offloads, runs)}
+    late = {f"F{j}" for j in late_parts(chain, offloads, runs)}
     model = Model(chain, 0, options={}, max_run=8)  # budget 0: no re-run op's row left out as never binding
     model.load(offloads, {}, runs)
     chosen = {f"recompute_{r.first}_{r.last}" + (f"_{r.option}" if r.option else "") for r in runs}
@@ -718,5 +718,29 @@ def test_a_unit_its_model_lets_go_after_the_next_stage_counts_in_the_reading_aft
         m, p = report.measured.op_peak_bytes, report.predicted.op_bytes
         assert error is None and report.grads_match is True, error
         assert all(m[op] <= p[op] for op in p), {op: m[op] - p[op] for op in p if m[op] > p[op]}
-        unlate = replace(chain, stages=tuple(replace(s, carried_late_bytes=0) for s in chain.stages))
+        unlate = replace(chain, stages=tuple(replace(s, carried_late_bytes=0, held_late_bytes=0) for s in chain.stages))
         assert m[f"F{block}"] == p[f"F{block}"] > memory_profile(unlate, offloads, runs)[0][block - 1]
+
+
+def test_a_held_part_its_model_lets_go_after_its_last_reader_counts_in_the_reading_after_it():
+    """ResNet's ``forward`` holds ``layer1``'s output (saved by its last block's ReLU, that
+    block's unit) in a local until ``layer2`` returns: it dies as ``layer3`` starts, after the
+    reading that ends ``layer2``.  With that block offloaded and released at once and
+    ``layer3.0`` recomputed (it grows by less than the output's bytes), ``layer3.0``'s op read
+    6 KiB over its prediction; the profile measures the late part of the held part
+    (``held_late_bytes``) and the op is exact."""
+    from offload.executor.train import TrainOptions, train
+    from offload.profiler.profile import ProfileOptions, profile
+
+    chain = profile("resnet18", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False,
+                                               options={"image": 32})).chain
+    block, reader = (next(i for i, s in enumerate(chain.stages, 1) if s.name == name) for name in ("layer1.1", "layer3.0"))
+    assert chain.held_until[block] == reader - 1 and chain.hl[block] == chain.held[block] > 0
+    offloads, runs = [Offload(block, block + 1, int(chain.need[block]))], [Recompute(reader, reader)]
+    report, error = train(None, chain, make_schedule(chain, offloads, recompute=runs),
+                          TrainOptions(steps=1, check_grads=True, op_memory=True))
+    m, p = report.measured.op_peak_bytes, report.predicted.op_bytes
+    assert error is None and report.grads_match is True, error
+    assert all(m[op] <= p[op] for op in p), {op: m[op] - p[op] for op in p if m[op] > p[op]}
+    unlate = replace(chain, stages=tuple(replace(s, held_late_bytes=0) for s in chain.stages))
+    assert m[f"F{reader}"] == p[f"F{reader}"] > memory_profile(unlate, offloads, runs)[0][reader - 1]

@@ -85,8 +85,10 @@ class StageMeasurement:
     storages: int = 0  # the storages of its unit
     saves: int = 0  # the saves of those storages in a step
     fwd_start_bytes: int = 0  # of fwd_peak_bytes, what is live as the forward starts
-    carried_late_bytes: int = 0  # of carry_bytes, what dies only as F(i+2) starts (``Holding.late_bytes``) ...
+    carried_late_bytes: int = 0  # of carry_bytes, what dies only as F(i+2) starts (``Holding.late``) ...
     input_late_bytes: int = 0  # ... and of that, the input's storages (a run's checkpoint holds them)
+    held_late_bytes: int = 0  # of held_bytes, what dies only as F(held_until+1) starts (``Holding.held_late``) ...
+    input_held_late_bytes: int = 0  # ... and of that, the input's storages
 
 
 @dataclass
@@ -594,8 +596,8 @@ class Holding:
     carried: set[int] = field(default_factory=set)  # indices in U_i of the storages in carry_bytes ...
     held: set[int] = field(default_factory=set)  # ... and in held_bytes
     held_read_at: int = 0  # the first forward after F(i+1) that reads a storage in held_bytes (0: none does)
-    late_bytes: int = 0  # of carry_bytes, not held, what dies only as F(i+2) starts (after F(i+1)'s last hook) ...
-    late: set[int] = field(default_factory=set)  # ... and its storages (indices in U_i)
+    late: dict[int, int] = field(default_factory=dict)  # of ``carried``, not held, dying only as F(i+2) starts ...
+    held_late: dict[int, int] = field(default_factory=dict)  # ... of ``held``, only as F(held_until+1) starts (bytes)
     saved_bytes: int = 0  # U_i as this pass saw it: the memory pass's, one update later, unless draws or weights set it
 
 
@@ -618,9 +620,10 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
     (a U-Net's skip features, read by the concatenation that starts an up block) likewise, if
     an op before its death came within the bytes of such storages of the peak (``op_lives``:
     the memory pass's bytes live at each op).  A carried storage, not held, that dies as
-    ``F(i+2)`` starts is *late* (``late_bytes``): the reading that ends ``F(i+1)`` and starts
-    ``F(i+2)`` holds it, so that a schedule which keeps none of ``U_i`` there still finds it in
-    ``F(i+2)``'s first reading.  Without op counts (CUDA's meter gives none), a
+    ``F(i+2)`` starts is *late* (``late``), and so is a held one that dies as
+    ``F(held_until+1)`` starts (``held_late``): the reading that ends the op before holds it, so
+    that a schedule which keeps none of ``U_i`` there still finds it in that op's first
+    reading.  Without op counts (CUDA's meter gives none), a
     storage alive at a stage's first op counts as held through the stage: a little
     conservative.  ``keeping``: stages (each with an in-stage option) whose kept ops' outputs
     are held through their forward (their transient is then the option's).  The pass also
@@ -679,8 +682,12 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
             h.held.add(saved.index)
             h.held_until = max(h.held_until, max(alive))
         elif i + 2 <= runner.L and death == holding.first_op[i + 2] - 1 + BOUNDARY_DEATH:
-            h.late_bytes += saved.nbytes  # F(i+1)'s end reading holds it: F(i+2)'s starts there
-            h.late.add(saved.index)
+            h.late[saved.index] = saved.nbytes  # F(i+1)'s last reading holds it: F(i+2)'s first
+    for saved, death in zip(holding.storages, holding.death):  # the same for a held part, once held_until is known
+        h = out[saved.unit]
+        if saved.index in h.held and h.held_until < runner.L \
+                and death == holding.first_op[h.held_until + 1] - 1 + BOUNDARY_DEATH:
+            h.held_late[saved.index] = saved.nbytes
     for saved, later in zip(holding.storages, holding.read_later):  # after F(i+1), the first forward reading the part
         h = out[saved.unit]
         if later and saved.index in h.held:
@@ -708,6 +715,12 @@ def _same_units(first: list[int], second: list[int]) -> None:
                          "units whose sizes follow the data are not supported yet (docs/executor.md); an expert "
                          "capacity no batch reaches keeps them fixed (Switch Transformers: expert_capacity at least "
                          "the tokens of a batch)")
+
+
+def _with_input(storages: dict[int, int], own: dict[int, int]) -> tuple[int, int]:
+    """The bytes of ``storages`` (index -> bytes, in a unit), and of those the stage's input's
+    (``own``: its checkpoint's storages in its own unit)."""
+    return sum(storages.values()), sum(b for n, b in own.items() if n in storages)
 
 
 def spread(values: list[float]) -> float:
@@ -781,8 +794,8 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        mem.dropped_saves[i] if mem.dropped_saves else (),
                                        tuple(sorted(held[i].held)) if held[i].held_read_at else (),
                                        held[i].held_read_at, mem.storages[i] if mem.storages else 0,
-                                       mem.saves[i] if mem.saves else 0, fwd_start, held[i].late_bytes,
-                                       sum(b for n, b in mem.own[i].items() if n in held[i].late)))
+                                       mem.saves[i] if mem.saves else 0, fwd_start,
+                                       *_with_input(held[i].late, mem.own[i]), *_with_input(held[i].held_late, mem.own[i])))
     step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(why_not[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "

@@ -154,6 +154,8 @@ class Stage:
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
     carried_late_bytes: int = 0  # of carry_bytes (not held), what the model's code lets go only as F(i+2) starts ...
     input_late_bytes: int = 0  # ... and of that, storages of the input (a run starting at i holds them as its checkpoint)
+    held_late_bytes: int = 0  # of held_bytes, what the model's code lets go only as F(held_until+1) starts ...
+    input_held_late_bytes: int = 0  # ... and of that, storages of the input
     fwd_start_bytes: int = 0  # of fwd_peak_bytes, live as Fi starts: F(i-1)'s last reading, where a late carry counts too
     rerun_held_bytes: int = 0  # of input_bytes, held tensors its re-run reads and the stage before's does not
     input_own_bytes: int = 0  # of input_bytes, the input's own storage: what an offloaded checkpoint moves (0: unknown)
@@ -357,6 +359,10 @@ def _stage_document(s: Stage) -> dict:
         d["carried_late_bytes"] = s.carried_late_bytes
     if s.input_late_bytes:  # likewise
         d["input_late_bytes"] = s.input_late_bytes
+    if s.held_late_bytes:  # likewise
+        d["held_late_bytes"] = s.held_late_bytes
+    if s.input_held_late_bytes:  # likewise
+        d["input_held_late_bytes"] = s.input_held_late_bytes
     if s.fwd_start_bytes:  # likewise
         d["fwd_start_bytes"] = s.fwd_start_bytes
     if s.rerun_held_bytes:  # absent otherwise: chains from before it keep their sha256
@@ -421,6 +427,8 @@ class Chain:
     xh = _column("input_held_bytes")
     cl = _column("carried_late_bytes")
     xl = _column("input_late_bytes")
+    hl = _column("held_late_bytes")
+    xhl = _column("input_held_late_bytes")
     fs = _column("fwd_start_bytes")
     xn = _column("rerun_held_bytes")
     xo = _column("input_own_bytes")

@@ -33,7 +33,7 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
                "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "shared_saves",
                "dropped_saves", "held_saves", "held_read_at", "storages", "saves", "moved_bytes",
-               "carried_late_bytes", "input_late_bytes", "fwd_start_bytes"}
+               "carried_late_bytes", "input_late_bytes", "held_late_bytes", "input_held_late_bytes", "fwd_start_bytes"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors", "fwd_held_bytes", "next_held_bytes",
                   "bwd_held_bytes"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
@@ -214,6 +214,8 @@ def _stage(s: Any, i: int, L: int) -> Stage:
         if "input_carried_bytes" in s else 0
     late = v.whole(s, "carried_late_bytes", ctx, 0, max(0, (saved if carry is None else carry) - held)) \
         if "carried_late_bytes" in s else 0
+    held_late = v.whole(s, "held_late_bytes", ctx, 0, held) if "held_late_bytes" in s else 0
+    input_held = v.whole(s, "input_held_bytes", ctx, 0, min(carried, held)) if "input_held_bytes" in s else 0
     shared = _indices(s["shared_saves"], f"{ctx}.shared_saves") if "shared_saves" in s else ()
     dropped = _indices(s["dropped_saves"], f"{ctx}.dropped_saves") if "dropped_saves" in s else ()
     held_saves, read_at = _held_read_at(s, ctx, i, L, held, until)
@@ -238,8 +240,11 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                  recomputable=v.flag(s, "recomputable", ctx, True), rerun_output=v.flag(s, "rerun_output", ctx, True),
                  carry_bytes=carry, input_carried_bytes=carried, carried_late_bytes=late,
                  input_late_bytes=v.whole(s, "input_late_bytes", ctx, 0, min(carried, late)) if "input_late_bytes" in s else 0,
+                 held_late_bytes=held_late,
+                 input_held_late_bytes=(v.whole(s, "input_held_late_bytes", ctx, 0, min(input_held, held_late))
+                                        if "input_held_late_bytes" in s else 0),
                  fwd_start_bytes=v.whole(s, "fwd_start_bytes", ctx, 0, fwd_peak) if "fwd_start_bytes" in s else 0,
-                 input_held_bytes=v.whole(s, "input_held_bytes", ctx, 0, min(carried, held)) if "input_held_bytes" in s else 0,
+                 input_held_bytes=input_held,
                  rerun_held_bytes=v.whole(s, "rerun_held_bytes", ctx, 0, checkpoint) if "rerun_held_bytes" in s else 0,
                  input_own_bytes=v.whole(s, "input_own_bytes", ctx, 0, checkpoint) if "input_own_bytes" in s else 0,
                  bwd_start_bytes=v.whole(s, "bwd_start_bytes", ctx, 0, bwd_peak) if "bwd_start_bytes" in s else 0,

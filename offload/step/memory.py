@@ -5,10 +5,10 @@ During ``Fj`` the resident units of earlier stages count plus ``fwd_peak_bytes``
 (which includes ``Uj``; ``recomputed_fwd_peak_bytes`` when ``Uj`` is recomputed, autograd
 keeping none of it, and an in-stage option's kept outputs on top: ``recompute.forward_peak``); during ``Bj`` the resident units of stages ``<= j`` count plus
 ``bwd_peak_bytes``.  A recomputed unit counts its carried part during the next forward op
-(its held part after); what of it the model's code lets go only as ``F(i+2)`` starts
-(``carried_late_bytes``; of a unit offloaded and released at ``i+1`` too) is live at that op's
-first reading, with ``fwd_start_bytes`` of ``F(i+2)``: the last reading of ``F(i+1)``, so never
-above ``F(i+1)``'s memory; a run's checkpoint (with what its option keeps:
+(its held part after); what of either the model's code lets go only as the next forward
+op starts (``carried_late_bytes``, ``held_late_bytes``; of an offloaded unit released by then
+too: ``late_parts``) is live in that op's first reading, with its ``fwd_start_bytes``: the
+last reading of the op before, so never above that op's memory; a run's checkpoint (with what its option keeps:
 ``recompute.checkpoint_bytes``) counts from the op after its first forward op until it is
 rebuilt, less what an offloaded one moves between its release and its prefetch point,
 and its units from their rebuild (``rebuilt_bytes`` of each); each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its own transient
@@ -144,19 +144,29 @@ def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompu
     return out
 
 
-def late_carries(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute]) -> dict[int, int]:
-    """``{j: bytes}``: of the units that autograd no longer holds as ``Fj`` starts, the storages
-    the model's code lets go only then (``carried_late_bytes`` of unit ``j - 2``: recomputed, or
-    offloaded and released at ``j - 1``), less the input's where a run starting there holds
-    them as its checkpoint."""
+def late_parts(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute]) -> dict[int, int]:
+    """``{j: bytes}``: of the units autograd no longer holds as ``Fj`` starts, the storages the
+    model counts through ``F(j-1)`` and the model's code lets go only as ``Fj`` starts: unit
+    ``j-2``'s ``carried_late_bytes`` (recomputed, or offloaded and released at ``j-1``) and the
+    ``held_late_bytes`` of units held through ``F(j-1)`` (recomputed, or offloaded and released
+    by then), less the input's where a run starting at the unit holds them as its checkpoint."""
     out: dict[int, int] = {}
+
+    def late(j: int, nbytes: int) -> None:
+        if j <= chain.L and nbytes > 0:
+            out[j] = out.get(j, 0) + nbytes
+
     for run in runs:
         for i in run.stages:
-            out[i + 2] = int(chain.cl[i]) - (int(chain.xl[i]) if i == run.first else 0)
+            first = i == run.first
+            late(i + 2, int(chain.cl[i]) - (int(chain.xl[i]) if first else 0))
+            late(int(chain.held_until[i]) + 1, int(chain.hl[i]) - (int(chain.xhl[i]) if first else 0))
     for o in offloads:
         if o.release == o.stage + 1:
-            out[o.stage + 2] = int(chain.cl[o.stage])
-    return {j: nbytes for j, nbytes in out.items() if j <= chain.L and nbytes > 0}
+            late(o.stage + 2, int(chain.cl[o.stage]))
+        if o.release <= chain.held_until[o.stage]:
+            late(int(chain.held_until[o.stage]) + 1, int(chain.hl[o.stage]))
+    return out
 
 
 def memory_profile(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute] = (),
@@ -169,7 +179,7 @@ def memory_profile(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Rec
     for run in runs:  # a recomputed stage's forward: autograd keeps none of its unit
         for j in run.stages:
             mem[j - 1] += forward_peak(chain, run, j) - int(chain.fp[j])
-    for j, late in sorted(late_carries(chain, offloads, runs).items()):  # Fj's first reading: F(j-1)'s last one
+    for j, late in sorted(late_parts(chain, offloads, runs).items()):  # Fj's first reading: F(j-1)'s last one
         mem[j - 1] = max(mem[j - 1], min(mem[j - 2], resident[j - 1] + late + int(chain.fs[j])))
     rebuilt = _recompute_memory(chain, resident, runs)
     for n, _, nbytes in rebuilt:

@@ -11,7 +11,7 @@ from offload.solver import encoded_floor
 from offload.solver.ilp import Model, solve_ilp
 from offload.solver.methods import METHODS, RECOMPUTING, RETIMED, Options, solve
 from offload.step import encoding
-from offload.step.actions import Offload
+from offload.step.actions import Offload, Recompute
 from offload.step.chainfile import chain_from_dict
 from offload.step.memory import floor_offloads, no_offload_peak, op_memory, smallest_feasible_budget
 from offload.step.schedulefile import load_schedule, save_schedule
@@ -53,6 +53,21 @@ def test_derived_chain_follows_the_model(encoded_four):
     out = chain_from_dict({**chain_doc(), "stages": [dict(st, encodings=[mask(output=True)]) if n == 1 else st
                                                      for n, st in enumerate(chain_doc()["stages"])]})
     assert encoding.apply(out, {2: "mask"}).stage(3).fwd_peak_bytes == 150 + 80  # the raw output is F3's input
+
+
+def test_the_raw_output_of_an_encoded_unit_counts_in_the_next_forward_recomputed_too():
+    """Stage 3 recomputed after stage 2's output was encoded: ``F3`` still reads the raw
+    output, so its recomputed transient (and an option's measured one) holds it too, as the
+    MILP's row does.  The derived chain counted it only in ``fwd_peak_bytes``, and the
+    simulator booked ``F3`` 80 B low."""
+    stages = [dict(st, input_bytes=30, recomputed_fwd_peak_bytes=120) for st in chain_doc()["stages"]]
+    stages[1]["encodings"] = [mask(output=True)]
+    stages[2]["options"] = [{"name": "half", "kept_bytes": 40, "recompute_s": 0.5, "fwd_peak_bytes": 140,
+                             "rerun_peak_bytes": 100, "fwd_s": 1.0}]
+    derived = encoding.apply(chain_from_dict({**chain_doc(), "stages": stages}), {2: "mask"})
+    s3 = derived.stage(3)
+    assert (s3.fwd_peak_bytes, s3.recomputed_fwd_peak_bytes, s3.options[0].fwd_peak_bytes) == (230, 200, 220)
+    assert op_memory(derived, [], [Recompute(3, 3)])[2] - op_memory(derived, [])[2] == 200 - 230  # F3 keeps no U3
 
 
 def test_keep_encoded_lowers_memory_between_the_raw_windows(encoded_four):

@@ -9,7 +9,8 @@ are the stage's output, encoded into ``Q`` bytes) means:
 * ``Fi`` runs the encoders after its ops (``+ encode_s``) and holds the encoded copy on top
   of its raw peak, with the codec's workspace ``W`` (``+ Q + W``);
 * during ``F(i+1)`` the raw stage output is still alive as that stage's input (``+ Pout``),
-  while the raw storages internal to stage ``i`` are already gone;
+  recomputed or not (its ``recomputed_fwd_peak_bytes`` and its options' measured forward
+  peaks too), while the raw storages internal to stage ``i`` are already gone;
 * the first backward reader ``B(need_i)`` decodes (``+ decode_s``), and from ``B(need_i)``
   to ``Bi`` the decoded storages live next to the encoded unit, with the workspace
   (``+ P + W``).
@@ -80,8 +81,14 @@ def apply(chain: Chain, choice: Choice) -> Chain:
         me["saved_bytes"] = encoded_bytes(chain, i, e)
         me["fwd_peak_bytes"] += e.fwd_extra_bytes
         me["fwd_s"] += e.encode_s
-        if i < chain.L:
+        if i < chain.L:  # the raw output, the next stage's input: in its forward, recomputed or not
             st[i]["fwd_peak_bytes"] += e.next_extra_bytes
+            after = chain.stage(i + 1)
+            if after.recomputed_fwd_peak_bytes is not None:
+                st[i]["recomputed_fwd_peak_bytes"] = after.recomputed_fwd_peak_bytes + e.next_extra_bytes
+            st[i]["options"] = tuple(o if o.fwd_peak_bytes is None else
+                                     replace(o, fwd_peak_bytes=o.fwd_peak_bytes + e.next_extra_bytes)
+                                     for o in after.options)
         for j in range(i, need + 1):
             st[j - 1]["bwd_peak_bytes"] += e.bwd_extra(j - i)
         st[need - 1]["bwd_s"] += e.decode_s

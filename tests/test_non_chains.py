@@ -5,7 +5,7 @@ block's cross-attention) and a U-Net (the encoder's features cross every boundar
 the decoder block that concatenates them) are cut at every block,
 whatever crosses it (and at a block's start where the model's own code makes its input); the smallest feasible budget then comes from the largest block, and
 each trains bit-exact with every op's measured memory as predicted.  ``--split-blocks`` cuts
-a Mixtral's layers at their attention too, its MLP halves re-run only as the end of a run."""
+a Mixtral's layers at their attention too."""
 from __future__ import annotations
 
 import functools
@@ -390,17 +390,21 @@ def _side_output():
                    ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False)).chain
 
 
-def test_a_stage_ending_in_the_blocks_own_code_can_only_end_a_run():
-    """The MLP half of a split layer ends with the residual add in the layer's own code: its
-    re-run rebuilds what it saves but not its output, so it may end a recomputed run and
-    not go on into the next stage's (refused, saying why)."""
+def test_a_stage_ending_in_the_blocks_own_code_is_re_run_through_it():
+    """The MLP half of a split layer ends with the residual add in the layer's own code: the
+    add reads what the half's calls made, so it is recorded with them and its re-run rebuilds
+    the stage's output (it was not, and the half could only end a recomputed run).  A run
+    from the first layer's MLP half into the second layer's attention half trains bit for
+    bit with every op as predicted.  A stage whose re-run does not rebuild its output
+    (``rerun_output: false``) still only ends a run (refused, saying why)."""
     chain = _split_mixtral(True)
-    ends = [i for i in chain.recomputable if not chain.stage(i).rerun_output]
-    assert ends and all(chain.stage(i - 1).rerun_output for i in ends)
-    i = ends[0]
-    make_schedule(chain, [], recompute=[Recompute(i - 1, i)]).simulate(chain)
+    halves = [i for i, s in enumerate(chain.stages, 1) if s.name.endswith(".mlp")]
+    assert halves and all(i in chain.recomputable and chain.stage(i).rerun_output for i in halves)
+    i = halves[0]
+    check_run(chain, make_schedule(chain, [], recompute=[Recompute(i, i + 1)]), "cpu-eager", "split mixtral/mlp+attention")
+    ending = replace(chain, stages=tuple(replace(s, rerun_output=k != i) for k, s in enumerate(chain.stages, 1)))
     with pytest.raises(ScheduleRejected, match="can only end a run"):
-        make_schedule(chain, [], recompute=[Recompute(i, i + 1)]).simulate(chain)
+        make_schedule(ending, [], recompute=[Recompute(i, i + 1)]).simulate(ending)
 
 
 @pytest.mark.slow  # make test profiles the split Mixtral above

@@ -126,6 +126,30 @@ USER_MODEL = textwrap.dedent('''
                 h = block(h)
             return self.out(self.drop(h.mean(1)))
 
+    class Scale(nn.Module):
+        """Scales its argument in place by a weight."""
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.full((32,), 0.5))
+
+        def forward(self, x):
+            return x.mul_(self.w)
+
+    class PooledInput(nn.Module):
+        """A head that scales, in place, the pool its forward's code made of the head stage's
+        input (the last block's output, which crossed the boundary)."""
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Linear(16, 32)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3))
+            self.scale, self.out = Scale(), nn.Linear(32, 4)
+
+        def forward(self, x):
+            h = self.emb(x)
+            for block in self.blocks:
+                h = block(h)
+            return self.out(self.scale(h.mean(1)))
+
     class Backbone(nn.Module):
         """Blocks, then a pooler the backbone's call runs and no loss reads (SqueezeBERT's)."""
         def __init__(self):
@@ -165,6 +189,9 @@ USER_MODEL = textwrap.dedent('''
 
     def pooled(batch):
         return Pooled(), torch.randn(batch, 6, 16)
+
+    def pooled_input(batch):
+        return PooledInput(), torch.randn(batch, 6, 16)
 
     def overwritten(batch):
         return Overwritten(), torch.randn(batch, 16)
@@ -604,16 +631,31 @@ def test_a_stage_whose_held_tensor_the_forward_writes_later_is_not_re_run(user_f
 
 
 def test_a_stage_whose_call_writes_a_tensor_it_holds_is_not_re_run(user_file):
-    """The last stage pools in its forward's code and drops the pool out in place (MobileViT's
-    head): a re-run would read the pool written, so the stage is not re-runnable and the note
-    says why; its recorded version was read once the dropout had run, and the profile's replay
-    of it died ("a leaf Variable that requires grad is being used in an in-place operation")."""
-    p = profile(f"{user_file}:pooled", ProfileOptions(batch=4, repeats=1, warmup=1))
-    cuts = list(p.chain.recipe.cuts)
-    k = cuts.index("drop") + 1  # the stage the dropout ends: the last block, the pool and the dropout
-    assert cuts[k - 2] == "blocks.1" and k not in p.chain.recomputable and {2, 3} <= p.chain.recomputable
+    """The head stage pools its input in its forward's code and scales the pool in place: a
+    re-run would read the pool written, so the stage is not re-runnable and the note says
+    why; its recorded version was read once the write had run, and the profile's replay of
+    it died ("a leaf Variable that requires grad is being used in an in-place operation")."""
+    p = profile(f"{user_file}:pooled_input", ProfileOptions(batch=4, repeats=1, warmup=1))
+    k = list(p.chain.recipe.cuts).index("scale") + 1  # the stage the scale ends: the pool and the scale
+    assert k not in p.chain.recomputable and {2, 3} <= p.chain.recomputable
     assert any(f"stage {k} cannot be re-run: a call of it writes in place a tensor made before that call" in n
                for n in p.chain.source["notes"])
+
+
+def test_a_stage_that_writes_in_place_a_pool_of_its_own_calls_is_re_run(user_file):
+    """The last stage pools its last block's output in its forward's code and drops the pool
+    out in place (MobileViT's head): the pool reads what a recorded call made, so it is
+    recorded too, and the re-run makes it again before the dropout writes it (it was held,
+    written, and the stage could not be re-run).  Recomputed with the block before it, it
+    trains bit for bit with every op as predicted."""
+    from offload.step.actions import Recompute
+    from offload.step.schedule import make_schedule
+    from tests.runs import check_run
+
+    chain = profile(f"{user_file}:pooled", ProfileOptions(batch=4, repeats=1, warmup=1)).chain
+    k = list(chain.recipe.cuts).index("drop") + 1  # the stage the dropout ends: the last block, the pool and the dropout
+    assert k in chain.recomputable
+    check_run(chain, make_schedule(chain, [], recompute=[Recompute(k - 1, k)]), "cpu-eager", "pooled head")
 
 
 def test_an_unread_pooler_after_the_blocks_makes_no_cut_at_the_heads_start(user_file):

@@ -9,10 +9,11 @@ one count, in order).  Beside them, a ``TorchFunctionMode`` sees the torch calls
 stage's own code, the code of the model (or of a block the stage ends in) between those
 module calls, and records each that saves a tensor for the backward (BART's and Whisper's
 functional dropouts after their embeddings, DenseNet's functional ReLUs, a U-Net's
-pooling) or writes in place what a recorded call made, in order with the module calls:
-their re-run replays them, under the grad mode they ran in.  The rest of that code (a
-residual sum, a concatenation, a mask) is not replayed: what it makes is held where a call
-reads it.  Only the modules whose calls may still run where the stage ends are watched so
+pooling), writes in place what a recorded call made, or makes a tensor of what a recorded
+call made (a residual sum after a block, a concatenation of its output, a pool of it), in
+order with the module calls: their re-run replays them, under the grad mode they ran in.
+The rest of that code (a mask or a pool made of the stage's input or of tensors made before
+the stage) is not replayed: what it makes is held where a call reads it.  Only the modules whose calls may still run where the stage ends are watched so
 (``StageListener.enclosing``: its boundary's ancestors), and none under a compiled module,
 whose code Dynamo would trace with the mode.  The stage can be re-run exactly when
 
@@ -33,9 +34,10 @@ whose code Dynamo would trace with the mode.  The stage can be re-run exactly wh
   profiler checks the rest of the forward: ``written_later``).
 
 Its re-run rebuilds its output too when that is an output of one of its calls (or a view
-of one); otherwise (a transformer layer's MLP half, cut by ``--split-blocks``, ends with the
-residual add in the layer's own code) the stage can only end a recomputed run: the next
-stage's re-run would have no input (``StageProgram.output`` is ``None``).
+of one: a transformer layer's MLP half, cut by ``--split-blocks``, ends with the residual
+add in the layer's own code, recorded as it reads the MLP's output); otherwise (an output
+made of the stage's input alone) the stage can only end a recomputed run: the next stage's
+re-run would have no input (``StageProgram.output`` is ``None``).
 
 Then ``StageProgram.run`` replays the calls on a new input, under the stage's recorded
 random state and autocast state, with grad mode on and the modules' buffers (BatchNorm's
@@ -401,9 +403,12 @@ class StageRecorder:
     def _op(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """A torch call of the stage's own code (``_StageCode``), recorded as a call when it
         saves a tensor for the backward (a functional dropout between two layers, BART's), so
-        that its re-run saves it again, or when it writes in place what a recorded call made,
-        so that its re-run reads it written.  Any other (a residual sum, a concatenation, a
-        size asked) is left to the forward: what it makes is held where a call reads it.  One
+        that its re-run saves it again, when it writes in place what a recorded call made, so
+        that its re-run reads it written, or when it makes a tensor of what a recorded call
+        made (a residual sum after a block), so that its re-run makes it again instead of
+        holding it (and rebuilds the stage's output where that is what it makes).  Any other
+        (a mask made of the input, a size asked) is left to the forward: what it makes is held
+        where a call reads it.  One
         that saves but writes in place a tensor made before it, or takes an argument a re-run
         cannot pass again, makes the stage one that cannot be re-run."""
         self._open((args, kwargs), False)
@@ -411,10 +416,12 @@ class StageRecorder:
             out = func(*args, **kwargs)
         finally:
             saved, before = self._completed()
-        written = [t for t in tree_flatten((args, kwargs))[0]
-                   if isinstance(t, torch.Tensor) and t._version != before[id(t)]]
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        written = [t for t in tensors if t._version != before[id(t)]]
         made_here = [plain(t) and self._source(t) is not None for t in written]
-        if saved is None and not any(made_here):
+        goes_on = any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]) \
+            and any(plain(t) and self._source(t) is not None for t in tensors)
+        if saved is None and not any(made_here) and not goes_on:
             return out
         try:
             if not all(made_here):

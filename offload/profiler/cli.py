@@ -125,8 +125,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="cut inside each block too, at the calls of its submodules that hold submodules and "
                         "parameters (a transformer layer's attention | its MLP), whatever crosses them (the "
                         "residual): smaller stages, a lower smallest budget (a Mixtral's MoE layer alone), more to "
-                        "solve; a stage that ends with code outside its submodules (the residual add) is "
-                        "recomputed only as the last stage of a run")
+                        "solve; the residual add that ends a half in the block's own code is re-run with it")
     p.add_argument("--set-to-none", action="store_true",
                    help="free the gradients between steps (optimizer.zero_grad(set_to_none=True), PyTorch's default) "
                         "as the training will: they are then allocated during the backward and counted there, not "

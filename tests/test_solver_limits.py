@@ -246,6 +246,26 @@ def zoo_densenet():
     return load_chain(ROOT / "experiments" / "chains" / "densenet121-b4-128px-cpu.json")
 
 
+def test_cbc_is_not_misled_by_the_warm_start():
+    """Four stages, a slow host that issues copies: given the best relax-* schedule as a
+    MIP start, CBC closed the model at the root with that start's makespan (17.4 ms), proven,
+    above the optimum HiGHS and a cold CBC find (16.5 ms: unit 1 offloaded, not unit 2)."""
+    from offload.step.chainfile import chain_from_dict
+
+    stages = [{"name": f"s{k}", "fwd_s": f, "bwd_s": b, "saved_bytes": a, "fwd_peak_bytes": a, "bwd_peak_bytes": p,
+               "storages": 1, "saves": 1}
+              for k, (f, b, a, p) in enumerate([(0.001, 0.001, 20, 0), (0.005, 0.001, 24, 0), (0.004, 0.002, 97, 0),
+                                                (0.001, 0.001, 54, 1)], 1)]
+    stages[0]["fwd_host_s"] = 0.001
+    chain = chain_from_dict({"format": "offload-chain/2", "name": "cbc-start", "stages": stages,
+                             "platform": {"d2h_bytes_per_s": 4000.0, "h2d_bytes_per_s": 10000.0, "copy_host_s": 0.001,
+                                          "handle_host_s": 0.0005}})
+    exact = Options(gap=0.0, time_limit_s=60, heuristic_time_s=0.02)
+    highs = solve(chain, 195, "ilp", exact).simulation.makespan_s
+    cbc = solve(chain, 195, "ilp", dataclasses.replace(exact, solver="cbc")).simulation.makespan_s
+    assert cbc == pytest.approx(highs, rel=1e-6) and highs == pytest.approx(0.0165)
+
+
 def test_cbc_is_used_when_asked():
     chain = synthetic_chain(6, seed=1)
     res = solve(chain, _budget(chain, 0.3), "ilp", dataclasses.replace(Options(heuristic_time_s=0.1), solver="cbc"))

@@ -38,6 +38,11 @@ What "honestly" takes with PuLP 3.3 and highspy 1.16:
   objective "in the reduced space" misread: a 3-stage chain with an encoding and weight
   casts, ``tests/test_encoding.py``).  A proven solve whose bound does not meet its
   objective within the gap asked for is solved again with presolve off.
+* **No MIP start for CBC.** CBC 2.10 given the warm start (PuLP's ``warmStart``) closed a
+  3-stage offload model at the root with the start's objective, proven, 5% above the
+  optimum it finds without one (and HiGHS finds with one): a hypothesis chain,
+  ``tests/test_solver_properties.py``.  CBC starts cold; the caller keeps the warm start
+  when the solver's schedule is worse (``solver.methods``).
 * **Output.** HiGHS prints a banner on the first instance of a process, on stdout, among
   the tool's results; it is discarded.  The solver log (``msg``) goes to stderr.
 """
@@ -236,10 +241,10 @@ def _run_highs(prob: pulp.LpProblem, time_limit: float | None, gap: float | None
 
 
 def _run_cbc(prob: pulp.LpProblem, time_limit: float | None, gap: float | None, threads: int | None,
-             warm: bool, msg: bool) -> SolveOutcome:
+             msg: bool) -> SolveOutcome:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        s = pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, gapRel=gap, threads=threads, warmStart=warm,
+        s = pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, gapRel=gap, threads=threads,
                               **({"gapAbs": 0.0} if gap == 0 else {}))
     if not s.available():
         raise SolverFailure("CBC is not available in this PuLP installation", "use --solver highs")
@@ -265,7 +270,8 @@ def _bound_misses(out: SolveOutcome, gap: float | None) -> bool:
 def run(prob: pulp.LpProblem, solver: str = "highs", time_limit: float | None = None, gap: float | None = None,
         threads: int | None = None, warm: bool = False, msg: bool = False,
         deadline: Deadline | None = None, presolve: bool = True, sub_mips: bool = True) -> SolveOutcome:
-    """Solve ``prob``; ``warm`` uses the variables' ``setInitialValue`` values as a start.
+    """Solve ``prob``; ``warm`` uses the variables' ``setInitialValue`` values as a start (HiGHS
+    only: module docstring).
     ``time_limit`` is the solver's own; ``deadline`` (wall time) cancels it from outside.
     ``presolve=False`` for models whose presolve costs more than it saves (HiGHS's MIP
     presolve ignores the interrupt; on the window models of a 10,000-stage chain it ran 100 s).
@@ -284,7 +290,7 @@ def run(prob: pulp.LpProblem, solver: str = "highs", time_limit: float | None = 
                 return _run_highs(prob, time_limit, gap, threads, warm, msg, deadline, False, sub_mips)
             return out
         if solver == "cbc":
-            return _run_cbc(prob, time_limit, gap, threads, warm, msg)
+            return _run_cbc(prob, time_limit, gap, threads, msg)
     except pulp.PulpSolverError as exc:
         raise SolverFailure(f"{solver} failed: {exc}") from None
     raise SolverFailure(f"unknown solver {solver!r}", f"choose one of {', '.join(SOLVERS)}")

@@ -237,3 +237,13 @@ def test_the_options_verdict_ties_two_rows_that_run_the_same_schedule():
     same, other = row("joint per-block", [Offload(1, 2, 1)], [1.0] * 8), row("recompute-only", [], [1.0] * 8)
     verdict, lines = options._verdict(60, [ours, same, other])
     assert "(not: recompute-only)" in verdict and "(the same schedule)" in lines[0] and lines[1].endswith("False |")
+
+
+def test_the_op_memory_sweep_at_a_tiny_size(capsys):
+    """Two random joint schedules on a ResNet-18: no op over its prediction, gradients equal."""
+    from experiments import op_memory_sweep
+
+    assert op_memory_sweep.main(["--models", "resnet18", "--trials", "2"]) == 0
+    row = capsys.readouterr().out.splitlines()[2].split("|")
+    cells = [c.strip() for c in row]
+    assert cells[1:5] == ["resnet18", "11", "2", "0"] and cells[6] == "0", cells

@@ -89,8 +89,10 @@ def test_what_a_recomputed_stage_holds_as_measured():
 @pytest.mark.parametrize("runs, stage_two, rerun", [
     # R2 holds U1, the checkpoint (30) and its measured re-run transient (50), not F2's (120)
     ((Recompute(2, 2),), {"rerun_peak_bytes": 50}, [(2, 2, 180)]),
-    # a later stage of a run: its input, which R1 made, counts beside its transient: its own storage ...
-    ((Recompute(1, 2),), {"rerun_peak_bytes": 50, "input_own_bytes": 10}, [(1, 2, 150), (2, 2, 160)]),
+    # a later stage of a run: its input, which R1 made, counts beside its transient: its own
+    # storage (10), and the rest of its input_bytes, tensors made before the run that its
+    # replay holds (20: position ids the first stage reads too) ...
+    ((Recompute(1, 2),), {"rerun_peak_bytes": 50, "input_own_bytes": 10}, [(1, 2, 150), (2, 2, 180)]),
     # ... or its whole input_bytes where that is not known
     ((Recompute(1, 2),), {"rerun_peak_bytes": 50}, [(1, 2, 150), (2, 2, 180)]),
 ])
@@ -744,3 +746,26 @@ def test_a_held_part_its_model_lets_go_after_its_last_reader_counts_in_the_readi
     assert all(m[op] <= p[op] for op in p), {op: m[op] - p[op] for op in p if m[op] > p[op]}
     unlate = replace(chain, stages=tuple(replace(s, held_late_bytes=0) for s in chain.stages))
     assert m[f"F{reader}"] == p[f"F{reader}"] > memory_profile(unlate, offloads, runs)[0][reader - 1]
+
+
+def test_a_later_re_run_op_holds_the_tensors_the_runs_first_stage_read_too():
+    """A GPT-2's blocks read tensors the model made before them (position ids, 128 B here),
+    which the embedding's unit holds: a run's later re-runs read them too, beside their
+    input, and with that unit offloaded nothing resident held them.  ``R4`` of a run of
+    blocks 2..ln_f counted none of them (``rerun_held_bytes`` counts only what a stage reads
+    and the stage before does not), and its ``B5`` read 128 B over; now every op is within."""
+    from offload.executor.train import TrainOptions, train
+    from offload.profiler.profile import ProfileOptions, profile
+
+    chain = profile("gpt2", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False,
+                                           options={"layers": 3, "width": 64, "seq": 16})).chain
+    first, last = (next(i for i, s in enumerate(chain.stages, 1) if s.name == name)
+                   for name in ("transformer.h.1", "transformer.ln_f"))
+    held = int(chain.x[first + 1] - chain.xo[first + 1])
+    assert held > 0 and chain.xn[first + 1] == 0 and chain.need[1] == 1
+    offloads, runs = [Offload(1, 2, 1)], [Recompute(first, last)]
+    report, error = train(None, chain, make_schedule(chain, offloads, recompute=runs),
+                          TrainOptions(steps=1, check_grads=True, op_memory=True))
+    m, p = report.measured.op_peak_bytes, report.predicted.op_bytes
+    assert error is None and report.grads_match is True, error
+    assert all(m[op] <= p[op] for op in p), {op: m[op] - p[op] for op in p if m[op] > p[op]}

@@ -90,8 +90,16 @@ def moved_checkpoint_bytes(chain: Chain, run: Recompute) -> int:
 
 def rerun_checkpoint(chain: Chain, run: Recompute, j: int) -> int:
     """What ``run``'s checkpoint still holds while ``Rj`` runs: all of it for ``Rs`` (which reads
-    it), what the later stages' re-runs read for the others."""
-    return checkpoint_bytes(chain, run) if j == run.first else later_held_bytes(chain, run)
+    it); for a later stage, the held tensors the re-runs from ``Rj`` on read (the executor
+    drops each stage's replay once it has run): ``Rj``'s own, its ``input_bytes`` less its
+    input's storage, which the re-run before made (position ids the run's first stage read
+    too, which the runs' ``rerun_held_bytes`` do not count again, and which no resident unit
+    may hold: GPT-2's, of the embedding's unit offloaded, 128 B over at a rebuild's ``R4``),
+    and what each stage after reads besides the stage before it (``rerun_held_bytes``)."""
+    if j == run.first:
+        return checkpoint_bytes(chain, run)
+    own = int(chain.x[j]) - int(chain.xo[j] or chain.x[j])
+    return own + int(chain.xn[j + 1:run.last + 1].sum())
 
 
 def forward_peak(chain: Chain, run: Recompute, j: int) -> int:

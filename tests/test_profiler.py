@@ -631,10 +631,9 @@ def test_a_stage_whose_held_tensor_the_forward_writes_later_is_not_re_run(user_f
 
 
 def test_a_stage_whose_call_writes_a_tensor_it_holds_is_not_re_run(user_file):
-    """The head stage pools its input in its forward's code and scales the pool in place: a
-    re-run would read the pool written, so the stage is not re-runnable and the note says
-    why; its recorded version was read once the write had run, and the profile's replay of
-    it died ("a leaf Variable that requires grad is being used in an in-place operation")."""
+    """The head stage pools its input in its forward's code (held: made of what crossed the
+    boundary, not of a recorded call's output) and scales the pool in place: a re-run would
+    read the pool written, so the stage is not re-runnable and the note says why."""
     p = profile(f"{user_file}:pooled_input", ProfileOptions(batch=4, repeats=1, warmup=1))
     k = list(p.chain.recipe.cuts).index("scale") + 1  # the stage the scale ends: the pool and the scale
     assert k not in p.chain.recomputable and {2, 3} <= p.chain.recomputable

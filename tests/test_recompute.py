@@ -26,7 +26,7 @@ from offload.step import encoding
 from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain
 from offload.step.chainfile import chain_from_dict, load_chain, save_chain
-from offload.step.memory import late_parts, floor_offloads, memory_profile, no_offload_peak, smallest_feasible_budget
+from offload.step.memory import floor_offloads, late_parts, memory_profile, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
 from offload.step.schedulefile import schedule_from_dict, schedule_to_dict
 from offload.step.simulate import simulate
@@ -266,8 +266,8 @@ def test_each_memory_row_of_a_loaded_joint_schedule_is_its_ops_memory(cb, rnd):
     rebuilt = {r.first for r in runs}
     offloads = [o for o in floor_offloads(chain, runs) if o.stage not in rebuilt and rnd.random() < 0.6]
     memory, reruns = memory_profile(chain, offloads, runs)
-    bare, _ = memory_profile(replace(chain, stages=tuple(replace(s, carried_late_bytes=0, held_late_bytes=0) for s in chain.stages)),
-                             offloads, runs)
+    on_time = tuple(replace(s, carried_late_bytes=0, held_late_bytes=0) for s in chain.stages)
+    bare, _ = memory_profile(replace(chain, stages=on_time), offloads, runs)
     late = {f"F{j}" for j in late_parts(chain, offloads, runs)}
     model = Model(chain, 0, options={}, max_run=8)  # budget 0: no re-run op's row left out as never binding
     model.load(offloads, {}, runs)

@@ -13,9 +13,10 @@ pooling), writes in place what a recorded call made, or makes a tensor of what a
 call made (a residual sum after a block, a concatenation of its output, a pool of it), in
 order with the module calls: their re-run replays them, under the grad mode they ran in.
 The rest of that code (a mask or a pool made of the stage's input or of tensors made before
-the stage) is not replayed: what it makes is held where a call reads it.  Only the modules whose calls may still run where the stage ends are watched so
-(``StageListener.enclosing``: its boundary's ancestors), and none under a compiled module,
-whose code Dynamo would trace with the mode.  The stage can be re-run exactly when
+the stage) is not replayed: what it makes is held where a call reads it.  Only the modules
+whose calls may still run where the stage ends are watched so (``StageListener.enclosing``:
+its boundary's ancestors), and none under a compiled module, whose code Dynamo would trace
+with the mode.  The stage can be re-run exactly when
 
 * every tensor it saves for the backward is saved inside one of those calls, and
 * every tensor argument of a call is a parameter or buffer, part of the step's batch, the

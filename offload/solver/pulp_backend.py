@@ -39,9 +39,9 @@ What "honestly" takes with PuLP 3.3 and highspy 1.16:
   casts, ``tests/test_encoding.py``).  A proven solve whose bound does not meet its
   objective within the gap asked for is solved again with presolve off.
 * **No MIP start for CBC.** CBC 2.10 given the warm start (PuLP's ``warmStart``) closed a
-  3-stage offload model at the root with the start's objective, proven, 5% above the
-  optimum it finds without one (and HiGHS finds with one): a hypothesis chain,
-  ``tests/test_solver_properties.py``.  CBC starts cold; the caller keeps the warm start
+  4-stage offload model at the root with the start's objective, proven, 5% above the
+  optimum it finds without one (and HiGHS finds with one): a chain hypothesis drew,
+  ``tests/test_solver_limits.py``.  CBC starts cold; the caller keeps the warm start
   when the solver's schedule is worse (``solver.methods``).
 * **Output.** HiGHS prints a banner on the first instance of a process, on stdout, among
   the tool's results; it is discarded.  The solver log (``msg``) goes to stderr.

@@ -156,7 +156,7 @@ class Stage:
     input_late_bytes: int = 0  # ... and of that, storages of the input (a run starting at i holds them as its checkpoint)
     held_late_bytes: int = 0  # of held_bytes, what the model's code lets go only as F(held_until+1) starts ...
     input_held_late_bytes: int = 0  # ... and of that, storages of the input
-    fwd_start_bytes: int = 0  # of fwd_peak_bytes, live as Fi starts: F(i-1)'s last reading, where a late carry counts too
+    fwd_start_bytes: int = 0  # of fwd_peak_bytes, live as Fi starts: F(i-1)'s last reading, where a late part counts too
     rerun_held_bytes: int = 0  # of input_bytes, held tensors its re-run reads and the stage before's does not
     input_own_bytes: int = 0  # of input_bytes, the input's own storage: what an offloaded checkpoint moves (0: unknown)
     fwd_host_s: float = 0.0  # host time to issue Fi's kernels (CUDA; 0: the device is never waiting for the host)

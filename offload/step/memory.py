@@ -8,8 +8,8 @@ keeping none of it, and an in-stage option's kept outputs on top: ``recompute.fo
 (its held part after); what of either the model's code lets go only as the next forward
 op starts (``carried_late_bytes``, ``held_late_bytes``; of an offloaded unit released by then
 too: ``late_parts``) is live in that op's first reading, with its ``fwd_start_bytes``: the
-last reading of the op before, so never above that op's memory; a run's checkpoint (with what its option keeps:
-``recompute.checkpoint_bytes``) counts from the op after its first forward op until it is
+last reading of the op before, so never above that op's memory; a run's checkpoint (with
+what its option keeps: ``recompute.checkpoint_bytes``) counts from the op after its first forward op until it is
 rebuilt, less what an offloaded one moves between its release and its prefetch point,
 and its units from their rebuild (``rebuilt_bytes`` of each); each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its own transient
 (units and the gradient flowing in, ``bwd_start_bytes``), less the units not rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (an option's measured re-run transient:

@@ -40,8 +40,9 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
     """``inputs``: stages carry what recomputation needs: ``input_bytes`` (a checkpoint),
     sometimes ``carry_bytes`` (less than the unit alive in the next forward) with part of the
     checkpoint in it (and in the held part), part of each alive until the next forward starts
-    (``carried_late_bytes``, ``held_late_bytes``), the forward's transient live as it starts, a
-    smaller forward transient when recomputed, the gradient live as the backward starts,
+    (``carried_late_bytes``, ``held_late_bytes``), the forward's transient live as it starts,
+    another forward transient when recomputed (above the stage's own by up to its input,
+    where its code would let go of its input), the gradient live as the backward starts,
     sometimes less of the unit live once rebuilt, sometimes ``recomputable: false``, in half of
     the stages the input's own storage (what an offloaded checkpoint moves), and in a third of
     the stages an in-stage option.  ``casts``:
@@ -93,7 +94,7 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             st_["bwd_start_bytes"] = draw(st.integers(0, st_["bwd_peak_bytes"]))
             st_["fwd_start_bytes"] = draw(st.integers(0, st_["fwd_peak_bytes"]))
             if draw(st.booleans()):
-                st_["recomputed_fwd_peak_bytes"] = draw(st.integers(0, st_["fwd_peak_bytes"]))
+                st_["recomputed_fwd_peak_bytes"] = draw(st.integers(0, st_["fwd_peak_bytes"] + st_["input_bytes"]))
             if draw(st.booleans()):  # its whole re-run, measured by replaying it
                 st_["rerun_peak_bytes"] = draw(st.integers(0, st_["fwd_peak_bytes"]))
             if draw(st.integers(0, 3)) == 0:  # a compiled backward's rebuild keeps less of the unit live

@@ -764,14 +764,16 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     why_not = list(mem.rerun)  # per stage, why it cannot be re-run (None: it can)
     for i in range(runner.L):
         fwd_peak = peak_f[i] - m0 - resident
-        if why_not[i] is None and mem.lets_go[i] and held[i].recomputed_fwd_peak_bytes > fwd_peak:
-            # the model's code drops the stage's input (or a value its re-run reads) inside it, and
-            # the checkpoint would hold it through its forward: above F_i's peak, which the
-            # model takes to count the checkpoint's bytes (only where something was let go: two
-            # passes' readings may differ by an allocator's rounding on a GPU)
+        # the model's code may drop the stage's input (or a value its re-run reads) inside it,
+        # which a run's checkpoint holds through its forward: then F_i recomputed holds up to
+        # its input_bytes above its own peak, as measured (elsewhere the two passes may differ
+        # by an allocator's rounding on a GPU: no more than the peak)
+        above = mem.inputs[i][0] if mem.lets_go[i] else 0
+        if why_not[i] is None and held[i].recomputed_fwd_peak_bytes > fwd_peak + above:
             why_not[i] = (f"stage {i + 1} cannot be re-run: the model's code lets go of its input inside it, and held "
                           f"as the re-run's checkpoint through its forward, it would take "
-                          f"{format_bytes(held[i].recomputed_fwd_peak_bytes - fwd_peak)} above the stage's peak")
+                          f"{format_bytes(held[i].recomputed_fwd_peak_bytes - fwd_peak)} above the stage's peak, more "
+                          "than its input's bytes")
         # below the units where part of U_i was freed before B_i began: the backward of a value
         # F_i made and later stages read beside its output (SpeechT5's relative position
         # bias, read by every encoder layer) runs once their backwards have given it its
@@ -783,7 +785,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
         stages.append(StageMeasurement(statistics.median(t[0][i] for t in times), statistics.median(t[1][i] for t in times),
                                        saved[i], fwd_peak, bwd_peak, need[i], held[i].held_bytes,
                                        held[i].held_until, held[i].carry_bytes, mem.inputs[i][0], why_not[i] is None,
-                                       bwd_start, min(fwd_peak, held[i].recomputed_fwd_peak_bytes),
+                                       bwd_start, min(fwd_peak + above, held[i].recomputed_fwd_peak_bytes),
                                        sum(b for n, b in mem.own[i].items() if n in held[i].carried),
                                        sum(b for n, b in mem.own[i].items() if n in held[i].held),
                                        statistics.median(t[2][i] for t in times),

@@ -248,7 +248,7 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                  rerun_held_bytes=v.whole(s, "rerun_held_bytes", ctx, 0, checkpoint) if "rerun_held_bytes" in s else 0,
                  input_own_bytes=v.whole(s, "input_own_bytes", ctx, 0, checkpoint) if "input_own_bytes" in s else 0,
                  bwd_start_bytes=v.whole(s, "bwd_start_bytes", ctx, 0, bwd_peak) if "bwd_start_bytes" in s else 0,
-                 recomputed_fwd_peak_bytes=(v.whole(s, "recomputed_fwd_peak_bytes", ctx, 0, fwd_peak)
+                 recomputed_fwd_peak_bytes=(v.whole(s, "recomputed_fwd_peak_bytes", ctx, 0, fwd_peak + checkpoint)
                                             if "recomputed_fwd_peak_bytes" in s else None),
                  rerun_peak_bytes=v.nbytes(s, "rerun_peak_bytes", ctx) if "rerun_peak_bytes" in s else None,
                  rebuilt_bytes=v.whole(s, "rebuilt_bytes", ctx, 0, saved) if "rebuilt_bytes" in s else None,

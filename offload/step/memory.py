@@ -235,7 +235,7 @@ def relieve(chain: Chain, memory: np.ndarray, units: Iterable[int]) -> None:
     (``rebuilt_bytes``: a recomputation's checkpoint and re-run ops only add)."""
     L = chain.L
     for i in units:
-        memory[i - 1] -= int(chain.fp[i]) - int(chain.rfp[i])
+        memory[i - 1] -= max(0, int(chain.fp[i]) - int(chain.rfp[i]))  # a checkpoint held through Fi may add
         memory[i] -= max(0, int(chain.a[i]) - int(chain.carry[i]))
         memory[2 * L - int(chain.need[i]):2 * L - i + 1] -= int(chain.a[i]) - int(chain.rb[i])
 

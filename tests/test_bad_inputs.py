@@ -234,6 +234,8 @@ CASES |= {
     "--nproc with a model without weights to train": (frozen_model, TRAIN + ["--nproc", "2"],
                                                       "no weight that requires a gradient"),
     "--nproc with another batch": (None, TRAIN + ["--nproc", "2", "--batch", "3"], "profiled at batch 4"),
+    "a model option the chain was not profiled with": (None, TRAIN + ["-O", "layers=9"], "profiled with"),
+    "a model option unread": (None, TRAIN + ["-O", "layers"], "cannot read model option"),
     "model without parameters": (user_model, ["profile", "models.py:no_params", "--batch", "2", "-q", "-o", "c.json"],
                                  "no parameters that require grad"),
     "model function calls sys.exit": (user_model, ["profile", "models.py:exits", "--batch", "2", "-q", "-o", "c.json"],

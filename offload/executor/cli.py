@@ -152,6 +152,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _check_job(args: argparse.Namespace) -> None:
     """Everything a rank would refuse, refused here before any rank starts: the ranks this
     machine has, the files, the schedule's chain, the batch, the model and its weights."""
+    from offload.models.resolve import parse_options
+
     from . import distributed
     from .train import check_data_parallel
     most, what = distributed.most_ranks(args.device)
@@ -160,11 +162,13 @@ def _check_job(args: argparse.Namespace) -> None:
                           f"use --nproc {most} or fewer" if most > 1 else "train on one rank (no --nproc)")
     chain = load_chain(args.chain)
     load_schedule(args.schedule, chain)
-    check_data_parallel(chain, args.model, args.batch)
+    check_data_parallel(chain, args.model, args.batch, parse_options(args.option))
 
 
 def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
+
+    from offload.models.resolve import parse_options
 
     from . import distributed
     from .train import TrainOptions, train
@@ -179,7 +183,7 @@ def _train(args: argparse.Namespace) -> int:
         opts = TrainOptions(steps=args.steps, device=args.device, backend=args.backend, optimizer=args.optimizer,
                             lr=args.lr, check_grads=args.check_grads, compare=args.compare, trace=args.trace,
                             op_memory=args.op_memory, progress=progress)
-        report, error = train(args.model, chain, schedule, opts, batch=args.batch)
+        report, error = train(args.model, chain, schedule, opts, batch=args.batch, options=parse_options(args.option))
     if args.report and speaks:
         write_json(args.report, report.json())
     if speaks:
@@ -210,6 +214,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chain", required=True, type=input_path, help="chain.json the schedule was solved on")
     p.add_argument("--schedule", required=True, type=input_path, help="schedule.json (refused if made for another chain)")
     p.add_argument("--batch", type=integer(1), help="batch size (must be the chain's; default: the chain's)")
+    p.add_argument("-O", "--option", action="append", metavar="KEY=VALUE",
+                   help="model option, repeatable (must be the chain's, as profiled; default: the chain's)")
     p.add_argument("--steps", type=integer(1, 100000), default=5, help="training steps (default 5)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--backend", choices=BACKENDS,

@@ -14,7 +14,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -104,17 +104,28 @@ def build_like_chain(chain: Chain, device: torch.device, model: str | None = Non
     return spec
 
 
-def check_batch(chain: Chain, batch: int | None) -> None:
-    """A batch size asked for must be the chain's."""
-    if batch is not None and chain.recipe is not None and batch != chain.recipe.batch:
-        raise ChainMismatch(f"the chain was profiled at batch {chain.recipe.batch}, not {batch}",
-                            f"use --batch {chain.recipe.batch}, or profile and solve again at batch {batch}")
+def check_as_profiled(chain: Chain, batch: int | None = None, options: dict[str, Any] | None = None) -> None:
+    """A batch size and model options asked for must be the chain's: the model is built from
+    its recipe, as profiled (an option the recipe does not name was the model's default)."""
+    r = chain.recipe
+    if r is None:
+        return
+    if batch is not None and batch != r.batch:
+        raise ChainMismatch(f"the chain was profiled at batch {r.batch}, not {batch}",
+                            f"use --batch {r.batch}, or profile and solve again at batch {batch}")
+    for key, value in (options or {}).items():
+        if key not in r.options or r.options[key] != value:
+            was = f"{key}={r.options[key]}" if key in r.options else f"no {key} option (the model's default)"
+            raise ChainMismatch(f"the chain was profiled with {was}, not {key}={value}",
+                                "train builds the model from the chain's recipe: drop -O, or profile and solve again "
+                                f"with -O {key}={value}")
 
 
-def check_data_parallel(chain: Chain, model: str | None = None, batch: int | None = None) -> None:
-    """Before any rank of ``offload train --nproc`` starts: the batch, and the chain's model builds
-    (on the ``meta`` device: no memory) and has weights to all-reduce."""
-    check_batch(chain, batch)
+def check_data_parallel(chain: Chain, model: str | None = None, batch: int | None = None,
+                        options: dict[str, Any] | None = None) -> None:
+    """Before any rank of ``offload train --nproc`` starts: the batch and options, and the chain's
+    model builds (on the ``meta`` device: no memory) and has weights to all-reduce."""
+    check_as_profiled(chain, batch, options)
     with torch.device("meta"):
         spec = _recipe_model(chain, model)
     distributed.check_trainable(spec.module)
@@ -137,10 +148,11 @@ def _with_grads(spec: ModelSpec) -> list[torch.Tensor]:
 
 
 def train(model: str | None, chain: Chain, schedule: Schedule, opts: TrainOptions,
-          batch: int | None = None) -> tuple[Report, OffloadError | None]:
+          batch: int | None = None, options: dict[str, Any] | None = None) -> tuple[Report, OffloadError | None]:
     """Train ``opts.steps`` steps with ``schedule``: the run's report and the error to raise once
-    the report is written (a step over the budget, out of GPU or host memory), if any."""
-    check_batch(chain, batch)
+    the report is written (a step over the budget, out of GPU or host memory), if any.
+    ``batch`` and ``options``, where given, must be the chain's (``check_as_profiled``)."""
+    check_as_profiled(chain, batch, options)
     _check_whole_graph(chain, opts)
     device = pick_device(opts.device)
     ranks = distributed.world_size()

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -111,6 +112,24 @@ def check_run(chain, sched, backend, name):
     assert all(0 <= predicted[op] - measured[op] <= allowance(chain, sched, op) for op in measured), \
         (name, {op: predicted[op] - measured[op] for op in measured if predicted[op] != measured[op]})
     return report
+
+
+def none_over(chain, offloads, runs) -> tuple[dict[str, int], dict[str, int]]:
+    """One step of ``offloads`` and ``runs`` checked against training without offloading:
+    gradients bit for bit and no op over its prediction (under it is what the model books
+    conservatively).  Returns the measured and the predicted memory per op."""
+    report, error = train(None, chain, make_schedule(chain, offloads, recompute=runs),
+                          TrainOptions(steps=1, check_grads=True, op_memory=True))
+    m, p = report.measured.op_peak_bytes, report.predicted.op_bytes
+    assert error is None and report.grads_match is True, (runs, error)
+    assert all(m[op] <= p[op] for op in p), (runs, {op: m[op] - p[op] for op in p if m[op] > p[op]})
+    return m, p
+
+
+def without_late_parts(chain):
+    """``chain`` as if the model's code let go of nothing after a boundary
+    (``carried_late_bytes``, ``held_late_bytes``): what the model booked before them."""
+    return replace(chain, stages=tuple(replace(s, carried_late_bytes=0, held_late_bytes=0) for s in chain.stages))
 
 
 def processes_of(marker: str) -> list[int]:

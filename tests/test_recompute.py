@@ -32,6 +32,7 @@ from offload.step.schedulefile import schedule_from_dict, schedule_to_dict
 from offload.step.simulate import simulate
 from tests.brute import assert_joint_ilp_is_brute_force, brute_force
 from tests.conftest import assert_loads_exactly, chain_doc
+from tests.runs import none_over, without_late_parts
 from tests.strategies import chain_and_budget
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -266,8 +267,7 @@ def test_each_memory_row_of_a_loaded_joint_schedule_is_its_ops_memory(cb, rnd):
     rebuilt = {r.first for r in runs}
     offloads = [o for o in floor_offloads(chain, runs) if o.stage not in rebuilt and rnd.random() < 0.6]
     memory, reruns = memory_profile(chain, offloads, runs)
-    on_time = tuple(replace(s, carried_late_bytes=0, held_late_bytes=0) for s in chain.stages)
-    bare, _ = memory_profile(replace(chain, stages=on_time), offloads, runs)
+    bare, _ = memory_profile(without_late_parts(chain), offloads, runs)
     late = {f"F{j}" for j in late_parts(chain, offloads, runs)}
     model = Model(chain, 0, options={}, max_run=8)  # budget 0: no re-run op's row left out as never binding
     model.load(offloads, {}, runs)
@@ -704,7 +704,6 @@ def test_a_unit_its_model_lets_go_after_the_next_stage_counts_in_the_reading_aft
     bytes), that block's op read 768 B over its prediction (DenseNet-121: 5 KiB).  The profile
     measures the late part (``carried_late_bytes``, here the input itself) and the forward's
     transient live as it starts; every op is at or above its measure, the block's exact."""
-    from offload.executor.train import TrainOptions, train
     from offload.profiler.profile import ProfileOptions, profile
     from tests.runs import ROOT
 
@@ -715,13 +714,8 @@ def test_a_unit_its_model_lets_go_after_the_next_stage_counts_in_the_reading_aft
     assert chain.stage(block).name.startswith("3") and chain.cl[norm] == chain.xl[norm] == chain.x[norm] > 0
     for offloads, runs in (([], [Recompute(norm - 1, norm), Recompute(block, block)]),
                            ([Offload(norm, norm + 1, int(chain.need[norm]))], [Recompute(block, block)])):
-        report, error = train(None, chain, make_schedule(chain, offloads, recompute=runs),
-                              TrainOptions(steps=1, check_grads=True, op_memory=True))
-        m, p = report.measured.op_peak_bytes, report.predicted.op_bytes
-        assert error is None and report.grads_match is True, error
-        assert all(m[op] <= p[op] for op in p), {op: m[op] - p[op] for op in p if m[op] > p[op]}
-        unlate = replace(chain, stages=tuple(replace(s, carried_late_bytes=0, held_late_bytes=0) for s in chain.stages))
-        assert m[f"F{block}"] == p[f"F{block}"] > memory_profile(unlate, offloads, runs)[0][block - 1]
+        m, p = none_over(chain, offloads, runs)
+        assert m[f"F{block}"] == p[f"F{block}"] > memory_profile(without_late_parts(chain), offloads, runs)[0][block - 1]
 
 
 def test_a_held_part_its_model_lets_go_after_its_last_reader_counts_in_the_reading_after_it():
@@ -731,7 +725,6 @@ def test_a_held_part_its_model_lets_go_after_its_last_reader_counts_in_the_readi
     ``layer3.0`` recomputed (it grows by less than the output's bytes), ``layer3.0``'s op read
     6 KiB over its prediction; the profile measures the late part of the held part
     (``held_late_bytes``) and the op is exact."""
-    from offload.executor.train import TrainOptions, train
     from offload.profiler.profile import ProfileOptions, profile
 
     chain = profile("resnet18", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False,
@@ -739,13 +732,8 @@ def test_a_held_part_its_model_lets_go_after_its_last_reader_counts_in_the_readi
     block, reader = (next(i for i, s in enumerate(chain.stages, 1) if s.name == name) for name in ("layer1.1", "layer3.0"))
     assert chain.held_until[block] == reader - 1 and chain.hl[block] == chain.held[block] > 0
     offloads, runs = [Offload(block, block + 1, int(chain.need[block]))], [Recompute(reader, reader)]
-    report, error = train(None, chain, make_schedule(chain, offloads, recompute=runs),
-                          TrainOptions(steps=1, check_grads=True, op_memory=True))
-    m, p = report.measured.op_peak_bytes, report.predicted.op_bytes
-    assert error is None and report.grads_match is True, error
-    assert all(m[op] <= p[op] for op in p), {op: m[op] - p[op] for op in p if m[op] > p[op]}
-    unlate = replace(chain, stages=tuple(replace(s, held_late_bytes=0) for s in chain.stages))
-    assert m[f"F{reader}"] == p[f"F{reader}"] > memory_profile(unlate, offloads, runs)[0][reader - 1]
+    m, p = none_over(chain, offloads, runs)
+    assert m[f"F{reader}"] == p[f"F{reader}"] > memory_profile(without_late_parts(chain), offloads, runs)[0][reader - 1]
 
 
 def test_a_later_re_run_op_holds_the_tensors_the_runs_first_stage_read_too():
@@ -754,7 +742,6 @@ def test_a_later_re_run_op_holds_the_tensors_the_runs_first_stage_read_too():
     input, and with that unit offloaded nothing resident held them.  ``R4`` of a run of
     blocks 2..ln_f counted none of them (``rerun_held_bytes`` counts only what a stage reads
     and the stage before does not), and its ``B5`` read 128 B over; now every op is within."""
-    from offload.executor.train import TrainOptions, train
     from offload.profiler.profile import ProfileOptions, profile
 
     chain = profile("gpt2", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False,
@@ -763,9 +750,4 @@ def test_a_later_re_run_op_holds_the_tensors_the_runs_first_stage_read_too():
                    for name in ("transformer.h.1", "transformer.ln_f"))
     held = int(chain.x[first + 1] - chain.xo[first + 1])
     assert held > 0 and chain.xn[first + 1] == 0 and chain.need[1] == 1
-    offloads, runs = [Offload(1, 2, 1)], [Recompute(first, last)]
-    report, error = train(None, chain, make_schedule(chain, offloads, recompute=runs),
-                          TrainOptions(steps=1, check_grads=True, op_memory=True))
-    m, p = report.measured.op_peak_bytes, report.predicted.op_bytes
-    assert error is None and report.grads_match is True, error
-    assert all(m[op] <= p[op] for op in p), {op: m[op] - p[op] for op in p if m[op] > p[op]}
+    none_over(chain, [Offload(1, 2, 1)], [Recompute(first, last)])

@@ -717,10 +717,10 @@ def _same_units(first: list[int], second: list[int]) -> None:
                          "the tokens of a batch)")
 
 
-def _with_input(storages: dict[int, int], own: dict[int, int]) -> tuple[int, int]:
-    """The bytes of ``storages`` (index -> bytes, in a unit), and of those the stage's input's
-    (``own``: its checkpoint's storages in its own unit)."""
-    return sum(storages.values()), sum(b for n, b in own.items() if n in storages)
+def _input_part(storages: set[int] | dict[int, int], own: dict[int, int]) -> int:
+    """Of ``storages`` (indices in a unit), the bytes of the stage's input's (``own``: its
+    checkpoint's storages in its own unit, index -> bytes)."""
+    return sum(b for n, b in own.items() if n in storages)
 
 
 def spread(values: list[float]) -> float:
@@ -786,8 +786,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        saved[i], fwd_peak, bwd_peak, need[i], held[i].held_bytes,
                                        held[i].held_until, held[i].carry_bytes, mem.inputs[i][0], why_not[i] is None,
                                        bwd_start, min(fwd_peak + above, held[i].recomputed_fwd_peak_bytes),
-                                       sum(b for n, b in mem.own[i].items() if n in held[i].carried),
-                                       sum(b for n, b in mem.own[i].items() if n in held[i].held),
+                                       _input_part(held[i].carried, mem.own[i]), _input_part(held[i].held, mem.own[i]),
                                        statistics.median(t[2][i] for t in times),
                                        statistics.median(t[3][i] for t in times),
                                        sum(r.nbytes for r in mem.casts[i]), recast_s[i], mem.new_held[i],
@@ -797,7 +796,8 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        tuple(sorted(held[i].held)) if held[i].held_read_at else (),
                                        held[i].held_read_at, mem.storages[i] if mem.storages else 0,
                                        mem.saves[i] if mem.saves else 0, fwd_start,
-                                       *_with_input(held[i].late, mem.own[i]), *_with_input(held[i].held_late, mem.own[i])))
+                                       sum(held[i].late.values()), _input_part(held[i].late, mem.own[i]),
+                                       sum(held[i].held_late.values()), _input_part(held[i].held_late, mem.own[i])))
     step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(why_not[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "

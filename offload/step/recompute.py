@@ -88,6 +88,12 @@ def moved_checkpoint_bytes(chain: Chain, run: Recompute) -> int:
     return int(chain.xo[run.first]) + kept_bytes(chain, run) if checkpoint_moves(chain, run) else 0
 
 
+def _input_storage(chain: Chain, j: int) -> int:
+    """Of stage ``j``'s ``input_bytes``, its input's own storage: what a later stage's re-run
+    finds made by the re-run before (all of ``input_bytes`` where that is not known)."""
+    return int(chain.xo[j] or chain.x[j])
+
+
 def rerun_checkpoint(chain: Chain, run: Recompute, j: int) -> int:
     """What ``run``'s checkpoint still holds while ``Rj`` runs: all of it for ``Rs`` (which reads
     it); for a later stage, the held tensors the re-runs from ``Rj`` on read (the executor
@@ -98,8 +104,7 @@ def rerun_checkpoint(chain: Chain, run: Recompute, j: int) -> int:
     and what each stage after reads besides the stage before it (``rerun_held_bytes``)."""
     if j == run.first:
         return checkpoint_bytes(chain, run)
-    own = int(chain.x[j]) - int(chain.xo[j] or chain.x[j])
-    return own + int(chain.xn[j + 1:run.last + 1].sum())
+    return int(chain.x[j]) - _input_storage(chain, j) + int(chain.xn[j + 1:run.last + 1].sum())
 
 
 def forward_peak(chain: Chain, run: Recompute, j: int) -> int:
@@ -118,7 +123,7 @@ def rerun_peak(chain: Chain, run: Recompute, j: int) -> int:
     measured = _measured(chain, run, j, "rerun_peak_bytes") if run.option else chain.stage(j).rerun_peak_bytes
     if measured is None:
         return int(chain.fp[j])
-    return measured if j == run.first else measured + int(chain.xo[j] or chain.x[j])
+    return measured if j == run.first else measured + _input_storage(chain, j)
 
 
 def by_op(chain: Chain, runs: Iterable[Recompute]) -> dict[int, list[Recompute]]:

@@ -114,6 +114,11 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
         st_ = stages[-1]
         if inputs and st_["input_bytes"] and draw(st.booleans()):
             st_["input_own_bytes"] = draw(st.integers(1, st_["input_bytes"]))  # its checkpoint may move
+        if inputs and st_["input_bytes"] and stages[-2:-1] and draw(st.integers(0, 2)) == 0:  # the unit before holds it too
+            st_["input_prev_bytes"] = draw(st.integers(0, min(stages[-2]["saved_bytes"],
+                                                              st_["input_bytes"] - st_.get("input_carried_bytes", 0))))
+            st_["input_prev_held_bytes"] = draw(st.integers(0, min(st_["input_prev_bytes"],
+                                                                   stages[-2].get("held_bytes", 0))))
         if inputs and stages[-1]["input_bytes"] and draw(st.integers(0, 3)) == 0:  # read by its re-run alone
             stages[-1]["rerun_held_bytes"] = draw(st.integers(1, stages[-1]["input_bytes"]))
         if inputs and draw(st.integers(0, 4)) == 0:

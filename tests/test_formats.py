@@ -78,6 +78,11 @@ def test_workspace_bytes_round_trip_and_count_in_the_identity_only_when_there():
      "in held_saves and in shared_saves"),
     (lambda d: d["stages"][0].update(moved_bytes=d["stages"][0]["saved_bytes"] + 1), "moved_bytes' must be in [1, "),
     (lambda d: d["stages"][0].update(moved_bytes=0), "moved_bytes' must be in [1, "),
+    # a part of the input that is a storage of the unit before: none for the first stage, no more than that unit
+    (lambda d: d["stages"][0].update(input_bytes=40, input_prev_bytes=10), "stages[1].input_prev_bytes' must be in [0, 0]"),
+    (lambda d: d["stages"][1].update(input_bytes=400, input_prev_bytes=101), "stages[2].input_prev_bytes' must be in [0, 100]"),
+    (lambda d: d["stages"][1].update(input_bytes=40, input_prev_bytes=10, input_prev_held_bytes=5),
+     "stages[2].input_prev_held_bytes' must be in [0, 0]"),  # the unit before holds nothing in the model's code
 ])
 def test_malformed_chain_names_the_field(mutate, words):
     doc = chain_doc()

@@ -76,6 +76,27 @@ def test_simulator_semantics_by_hand(small, runs, memory, rerun, makespan):
     assert sim.recomputed_s == pytest.approx(makespan - 0.012)
 
 
+@pytest.mark.parametrize("offloads, run, less, rerun_less", [
+    # unit 2 kept: the 20 shared bytes count once from F4 through B4 (the rebuild is at B3) and in R3
+    ([], Recompute(3, 3), [0, 0, 0, 20, 20, 0, 0, 0], 20),
+    # unit 2 offloaded at once: only its held part (through F4) holds 10 of them
+    ([Offload(2, 3, 2)], Recompute(3, 3), [0, 0, 0, 10, 0, 0, 0, 0], 0),
+    # an offloaded checkpoint shares nothing: its release frees none of what unit 2 holds
+    ([], Recompute(3, 3, release=4, prefetch=3), [0] * 8, 0),
+])
+def test_a_checkpoint_shared_with_the_unit_before_by_hand(offloads, run, less, rerun_less):
+    """Stage 3's 30-byte input: 20 bytes of it are storages of unit 2 (``input_prev_bytes``),
+    10 of those in the part the model's code holds through ``F4`` (``input_prev_held_bytes``)."""
+    shared = small_chain(held_bytes=40, held_until=4)
+    shared = replace(shared, stages=shared.stages[:2] + (replace(shared.stages[2], input_prev_bytes=20,
+                                                                   input_prev_held_bytes=10, input_own_bytes=30),)
+                     + shared.stages[3:])
+    apart = replace(shared, stages=tuple(replace(s, input_prev_bytes=0, input_prev_held_bytes=0) for s in shared.stages))
+    (mem, rebuilt), (whole, rebuilt_whole) = memory_profile(shared, offloads, [run]), memory_profile(apart, offloads, [run])
+    assert list(whole - mem) == less
+    assert [b[2] - a[2] for a, b in zip(rebuilt, rebuilt_whole)] == [rerun_less]
+
+
 def test_what_a_recomputed_stage_holds_as_measured():
     """Stage 2 recomputed, with what the profiler measures of it: its forward transient when
     autograd keeps nothing (40, not 120), the part of its unit alive into F3 (30 bytes: its
@@ -751,3 +772,27 @@ def test_a_later_re_run_op_holds_the_tensors_the_runs_first_stage_read_too():
     held = int(chain.x[first + 1] - chain.xo[first + 1])
     assert held > 0 and chain.xn[first + 1] == 0 and chain.need[1] == 1
     none_over(chain, [Offload(1, 2, 1)], [Recompute(first, last)])
+
+
+def test_a_checkpoint_the_unit_before_holds_too_counts_once():
+    """A ResNet block's output is saved by its last ReLU (its unit) and is the next block's
+    input (a run's checkpoint there): one storage.  With that unit kept, the checkpoint was
+    counted on top of it from the op after the run's forward to its rebuild (a whole
+    activation map: ``layer2.0``'s 32 KiB at image 32); with it offloaded, on top of the part
+    the model's code holds (ResNet's ``forward`` holds each layer's output until the next
+    layer returns).  The profile measures what the checkpoint shares (``input_prev_bytes``,
+    ``input_prev_held_bytes``): the op after the forward is exact either way, the prediction
+    lower by those bytes."""
+    from offload.profiler.profile import ProfileOptions, profile
+
+    chain = profile("resnet18", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False,
+                                               options={"image": 32})).chain
+    unshared = replace(chain, stages=tuple(replace(s, input_prev_bytes=0, input_prev_held_bytes=0) for s in chain.stages))
+    kept, held = (next(i for i, s in enumerate(chain.stages, 1) if s.name == name) for name in ("layer2.1", "layer3.0"))
+    assert chain.xp[kept] == chain.x[kept] > 0 and 0 < chain.xph[held] == chain.xp[held]
+    for offloads, run, shared in (([], Recompute(kept, kept), chain.xp[kept]),
+                                  ([Offload(held - 1, held, int(chain.need[held - 1]))], Recompute(held, held),
+                                   chain.xph[held])):
+        m, p = none_over(chain, offloads, [run])
+        after = f"F{run.first + 1}"
+        assert m[after] == p[after] == memory_profile(unshared, offloads, [run])[0][run.first] - shared

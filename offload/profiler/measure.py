@@ -89,6 +89,8 @@ class StageMeasurement:
     input_late_bytes: int = 0  # ... and of that, the input's storages (a run's checkpoint holds them)
     held_late_bytes: int = 0  # of held_bytes, what dies only as F(held_until+1) starts (``Holding.held_late``) ...
     input_held_late_bytes: int = 0  # ... and of that, the input's storages
+    input_prev_bytes: int = 0  # of input_bytes, storages of the unit before (a run starting here holds them once beside it) ...
+    input_prev_held_bytes: int = 0  # ... and of that, what the unit before's held part counts
 
 
 @dataclass
@@ -118,6 +120,7 @@ class MemoryPass:
     storages: list[int] = field(default_factory=list)  # per stage, the storages of its unit
     saves: list[int] = field(default_factory=list)  # per stage, the saves of its unit's storages
     lets_go: list[bool] = field(default_factory=list)  # per stage, ``_Recording.lets_go``
+    prev: list[dict[int, int]] = field(default_factory=list)  # per stage, ``own``'s in the unit before
 
     def widened(self, other: "MemoryPass") -> "MemoryPass":
         """This pass with each stage's peak (over its own ``m0``) the larger of the two passes'
@@ -169,6 +172,7 @@ class _Recording(Boundaries):
         self.recorder: StageRecorder | None = None
         self.inputs, self.why = [(0, 0)] * L, ["the last stage's backward follows its forward at once"] * L
         self.own: list[dict[int, int]] = [{} for _ in range(L)]  # per stage, its checkpoint's storages in its unit
+        self.prev: list[dict[int, int]] = [{} for _ in range(L)]  # per stage, its checkpoint's storages in the unit before
         self.new_held = [0] * L  # per stage, bytes its re-run holds that the stage before's does not
         self.output_rebuilt = [True] * L  # per stage, whether its re-run rebuilds its output
         self.lets_go = [False] * L  # per stage, whether the model's code let go inside it of what its re-run holds
@@ -189,6 +193,8 @@ class _Recording(Boundaries):
                 record = self.tracker.record_of(key)
                 if record is not None and record.unit == k:
                     self.own[k - 1][record.index] = record.nbytes
+                elif record is not None and record.unit == k - 1:
+                    self.prev[k - 1][record.index] = record.nbytes
             self.writes.watch(k, recorder.versions())
         except NotRerunnable as exc:
             self.why[k - 1] = str(exc)
@@ -440,7 +446,8 @@ class StepRunner:
                           listener.inputs, listener.own, listener.new_held, listener.output_rebuilt, listener.why,
                           workspace,
                           [list(r.values()) for r in recasts], made.shared, made.twice, tracker.shared_saves(L),
-                          dropped, tracker.storage_counts(L), tracker.save_counts(L), listener.lets_go)
+                          dropped, tracker.storage_counts(L), tracker.save_counts(L), listener.lets_go,
+                          listener.prev)
 
     def recast_seconds(self, recasts: list[casts.Recast]) -> float:
         """What making a stage's weight casts again costs its backward: the casts, timed."""
@@ -723,6 +730,13 @@ def _input_part(storages: set[int] | dict[int, int], own: dict[int, int]) -> int
     return sum(b for n, b in own.items() if n in storages)
 
 
+def _prev_parts(mem: MemoryPass, held: list[Holding], i: int) -> tuple[int, int]:
+    """Of stage ``i + 1``'s checkpoint, the bytes of the unit before's storages, and of those the
+    ones its held part counts (``input_prev_bytes``, ``input_prev_held_bytes``)."""
+    prev = mem.prev[i] if mem.prev else {}
+    return sum(prev.values()), _input_part(held[i - 1].held, prev) if i else 0
+
+
 def spread(values: list[float]) -> float:
     """(max - min) / median: how much the repeats disagree."""
     med = statistics.median(values)
@@ -797,7 +811,8 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        held[i].held_read_at, mem.storages[i] if mem.storages else 0,
                                        mem.saves[i] if mem.saves else 0, fwd_start,
                                        sum(held[i].late.values()), _input_part(held[i].late, mem.own[i]),
-                                       sum(held[i].held_late.values()), _input_part(held[i].held_late, mem.own[i])))
+                                       sum(held[i].held_late.values()), _input_part(held[i].held_late, mem.own[i]),
+                                       *_prev_parts(mem, held, i)))
     step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(why_not[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "

@@ -310,6 +310,8 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                   input_carried_bytes=s.input_carried_bytes, input_held_bytes=s.input_held_bytes,
                   rerun_held_bytes=s.rerun_held_bytes if s.recomputable else 0,
                   input_own_bytes=s.input_own_bytes if s.recomputable else 0,
+                  input_prev_bytes=s.input_prev_bytes if s.recomputable else 0,
+                  input_prev_held_bytes=s.input_prev_held_bytes if s.recomputable else 0,
                   fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s, rerun_host_s=rerun_host.get(k, 0.0),
                   recording_host_s=recording_host.get(k, 0.0),
                   cast_bytes=s.cast_bytes, recast_s=min(s.recast_s, s.bwd_s) if s.cast_bytes else 0.0, options=opt,

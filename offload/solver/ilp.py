@@ -51,7 +51,10 @@ its H2D wait delays the rebuild (that run's and the ones rebuilt after it) rathe
 ``Bn``'s own start.  A run's memory terms (its units gone from
 the boundary after ``F(i+1)`` to its rebuild, its checkpoint meanwhile) are linear in
 ``g``; each re-run forward op gets a budget row that binds only when its run is chosen
-(a big-M row); the rebuild delays ``Bn``'s start after its prefetches are issued.
+(a big-M row); the rebuild delays ``Bn``'s start after its prefetches are issued.  Where a
+run's checkpoint shares storages with the unit before (``recompute.shared_checkpoint_bytes``),
+two continuous variables take them off its rows, ``<=`` the run chosen with its checkpoint on
+the device and ``<=`` that unit kept (raw, for its held part), as ``v_{i,j}`` do.
 
 A stage that makes weight casts (docs/model.md, "Weight casts") gets a binary ``k_i``: its
 casts kept, ``cast_bytes`` in the memory rows of the ops ``Fi`` through ``Bi``,
@@ -78,7 +81,7 @@ from offload.step.actions import Choice, Offload, Recompute, first_checkpoint_re
 from offload.step.chain import Chain, Encoding
 from offload.step.encoding import apply, encoded_bytes
 from offload.step.events import prefetch_order
-from offload.step.memory import forward_checkpoint, op_memory
+from offload.step.memory import forward_checkpoint, kept_units, op_memory
 from offload.step.recompute import (checkpoint_bytes, forward_peak, forward_seconds,
                                     moved_checkpoint_bytes, rerun_checkpoint, rerun_peak, run_op, run_seconds)
 from offload.step.simulate import simulate
@@ -370,6 +373,24 @@ class Model:
                 elif (i, o) in self.x:
                     row.add(self.x[i, o])
             self._row(f"one_fate_{i}", row, "<=", 1)
+        # run -> 1 where its checkpoint shares storages with the unit before: kept, and with its held part
+        self.shared: dict[Recompute, tuple[pulp.LpVariable, pulp.LpVariable | None]] = {}
+        for r, g in self.g.items():
+            s = r.first
+            if not self.chain.xp[s]:
+                continue
+            kept = self._var(f"shared_{g.name}")
+            held = self._var(f"shared_held_{g.name}") if self.chain.xph[s] else None
+            self._row(f"shared_needs_kept_{g.name}", _affine((kept, 1.0)).add(self.handled(s - 1)), "<=", 1)
+            if held is not None:  # any fate of the unit before but an encoding
+                self._row(f"shared_needs_raw_{g.name}", _affine((held, 1.0)).add(self.chosen(s - 1, RAW), -1.0), "<=")
+            form = (s, _checkpoint_form(r))
+            for v in [v for v in (kept, held) if v is not None]:  # the run chosen, its checkpoint not moved
+                on_device = _affine((v, 1.0), (g, -1.0))
+                if self.moving.get(form) == r and form in self.x:
+                    on_device.add(self.x[form])
+                self._row(f"shared_needs_run_{v.name}", on_device, "<=")
+            self.shared[r] = (kept, held)
 
     def _restores(self) -> None:
         """``h_{i,p}`` (a constant for a decided unit) and ``v_{i,j}`` (module docstring)."""
@@ -535,6 +556,7 @@ class Model:
                     s, e = r.first, r.last
                     if s < j:  # the checkpoint, from F_{s+1} (during F_s the stage's own memory counts it)
                         row.add(g, checkpoint(r, j) / mu)
+                        self._shared(row, r, j)
                     if s <= j <= e:  # autograd keeps none of U_j
                         row.add(g, (forward_peak(self.chain, r, j) - int(self.chain.fp[j])) / mu)
                     for i in range(s, min(e, j - 1) + 1):  # its carried part through F_{i+1}, held part after
@@ -563,6 +585,7 @@ class Model:
                     for span in at_n:
                         if n < j:  # not rebuilt yet: the checkpoint instead of the units
                             row.add(self.g[span], self.unbuilt[span])
+                            self._shared(row, span)
                         elif span.first <= j:  # rebuilt: what it keeps live of its units not consumed yet
                             row.add(self.g[span], -self._unkept(span, j))
                 self.bwd_rows[j] = _Affine().add(row)  # a copy: the row's constant changes below
@@ -576,6 +599,21 @@ class Model:
             row.const = total
             self._row(name, row, "<=", self.B)
         self._rebuild_rows()
+
+    def _shared(self, row: _Affine, run: Recompute, j: int = 0) -> None:
+        """Take off ``row`` (``Fj``'s, else a backward op's) what ``run``'s checkpoint shares
+        with the unit before it (``recompute.shared_checkpoint_bytes``): ``shared <=`` the run
+        chosen with its checkpoint on the device and ``<=`` the unit kept (raw, for its held
+        part); the rows only gain from them, so they take the products' values."""
+        if run not in self.shared:
+            return
+        s = run.first
+        kept, held = self.shared[run]
+        both, part = float(self.chain.xp[s]), float(self.chain.xph[s])
+        if held is not None and j and j <= self.chain.held_until[s - 1]:  # the held part counts it whatever the fate
+            row.add(held, -part / self.mu)
+            both -= part
+        row.add(kept, -both / self.mu)
 
     def _unkept(self, run: Recompute, j: int) -> float:
         """What ``run``'s rebuild does not keep live of its units ``i <= j`` (model units)."""
@@ -594,8 +632,11 @@ class Model:
                 for span in at_n:
                     if span.first < s:  # rebuilt after this run: its checkpoint, not what B_n keeps of its units
                         later.add(self.g[span], self.unbuilt[span] + self._unkept(span, n))
+                        self._shared(later, span)
                 for j in range(s, e + 1):
                     row = _Affine().add(self.bwd_rows[n]).add(later)
+                    if j == s:  # R_s reads the checkpoint
+                        self._shared(row, rerun)
                     row.const += (rerun_peak(self.chain, rerun, j) - int(sum(rb[j:e + 1])) + rerun_checkpoint(self.chain, rerun, j)
                                   + int(bs[n])) / mu
                     big = sum(c for c in row.terms.values() if c > 0) + row.const - self.B
@@ -904,6 +945,13 @@ class Model:
         form = {r.first: _checkpoint_form(r) for r in runs if r.moves}
         for (i, o), v in self.c.items():
             v.setInitialValue(1 if encode.get(i) == o else 0)
+        stay = kept_units(self.chain, offloads, runs) - set(encode)
+        for r, (whole, part) in self.shared.items():
+            chosen = next((c for c in runs if c.kept_on_device() == r), None)
+            on = chosen is not None and not chosen.moves
+            whole.setInitialValue(1 if on and r.first - 1 in stay else 0)
+            if part is not None:
+                part.setInitialValue(1 if on and r.first - 1 not in encode else 0)
 
         def mine(i: int, o: str) -> bool:
             return i in by and form.get(i, encode.get(i, RAW)) == o

@@ -159,6 +159,8 @@ class Stage:
     fwd_start_bytes: int = 0  # of fwd_peak_bytes, live as Fi starts: F(i-1)'s last reading, where a late part counts too
     rerun_held_bytes: int = 0  # of input_bytes, held tensors its re-run reads and the stage before's does not
     input_own_bytes: int = 0  # of input_bytes, the input's own storage: what an offloaded checkpoint moves (0: unknown)
+    input_prev_bytes: int = 0  # of input_bytes, storages of U(i-1): a run starting here holds them once beside it ...
+    input_prev_held_bytes: int = 0  # ... and of that, what U(i-1)'s held part counts (docs/model.md, "Recomputation")
     fwd_host_s: float = 0.0  # host time to issue Fi's kernels (CUDA; 0: the device is never waiting for the host)
     bwd_host_s: float = 0.0  # the same for Bi
     recording_host_s: float = 0.0  # host time Fi adds while the executor records it for a re-run (CUDA)
@@ -369,6 +371,10 @@ def _stage_document(s: Stage) -> dict:
         d["rerun_held_bytes"] = s.rerun_held_bytes
     if s.input_own_bytes:  # likewise
         d["input_own_bytes"] = s.input_own_bytes
+    if s.input_prev_bytes:  # likewise
+        d["input_prev_bytes"] = s.input_prev_bytes
+    if s.input_prev_held_bytes:  # likewise
+        d["input_prev_held_bytes"] = s.input_prev_held_bytes
     if s.shared_saves:  # likewise
         d["shared_saves"] = list(s.shared_saves)
     if s.dropped_saves:  # likewise
@@ -432,6 +438,8 @@ class Chain:
     fs = _column("fwd_start_bytes")
     xn = _column("rerun_held_bytes")
     xo = _column("input_own_bytes")
+    xp = _column("input_prev_bytes")
+    xph = _column("input_prev_held_bytes")
     fh = _column("fwd_host_s", np.float64)
     bh = _column("bwd_host_s", np.float64)
     rech = _column("recording_host_s", np.float64)

@@ -31,7 +31,7 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "held_bytes", "held_until", "input_bytes", "recomputable", "rerun_output",
                "carry_bytes", "bwd_start_bytes", "recomputed_fwd_peak_bytes", "rerun_peak_bytes", "rebuilt_bytes",
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
-               "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "shared_saves",
+               "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "input_prev_bytes", "input_prev_held_bytes", "shared_saves",
                "dropped_saves", "held_saves", "held_read_at", "storages", "saves", "moved_bytes",
                "carried_late_bytes", "input_late_bytes", "held_late_bytes", "input_held_late_bytes", "fwd_start_bytes"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors", "fwd_held_bytes", "next_held_bytes",
@@ -190,7 +190,7 @@ def _whole_graph(d: Mapping) -> bool:
     return whole
 
 
-def _stage(s: Any, i: int, L: int) -> Stage:
+def _stage(s: Any, i: int, L: int, before: Stage | None) -> Stage:
     ctx = f"stages[{i}]"
     if not isinstance(s, Mapping):
         raise FormatError(f"{ctx} must be an object")
@@ -219,6 +219,8 @@ def _stage(s: Any, i: int, L: int) -> Stage:
     shared = _indices(s["shared_saves"], f"{ctx}.shared_saves") if "shared_saves" in s else ()
     dropped = _indices(s["dropped_saves"], f"{ctx}.dropped_saves") if "dropped_saves" in s else ()
     held_saves, read_at = _held_read_at(s, ctx, i, L, held, until)
+    prev = v.whole(s, "input_prev_bytes", ctx, 0, min(before.saved_bytes if before is not None else 0, checkpoint - carried)) \
+        if "input_prev_bytes" in s else 0
     encodings = _encodings(s.get("encodings", []), saved, need - i + 1, ctx)
     staying = set(shared) | set(dropped)
     for what, a, b in (("in shared_saves and in dropped_saves", shared, dropped),
@@ -247,6 +249,9 @@ def _stage(s: Any, i: int, L: int) -> Stage:
                  input_held_bytes=input_held,
                  rerun_held_bytes=v.whole(s, "rerun_held_bytes", ctx, 0, checkpoint) if "rerun_held_bytes" in s else 0,
                  input_own_bytes=v.whole(s, "input_own_bytes", ctx, 0, checkpoint) if "input_own_bytes" in s else 0,
+                 input_prev_bytes=prev,
+                 input_prev_held_bytes=(v.whole(s, "input_prev_held_bytes", ctx, 0, min(prev, before.held_bytes))
+                                        if "input_prev_held_bytes" in s and before is not None else 0),
                  bwd_start_bytes=v.whole(s, "bwd_start_bytes", ctx, 0, bwd_peak) if "bwd_start_bytes" in s else 0,
                  recomputed_fwd_peak_bytes=(v.whole(s, "recomputed_fwd_peak_bytes", ctx, 0, fwd_peak + checkpoint)
                                             if "recomputed_fwd_peak_bytes" in s else None),
@@ -271,7 +276,9 @@ def chain_from_dict(d: Any) -> Chain:
     raw = d.get("stages")
     if not isinstance(raw, list) or not raw:
         raise FormatError("'stages' must be a non-empty list")
-    stages = tuple(_stage(s, i, len(raw)) for i, s in enumerate(raw, start=1))
+    stages: list[Stage] = []
+    for i, s in enumerate(raw, start=1):  # a stage's input_prev_bytes is part of the unit before
+        stages.append(_stage(s, i, len(raw), stages[-1] if stages else None))
     base = v.nbytes(d, "base_bytes", "") if "base_bytes" in d else 0
     workspace = v.whole(d, "workspace_bytes", "", 0, base) if "workspace_bytes" in d else 0
     total = base + sum(s.saved_bytes + s.fwd_peak_bytes + s.bwd_peak_bytes + s.input_bytes + s.cast_bytes
@@ -280,7 +287,7 @@ def chain_from_dict(d: Any) -> Chain:
     if total > MAX_TOTAL_BYTES:
         raise FormatError(f"the chain's byte counts add up to {total}, more than {MAX_TOTAL_BYTES}",
                           "byte counts are bytes, not bits or elements: check the units")
-    return Chain(name=v.string(d, "name", ""), stages=stages,
+    return Chain(name=v.string(d, "name", ""), stages=tuple(stages),
                  platform=platform_from_dict(d.get("platform"), legacy=fmt in OLD_FORMATS), base_bytes=base,
                  source=dict(source), recipe=recipe_from_dict(d["recipe"]) if d.get("recipe") is not None else None,
                  workspace_bytes=workspace)

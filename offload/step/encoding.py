@@ -89,6 +89,7 @@ def apply(chain: Chain, choice: Choice) -> Chain:
             st[i]["options"] = tuple(o if o.fwd_peak_bytes is None else
                                      replace(o, fwd_peak_bytes=o.fwd_peak_bytes + e.next_extra_bytes)
                                      for o in after.options)
+            st[i].update(input_prev_bytes=0, input_prev_held_bytes=0)  # a checkpoint shares no storage with an encoded unit
         for j in range(i, need + 1):
             st[j - 1]["bwd_peak_bytes"] += e.bwd_extra(j - i)
         st[need - 1]["bwd_s"] += e.decode_s

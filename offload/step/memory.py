@@ -10,7 +10,8 @@ op starts (``carried_late_bytes``, ``held_late_bytes``; of an offloaded unit rel
 too: ``late_parts``) is live in that op's first reading, with its ``fwd_start_bytes``: the
 last reading of the op before, so never above that op's memory; a run's checkpoint (with
 what its option keeps: ``recompute.checkpoint_bytes``) counts from the op after its first forward op until it is
-rebuilt, less what an offloaded one moves between its release and its prefetch point,
+rebuilt, less what an offloaded one moves between its release and its prefetch point
+and what the unit before holds too (``recompute.shared_checkpoint_bytes``),
 and its units from their rebuild (``rebuilt_bytes`` of each); each re-run forward op ``Rj`` of it holds what ``Bn`` holds before its own transient
 (units and the gradient flowing in, ``bwd_start_bytes``), less the units not rebuilt yet, plus ``fwd_peak_bytes`` of ``Fj`` (an option's measured re-run transient:
 ``recompute.rerun_peak``; and ``Rs`` the checkpoint it reads), and
@@ -29,7 +30,7 @@ import numpy as np
 from .actions import Offload, Recompute
 from .chain import Chain
 from .recompute import (by_op, checkpoint_bytes, forward_peak, kept_bytes, later_held_bytes, moved_checkpoint_bytes,
-                        rerun_checkpoint, rerun_peak)
+                        rerun_checkpoint, rerun_peak, shared_checkpoint_bytes)
 
 
 def op_name(chain: Chain, o: int) -> str:
@@ -70,14 +71,18 @@ def forward_checkpoint_changes(chain: Chain, run: Recompute) -> list[tuple[int, 
     return out
 
 
+def kept_units(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute]) -> set[int]:
+    """The stages whose units stay on the device from their forward through their backward:
+    neither offloaded nor recomputed."""
+    return set(range(1, chain.L + 1)) - {o.stage for o in offloads} - {i for r in runs for i in r.stages}
+
+
 def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute],
-              casts_kept: Iterable[int]) -> np.ndarray:
+              casts_kept: Iterable[int], stay: set[int]) -> np.ndarray:
     """Per op, the bytes of units, checkpoints and kept casts resident, without the
-    recomputations' own."""
+    recomputations' own (``stay``: ``kept_units``)."""
     L = chain.L
     diff = np.zeros(2 * L + 1, dtype=np.int64)
-    kept = np.ones(L + 1, dtype=bool)
-    kept[0] = False
 
     def away(i: int, release: int, back: int, first: int, restore: int = 0, a: int | None = None) -> None:
         """Unit ``i`` resident through ``F(release)`` (``first`` bytes of it; its held part
@@ -85,7 +90,6 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
         meanwhile), then again from ``B(back)`` to the end of ``Bi`` (``a`` bytes of it: all
         of it unless given)."""
         a = chain.a[i] if a is None else a
-        kept[i] = False
         diff[i] += first  # F_{i+1} .. F_r
         diff[release] -= first
         held_from = restore - 1 if restore else release  # the op index of F_{r+1}, or of F_restore
@@ -97,9 +101,14 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
 
     def checkpoint(run: Recompute, n: int) -> None:
         """``run``'s checkpoint until its rebuild at ``Bn``: ``forward_checkpoint`` in the
-        forward, then ``checkpoint_bytes``; an offloaded one less what it moves from the op
-        after its release to its prefetch point."""
+        forward, then ``checkpoint_bytes``, less what a kept unit before it holds too
+        (``shared_checkpoint_bytes``); an offloaded one less what it moves from the op after
+        its release to its prefetch point."""
         counted, whole = 0, checkpoint_bytes(chain, run)
+        always, held = shared_checkpoint_bytes(chain, run, stay)
+        diff[run.first] -= always + held  # from F(s+1) .. through B(n+1)
+        diff[2 * L - n] += always
+        diff[chain.held_until[run.first - 1]] += held  # .. through F(held_until) of the unit before
         for j, change in forward_checkpoint_changes(chain, run):
             diff[j - 1] += change
             counted += change
@@ -117,7 +126,7 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
             for i in run.stages:
                 away(i, i + 1, n, chain.carry[i], a=chain.rb[i])  # F_{i+1}: what the model's code still holds
             checkpoint(run, n)
-    idx = np.nonzero(kept)[0]
+    idx = np.array(sorted(stay), dtype=np.int64)
     np.add.at(diff, idx, chain.a[idx])  # kept: F_{i+1} .. B_i
     np.add.at(diff, 2 * L - idx + 1, -chain.a[idx])
     casts = np.array(sorted(casts_kept), dtype=np.int64)
@@ -126,20 +135,24 @@ def _resident(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recomput
     return np.cumsum(diff[:-1])
 
 
-def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompute]) -> list[tuple[int, int, int]]:
+def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompute],
+                      stay: set[int]) -> list[tuple[int, int, int]]:
     """``(n, j, bytes)`` per re-run forward op ``Rj`` (rebuilt at the start of ``Bn``), in
-    execution order; ``resident`` is ``_resident``'s per-op residency."""
+    execution order; ``resident`` is ``_resident``'s per-op residency (``stay``: ``kept_units``,
+    whose storages a checkpoint shares count once)."""
     L, a = chain.L, chain.rb  # a rebuilt unit: what its rebuild keeps live
     out = []
     for n, at_n in sorted(by_op(chain, runs).items(), reverse=True):
         # what B_n holds before its transient, with the runs at n rebuilt and their checkpoints gone
         base = int(resident[2 * L - n])
-        pending = [int(sum(a[j] for j in r.stages)) - checkpoint_bytes(chain, r) for r in at_n]
+        pending = [int(sum(a[j] for j in r.stages)) - checkpoint_bytes(chain, r) + shared_checkpoint_bytes(chain, r, stay)[0]
+                   for r in at_n]
         for m, run in enumerate(at_n):
             later = sum(pending[m + 1:])
             for j in run.stages:
                 missing = int(sum(a[l] for l in range(j, run.last + 1)))
-                checkpoint = rerun_checkpoint(chain, run, j)
+                checkpoint = rerun_checkpoint(chain, run, j) - (shared_checkpoint_bytes(chain, run, stay)[0]
+                                                                if j == run.first else 0)
                 out.append((n, j, base - later - missing + rerun_peak(chain, run, j) + checkpoint + int(chain.bs[n])))
     return out
 
@@ -173,15 +186,16 @@ def memory_profile(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Rec
                    casts_kept: Iterable[int] = ()) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """Activation bytes held during each op (int64 array of length ``2L``; ``Bn`` counts the
     recomputations at its start) and, per re-run forward op, ``(n, j, bytes)``."""
-    runs = tuple(runs)
-    resident = _resident(chain, offloads, runs, casts_kept)
+    offloads, runs = tuple(offloads), tuple(runs)
+    stay = kept_units(chain, offloads, runs)
+    resident = _resident(chain, offloads, runs, casts_kept, stay)
     mem = resident + _transient(chain)
     for run in runs:  # a recomputed stage's forward: autograd keeps none of its unit
         for j in run.stages:
             mem[j - 1] += forward_peak(chain, run, j) - int(chain.fp[j])
     for j, late in sorted(late_parts(chain, offloads, runs).items()):  # Fj's first reading: F(j-1)'s last one
         mem[j - 1] = max(mem[j - 1], min(mem[j - 2], resident[j - 1] + late + int(chain.fs[j])))
-    rebuilt = _recompute_memory(chain, resident, runs)
+    rebuilt = _recompute_memory(chain, resident, runs, stay)
     for n, _, nbytes in rebuilt:
         mem[2 * chain.L - n] = max(mem[2 * chain.L - n], nbytes)
     return mem, rebuilt

@@ -22,7 +22,7 @@ costs the host ``recording_host_s`` more (the executor records its calls), and i
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Container, Iterable
 
 import numpy as np
 
@@ -80,6 +80,23 @@ def checkpoint_bytes(chain: Chain, run: Recompute) -> int:
     """All that ``run`` holds from its forward until its rebuild: its first stage's input,
     what its later stages' re-runs read besides, and what its option keeps."""
     return int(chain.x[run.first]) + later_held_bytes(chain, run) + kept_bytes(chain, run)
+
+
+def shared_checkpoint_bytes(chain: Chain, run: Recompute, kept: Container[int]) -> tuple[int, int]:
+    """``(always, held)``: of ``run``'s checkpoint, the storages the unit before it holds too,
+    which count once while both are on the device (``input_prev_bytes``: a ResNet block's
+    output, saved by its last ReLU, is the next block's input).  Where that unit is among
+    ``kept`` (neither offloaded nor recomputed), ``always``: all of them, wherever the
+    checkpoint counts (the unit is resident from ``Fs`` through ``B(s-1)``, the checkpoint
+    from ``F(s+1)`` through its rebuild); otherwise ``held``: those its held part counts
+    (``input_prev_held_bytes``), from ``F(s+1)`` through ``F(held_until)`` of the unit before,
+    where the model's code holds them whatever the schedule does.  None for an offloaded
+    checkpoint (whose release frees nothing the unit before holds: counted whole, an upper
+    bound) or an encoded unit before (``encoding.apply`` sets both to 0)."""
+    s = run.first
+    if run.moves:
+        return 0, 0
+    return (int(chain.xp[s]), 0) if s - 1 in kept else (0, int(chain.xph[s]))
 
 
 def moved_checkpoint_bytes(chain: Chain, run: Recompute) -> int:

@@ -54,7 +54,8 @@ the boundary after ``F(i+1)`` to its rebuild, its checkpoint meanwhile) are line
 (a big-M row); the rebuild delays ``Bn``'s start after its prefetches are issued.  Where a
 run's checkpoint shares storages with the unit before (``recompute.shared_checkpoint_bytes``),
 two continuous variables take them off its rows, ``<=`` the run chosen with its checkpoint on
-the device and ``<=`` that unit kept (raw, for its held part), as ``v_{i,j}`` do.
+the device and, summed over the runs that start there, ``<=`` that unit kept (raw, for its
+held part), as ``v_{i,j}`` do.
 
 A stage that makes weight casts (docs/model.md, "Weight casts") gets a binary ``k_i``: its
 casts kept, ``cast_bytes`` in the memory rows of the ops ``Fi`` through ``Bi``,
@@ -381,9 +382,6 @@ class Model:
                 continue
             kept = self._var(f"shared_{g.name}")
             held = self._var(f"shared_held_{g.name}") if self.chain.xph[s] else None
-            self._row(f"shared_needs_kept_{g.name}", _affine((kept, 1.0)).add(self.handled(s - 1)), "<=", 1)
-            if held is not None:  # any fate of the unit before but an encoding
-                self._row(f"shared_needs_raw_{g.name}", _affine((held, 1.0)).add(self.chosen(s - 1, RAW), -1.0), "<=")
             form = (s, _checkpoint_form(r))
             for v in [v for v in (kept, held) if v is not None]:  # the run chosen, its checkpoint not moved
                 on_device = _affine((v, 1.0), (g, -1.0))
@@ -391,6 +389,14 @@ class Model:
                     on_device.add(self.x[form])
                 self._row(f"shared_needs_run_{v.name}", on_device, "<=")
             self.shared[r] = (kept, held)
+        # the unit before kept (raw, for its held part), summed over the runs that start after it:
+        # one of them at most is chosen, and the sum keeps the relaxation from counting it for each
+        for s in sorted({r.first for r in self.shared}):
+            mine = [v for r, v in self.shared.items() if r.first == s]
+            self._row(f"shared_needs_kept_{s}", _affine(*((k, 1.0) for k, _ in mine)).add(self.handled(s - 1)), "<=", 1)
+            if mine[0][1] is not None:  # any fate of the unit before but an encoding
+                self._row(f"shared_needs_raw_{s}", _affine(*((h, 1.0) for _, h in mine)).add(self.chosen(s - 1, RAW), -1.0),
+                          "<=")
 
     def _restores(self) -> None:
         """``h_{i,p}`` (a constant for a decided unit) and ``v_{i,j}`` (module docstring)."""

@@ -128,8 +128,10 @@ def none_over(chain, offloads, runs) -> tuple[dict[str, int], dict[str, int]]:
 
 def without_late_parts(chain):
     """``chain`` as if the model's code let go of nothing after a boundary
-    (``carried_late_bytes``, ``held_late_bytes``): what the model booked before them."""
-    return replace(chain, stages=tuple(replace(s, carried_late_bytes=0, held_late_bytes=0) for s in chain.stages))
+    (``carried_early_bytes``, ``carried_late_bytes``, ``held_late_bytes``): the ops' memory
+    without the late parts of their first readings."""
+    return replace(chain, stages=tuple(replace(s, carried_early_bytes=0, carried_late_bytes=0, held_late_bytes=0)
+                                       for s in chain.stages))
 
 
 def processes_of(marker: str) -> list[int]:

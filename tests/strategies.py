@@ -38,7 +38,8 @@ def _encodings(draw, saved: int, reads: int) -> list[dict]:
 def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = False, inputs: bool = False,
            casts: bool | None = None) -> Chain:
     """``inputs``: stages carry what recomputation needs: ``input_bytes`` (a checkpoint),
-    sometimes ``carry_bytes`` (less than the unit alive in the next forward) with part of the
+    sometimes ``carry_bytes`` (less than the unit alive in the next forward; of the rest, some
+    alive only as it starts) with part of the
     checkpoint in it (and in the held part), part of each alive until the next forward starts
     (``carried_late_bytes``, ``held_late_bytes``), the forward's transient live as it starts,
     another forward transient when recomputed (above the stage's own by up to its input,
@@ -102,6 +103,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
         if inputs and draw(st.integers(0, 2)) == 0:
             st_ = stages[-1]
             st_["carry_bytes"] = draw(st.integers(0, saved))
+            if draw(st.booleans()):  # of the rest, what the model's code lets go as F(i+1) starts
+                st_["carried_early_bytes"] = draw(st.integers(0, saved - st_["carry_bytes"]))
             st_["input_carried_bytes"] = draw(st.integers(0, min(st_["carry_bytes"], st_["input_bytes"])))
             if "held_bytes" in st_:
                 st_["input_held_bytes"] = draw(st.integers(0, min(st_["input_carried_bytes"], st_["held_bytes"])))

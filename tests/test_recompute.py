@@ -51,6 +51,14 @@ def small_chain(**stage_two) -> Chain:
                             "platform": {"d2h_bytes_per_s": 1e4, "h2d_bytes_per_s": 1e4}})
 
 
+@pytest.fixture(scope="module")
+def resnet18() -> Chain:
+    """A ResNet-18 (batch 2, image 32) profiled on the CPU, whose meter is exact per op."""
+    from offload.profiler.profile import ProfileOptions, profile
+
+    return profile("resnet18", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, options={"image": 32})).chain
+
+
 @pytest.fixture
 def small():
     return small_chain()
@@ -95,6 +103,25 @@ def test_a_checkpoint_shared_with_the_unit_before_by_hand(offloads, run, less, r
     (mem, rebuilt), (whole, rebuilt_whole) = memory_profile(shared, offloads, [run]), memory_profile(apart, offloads, [run])
     assert list(whole - mem) == less
     assert [b[2] - a[2] for a, b in zip(rebuilt, rebuilt_whole)] == [rerun_less]
+
+
+@pytest.mark.parametrize("next_held", [-40, 25])
+def test_a_re_run_after_an_encoded_unit_keeps_its_raw_bound(next_held):
+    """An encoding of unit 2 changes what ``F3`` holds (``next_held_bytes``: a covered raw
+    storage that dies early, or the raw output beside the encoded copy), not what re-running
+    stage 3 holds in the backward, which reads nothing of unit 2: without a measured re-run
+    transient ``R3`` holds ``F3``'s raw 120 over its checkpoint either way (the simulator read
+    the encoded ``F3``'s bound there, and the MILP the raw one: a random schedule the MILP
+    could not load)."""
+    chain = small_chain(encodings=[{"name": "half", "lossless": True, "encode_s": 0, "decode_s": 0,
+                                    "tensors": [{"index": 0, "encoder": "sign-mask", "bytes": 50, "encoded_bytes": 10}],
+                                    "fwd_held_bytes": 10, "next_held_bytes": next_held, "bwd_held_bytes": [0]}])
+    runs = [Recompute(3, 3)]
+    plain, encoded = (memory_profile(encoding.apply(chain, e), [], runs)[1] for e in ({}, {2: "half"}))
+    # units 1 and 2 (raw 100, encoded 60), F3's raw transient, the checkpoint
+    assert plain == [(3, 3, 100 + 100 + 120 + 30)] and encoded == [(3, 3, 100 + 60 + 120 + 30)]
+    sim = simulate(chain, [], encode={2: "half"}, recompute=runs)
+    assert_loads_exactly(Model(chain, sim.peak_bytes, options=encoding.allowed(chain), max_run=8), [], {2: "half"}, runs)
 
 
 def test_what_a_recomputed_stage_holds_as_measured():
@@ -739,17 +766,14 @@ def test_a_unit_its_model_lets_go_after_the_next_stage_counts_in_the_reading_aft
         assert m[f"F{block}"] == p[f"F{block}"] > memory_profile(without_late_parts(chain), offloads, runs)[0][block - 1]
 
 
-def test_a_held_part_its_model_lets_go_after_its_last_reader_counts_in_the_reading_after_it():
+def test_a_held_part_its_model_lets_go_after_its_last_reader_counts_in_the_reading_after_it(resnet18):
     """ResNet's ``forward`` holds ``layer1``'s output (saved by its last block's ReLU, that
     block's unit) in a local until ``layer2`` returns: it dies as ``layer3`` starts, after the
     reading that ends ``layer2``.  With that block offloaded and released at once and
     ``layer3.0`` recomputed (it grows by less than the output's bytes), ``layer3.0``'s op read
     6 KiB over its prediction; the profile measures the late part of the held part
     (``held_late_bytes``) and the op is exact."""
-    from offload.profiler.profile import ProfileOptions, profile
-
-    chain = profile("resnet18", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False,
-                                               options={"image": 32})).chain
+    chain = resnet18
     block, reader = (next(i for i, s in enumerate(chain.stages, 1) if s.name == name) for name in ("layer1.1", "layer3.0"))
     assert chain.held_until[block] == reader - 1 and chain.hl[block] == chain.held[block] > 0
     offloads, runs = [Offload(block, block + 1, int(chain.need[block]))], [Recompute(reader, reader)]
@@ -774,7 +798,7 @@ def test_a_later_re_run_op_holds_the_tensors_the_runs_first_stage_read_too():
     none_over(chain, [Offload(1, 2, 1)], [Recompute(first, last)])
 
 
-def test_a_checkpoint_the_unit_before_holds_too_counts_once():
+def test_a_checkpoint_the_unit_before_holds_too_counts_once(resnet18):
     """A ResNet block's output is saved by its last ReLU (its unit) and is the next block's
     input (a run's checkpoint there): one storage.  With that unit kept, the checkpoint was
     counted on top of it from the op after the run's forward to its rebuild (a whole
@@ -783,10 +807,7 @@ def test_a_checkpoint_the_unit_before_holds_too_counts_once():
     layer returns).  The profile measures what the checkpoint shares (``input_prev_bytes``,
     ``input_prev_held_bytes``): the op after the forward is exact either way, the prediction
     lower by those bytes."""
-    from offload.profiler.profile import ProfileOptions, profile
-
-    chain = profile("resnet18", ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False,
-                                               options={"image": 32})).chain
+    chain = resnet18
     unshared = replace(chain, stages=tuple(replace(s, input_prev_bytes=0, input_prev_held_bytes=0) for s in chain.stages))
     kept, held = (next(i for i, s in enumerate(chain.stages, 1) if s.name == name) for name in ("layer2.1", "layer3.0"))
     assert chain.xp[kept] == chain.x[kept] > 0 and 0 < chain.xph[held] == chain.xp[held]
@@ -796,3 +817,21 @@ def test_a_checkpoint_the_unit_before_holds_too_counts_once():
         m, p = none_over(chain, offloads, [run])
         after = f"F{run.first + 1}"
         assert m[after] == p[after] == memory_profile(unshared, offloads, [run])[0][run.first] - shared
+
+
+def test_a_carried_part_let_go_as_the_next_stage_starts_counts_in_its_first_reading_only(resnet18):
+    """ResNet's stem ends in a pool whose input (the ReLU's output, saved by the pool: the
+    stem's unit) is still the pool's argument when the boundary fires, and dies as
+    ``layer1.0`` starts.  With the stem recomputed it was booked through all of ``layer1.0``
+    (``carry_bytes``: 128 KiB over its measure at image 32); the profile now puts it in
+    ``carried_early_bytes``, counted in that op's first reading only (``memory.late_parts``),
+    and the op is exact."""
+    chain = resnet18
+    stem = next(i for i, s in enumerate(chain.stages, 1) if s.name == "bn1")
+    assert chain.ce[stem] > 0
+    booked = replace(chain, stages=tuple(replace(s, carry_bytes=s.carry_bytes + s.carried_early_bytes,
+                                                  carried_early_bytes=0) for s in chain.stages))
+    runs = [Recompute(stem, stem)]
+    m, p = none_over(chain, [], runs)
+    after = f"F{stem + 1}"
+    assert m[after] == p[after] == memory_profile(booked, [], runs)[0][stem] - chain.ce[stem]

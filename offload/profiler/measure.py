@@ -91,6 +91,7 @@ class StageMeasurement:
     input_held_late_bytes: int = 0  # ... and of that, the input's storages
     input_prev_bytes: int = 0  # of input_bytes, storages of the unit before (a run starting here holds them once beside it) ...
     input_prev_held_bytes: int = 0  # ... and of that, what the unit before's held part counts
+    carried_early_bytes: int = 0  # of the unit, not in carry_bytes, what dies as F(i+1) starts (``Holding.early``)
 
 
 @dataclass
@@ -603,7 +604,8 @@ class Holding:
     carried: set[int] = field(default_factory=set)  # indices in U_i of the storages in carry_bytes ...
     held: set[int] = field(default_factory=set)  # ... and in held_bytes
     held_read_at: int = 0  # the first forward after F(i+1) that reads a storage in held_bytes (0: none does)
-    late: dict[int, int] = field(default_factory=dict)  # of ``carried``, not held, dying only as F(i+2) starts ...
+    early: dict[int, int] = field(default_factory=dict)  # of ``carried``, dying as F(i+1) starts (bytes) ...
+    late: dict[int, int] = field(default_factory=dict)  # ... not held, dying only as F(i+2) starts ...
     held_late: dict[int, int] = field(default_factory=dict)  # ... of ``held``, only as F(held_until+1) starts (bytes)
     saved_bytes: int = 0  # U_i as this pass saw it: the memory pass's, one update later, unless draws or weights set it
 
@@ -682,6 +684,8 @@ def holding_pass(runner: StepRunner, peak_ops: list[int] | None, peaks: list[int
         if i < runner.L and death > holding.first_op[i + 1] - 1:  # alive into F(i+1): its peak may move
             h.carry_bytes += saved.nbytes  # there once the unit is not saved, so at any of its ops
             h.carried.add(saved.index)
+            if death == holding.first_op[i + 1] - 1 + BOUNDARY_DEATH:  # F(i)'s last reading holds it: F(i+1)'s first
+                h.early[saved.index] = saved.nbytes
         alive = [j for j in range(i + 2, runner.L + 1)
                  if death >= at[j - 1] or (j in matters and death >= holding.first_op[j] - 1)]
         if alive:
@@ -796,9 +800,11 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
         bwd_start = min(bwd_peak, max(0, mem.bwd_starts[i] - m0 - resident - saved[i]))
         fwd_start = min(fwd_peak, max(0, mem.starts[i] - m0 - resident))
         resident += saved[i]
+        # what dies as F(i+1) starts counts in its first reading only, unless a run's checkpoint holds it
+        early = sum(b for n, b in held[i].early.items() if n not in mem.own[i])
         stages.append(StageMeasurement(statistics.median(t[0][i] for t in times), statistics.median(t[1][i] for t in times),
                                        saved[i], fwd_peak, bwd_peak, need[i], held[i].held_bytes,
-                                       held[i].held_until, held[i].carry_bytes, mem.inputs[i][0], why_not[i] is None,
+                                       held[i].held_until, held[i].carry_bytes - early, mem.inputs[i][0], why_not[i] is None,
                                        bwd_start, min(fwd_peak + above, held[i].recomputed_fwd_peak_bytes),
                                        _input_part(held[i].carried, mem.own[i]), _input_part(held[i].held, mem.own[i]),
                                        statistics.median(t[2][i] for t in times),
@@ -812,7 +818,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
                                        mem.saves[i] if mem.saves else 0, fwd_start,
                                        sum(held[i].late.values()), _input_part(held[i].late, mem.own[i]),
                                        sum(held[i].held_late.values()), _input_part(held[i].held_late, mem.own[i]),
-                                       *_prev_parts(mem, held, i)))
+                                       *_prev_parts(mem, held, i), early))
     step = [sum(f) + sum(b) for f, b, *_ in times]
     fixed = [why for why, a in zip(why_not[:-1], saved) if why is not None and a > 0]
     notes = [f"{len(fixed)} of {runner.L - 1} stages cannot be recomputed (the solver keeps or offloads them); "

@@ -318,6 +318,7 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                   shared_saves=s.shared_saves, dropped_saves=s.dropped_saves,
                   held_saves=s.held_saves, held_read_at=s.held_read_at,
                   storages=s.storages, saves=s.saves, fwd_start_bytes=s.fwd_start_bytes,
+                  carried_early_bytes=s.carried_early_bytes,
                   carried_late_bytes=s.carried_late_bytes, input_late_bytes=s.input_late_bytes,
                   held_late_bytes=s.held_late_bytes, input_held_late_bytes=s.input_held_late_bytes)
             for k, (info, s, enc, opt) in enumerate(zip(stages.stages, m.stages, encodings, options), 1)]

@@ -152,6 +152,7 @@ class Stage:
     # re-runs each op just before its reader and frees it after, holding less)
     input_carried_bytes: int = 0  # of input_bytes, storages of Ui that carry_bytes counts too ...
     input_held_bytes: int = 0  # ... and that held_bytes counts too (a checkpoint holds them once)
+    carried_early_bytes: int = 0  # of the unit, beside carry_bytes, what the model's code lets go as F(i+1) starts
     carried_late_bytes: int = 0  # of carry_bytes (not held), what the model's code lets go only as F(i+2) starts ...
     input_late_bytes: int = 0  # ... and of that, storages of the input (a run starting at i holds them as its checkpoint)
     held_late_bytes: int = 0  # of held_bytes, what the model's code lets go only as F(held_until+1) starts ...
@@ -357,6 +358,8 @@ def _stage_document(s: Stage) -> dict:
         d["input_carried_bytes"] = s.input_carried_bytes
     if s.input_held_bytes:
         d["input_held_bytes"] = s.input_held_bytes
+    if s.carried_early_bytes:  # absent otherwise: chains from before it keep their sha256
+        d["carried_early_bytes"] = s.carried_early_bytes
     if s.carried_late_bytes:  # absent otherwise: chains from before them keep their sha256
         d["carried_late_bytes"] = s.carried_late_bytes
     if s.input_late_bytes:  # likewise
@@ -431,6 +434,7 @@ class Chain:
     rfp = _column("recomputed_fwd_peak")
     xc = _column("input_carried_bytes")
     xh = _column("input_held_bytes")
+    ce = _column("carried_early_bytes")
     cl = _column("carried_late_bytes")
     xl = _column("input_late_bytes")
     hl = _column("held_late_bytes")

@@ -33,7 +33,7 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
                "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "input_prev_bytes", "input_prev_held_bytes", "shared_saves",
                "dropped_saves", "held_saves", "held_read_at", "storages", "saves", "moved_bytes",
-               "carried_late_bytes", "input_late_bytes", "held_late_bytes", "input_held_late_bytes", "fwd_start_bytes"}
+               "carried_early_bytes", "carried_late_bytes", "input_late_bytes", "held_late_bytes", "input_held_late_bytes", "fwd_start_bytes"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors", "fwd_held_bytes", "next_held_bytes",
                   "bwd_held_bytes"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
@@ -241,6 +241,8 @@ def _stage(s: Any, i: int, L: int, before: Stage | None) -> Stage:
                  input_bytes=checkpoint,
                  recomputable=v.flag(s, "recomputable", ctx, True), rerun_output=v.flag(s, "rerun_output", ctx, True),
                  carry_bytes=carry, input_carried_bytes=carried, carried_late_bytes=late,
+                 carried_early_bytes=(v.whole(s, "carried_early_bytes", ctx, 0, saved - carry)
+                                      if "carried_early_bytes" in s and carry is not None else 0),
                  input_late_bytes=v.whole(s, "input_late_bytes", ctx, 0, min(carried, late)) if "input_late_bytes" in s else 0,
                  held_late_bytes=held_late,
                  input_held_late_bytes=(v.whole(s, "input_held_late_bytes", ctx, 0, min(input_held, held_late))

@@ -10,7 +10,9 @@ are the stage's output, encoded into ``Q`` bytes) means:
   of its raw peak, with the codec's workspace ``W`` (``+ Q + W``);
 * during ``F(i+1)`` the raw stage output is still alive as that stage's input (``+ Pout``),
   recomputed or not (its ``recomputed_fwd_peak_bytes`` and its options' measured forward
-  peaks too), while the raw storages internal to stage ``i`` are already gone;
+  peaks too), while the raw storages internal to stage ``i`` are already gone (a re-run of
+  stage ``i + 1`` in the backward keeps its own bound: ``rerun_peak_bytes``, else its raw
+  forward's peak);
 * the first backward reader ``B(need_i)`` decodes (``+ decode_s``), and from ``B(need_i)``
   to ``Bi`` the decoded storages live next to the encoded unit, with the workspace
   (``+ P + W``).
@@ -86,6 +88,8 @@ def apply(chain: Chain, choice: Choice) -> Chain:
             after = chain.stage(i + 1)
             if after.recomputed_fwd_peak_bytes is not None:
                 st[i]["recomputed_fwd_peak_bytes"] = after.recomputed_fwd_peak_bytes + e.next_extra_bytes
+            if after.rerun_peak_bytes is None:  # a re-run in the backward reads no raw storage of U_i: its bound stays
+                st[i]["rerun_peak_bytes"] = after.fwd_peak_bytes
             st[i]["options"] = tuple(o if o.fwd_peak_bytes is None else
                                      replace(o, fwd_peak_bytes=o.fwd_peak_bytes + e.next_extra_bytes)
                                      for o in after.options)

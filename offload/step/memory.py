@@ -160,7 +160,8 @@ def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompu
 def late_parts(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompute]) -> dict[int, int]:
     """``{j: bytes}``: of the units autograd no longer holds as ``Fj`` starts, the storages the
     model counts through ``F(j-1)`` and the model's code lets go only as ``Fj`` starts: unit
-    ``j-2``'s ``carried_late_bytes`` (recomputed, or offloaded and released at ``j-1``) and the
+    ``j-1``'s ``carried_early_bytes`` (recomputed: its ``Fj`` carries only ``carry_bytes``),
+    unit ``j-2``'s ``carried_late_bytes`` (recomputed, or offloaded and released at ``j-1``) and the
     ``held_late_bytes`` of units held through ``F(j-1)`` (recomputed, or offloaded and released
     by then), less the input's where a run starting at the unit holds them as its checkpoint."""
     out: dict[int, int] = {}
@@ -172,6 +173,7 @@ def late_parts(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Recompu
     for run in runs:
         for i in run.stages:
             first = i == run.first
+            late(i + 1, int(chain.ce[i]))
             late(i + 2, int(chain.cl[i]) - (int(chain.xl[i]) if first else 0))
             late(int(chain.held_until[i]) + 1, int(chain.hl[i]) - (int(chain.xhl[i]) if first else 0))
     for o in offloads:

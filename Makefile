@@ -46,6 +46,7 @@ bench: $(INSTALL)
 	$(PY) -m experiments.options --bandwidth 0.5GB/s
 	$(PY) -m experiments.moved_checkpoints --bandwidth 0.5GB/s
 	$(PY) -m experiments.held_parts
+	$(PY) -m experiments.shared_checkpoints --bandwidth 0.5GB/s
 	@# the executor's benchmark needs a GPU to mean anything (on a CPU its copies are memcpy)
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then $(PY) -m experiments.bench_executor; \
 	else echo "no CUDA GPU: skipping experiments.bench_executor (make gpu-bench runs its smoke set on a CPU)"; fi

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from experiments import (bench_executor, bench_overhead, casts, compiled, demo, held_parts, interleaved, moved_checkpoints,
-                         options)
+                         options, shared_checkpoints)
 from offload.executor.backends import CpuEagerBackend
 from offload.io.text import parse_budget
 from tests.runs import ROOT, options_paying
@@ -77,6 +77,14 @@ def test_the_held_parts_table_at_a_tiny_size(capsys):
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| 50% |"))
     assert "held parts that may leave: U" in out and float(row.split("|")[-2]) <= 1 + 1e-3  # restoring never hurts
+
+
+@pytest.mark.slow  # a profile and two solves: make test-all
+def test_the_shared_checkpoints_table_at_a_tiny_size(capsys):
+    assert shared_checkpoints.main(["--model", "resnet18", "--batch", "2", "--image", "32", "--budgets", "60",
+                                    "--time-limit", "10", "--bandwidth", "0.5GB/s"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoints sharing storages with the unit before" in out and out.count("| 60% |") == 1, out
 
 
 @pytest.mark.slow  # a profile and eight solves: make test-all

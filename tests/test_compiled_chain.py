@@ -567,7 +567,11 @@ def test_solve_verify_solves_again_for_less_where_the_compiled_schedule_held_mor
     j = 2 * chain.L - op  # (its stage's backward: its transient booked short)
     stages = list(chain.stages)
     stages[j - 1] = replace(stages[j - 1], bwd_peak_bytes=stages[j - 1].bwd_peak_bytes - short)
-    wrong = replace(chain, stages=tuple(stages))
+    # a slow link: at its own peak the wrong chain's optimum offloads nothing (at this CPU's
+    # measured link an offload may cost nothing, and a tie of the profile's times chose one,
+    # lowering the peak op: one round, in about one fresh clone in three)
+    slow = replace(chain.platform, d2h_bytes_per_s=1e5, h2d_bytes_per_s=1e5)
+    wrong = replace(chain, stages=tuple(stages), platform=slow)
     budget = no_offload_peak(wrong)  # the wrong chain's schedule offloads nothing; compiled it holds `short` more
     lines = []
     result = verify.solve_verified(wrong, budget, "ilp", Options(time_limit_s=20), lines.append)

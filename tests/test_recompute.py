@@ -24,7 +24,7 @@ from offload.solver.methods import Options, solve
 from offload.solver.policy import floor_memory
 from offload.step import encoding
 from offload.step.actions import Offload, Recompute
-from offload.step.chain import Chain
+from offload.step.chain import Chain, StageOption
 from offload.step.chainfile import chain_from_dict, load_chain, save_chain
 from offload.step.memory import floor_offloads, late_parts, memory_profile, no_offload_peak, smallest_feasible_budget
 from offload.step.schedule import make_schedule
@@ -116,12 +116,16 @@ def test_a_re_run_after_an_encoded_unit_keeps_its_raw_bound(next_held):
     chain = small_chain(encodings=[{"name": "half", "lossless": True, "encode_s": 0, "decode_s": 0,
                                     "tensors": [{"index": 0, "encoder": "sign-mask", "bytes": 50, "encoded_bytes": 10}],
                                     "fwd_held_bytes": 10, "next_held_bytes": next_held, "bwd_held_bytes": [0]}])
-    runs = [Recompute(3, 3)]
-    plain, encoded = (memory_profile(encoding.apply(chain, e), [], runs)[1] for e in ({}, {2: "half"}))
-    # units 1 and 2 (raw 100, encoded 60), F3's raw transient, the checkpoint
-    assert plain == [(3, 3, 100 + 100 + 120 + 30)] and encoded == [(3, 3, 100 + 60 + 120 + 30)]
-    sim = simulate(chain, [], encode={2: "half"}, recompute=runs)
-    assert_loads_exactly(Model(chain, sim.peak_bytes, options=encoding.allowed(chain), max_run=8), [], {2: "half"}, runs)
+    chain = replace(chain, stages=chain.stages[:2] + (replace(chain.stages[2], options=(
+        StageOption("matmuls", kept_bytes=40, recompute_s=0.0005),)),) + chain.stages[3:])
+    for run in (Recompute(3, 3), Recompute(3, 3, "matmuls")):  # the option's re-run: F3's raw bound too
+        plain, encoded = (memory_profile(encoding.apply(chain, e), [], [run])[1] for e in ({}, {2: "half"}))
+        # units 1 and 2 (raw 100, encoded 60), F3's raw transient, the checkpoint (with the kept outputs)
+        checkpoint = 30 + (40 if run.option else 0)
+        assert plain == [(3, 3, 100 + 100 + 120 + checkpoint)] and encoded == [(3, 3, 100 + 60 + 120 + checkpoint)]
+        sim = simulate(chain, [], encode={2: "half"}, recompute=[run])
+        assert_loads_exactly(Model(chain, sim.peak_bytes, options=encoding.allowed(chain), max_run=8), [], {2: "half"},
+                             [run])
 
 
 def test_what_a_recomputed_stage_holds_as_measured():

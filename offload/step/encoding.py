@@ -90,8 +90,10 @@ def apply(chain: Chain, choice: Choice) -> Chain:
                 st[i]["recomputed_fwd_peak_bytes"] = after.recomputed_fwd_peak_bytes + e.next_extra_bytes
             if after.rerun_peak_bytes is None:  # a re-run in the backward reads no raw storage of U_i: its bound stays
                 st[i]["rerun_peak_bytes"] = after.fwd_peak_bytes
-            st[i]["options"] = tuple(o if o.fwd_peak_bytes is None else
-                                     replace(o, fwd_peak_bytes=o.fwd_peak_bytes + e.next_extra_bytes)
+            st[i]["options"] = tuple(replace(o, fwd_peak_bytes=None if o.fwd_peak_bytes is None
+                                             else o.fwd_peak_bytes + e.next_extra_bytes,
+                                             rerun_peak_bytes=after.fwd_peak_bytes if o.rerun_peak_bytes is None
+                                             else o.rerun_peak_bytes)
                                      for o in after.options)
             st[i].update(input_prev_bytes=0, input_prev_held_bytes=0)  # a checkpoint shares no storage with an encoded unit
         for j in range(i, need + 1):

@@ -134,6 +134,12 @@ def without_late_parts(chain):
                                        for s in chain.stages))
 
 
+def without_shared_checkpoints(chain):
+    """``chain`` as if no checkpoint shared a storage with the unit before it
+    (``input_prev_bytes``, ``input_prev_held_bytes``): each counted beside that unit."""
+    return replace(chain, stages=tuple(replace(s, input_prev_bytes=0, input_prev_held_bytes=0) for s in chain.stages))
+
+
 def processes_of(marker: str) -> list[int]:
     """The processes whose command line holds ``marker`` (a job's launcher, its workers, its ranks)."""
     found = []

@@ -32,7 +32,7 @@ from offload.step.schedulefile import schedule_from_dict, schedule_to_dict
 from offload.step.simulate import simulate
 from tests.brute import assert_joint_ilp_is_brute_force, brute_force
 from tests.conftest import assert_loads_exactly, chain_doc
-from tests.runs import none_over, without_late_parts
+from tests.runs import none_over, without_late_parts, without_shared_checkpoints
 from tests.strategies import chain_and_budget
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -99,8 +99,8 @@ def test_a_checkpoint_shared_with_the_unit_before_by_hand(offloads, run, less, r
     shared = replace(shared, stages=shared.stages[:2] + (replace(shared.stages[2], input_prev_bytes=20,
                                                                    input_prev_held_bytes=10, input_own_bytes=30),)
                      + shared.stages[3:])
-    apart = replace(shared, stages=tuple(replace(s, input_prev_bytes=0, input_prev_held_bytes=0) for s in shared.stages))
-    (mem, rebuilt), (whole, rebuilt_whole) = memory_profile(shared, offloads, [run]), memory_profile(apart, offloads, [run])
+    (mem, rebuilt), (whole, rebuilt_whole) = (memory_profile(c, offloads, [run])
+                                              for c in (shared, without_shared_checkpoints(shared)))
     assert list(whole - mem) == less
     assert [b[2] - a[2] for a, b in zip(rebuilt, rebuilt_whole)] == [rerun_less]
 
@@ -812,7 +812,6 @@ def test_a_checkpoint_the_unit_before_holds_too_counts_once(resnet18):
     ``input_prev_held_bytes``): the op after the forward is exact either way, the prediction
     lower by those bytes."""
     chain = resnet18
-    unshared = replace(chain, stages=tuple(replace(s, input_prev_bytes=0, input_prev_held_bytes=0) for s in chain.stages))
     kept, held = (next(i for i, s in enumerate(chain.stages, 1) if s.name == name) for name in ("layer2.1", "layer3.0"))
     assert chain.xp[kept] == chain.x[kept] > 0 and 0 < chain.xph[held] == chain.xp[held]
     for offloads, run, shared in (([], Recompute(kept, kept), chain.xp[kept]),
@@ -820,7 +819,8 @@ def test_a_checkpoint_the_unit_before_holds_too_counts_once(resnet18):
                                    chain.xph[held])):
         m, p = none_over(chain, offloads, [run])
         after = f"F{run.first + 1}"
-        assert m[after] == p[after] == memory_profile(unshared, offloads, [run])[0][run.first] - shared
+        counted_twice = memory_profile(without_shared_checkpoints(chain), offloads, [run])[0][run.first]
+        assert m[after] == p[after] == counted_twice - shared
 
 
 def test_a_carried_part_let_go_as_the_next_stage_starts_counts_in_its_first_reading_only(resnet18):

@@ -145,14 +145,14 @@ def _recompute_memory(chain: Chain, resident: np.ndarray, runs: Iterable[Recompu
     for n, at_n in sorted(by_op(chain, runs).items(), reverse=True):
         # what B_n holds before its transient, with the runs at n rebuilt and their checkpoints gone
         base = int(resident[2 * L - n])
-        pending = [int(sum(a[j] for j in r.stages)) - checkpoint_bytes(chain, r) + shared_checkpoint_bytes(chain, r, stay)[0]
-                   for r in at_n]
+        # each run's checkpoint as it counts until its rebuild: less what a kept unit before it holds too
+        held = [checkpoint_bytes(chain, r) - shared_checkpoint_bytes(chain, r, stay)[0] for r in at_n]
+        pending = [int(sum(a[j] for j in r.stages)) - h for r, h in zip(at_n, held)]
         for m, run in enumerate(at_n):
             later = sum(pending[m + 1:])
             for j in run.stages:
                 missing = int(sum(a[l] for l in range(j, run.last + 1)))
-                checkpoint = rerun_checkpoint(chain, run, j) - (shared_checkpoint_bytes(chain, run, stay)[0]
-                                                                if j == run.first else 0)
+                checkpoint = held[m] if j == run.first else rerun_checkpoint(chain, run, j)
                 out.append((n, j, base - later - missing + rerun_peak(chain, run, j) + checkpoint + int(chain.bs[n])))
     return out
 

@@ -957,3 +957,26 @@ def test_a_call_that_hands_its_input_back_is_no_cut_of_its_own():
     cap = capture(module, lambda: module(x).square().mean(), ((x,), {}))
     cuts = [site.module for site in cap.candidates]
     assert cuts == ["0", "3", "4", "5", "6"]
+
+
+def test_a_torchvision_models_options_are_the_recipes(monkeypatch):
+    """``torchvision:NAME -O image=64``: the chain's recipe keeps ``image`` (and ``classes``),
+    so that ``offload train`` rebuilds the model at the profiled size (it used to rebuild at
+    224 and refuse the batch).  torchvision stands in here: its wheel may not be installed."""
+    import sys
+    from types import ModuleType
+
+    built = {}
+
+    def get_model(name, weights=None, num_classes=1000, **rest):
+        built.update(name=name, classes=num_classes, **rest)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(num_classes))
+
+    fake = ModuleType("torchvision.models")
+    fake.get_model = get_model
+    monkeypatch.setitem(sys.modules, "torchvision", ModuleType("torchvision"))
+    monkeypatch.setitem(sys.modules, "torchvision.models", fake)
+    options = {"image": 16, "classes": 10, "width_mult": 0.5}
+    spec = resolve("torchvision:tiny", 2, options)
+    assert spec.options == options and built == {"name": "tiny", "classes": 10, "width_mult": 0.5}
+    assert spec.batch()[0][0].shape == (2, 3, 16, 16)

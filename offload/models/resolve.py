@@ -219,9 +219,11 @@ def _torchvision(name: str, batch: int, options: dict[str, Any]) -> ModelSpec:
         raise ModelError(f"torchvision cannot be imported ({type(exc).__name__})",
                          "pip install a torchvision that matches your torch, or use a zoo model "
                          f"({', '.join(ALL_ZOO)})") from None
-    image, classes = int(options.pop("image", 224)), int(options.pop("classes", 1000))
+    # (the options as given stay the recipe's: a trainer rebuilds the model from them)
+    image, classes = int(options.get("image", 224)), int(options.get("classes", 1000))
+    rest = {k: v for k, v in options.items() if k not in ("image", "classes")}
     try:
-        module = get_model(name, weights=None, num_classes=classes, **options)
+        module = get_model(name, weights=None, num_classes=classes, **rest)
     except Exception as exc:
         raise ModelError(f"torchvision cannot build {name!r}: {exc}", "see torchvision.models.list_models()") from exc
     inputs, loss = image_batch(batch, image, classes)

@@ -12,6 +12,7 @@ from offload.io.text import parse_budget
 from offload.solver.cli import _percent
 from offload.step.chainfile import save_chain
 from offload.step.schedulefile import load_schedule
+from tests.conftest import chain_doc
 
 
 @pytest.fixture
@@ -54,6 +55,23 @@ def test_impossible_budget_names_the_smallest_and_writes_nothing(chain_file, tmp
     err = capsys.readouterr().err
     assert f"({smallest - 1:,} B) (activations) is below the smallest feasible budget" in err
     assert f"({smallest:,} B): even with every unit" in err
+
+
+def test_a_floor_that_is_an_ops_own_temporary_memory_says_so(write, capsys):
+    """HRNet's last downsampling convolution: its backward makes an 18 MiB weight gradient before
+    adding it to ``.grad``, and its floor sat at 76% of the peak with no word of why.  Where
+    most of the floor is the op's own transient, the refusal names it; elsewhere it does not."""
+    doc = chain_doc()
+    doc["stages"][1]["bwd_peak_bytes"] = 5000
+    assert main(["solve", str(write("c.json", doc)), "--budget", "1000"]) == 4
+    err = capsys.readouterr().err
+    assert "B2 holds 4.98 KiB of activations" in err and "4.88 KiB of it is B2's own temporary memory" in err
+    doc = chain_doc()
+    for stage in doc["stages"]:
+        stage["fwd_peak_bytes"] = stage["saved_bytes"]
+    assert main(["solve", str(write("d.json", doc)), "--budget", "100"]) == 4
+    err = capsys.readouterr().err
+    assert "below the smallest feasible budget" in err and "own temporary memory" not in err
 
 
 def test_baseline_that_cannot_fit_says_so(chain_file, capsys):

@@ -31,7 +31,7 @@ from offload.models.resolve import file_reference, file_sha256
 from offload.models.spec import cache_configs, cache_off, check_no_layer_drop, signature
 from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage, StageOption
 from offload.step.chainfile import make_chain
-from offload.step.memory import floor_bound_memory, no_offload_peak, op_name, smallest_feasible_budget
+from offload.step.memory import floor_bound_memory, no_offload_peak, op_name, op_transients, smallest_feasible_budget
 from offload.step.names import AUTOCAST, COMPILE_BACKENDS, WHOLE_GRAPH_BACKENDS
 
 from .bandwidth import measure_platform
@@ -371,7 +371,7 @@ def _floor_holder(chain: Chain) -> str:
     """Which op holds the smallest feasible budget, and how much of it is its own temporary memory."""
     mem = floor_bound_memory(chain, recompute=False)
     o = int(mem.argmax())
-    own = int(chain.fp[o + 1] if o < chain.L else chain.bp[2 * chain.L - o])
+    own = int(op_transients(chain)[o])
     i = o + 1 if o < chain.L else 2 * chain.L - o
     return (f"{op_name(chain, o)} ({printable(chain.stage(i).name)}) holds it, {format_bytes(own)} of it the op's own "
             "temporary memory, which no schedule moves")

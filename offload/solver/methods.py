@@ -17,7 +17,7 @@ from offload.step import encoding
 from offload.step.actions import Choice, Offload, Recompute
 from offload.step.budget import Budget
 from offload.step.chain import Chain
-from offload.step.memory import op_name
+from offload.step.memory import op_name, op_transients
 from offload.step.schedule import Schedule, make_schedule
 from offload.step.simulate import Simulation, simulate
 
@@ -316,9 +316,21 @@ def _refuse_below_floor(chain: Chain, budget: Budget, mode: str, recompute: bool
             f"budget {asked} ({budget.scope}) is below the smallest feasible budget {least}: even with every "
             f"unit offloaded at once and fetched on demand{' or recomputed' if recompute else ''}, {op_name(chain, o)} "
             f"holds {format_bytes(floor)} of activations"
-            + (f" on top of {format_bytes(base)} of weights, gradients, optimizer state and the batch" if base else ""),
+            + (f" on top of {format_bytes(base)} of weights, gradients, optimizer state and the batch" if base else "")
+            + _own_share(chain, o, floor),
             f"use --budget {smallest} or more, or a smaller batch", smallest_bytes=smallest)
     return floor
+
+
+def _own_share(chain: Chain, o: int, floor: int) -> str:
+    """Where most of the floor is the op's own temporary memory, say so: a user then knows that
+    no schedule of activations lowers it (a backward's weight gradient before it is added to
+    ``.grad``, a large kernel's workspace), and what to look at instead."""
+    own = min(int(op_transients(chain)[o]), floor)
+    if 2 * own <= floor:  # not most of it
+        return ""
+    return (f"; {format_bytes(own)} of it is {op_name(chain, o)}'s own temporary memory (what its kernels "
+            "allocate and free within it, measured: no schedule moves it; in a backward, the gradients it makes)")
 
 
 def _bounds(ctx: _Context, encoded: bool, info: dict[str, Any]) -> dict[str, float]:

@@ -38,7 +38,9 @@ def op_name(chain: Chain, o: int) -> str:
     return f"F{o + 1}" if o < L else f"B{2 * L - o}"
 
 
-def _transient(chain: Chain) -> np.ndarray:
+def op_transients(chain: Chain) -> np.ndarray:
+    """Per op (``F1..FL, BL..B1``), the bytes its own kernels allocate and free within it
+    (``fwd_peak_bytes``, ``bwd_peak_bytes``): its working memory, which no schedule moves."""
     return np.concatenate([chain.fp[1:], chain.bp[1:][::-1]])
 
 
@@ -191,7 +193,7 @@ def memory_profile(chain: Chain, offloads: Iterable[Offload], runs: Iterable[Rec
     offloads, runs = tuple(offloads), tuple(runs)
     stay = kept_units(chain, offloads, runs)
     resident = _resident(chain, offloads, runs, casts_kept, stay)
-    mem = resident + _transient(chain)
+    mem = resident + op_transients(chain)
     for run in runs:  # a recomputed stage's forward: autograd keeps none of its unit
         for j in run.stages:
             mem[j - 1] += forward_peak(chain, run, j) - int(chain.fp[j])

@@ -186,3 +186,23 @@ def test_an_option_faster_than_its_stage_forward_is_refused():
     with pytest.raises(FormatError, match=r"options\[0\]\.fwd_s \(0\.0005\) < the stage's fwd_s \(0\.001\)"):
         chain_from_dict({"format": "offload-chain/2", "name": "bad", "stages": stages,
                          "platform": {"d2h_bytes_per_s": 1e4, "h2d_bytes_per_s": 1e4}})
+
+
+def test_torchs_selective_checkpointing_of_a_model_changing_a_kept_output_in_place_says_why_it_failed():
+    """SqueezeNet's ``ReLU(inplace=True)`` changes the convolution's output that the "save the
+    matmuls" policy keeps: torch's backward refuses the changed tensor, and ``--compare``'s
+    row printed only torch's words (which tensor, not why).  The error now says why first."""
+    import torch
+    from torch import nn
+
+    from offload.core.selective import selective_checkpointing
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3)))
+    with pytest.raises(RuntimeError, match=r"^torch's selective checkpointing kept an op's output that the model "
+                                           r"then changed in place .* torch said: "):
+        with selective_checkpointing(model, ["0"]):
+            model(torch.randn(2, 3, 8, 8, requires_grad=True)).sum().backward()
+    model[0][1].inplace = False  # the same model without it trains
+    with selective_checkpointing(model, ["0"]):
+        model(torch.randn(2, 3, 8, 8, requires_grad=True)).sum().backward()

@@ -156,6 +156,13 @@ def selective_checkpointing(module: nn.Module, blocks: Iterable[str]) -> Iterato
             patched.append((sub, "forward" in vars(sub)))
             sub.forward = functools.partial(checkpoint, sub.forward, use_reentrant=False, context_fn=context)
         yield
+    except RuntimeError as exc:
+        if not any(words in str(exc) for words in ("modified by an inplace operation", "checkpoint has been mutated")):
+            raise
+        # (torch's own words name the tensor, not why: SqueezeNet's ReLU(inplace=True) after each conv)
+        raise RuntimeError("torch's selective checkpointing kept an op's output that the model then changed in "
+                           "place (as nn.ReLU(inplace=True) after a convolution does): a limit of that policy; build "
+                           f"the model without in-place ops to compare it. torch said: {exc}") from exc
     finally:
         for sub, own in reversed(patched):
             if own:

@@ -953,3 +953,46 @@ def test_a_saved_conjugate_view_moved_by_the_compiled_graph_comes_back_conjugate
                                           whole_graph=True)).chain
     report, error = train(None, chain, make_schedule(chain, floor_offloads(chain)), TrainOptions(steps=1, check_grads=True))
     assert error is None and report.grads_match is True and report.measured.d2h_bytes_per_step > 0
+
+
+IDENTITY_SCALE = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    """timm's MetaFormer block: its residual branch scaled by an ``nn.Identity`` where no layer
+    scale is asked for, called on a value the block's own code made."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.mix, self.mlp, self.res_scale = nn.Linear(width, width), nn.Linear(width, width), nn.Identity()
+
+    def forward(self, x):
+        h = x + self.mix(x)
+        return self.res_scale(h) + self.mlp(h)
+
+
+def build(batch_size):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), Block(16), Block(16), nn.Linear(16, 4)), torch.randn(batch_size, 8)
+'''
+
+
+def test_a_call_that_computes_nothing_is_no_stage_boundary_of_the_compiled_graph(tmp_path):
+    """timm's PoolFormer profiled --whole-graph failed: its eager profile cut at each block's
+    ``res_scale2``, an ``nn.Identity`` on the value the block's code made, and the compiled
+    graph has no node of that call to end a stage at ("runs some of the chain's cut sites but
+    not ..."). The capture knows which candidates made no node, the compiled graph's profile
+    cuts elsewhere only, and a schedule trains."""
+    (tmp_path / "scaled.py").write_text(IDENTITY_SCALE)
+    model = f"{tmp_path / 'scaled.py'}:build"
+    cap = profile(model, ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False)).capture
+    assert {site.module for site in cap.idle} == {"1.res_scale", "2.res_scale"}
+    chain = profile(model, ProfileOptions(batch=2, repeats=1, warmup=1, encodings=False, compile="aot_eager",
+                                          whole_graph=True, recompute=False)).chain
+    assert chain.recipe.cuts and not any("res_scale" in cut for cut in chain.recipe.cuts)
+    torch._dynamo.reset()
+    report, error = train(None, chain, make_schedule(chain, floor_offloads(chain)),
+                          TrainOptions(steps=1, backend="cpu-lazy", check_grads=True))
+    assert error is None and report.grads_match

@@ -980,3 +980,74 @@ def test_a_torchvision_models_options_are_the_recipes(monkeypatch):
     spec = resolve("torchvision:tiny", 2, options)
     assert spec.options == options and built == {"name": "tiny", "classes": 10, "width_mult": 0.5}
     assert spec.batch()[0][0].shape == (2, 3, 16, 16)
+
+
+BATCHNORM_NET = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Block(nn.Module):
+    """A convolution, its batch norm and a ReLU in one call (no submodules: one compiled region)."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(cout, cin, 3, 3) * 0.1)
+        self.scale, self.shift = nn.Parameter(torch.ones(cout)), nn.Parameter(torch.zeros(cout))
+        self.register_buffer("running_mean", torch.zeros(cout))
+        self.register_buffer("running_var", torch.ones(cout))
+
+    def forward(self, x):
+        y = F.conv2d(x, self.weight, padding=1)
+        y = F.batch_norm(y, self.running_mean, self.running_var, self.scale, self.shift, training=self.training)
+        return F.relu(y)
+
+
+def build(batch_size):
+    torch.manual_seed(0)
+    net = nn.Sequential(Block(3, 8), Block(8, 8), Block(8, 8), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
+    return net, torch.randn(batch_size, 3, 8, 8)
+'''
+
+
+def test_a_compiled_model_whose_units_the_cpu_meter_cannot_see_is_refused(tmp_path, capsys):
+    """On the CPU the memory passes meter each op under a dispatch mode, under which
+    torch.compile runs the model uncompiled (and, once seen there, its frames stay so): a
+    BatchNorm saves its running statistics themselves uncompiled and copies of them compiled,
+    so a ResNet profiled --compile on the CPU was refused at its first training step ("stage 7
+    saved 53248 B ... when profiled it saved 47104 B").  The profile compiles afresh after the
+    metered passes, compares the units, and says so at once, writing nothing; the timed steps
+    then run compiled again."""
+    model = tmp_path / "bn.py"
+    model.write_text(BATCHNORM_NET)
+    out = tmp_path / "c.json"
+    torch._dynamo.reset()
+    assert main(["profile", f"{model}:build", "--batch", "2", "--compile", "aot_eager", "--no-encodings",
+                 "--no-recompute", "--repeats", "1", "--warmup", "1", "-o", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "runs a torch.compile'd model uncompiled, and the compiled model saves other tensors" in err
+    assert "B compiled and" in err and "--whole-graph" in err and "Traceback" not in err
+    assert not out.exists()
+    assert main(["profile", f"{model}:build", "--batch", "2", "--no-encodings", "--no-recompute", "--repeats", "1",
+                 "--warmup", "1", "-o", str(out), "-q"]) == 0  # uncompiled: as measured
+
+
+def test_a_profile_whose_compiles_hit_the_recompile_limit_says_what_to_do(monkeypatch):
+    """timm's PoolFormer: each block's drop-path rate differs, torch.compile makes one graph per
+    block, and past its recompile limit (8) the rest ran uncompiled, with one line of dynamo's
+    log.  The profile counts the limit's hits in dynamo's own counters and says what that does
+    to the chain and how to lift it."""
+    from torch._dynamo.utils import counters
+
+    from offload.profiler.profile import _recompile_warning, recompile_limit_hits
+
+    before = recompile_limit_hits()
+    monkeypatch.setitem(counters, "unimplemented", counters["unimplemented"].copy())
+    counters["unimplemented"]["Dynamo recompile limit exceeded\n  Explanation: ..."] += 2
+    counters["unimplemented"]["Call to `torch._dynamo.graph_break()`\n  Explanation: ..."] += 1
+    assert recompile_limit_hits() == before + 2
+    assert _recompile_warning(0) == []
+    [said] = _recompile_warning(2)
+    assert "torch.compile hit its recompile limit (8) 2 time(s)" in said
+    assert "set torch._dynamo.config.recompile_limit above the number of blocks" in said

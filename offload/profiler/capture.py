@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import networkx as nx
@@ -63,6 +63,7 @@ class CallRecord:
     outputs: list[tuple[int, int | None]]  # (pytree leaf index, producing node) of each differentiable activation
     start: int = 0  # graph nodes made before the call began
     inputs: list[tuple[int, int]] = field(default_factory=list)  # (leaf of (args, kwargs), producer) of its activations
+    end: int = 0  # graph nodes made when it returned (``start``: it made none, as an ``nn.Identity``)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Capture:
     candidates: list[Site]  # in execution order
     ends: dict[Site, int]  # candidate -> the node producing its value
     notes: list[str] = field(default_factory=list)
+    idle: frozenset[Site] = frozenset()  # candidates whose call made no node (its output is a value made before it)
 
 
 class CaptureError(Exception):
@@ -214,7 +216,8 @@ class _Recorder(TorchFunctionMode):
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self.stack.pop()
         name, occurrence, depth, start, inputs = self.open.pop()
-        self.calls.append(CallRecord(Site(name, occurrence), depth, self._activations(out), start, inputs))
+        self.calls.append(CallRecord(Site(name, occurrence), depth, self._activations(out), start, inputs,
+                                     len(self.order)))
 
 
 def _in_checkpoint() -> bool:
@@ -243,8 +246,7 @@ def _add_openings(rec: _Recorder, best: dict[int, CallRecord], ancestors: set, b
         since = max((n for n in best if n < made), default=-1)
         if end in best or made in best or not any(rec.graph.nodes[n]["params"] for n in rec.order[since + 1:made + 1]):
             continue
-        best[end] = CallRecord(Site(call.site.module, call.site.occurrence, leaf, before=True), call.depth,
-                               call.outputs, call.start, call.inputs)
+        best[end] = replace(call, site=Site(call.site.module, call.site.occurrence, leaf, before=True))
 
 
 def _dominators(g: nx.DiGraph) -> list[int]:
@@ -330,7 +332,8 @@ def capture(module: nn.Module, run: Callable[[], torch.Tensor], inputs: Any, spl
         else:
             continue
         if node not in best or call.depth < best[node].depth:
-            best[node] = CallRecord(Site(call.site.module, call.site.occurrence, leaf), call.depth, call.outputs)
+            best[node] = replace(call, site=Site(call.site.module, call.site.occurrence, leaf))
     _add_openings(rec, best, ancestors, _blocks(module) if split_blocks else blocks)
     ends = {call.site: node for node, call in sorted(best.items())}
-    return Capture(graph=rec.graph, order=rec.order, candidates=list(ends), ends=ends)
+    idle = frozenset(call.site for call in best.values() if call.end == call.start)
+    return Capture(graph=rec.graph, order=rec.order, candidates=list(ends), ends=ends, idle=idle)

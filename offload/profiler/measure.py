@@ -46,7 +46,7 @@ from offload.core.devices import deterministic_kernels, make_optimizer, persiste
 from offload.core.meters import UNCOUNTED, Clock, CpuMeter, make_meter, timed
 from offload.core.rerun import NotRerunnable, StageRecorder, written_later
 from offload.core.selective import KeptOutputs
-from offload.core.staging import StageListener, Staging
+from offload.core.staging import StageListener, Staging, compiled
 from offload.core.units import Saved, UnitTracker, distinct_bytes, plain, storage_key
 from offload.errors import ModelError
 from offload.io.text import format_bytes
@@ -747,6 +747,40 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / med if med > 0 else 0.0
 
 
+def unmetered_units(runner: StepRunner) -> list[int]:
+    """Per stage, the bytes of its unit in one step run with no meter: on the CPU the memory
+    passes read each op under a dispatch mode (``CpuMeter``), under which ``torch.compile``
+    runs the model uncompiled, so a compiled model's units must be seen without one."""
+    tracker = runner.tracker(persistent_tensors(runner.spec.module, runner.optimizer, runner.device))
+
+    def pack(t: torch.Tensor) -> Any:
+        tracker.saw(t)
+        return casts.pack(t)
+    with runner.batch() as (args, kwargs):
+        tracker.exclude(tensors_in((args, kwargs)))
+        loss = runner.forward(args, kwargs, Boundaries(runner.L, lambda: None, tracker), pack)
+        loss.backward()
+        del loss
+    runner.zero_grads()
+    return tracker.units(runner.L)[0]
+
+
+def _same_when_compiled(metered: list[int], compiled: list[int]) -> None:
+    """Refuse a chain whose units, read under the CPU's meter (the model run uncompiled), are not
+    the compiled model's: its training, compiled, would be refused at its first step (a
+    ResNet's BatchNorm saves its running statistics themselves uncompiled, and copies of them
+    compiled: 512 B more in its first block's unit)."""
+    varied = [(k, a, b) for k, (a, b) in enumerate(zip(metered, compiled), 1) if a != b]
+    if varied:
+        k, a, b = varied[0]
+        raise ModelError(f"on the CPU this profile reads memory under a dispatch mode, which runs a torch.compile'd "
+                         f"model uncompiled, and the compiled model saves other tensors for the backward: stage {k} "
+                         f"saves {b} B compiled and {a} B uncompiled ({len(varied)} stage(s) differ); a chain of the "
+                         "uncompiled model's units would be refused when it trains compiled",
+                         "profile it as one compiled graph (--whole-graph, metered as compiled on the CPU too), or "
+                         "uncompiled (no --compile), or on a GPU (whose memory is read from the allocator)")
+
+
 def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str], None] = lambda _: None) -> Measurement:
     """Warm up, take the memory pass, then ``repeats`` timing passes (``tick(phase)`` as each ends)."""
     update_s = runner.warmup(warmup)
@@ -770,6 +804,11 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     runner.warmup(1)  # the weights updated once more: units whose bytes follow them (routing) differ next
     held = holding_pass(runner, mem.peak_ops, peak_f, mem.starts, op_lives=mem.op_lives)
     _same_units(saved, [h.saved_bytes for h in held])
+    if runner.device.type == "cpu" and compiled(runner.spec.module):
+        # under the meter's dispatch mode the compiled frames ran, and run from then on, uncompiled:
+        # compiled afresh, the units must be the same, and the timed steps run compiled
+        torch._dynamo.reset()
+        _same_when_compiled(saved, unmetered_units(runner))
     tick("memory pass")
     times, plain = [], []
     for _ in range(repeats):  # each timed step beside a plain one: both see the machine at one pace

@@ -149,10 +149,33 @@ def _forward_and_loss(spec: ModelSpec, args: tuple, kwargs: dict) -> torch.Tenso
         return spec.loss(spec.module(*args, **kwargs))
 
 
+def recompile_limit_hits() -> int:
+    """How often this process's ``torch.compile`` gave up compiling a function again for its
+    recompile limit (``torch._dynamo.config.recompile_limit``), running it uncompiled since."""
+    from torch._dynamo.utils import counters
+    return sum(n for why, n in counters["unimplemented"].items() if why.startswith("Dynamo recompile limit exceeded"))
+
+
+def _recompile_warning(hits: int) -> list[str]:
+    """What to do where the profile's compiles hit the recompile limit: the chain then measured
+    some calls compiled and some not, and a training compiled otherwise saves other tensors
+    (timm's PoolFormer: its drop-path rate differs from block to block, one compile each, and
+    past the 8th the blocks ran uncompiled; the trained schedule moved more than it booked)."""
+    if not hits:
+        return []
+    from torch._dynamo import config
+    return [f"torch.compile hit its recompile limit ({config.recompile_limit}) {hits} time(s): past it a function runs "
+            "uncompiled, so this chain measured some calls compiled and some not, and a training that compiles them "
+            "otherwise saves other tensors (a value that differs between blocks, such as a per-block drop-path rate, "
+            "makes one compile per block): set torch._dynamo.config.recompile_limit above the number of blocks "
+            "where the model is built (the profiler imports that file too) and profile again"]
+
+
 def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lambda _: None) -> Profiled:
     """Profile ``model`` and return its measured chain (``tick(phase)`` as each phase ends)."""
     _check(opts)
     waited = CpuWait()
+    limit_hits = recompile_limit_hits()
     device = pick_device(opts.device)
     spec = resolve(model, opts.batch, opts.options, opts.seed)
     spec.autocast, spec.set_to_none = opts.autocast, opts.set_to_none
@@ -174,6 +197,8 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
             torch._dynamo.reset()
             spec.module = torch.compile(spec.module, backend=opts.compile)
         cuts = cap.candidates if opts.stages else default_cuts(cap)
+        if opts.whole_graph:  # one graph has no node at a call that makes none (PoolFormer's nn.Identity res_scale)
+            cuts = [cut for cut in cuts if cut not in cap.idle]
         stages, runner, result = _measured(cap, cuts, spec, device, opts, tick)
         if opts.stages and opts.stages < stages.L:
             runner.staging.remove()
@@ -233,7 +258,8 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
                                       opts.recompute)
     share = waited.share()
     chain = replace(chain, source={**chain.source, "cpu_wait_share": share})
-    said = collapse_warnings(chain, cap, user_module) + busy_warning(share, "the profile")
+    said = (collapse_warnings(chain, cap, user_module) + busy_warning(share, "the profile")
+            + _recompile_warning(recompile_limit_hits() - limit_hits))
     return Profiled(chain, cap, stages, spec, said if opts.whole_graph else said + timing_warnings(result, share))
 
 

@@ -808,6 +808,7 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
         # under the meter's dispatch mode the compiled frames ran, and run from then on, uncompiled:
         # compiled afresh, the units must be the same, and the timed steps run compiled
         torch._dynamo.reset()
+        runner.warmup(1)  # compiles afresh (a first compiled step may save what later ones do not)
         _same_when_compiled(saved, unmetered_units(runner))
     tick("memory pass")
     times, plain = [], []

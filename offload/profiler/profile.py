@@ -160,7 +160,7 @@ def _recompile_warning(hits: int) -> list[str]:
     """What to do where the profile's compiles hit the recompile limit: the chain then measured
     some calls compiled and some not, and a training compiled otherwise saves other tensors
     (timm's PoolFormer: its drop-path rate differs from block to block, one compile each, and
-    past the 8th the blocks ran uncompiled; the trained schedule moved more than it booked)."""
+    past the 8th the blocks ran uncompiled)."""
     if not hits:
         return []
     from torch._dynamo import config

@@ -40,7 +40,7 @@ def op_name(chain: Chain, o: int) -> str:
 
 def op_transients(chain: Chain) -> np.ndarray:
     """Per op (``F1..FL, BL..B1``), the bytes its own kernels allocate and free within it
-    (``fwd_peak_bytes``, ``bwd_peak_bytes``): its working memory, which no schedule moves."""
+    (``fwd_peak_bytes``, ``bwd_peak_bytes``): its temporary memory, which no schedule moves."""
     return np.concatenate([chain.fp[1:], chain.bp[1:][::-1]])
 
 

@@ -131,3 +131,18 @@ def test_every_method_has_a_style_of_its_own():
     assert set(_STYLE) == set(METHODS)
     assert len({(color, str(ls), marker) for color, ls, marker in _STYLE.values()}) == len(_STYLE)
     assert all(marker in Line2D.filled_markers for _, _, marker in _STYLE.values())
+
+
+def test_a_timelines_title_counts_the_runs_it_recomputes_too():
+    """A joint schedule that recomputes and offloads nothing was titled "0 units offloaded"
+    above its re-runs (a transformers Jamba at 75%)."""
+    from offload.analysis.plots import timeline_title
+    from offload.analysis.timeline import timeline
+    from offload.step.actions import Recompute
+    from offload.step.schedule import make_schedule
+
+    chain = load_chain(CHAINS / "gpt-b2-cpu.json")
+    k = min(chain.recomputable)
+    title = timeline_title(timeline(chain, make_schedule(chain, [], recompute=[Recompute(k, k)])))
+    assert title.endswith("0 units offloaded, 1 run recomputed") and title.startswith(chain.name)
+    assert timeline_title(timeline(chain, make_schedule(chain, []))).endswith("0 units offloaded")

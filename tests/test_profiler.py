@@ -1051,3 +1051,14 @@ def test_a_profile_whose_compiles_hit_the_recompile_limit_says_what_to_do(monkey
     [said] = _recompile_warning(2)
     assert "torch.compile hit its recompile limit (8) 2 time(s)" in said
     assert "set torch._dynamo.config.recompile_limit above the number of blocks" in said
+
+
+def test_a_builders_chain_is_named_after_its_file_and_function(user_file):
+    """Builders are often all called ``build``: a chain named ``build-b4`` titled a sweep's plot
+    with nothing of the model.  The default name carries the file's name too; a zoo or
+    torchvision model keeps its own."""
+    from offload.profiler.profile import _model_label
+
+    assert profile(f"{user_file}:build", ProfileOptions(batch=4, repeats=1, warmup=1)).chain.name == "user_model.build-b4"
+    assert [_model_label(m) for m in ("gpt2", "torchvision:resnet50", "pkg.models:make")] == ["gpt2", "resnet50",
+                                                                                              "models.make"]

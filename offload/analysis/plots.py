@@ -133,6 +133,17 @@ def _fmt_time(s: float) -> str:
     return f"{s / scale:.3g} {unit}"
 
 
+def timeline_title(t: Timeline) -> str:
+    """The timeline's title: chain, method, predicted step against the ideal, and what the
+    schedule does (the runs it recomputes too: a joint schedule that offloads nothing read
+    "0 units offloaded" above its re-runs)."""
+    sim, runs = t.simulation, len(t.schedule.recompute)
+    return (f"{t.chain.name}, {t.schedule.method or 'schedule'}: step {_fmt_time(sim.makespan_s)} "
+            f"(ideal {_fmt_time(t.chain.ideal_makespan_s)}, stalls {_fmt_time(sim.stall_s)}), "
+            f"{sum(1 for s in t.spans if s.lane == 'D2H')} units offloaded"
+            + (f", {runs} run{'s' if runs != 1 else ''} recomputed" if runs else ""))
+
+
 def plot_timeline(t: Timeline, path: str | os.PathLike) -> None:
     """Lanes for compute, D2H and H2D (stalls in red) above the memory curve with the budget line."""
     sim = t.simulation
@@ -157,9 +168,7 @@ def plot_timeline(t: Timeline, path: str | os.PathLike) -> None:
     top.legend(handles=[Patch(color=colors[k], label={"R": "R (re-run F)"}.get(k, k))
                         for k in ("F", "B", "R", "stall", *(("codec",) if "codec" in rows else ()), "D2H", "H2D")],
                ncol=7, fontsize=7, loc="upper right", bbox_to_anchor=(1, 1.18))
-    top.set_title(f"{t.chain.name}, {t.schedule.method or 'schedule'}: step {_fmt_time(sim.makespan_s)} "
-                  f"(ideal {_fmt_time(t.chain.ideal_makespan_s)}, stalls {_fmt_time(sim.stall_s)}), "
-                  f"{sum(1 for s in t.spans if s.lane == 'D2H')} units offloaded", fontsize=10, loc="left")
+    top.set_title(timeline_title(t), fontsize=10, loc="left")
     xs, ys = [], []
     for start, end, nbytes in t.memory:
         xs += [start / tscale, end / tscale]

@@ -149,7 +149,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="do not look for encodable storages (ReLU sign masks, sparse storage, bf16); they are found, "
                         "sized and timed by default, one extra step")
     p.add_argument("--seed", type=integer(0), default=0, help="seed of the random weights and inputs (default 0)")
-    p.add_argument("--name", help="chain name (default MODEL-bBATCH)")
+    p.add_argument("--name", help="chain name (default MODEL-bBATCH; for file.py:fn, file.fn-bBATCH)")
     p.add_argument("--graphml", metavar="FILE", type=output_path, help="also write the activation graph with each op's stage (GraphML)")
     p.add_argument("--list-models", action="store_true", help="list the zoo models and their options")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")

@@ -81,7 +81,14 @@ class Profiled:
 
 
 def _model_label(model: str) -> str:
-    return model.rsplit(":", 1)[-1].rsplit("/", 1)[-1].removesuffix(".py")
+    """The chain's default name's model part: a zoo or torchvision model's name; for a builder,
+    its file's (or module's) name and the function's (``hf_models.build``: builders are often
+    all called ``build``, and a sweep's plot titled ``build-b2`` said nothing)."""
+    target, _, fn = model.rpartition(":")
+    if not target or target == "torchvision":
+        return fn
+    stem = target.rsplit("/", 1)[-1].removesuffix(".py").rsplit(".", 1)[-1]
+    return f"{stem}.{fn}"
 
 
 def _check(opts: ProfileOptions) -> None:

@@ -732,3 +732,16 @@ def test_a_value_crossing_a_boundary_leaves_the_backward_as_it_was(view):
     staging.remove()
     assert all(torch.equal(a, b) for a, b in zip(plain, staged))
     assert listener.heard == ["F1", "F2", "F3", "F4", "B4", "B3", "B2", "B1"]
+
+
+def test_a_failed_rank_is_the_jobs_exit_code_without_the_launchers_traceback(capfd):
+    """``offload train --nproc 2`` with a rank over its budget: each rank said so (exit 6), and
+    then torch.distributed.run printed its own traceback and failure summary and the job
+    exited 1.  The job now exits with the rank's code, and says nothing of its own."""
+    from offload.executor.distributed import run_job
+
+    code = run_job(["--standalone", "--nproc_per_node=1", "--no-python", "sh", "-c", "echo the rank said it >&2; exit 6"])
+    err = capfd.readouterr().err
+    assert code == 6 and "the rank said it" in err
+    assert "Traceback" not in err and "ChildFailedError" not in err and "FAILED" not in err
+    assert run_job(["--standalone", "--nproc_per_node=1", "--no-python", "true"]) == 0

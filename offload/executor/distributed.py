@@ -38,7 +38,7 @@ PR_SET_PDEATHSIG = 1
 
 def launch(argv: list[str], nproc: int) -> int:
     """Run ``offload ARGV`` (less its ``--nproc``: the ranks know from their environment) on
-    ``nproc`` ranks; the exit code of the job (non-zero if any rank failed).
+    ``nproc`` ranks; the exit code of the first rank that failed (0 if none: ``run_job``).
 
     The job runs in a session of its own: a SIGTERM or SIGINT to this process (Ctrl-C) is
     passed to all of it (``torch.distributed.run`` then stops its ranks), escalated to SIGKILL
@@ -46,8 +46,8 @@ def launch(argv: list[str], nproc: int) -> int:
     rest = [a for a in argv if not a.startswith("--nproc=")]
     if "--nproc" in rest:  # torch.distributed.run would take it for its own --nproc-per-node
         del rest[rest.index("--nproc"):rest.index("--nproc") + 2]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "--module", "offload", *rest]
+    cmd = [sys.executable, "-c", "import sys; from offload.executor.distributed import run_job; sys.exit(run_job(sys.argv[1:]))",
+           "--standalone", f"--nproc_per_node={nproc}", "--module", "offload", *rest]
     job = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_end_with_parent)
     stopped: list[tuple[int, float]] = []  # the signal received, and when
 
@@ -68,6 +68,24 @@ def launch(argv: list[str], nproc: int) -> int:
         print(f"offload train: {signal.Signals(stopped[0][0]).name}: the job and its ranks were stopped", file=sys.stderr)
         return 128 + stopped[0][0]
     return job.returncode
+
+
+def run_job(argv: list[str]) -> int:
+    """``torch.distributed.run ARGV``, its exit code the first failed rank's: a rank says what
+    went wrong itself (one clear message), and the launcher's own traceback and summary of the
+    failure, printed after it, said nothing more (a rank over its budget exits 6, the job 1)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its "failed (exitcode: 6)" line
+    try:
+        run(get_args_parser().parse_args(argv))
+    except ChildFailedError as exc:
+        codes = [failure.exitcode for _, failure in sorted(exc.failures.items())]
+        return next((code for code in codes if code > 0), 1)
+    return 0
 
 
 def _signal_job(job: subprocess.Popen, signum: int) -> None:

@@ -17,8 +17,8 @@ import argparse
 from dataclasses import replace
 
 from experiments.moved_checkpoints import ilp_or_none
-from offload.io.text import format_bytes, format_seconds, parse_rate
-from offload.profiler.bandwidth import given_platform
+from experiments.reproduce import planned_link
+from offload.io.text import format_bytes, format_seconds
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, Result
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
@@ -41,13 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="33,36,40,45,50", help="shares of the no-offload peak, %% (33,36,40,45,50)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="of each solve, seconds (30)")
     ap.add_argument("--recompute", action="store_true", help="the joint class (ilp --recompute)")
-    ap.add_argument("--bandwidth", type=parse_rate, default=None, metavar="RATE",
-                    help="plan for this link (e.g. 2GB/s) instead of the measured one")
+    planned_link(ap, "2GB/s")
     args = ap.parse_args(argv)
     options = {"width": args.width, "depth": args.depth, "image": args.image}
-    platform = given_platform(args.bandwidth, args.bandwidth, 0.0) if args.bandwidth else None
     chain = profile("tests/models/unet.py:build", ProfileOptions(batch=args.batch, repeats=3, warmup=1, encodings=False,
-                                                                 options=options, platform=platform)).chain
+                                                                 options=options, platform=args.platform)).chain
     staying = replace(chain, stages=tuple(replace(s, held_saves=(), held_read_at=0) for s in chain.stages))
     peak = no_offload_peak(chain)
     held = ", ".join(f"U{i} {format_bytes(chain.stage(i).held_bytes)} read by F{chain.stage(i).held_read_at}"

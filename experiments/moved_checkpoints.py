@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from experiments.reproduce import planned_link
 from offload.errors import InfeasibleBudget
-from offload.io.text import format_seconds, parse_rate
-from offload.profiler.bandwidth import given_platform
+from offload.io.text import format_seconds
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, Result, solve
 from offload.step.chain import Chain
@@ -46,14 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--budgets", default="30,35,40,50", help="shares of the no-offload peak, %% (30,35,40,50)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="of each solve, seconds (30)")
-    ap.add_argument("--bandwidth", type=parse_rate, default=None, metavar="RATE",
-                    help="plan for this link (e.g. 0.5GB/s) instead of the measured one")
+    planned_link(ap, "0.5GB/s")
     args = ap.parse_args(argv)
     options = {"layers": args.layers, "width": args.width, "heads": 8, "kv_heads": 2, "seq": 128, "vocab": 1000,
                "dropout": 0.1}
-    platform = given_platform(args.bandwidth, args.bandwidth, 0.0) if args.bandwidth else None
     chain = profile("llama", ProfileOptions(batch=2, repeats=3, warmup=1, autocast="bfloat16", options=options,
-                                            platform=platform)).chain
+                                            platform=args.platform)).chain
     kept = replace(chain, stages=tuple(replace(s, input_own_bytes=0) for s in chain.stages))
     peak = no_offload_peak(chain)
     print(f"Llama {args.layers} layers, width {args.width}, bf16; link {chain.platform.d2h_bytes_per_s / 1e9:.3g} GB/s")

@@ -60,10 +60,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from experiments.interleaved import interleave_schedules
+from experiments.reproduce import planned_link
 from offload.errors import InfeasibleBudget
 from offload.executor.train import TrainOptions, train
-from offload.io.text import format_bytes, format_seconds, parse_rate
-from offload.profiler.bandwidth import given_platform
+from offload.io.text import format_bytes, format_seconds
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.floors import joint_floor
 from offload.solver.methods import Options, Result, solve
@@ -150,20 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps of each training run (4)")
     ap.add_argument("--rounds", type=int, default=8, help="interleaved rounds of a budget's rows for the verdict (8)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="of each solve, seconds (30)")
-    ap.add_argument("--bandwidth", type=parse_rate, default=None, metavar="RATE",
-                    help="plan for this link (e.g. 0.5GB/s) instead of the measured one; on a CPU the copies still "
-                         "run at memcpy speed, so the measured steps of schedules that offload are not this link's")
+    planned_link(ap, "0.5GB/s", "; on a CPU the copies still run at memcpy speed, so the measured steps of schedules "
+                                "that offload are not this link's")
     ap.add_argument("--no-train", dest="train", action="store_false", help="predictions only")
     args = ap.parse_args(argv)
     options = {"layers": args.layers, "width": args.width, "heads": 8, "kv_heads": 2, "seq": args.seq,
                "vocab": 1000, "dropout": 0.1}
-    platform = given_platform(args.bandwidth, args.bandwidth, 0.0) if args.bandwidth else None
     chain = profile("llama", ProfileOptions(batch=args.batch, repeats=args.repeats, warmup=1, autocast="bfloat16",
-                                            options=options, platform=platform)).chain
+                                            options=options, platform=args.platform)).chain
     peak = no_offload_peak(chain)
     print(f"Llama {args.layers} layers, width {args.width}, sequence {args.seq}, batch {args.batch}, bf16 autocast, "
           f"SDPA, attention dropout 0.1; {torch.get_num_threads()} threads, torch {torch.__version__}; link "
-          f"{chain.platform.d2h_bytes_per_s / 1e9:.3g} GB/s" + (" (planned for, not this machine's)" if platform else ""))
+          f"{chain.platform.d2h_bytes_per_s / 1e9:.3g} GB/s"
+          + (" (planned for, not this machine's)" if args.platform else ""))
     print(f"no-offload activation peak {format_bytes(peak)}; smallest budget with recomputation no lower than "
           f"{100 * smallest_feasible_budget(chain, recompute=True) / peak:.1f}% (a bound, options or not)")
     floors = {name: joint_floor(c, args.time_limit) for name, c in (("options", chain),
@@ -206,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             if args.train and row.method not in FIXED:
                 measure(chain, row, args)
-            print(line(peak, f"{share}%", row, platform is not None), flush=True)
+            print(line(peak, f"{share}%", row, args.platform is not None), flush=True)
         trained = [r for r in rows if r.step_s is not None]
         if args.train and any(r.method == "joint + options" for r in trained) and len(trained) > 1:
             plain = Row("none", reference.result)  # the no-offload step in the same rounds: the pace

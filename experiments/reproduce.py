@@ -34,10 +34,12 @@ from offload.analysis.plots import plot_sweep
 from offload.analysis.sweep import Row, parse_budgets, sweep, write_rows
 from offload.errors import InfeasibleBudget
 from offload.io.files import write_csv
+from offload.io.text import parse_rate
+from offload.profiler.bandwidth import given_platform
 from offload.solver.baselines import own_smallest_budget
 from offload.solver.floors import bisect_budget
 from offload.solver.methods import METHODS, RECOMPUTING, Options, solve
-from offload.step.chain import Chain
+from offload.step.chain import Chain, Platform
 from offload.step.chainfile import load_chain
 from offload.step.memory import no_offload_peak, smallest_feasible_budget
 
@@ -59,6 +61,19 @@ def sweep_parser(doc: str, out: Path, time_limit: float) -> argparse.ArgumentPar
     ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per core)")
     ap.add_argument("--out", type=Path, default=out, help=f"results folder (default {out})")
     return ap
+
+
+def planned_link(ap: argparse.ArgumentParser, example: str, note: str = "") -> None:
+    """The ``--bandwidth RATE`` option the experiments that profile share: the profile plans
+    for that link (both ways, no latency) instead of measuring this machine's; ``args.platform``
+    holds it (``None``: measured)."""
+    ap.add_argument("--bandwidth", dest="platform", type=_planned, default=None, metavar="RATE",
+                    help=f"plan for this link (e.g. {example}) instead of the measured one{note}")
+
+
+def _planned(text: str) -> Platform:
+    rate = parse_rate(text)
+    return given_platform(rate, rate, 0.0)
 
 
 def zoo_chains(folder: Path = CHAINS) -> list[Chain]:

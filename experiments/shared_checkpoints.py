@@ -19,8 +19,8 @@ import time
 from dataclasses import replace
 
 from experiments.moved_checkpoints import ilp_or_none
-from offload.io.text import format_seconds, parse_rate
-from offload.profiler.bandwidth import given_platform
+from experiments.reproduce import planned_link
+from offload.io.text import format_seconds
 from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options
 from offload.step.chain import Chain
@@ -43,12 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image", type=int, default=128)
     ap.add_argument("--budgets", default="34,36,38,40,45,50", help="shares of the no-offload peak, %% (34,...,50)")
     ap.add_argument("--time-limit", type=float, default=120.0, help="of each solve, seconds (120)")
-    ap.add_argument("--bandwidth", type=parse_rate, default=None, metavar="RATE",
-                    help="plan for this link (e.g. 0.5GB/s) instead of the measured one")
+    planned_link(ap, "0.5GB/s")
     args = ap.parse_args(argv)
-    platform = given_platform(args.bandwidth, args.bandwidth, 0.0) if args.bandwidth else None
     chain = profile(args.model, ProfileOptions(batch=args.batch, repeats=2, warmup=1, encodings=False,
-                                               options={"image": args.image}, platform=platform)).chain
+                                               options={"image": args.image}, platform=args.platform)).chain
     apart = replace(chain, stages=tuple(replace(s, input_prev_bytes=0, input_prev_held_bytes=0) for s in chain.stages))
     shared = sum(1 for s in chain.stages if s.input_prev_bytes)
     peak = no_offload_peak(chain)

@@ -268,6 +268,37 @@ def test_hooks_added_after_a_compiled_call_say_so(chains):
     torch._dynamo.reset()
 
 
+@pytest.mark.filterwarnings("ignore:this module is compiled")
+def test_a_compiled_module_metered_on_the_cpu_runs_compiled_after_it(chains):
+    """The CPU's meter is a dispatch mode, under which ``torch.compile`` runs nothing compiled,
+    and a frame it first meets under one it used to mark uncompiled for good: the user's
+    steps after ``run.measured()`` (and ``offload train``'s timed steps after its metered
+    ones) ran eager.  The meter runs compiled code eager only while it is on."""
+    chain = chains["gpt"]
+    graph_runs = []
+
+    def counting(gm, example_inputs):
+        def run(*args):
+            graph_runs.append(1)
+            return gm.forward(*args)
+        return run
+    torch._dynamo.reset()
+    spec = resolve("gpt", 2, GPT)
+    run = Offloaded(torch.compile(spec.module, backend=counting), chain, everything(chain), backend="cpu-lazy")
+    try:
+        spec.loss(run(*spec.args)).backward()  # compiles (a first step runs one graph more)
+        before = len(graph_runs)
+        spec.loss(run(*spec.args)).backward()
+        compiled_step = len(graph_runs) - before
+        with run.measured():
+            spec.loss(run(*spec.args)).backward()
+        assert len(graph_runs) == before + compiled_step and compiled_step > 0  # eager under the meter
+        spec.loss(run(*spec.args)).backward()
+        assert len(graph_runs) == before + 2 * compiled_step  # compiled again after it
+    finally:
+        torch._dynamo.reset()
+
+
 # -- autocast, checkpointing, accumulation --------------------------------------------------
 
 @pytest.mark.slow  # make test trains under autocast in test_a_weight_read_by_two_stages_keeps_autocasts_cache

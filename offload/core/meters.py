@@ -95,7 +95,13 @@ class _CollectorPaused:
 
 
 class CpuMeter(_CollectorPaused, TorchDispatchMode):
-    """Exact live-bytes accounting of CPU tensors; enter it around the measured step."""
+    """Exact live-bytes accounting of CPU tensors; enter it around the measured step.
+
+    ``torch.compile`` runs no frame under a dispatch mode, and a frame it first meets under
+    one it marks to run uncompiled for good: so inside the meter compiled code runs eager by
+    ``torch.compiler.set_stance("force_eager")``, which leaves its compiled frames as they
+    were for the steps after the meter (a compiled model metered once trained uncompiled
+    from then on: the timed steps of ``offload train``, the user's own after ``measured()``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -109,15 +115,18 @@ class CpuMeter(_CollectorPaused, TorchDispatchMode):
         self._ignored: set[int] = set()
         self.reserved_peak: int | None = None  # no allocator holds more than the tensors: nothing to report
         self._finalizers: list[weakref.finalize] = []
+        self._eager = contextlib.ExitStack()
 
     def __enter__(self) -> "CpuMeter":
         self._pause()
+        self._eager.enter_context(torch.compiler.set_stance("force_eager"))
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)
         finally:
+            self._eager.close()
             self._resume()
 
     def track(self, tensors: Iterable[Any]) -> None:

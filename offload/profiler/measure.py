@@ -804,12 +804,8 @@ def measure(runner: StepRunner, repeats: int, warmup: int, tick: Callable[[str],
     runner.warmup(1)  # the weights updated once more: units whose bytes follow them (routing) differ next
     held = holding_pass(runner, mem.peak_ops, peak_f, mem.starts, op_lives=mem.op_lives)
     _same_units(saved, [h.saved_bytes for h in held])
-    if runner.device.type == "cpu" and compiled(runner.spec.module):
-        # under the meter's dispatch mode the compiled frames ran, and run from then on, uncompiled:
-        # compiled afresh, the units must be the same, and the timed steps run compiled
-        torch._dynamo.reset()
-        runner.warmup(1)  # compiles afresh (a first compiled step may save what later ones do not)
-        _same_when_compiled(saved, unmetered_units(runner))
+    if runner.device.type == "cpu" and compiled(runner.spec.module):  # the meter ran it eager: the units
+        _same_when_compiled(saved, unmetered_units(runner))  # must be the compiled ones
     tick("memory pass")
     times, plain = [], []
     for _ in range(repeats):  # each timed step beside a plain one: both see the machine at one pace

@@ -103,6 +103,38 @@ def test_offload_train_on_two_ranks(chains, tmp_path):
     assert report["ranks"] == 2 and report["grads_match"] is True
     assert (m["d2h_bytes_per_step"], m["h2d_bytes_per_step"]) == (p["d2h_bytes_per_step"], p["h2d_bytes_per_step"]) != (0, 0)
     assert m["activation_peak_bytes"] == p["activation_peak_bytes"] and m["total_peak_bytes"] == p["total_peak_bytes"]
+    # DDP lays its buckets out anew in its second step's forward: a warm-up step (its first op held the weights'
+    # bytes twice when a single warm-up step came before the measured ones)
+    assert all(m["op_peak_bytes"][op] <= b for op, b in p["op_bytes"].items())
+
+
+def test_a_measured_block_whose_ddp_lays_its_buckets_out_anew_says_so(chains, tmp_path):
+    """DDP allocates its gradient buckets again in its second step's forward, the old ones
+    still live: ``run.measured()`` around that step measures the gradients' bytes twice at its
+    first op, over the prediction, and says why; after two steps it measures as predicted.
+    One gloo rank in this process (``Offloaded(DDP(m))``, as ``offload train --nproc``)."""
+    import torch.distributed as dist
+    chain = chains["mlp"]  # weights far larger than its activations at batch 2
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        spec = resolve("mlp", 2, MLP)
+        run = Offloaded(distributed.wrap(spec.module), chain, everything(chain), backend="cpu-lazy")
+
+        def step():
+            spec.loss(run(*spec.args)).backward()
+            run.zero_grad(set_to_none=False)
+        step()
+        assert distributed.buckets_rebuilt(run) == 0
+        with pytest.warns(UserWarning, match="DistributedDataParallel laid its gradient buckets out anew"):
+            with run.measured() as first:
+                step()
+        assert distributed.buckets_rebuilt(run) == 1 and first.over_prediction
+        with run.measured() as second:
+            step()
+        assert second.over_prediction is None
+        assert second.measured.activation_peak_bytes <= second.predicted.activation_peak_bytes
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # 10-20 s: two ranks start, train, and are stopped

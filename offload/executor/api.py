@@ -40,6 +40,7 @@ from offload.step.schedule import Schedule
 from offload.step.schedulefile import load_schedule
 
 from .backends import make_backend
+from .distributed import buckets_rebuilt
 from .plan import StepPlan
 from .report import Report
 from .runtime import OffloadRuntime
@@ -196,7 +197,8 @@ class Offloaded(nn.Module):
         the optimizer step included) and ``predicted`` (the simulator's), and, when the
         measured activation peak is above the predicted one, ``over_prediction``: by how much
         and why when known (also a warning: plain ``zero_grad()`` on a chain that counts the
-        gradients as allocated, say).  On a GPU the
+        gradients as allocated, say; DDP inside laying its buckets out anew in its second
+        step: warm up two steps under DDP).  On a GPU the
         allocator's counters measure (each op boundary synchronizes the device;
         ``reserved_peak_bytes`` is what the allocator held, its slack included; the steps'
         time includes the first, so warm up before the block; the device's peak counter
@@ -207,7 +209,7 @@ class Offloaded(nn.Module):
         meter.ignore(runtime.arena.chunks)  # host memory, even when the device is the CPU
         meter.track(persistent_tensors(self.module, optimizer, runtime.device))
         steps, moved = runtime.steps, (runtime.d2h_bytes, runtime.h2d_bytes, runtime.encoded_bytes)
-        freed = self.freed_grads
+        freed, rebuilt = self.freed_grads, buckets_rebuilt(self.module)
         report = Report.start(self.chain, self.schedule, runtime.backend.name, runtime.device)
         try:  # every op read at its end, the optimizer step left out
             with meter, runtime.reading(meter, lambda: meter.live - start) as op_peaks:
@@ -225,7 +227,7 @@ class Offloaded(nn.Module):
         m.set_peak(max(op_peaks.values(), default=start) - start, self.chain)
         m.reserved_peak_bytes, m.host_arena_bytes = meter.reserved_peak, runtime.arena.nbytes
         m.host_arena_grown_bytes = runtime.arena.grown
-        report.judge_peak(freed_grads=self.freed_grads - freed)
+        report.judge_peak(freed_grads=self.freed_grads - freed, rebuilt_buckets=buckets_rebuilt(self.module) - rebuilt)
         m.d2h_bytes_per_step, m.h2d_bytes_per_step, m.encoded_bytes_per_step = (
             (now - before) // per for now, before in zip((runtime.d2h_bytes, runtime.h2d_bytes, runtime.encoded_bytes),
                                                          moved))

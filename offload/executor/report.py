@@ -181,12 +181,14 @@ class Report:
         rounds = self.compare_our_step_times_s
         return statistics.median(rounds) if rounds else self.measured.step_s
 
-    def judge_peak(self, freed_grads: int = 0, warn: bool = True) -> None:
+    def judge_peak(self, freed_grads: int = 0, rebuilt_buckets: int = 0, warn: bool = True) -> None:
         """Say so (``over_prediction``, and with ``warn`` a warning) when the measured activation
         peak is above the predicted one, with the cause when it is known: ``freed_grads``
         forwards found the gradients freed (``optimizer.zero_grad()``'s default, or no backward
         yet) while the chain counts them as allocated, in ``base_bytes``: the backward then
-        allocates them on top; or the excess is within what the encoded units' blobs may vary;
+        allocates them on top; ``rebuilt_buckets`` ``DistributedDataParallel`` laid their
+        gradient buckets out anew in a measured step (``distributed.buckets_rebuilt``); or the
+        excess is within what the encoded units' blobs may vary;
         or a saved storage grew past its profiled size after the first step (``arena_grew``)."""
         measured, predicted = self.measured.activation_peak_bytes, self.predicted.activation_peak_bytes
         if measured is None or measured <= predicted:
@@ -196,6 +198,9 @@ class Report:
                    "(profiled without --set-to-none): the backward allocated them on top of the activations. Call "
                    "optimizer.zero_grad(set_to_none=False) and run one step before measuring, or profile with "
                    "--set-to-none")
+        elif rebuilt_buckets:
+            why = ("; DistributedDataParallel laid its gradient buckets out anew in a measured step (it does in its "
+                   "second step's forward, holding the gradients' bytes twice): run two steps before measuring")
         else:
             blobs = self.within_blob_slack(measured - predicted) or self.arena_grew()
             why = f"; {blobs}" if blobs else ""

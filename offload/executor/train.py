@@ -222,8 +222,10 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         check = GradCheck(reference, params, device)
     trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes,
                       elsewhere=check.tensors() if check is not None else None, compiled=whole)
+    # compiled whole, its compiling step warms it up; under DDP two, the second laying its buckets out anew
+    warm_ups = 0 if whole else distributed.WARM_UP_STEPS if ranks > 1 else 1
     if opts.progress is not None:
-        total = (trainer.steps_per_measure(opts.steps) + (not whole) + bool(opts.trace)
+        total = (trainer.steps_per_measure(opts.steps) + warm_ups + bool(opts.trace)
                  + (compare_steps(trainer, opts.steps, whole) if opts.compare else 0))
         trainer.tick = lambda what: opts.progress(what, total)
     run = None
@@ -235,7 +237,7 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         steps, error = trainer.measure(opts.steps, lambda args, kwargs: run(*args, **kwargs), hooks=check,
                                        runtime=None if whole else run.runtime, probe=opts.op_memory and not whole,
                                        label="offloaded" + (" (and the reference)" if check else ""),
-                                       warm_up=not whole)  # compiled whole: its compiling step warmed it up
+                                       warm_up=warm_ups)
     except HostMemoryShortfall as exc:  # the host arena: nothing ran
         steps, error = Run(), exc
     completed = error is None  # every step ran (it may still have gone over the budget)

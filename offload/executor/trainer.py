@@ -157,21 +157,22 @@ class Trainer:
     def measure(self, steps: int, forward: Forward, wrap: Callable[[], ContextManager] = contextlib.nullcontext,
                 hooks: StepHooks | None = None, runtime: OffloadRuntime | None = None,
                 probe: bool = False, label: str = "", timed: bool = True,
-                warm_up: bool = False) -> tuple[Run, OffloadError | None]:
+                warm_up: int = 0) -> tuple[Run, OffloadError | None]:
         """``steps`` steps with memory metered, then (on the CPU, unless not ``timed``) ``steps``
         more timed without the meter, after the metered ones warmed up; on a GPU the metered
-        steps are timed, the first left out as a warm-up (``warmup_s``).  With ``warm_up``, a
-        step not measured comes first (``warm_up_step``).  On running out of memory: the steps
+        steps are timed, the first left out as a warm-up (``warmup_s``).  ``warm_up`` steps not
+        measured come first (``warm_up_step``).  On running out of memory: the steps
         before it, and the error.  With ``probe``, the first metered step's memory is read at
         every op's end too (``run.op_peaks``, from ``runtime``).  ``label`` names the way of
         training in ``tick``.  ``run.cpu_wait_share`` says how much the machine's other
         processes held its CPUs meanwhile (``offload.io.contention``)."""
-        if warm_up:
+        for step in range(1, warm_up + 1):
+            which = f" {step}/{warm_up}" if warm_up > 1 else ""
             try:
-                self.warm_up_step(forward, "the warm-up step")
+                self.warm_up_step(forward, f"the warm-up step{which}")
             except OffloadError as exc:  # the step's error, as a metered step's is
                 return Run(), exc
-            self.tick(f"{label} warm-up step".strip())
+            self.tick(f"{label} warm-up step{which}".strip())
         waited = CpuWait()
         run, error = self._metered(steps, forward, wrap, hooks or StepHooks(), runtime, probe, label)
         if self.device.type == "cuda":

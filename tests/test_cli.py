@@ -66,12 +66,14 @@ def test_a_floor_that_is_an_ops_own_temporary_memory_says_so(write, capsys):
     assert main(["solve", str(write("c.json", doc)), "--budget", "1000"]) == 4
     err = capsys.readouterr().err
     assert "B2 holds 4.98 KiB of activations" in err and "4.88 KiB of it is B2's own temporary memory" in err
+    assert "a smaller batch (where the op's own memory follows the batch" in err  # HRNet's did not
     doc = chain_doc()
     for stage in doc["stages"]:
         stage["fwd_peak_bytes"] = stage["saved_bytes"]
     assert main(["solve", str(write("d.json", doc)), "--budget", "100"]) == 4
     err = capsys.readouterr().err
     assert "below the smallest feasible budget" in err and "own temporary memory" not in err
+    assert "or a smaller batch\n" in err
 
 
 def test_baseline_that_cannot_fit_says_so(chain_file, capsys):

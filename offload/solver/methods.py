@@ -312,13 +312,16 @@ def _refuse_below_floor(chain: Chain, budget: Budget, mode: str, recompute: bool
         o = int(memory.argmax())
         smallest, base = budget.counted(chain, floor), budget.base(chain)
         asked, least = told_apart(budget.nbytes, smallest)
+        own = _own_share(chain, o, floor)
         raise InfeasibleBudget(
             f"budget {asked} ({budget.scope}) is below the smallest feasible budget {least}: even with every "
             f"unit offloaded at once and fetched on demand{' or recomputed' if recompute else ''}, {op_name(chain, o)} "
             f"holds {format_bytes(floor)} of activations"
             + (f" on top of {format_bytes(base)} of weights, gradients, optimizer state and the batch" if base else "")
-            + _own_share(chain, o, floor),
-            f"use --budget {smallest} or more, or a smaller batch", smallest_bytes=smallest)
+            + own,
+            f"use --budget {smallest} or more, or a smaller batch"
+            + (" (where the op's own memory follows the batch: a weight's gradient does not)" if own else ""),
+            smallest_bytes=smallest)
     return floor
 
 

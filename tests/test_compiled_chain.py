@@ -729,9 +729,10 @@ def test_offload_train_traces_a_step_of_the_compiled_graph(aot, tmp_path):
 def test_a_model_under_its_own_checkpointing_is_profiled_and_trained_compiled_whole():
     """transformers' own activation checkpointing, compiled whole: each checkpoint saves the
     random state to draw its region's numbers again, a storage whose size the compiler leaves
-    symbolic (its profile failed writing that size into the chain).  It stays on the device
-    (no copy could size it), the chain counts its size as traced, and a schedule offloading
-    the floor trains as the compiled model without it."""
+    symbolic under torch 2.13 (its profile failed writing that size into the chain).  There it
+    stays on the device (no copy could size it), said so, and the chain counts its size as
+    traced; torch 2.14's compiler gives it a size, and it moves with its unit.  Either way a
+    schedule offloading the floor trains as the compiled model without it."""
     model = str(Path(__file__).resolve().parent / "models" / "decoders.py") + ":build"
     opts = {"checkpointing": 1, "layers": 1, "dropout": 0.0, "width": 32, "seq": 16, "vocab": 64}
     profiled = profile(model, ProfileOptions(batch=1, repeats=1, warmup=1, encodings=False, options=opts,
@@ -743,8 +744,12 @@ def test_a_model_under_its_own_checkpointing_is_profiled_and_trained_compiled_wh
     assert any("the model checkpoints its own layers" in w for w in profiled.warnings), profiled.warnings
     schedule = make_schedule(chain, floor_offloads(chain))
     torch._dynamo.reset()
-    with pytest.warns(UserWarning, match=r"only in part .* \(a size the compiler left symbolic\)"):
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         report, error = train(None, chain, schedule, TrainOptions(steps=1, backend="cpu-lazy", check_grads=True))
+    in_part = [str(w.message) for w in said if "only in part" in str(w.message)]
+    symbolic = torch.torch_version.TorchVersion(torch.__version__) < "2.14"
+    assert len(in_part) == symbolic and all("(a size the compiler left symbolic)" in w for w in in_part), in_part
     assert error is None and report.grads_match
     assert report.measured.d2h_bytes_per_step == schedule.simulate(chain).d2h_bytes > 0
 
@@ -900,7 +905,10 @@ def test_metering_a_compiled_step_prints_nothing_of_torch_profilers_own():
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parents[1]).stderr
     metered, plain = err.split("metered\n")
-    assert "USDT" not in metered and "profiler_start" in plain, err
+    if "profiler_start" not in plain:  # torch 2.11's profiler prints nothing of its own either
+        assert torch.torch_version.TorchVersion(torch.__version__) < "2.13" and not metered, err
+        return
+    assert "USDT" not in metered, err
 
 
 def test_a_metered_step_reads_no_free_of_earlier_garbage_as_its_own(aot, monkeypatch):

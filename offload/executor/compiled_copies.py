@@ -46,7 +46,10 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+try:  # a symbolic size's value as traced: torch 2.13's name for it
+    from torch.fx.experimental.symbolic_shapes import optimization_hint as size_hint
+except ImportError:  # torch 2.11's (the GPU machines' torch): without it no module of the package imported there
+    from torch.fx.experimental.symbolic_shapes import size_hint
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload.core.devices import allocated_bytes
@@ -230,7 +233,7 @@ def storage_bytes(value: torch.Tensor) -> int:
     """The bytes of ``value``'s storage (a graph's meta value), a number: where the compiler left
     the size symbolic, the size it had when traced."""
     n = value.untyped_storage().nbytes()
-    return n if isinstance(n, int) else optimization_hint(n)
+    return n if isinstance(n, int) else size_hint(n)
 
 
 def _symbolic(values: list[fx.Node]) -> bool:

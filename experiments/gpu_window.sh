@@ -3,6 +3,8 @@
 # its own limit and the whole under WINDOW_S seconds (560), the next part run whatever the last
 # one did.  Usage: experiments/gpu_window.sh RESULTS [PYTHON]
 #
+# 0. machine.txt: the versions, and whether every module of the package imports on the machine's
+#    torch (none did on torch 2.11 from 2026-11-29 to 2026-12-07);
 # 1. the compiled path's GPU tests (#35; a segfault of its copies on CUDA fixed on the CPU since
 #    the last window), each test under its own limit so that a hang fails it and the run goes on;
 # 2. the bf16 Llama profiled again (its chain now carries the host's time per handled tensor,
@@ -29,7 +31,7 @@ pack() { (cd "$W" && tar czf "$R/bench.tgz" --exclude='*-trace.json' .); }
 PER_TEST=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 60")
 PYTEST="$PY -m pytest -v -rf -p no:cacheprovider --tb=short $PER_TEST"
 
-{ nvidia-smi -L; $PY -c "import torch, transformers, pulp; print(torch.__version__, torch.version.cuda, transformers.__version__, pulp.__version__)"; git log -1 --format=%H; } > "$R/machine.txt" 2>&1
+{ nvidia-smi -L; $PY -c "import torch, transformers, pulp; print(torch.__version__, torch.version.cuda, transformers.__version__, pulp.__version__)"; $PY -c "import importlib, pkgutil, offload; [importlib.import_module(m.name) for m in pkgutil.walk_packages(offload.__path__, 'offload.') if not m.name.endswith('__main__')]; print('every module of offload imports')"; git log -1 --format=%H; } > "$R/machine.txt" 2>&1
 
 el compiled-tests
 timeout "$(left 120)" $PYTEST -m "gpu or cudashim" -k compiled tests/test_executor_gpu.py tests/test_cudashim.py > "$R/tests-compiled.txt" 2>&1

@@ -69,7 +69,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .devices import ModuleTensors
 from .places import Place, place_of, view_at
-from .rng import RngState, forked_rng, rng_state, set_rng_state
+from .rng import RngState, drew, forked_rng, rng_state, set_rng_state, torch_draws
 from .units import among, is_weight, plain, storage_key
 
 View = Place | None  # where in the source's storage (None: the source itself)
@@ -417,22 +417,27 @@ class StageRecorder:
         that its re-run saves it again, when it writes in place what a recorded call made, so
         that its re-run reads it written, or when it makes a tensor of what a recorded call
         made (a residual sum after a block), so that its re-run makes it again instead of
-        holding it (and rebuilds the stage's output where that is what it makes).  Any other
+        holding it (and rebuilds the stage's output where that is what it makes), or when it
+        draws from torch's generators (a LayerDrop draw, ``torch.rand([])``, that older
+        transformers' encoder-decoders make before each layer even at a rate of 0), so that
+        its re-run draws it again and the calls after it draw what they drew.  Any other
         (a mask made of the input, a size asked) is left to the forward: what it makes is held
         where a call reads it.  One
         that saves but writes in place a tensor made before it, or takes an argument a re-run
         cannot pass again, makes the stage one that cannot be re-run."""
         self._open((args, kwargs), False)
+        generators = torch_draws(self.device)
         try:
             out = func(*args, **kwargs)
         finally:
             saved, before, (_, (args, kwargs)) = self._completed()
+        random = drew(generators, self.device)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         written = [t for t in tensors if t._version != before[id(t)]]
         made_here = [plain(t) and self._source(t) is not None for t in written]
         goes_on = any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]) \
             and any(plain(t) and self._source(t) is not None for t in tensors)
-        if saved is None and not any(made_here) and not goes_on:
+        if saved is None and not any(made_here) and not goes_on and not random:
             return out
         try:
             if not all(made_here):

@@ -33,6 +33,18 @@ def rng_state(device: torch.device) -> RngState:
                     np.random.get_state(), random.getstate())
 
 
+def torch_draws(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Torch's generators as they stand, to tell whether a call drew from them (``drew``)."""
+    return (torch.get_rng_state(),) + ((torch.cuda.get_rng_state(device),) if device.type == "cuda" else ())
+
+
+def drew(before: tuple[torch.Tensor, ...], device: torch.device) -> bool:
+    """Whether torch's generators moved since ``before`` (``torch_draws``): the states are host
+    bytes, compared as arrays (no torch op, which a step's sync detector would take for a
+    read of the device)."""
+    return not all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(before, torch_draws(device)))
+
+
 def set_rng_state(state: RngState, device: torch.device) -> None:
     """Put every generator back to ``state``."""
     torch.set_rng_state(state.cpu)

@@ -47,7 +47,10 @@ def build(batch: int, arch: str = "qwen3", layers: int = 4, width: int = 128, se
     cls, config = _config(arch, layers, width, vocab, dropout)
     torch.manual_seed(0)
     model = cls(config)
-    if checkpointing:
-        model.activation_checkpointing_enable()
+    if checkpointing:  # transformers 5.17 (the GPU machines') names it gradient_checkpointing_enable
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, vocab, (batch, seq))
     return model, {"input_ids": ids, "labels": ids}

@@ -241,6 +241,15 @@ class _Held(NamedTuple):
     call: int  # the index in ``StageRecorder.calls`` of the call that first read it
 
 
+class _Began(NamedTuple):
+    """A call's arguments as it began: a call may change them before its post-hook sees them."""
+
+    versions: dict[int, int]  # of its tensor arguments (an in-place dropout on a pooled output the model made)
+    given: Any  # the arguments themselves
+    copied: Any  # the same in containers of their own: a call may empty a list it is given (a U-Net's up
+    # block that pops its skip feature off the list it is handed; a compiled graph's boxed arguments)
+
+
 class _Own:
     """How many of our hooks are running now (``own_code``)."""
 
@@ -336,15 +345,9 @@ class StageRecorder:
         # completed calls begin in ``calls``, and why it cannot be re-run if it ends the stage open
         self.starts: list[int] = [0]
         self.whys: list[str | None] = [None]
-        # per level, the versions of the call's positional tensor arguments as it began: a
-        # call that writes in place what it reads (an in-place dropout on a pooled output the
-        # model's code made) has changed them by the time its post-hook sees them
-        self.versions_before: list[dict[int, int]] = [{}]
-        # per level, the call's arguments as it was given them, and copied into containers of
-        # their own: a call may empty a list it is given (a U-Net's up block that pops its skip
-        # feature off the list it is handed; a compiled graph's boxed arguments), and its re-run
-        # must be handed them as they were (the profile of such a U-Net failed)
-        self.given: list[tuple[Any, Any]] = [((), ())]
+        # per level, the call's arguments as it began: its re-run reads them as they were then
+        # (the profile of a U-Net whose up blocks pop their skips failed, handed the list emptied)
+        self.began: list[_Began] = [_Began({}, (), ())]
         # per level, whether the torch calls of its own code are recorded (``code``: the
         # modules whose calls may still run where the stage ends; the stage's own level is)
         self.code, self.recording = code, [code is not None]
@@ -390,22 +393,22 @@ class StageRecorder:
         """A call begins: a level of its own, ``recording`` the torch calls of its code or not."""
         self.starts.append(len(self.calls))
         self.whys.append(None)
-        self.versions_before.append({id(t): t._version for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)})
-        self.given.append((values, tree_map(lambda v: v, values)))
+        versions = {id(t): t._version for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)}
+        self.began.append(_Began(versions, values, tree_map(lambda v: v, values)))
         self.recording.append(recording)
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         if len(self.starts) == 1:
             return  # a call that began before the stage (the block the stage ends in)
-        _, before, (began, given) = self._completed()  # what happened inside it is re-run with it
+        _, began = self._completed()  # what happened inside it is re-run with it
         # as given, unless a pre-hook of the module's own handed it others (a stage's opening boundary
         # passes a leaf through it; the module's library may move keywords into the arguments)
-        if len(began) == len(args) and all(a is b for a, b in zip(began, args)):
-            args = given
+        if len(began.given) == len(args) and all(a is b for a, b in zip(began.given, args)):
+            args = began.copied
         if self.recording[-1]:
             self._mode_on()
         try:
-            call = self._call(module, args, kwargs, before)
+            call = self._call(module, args, kwargs, began.versions)
         except NotRerunnable as exc:
             self._fail(f"{exc} (a call of {type(module).__name__})")
             return
@@ -430,7 +433,8 @@ class StageRecorder:
         try:
             out = func(*args, **kwargs)
         finally:
-            saved, before, (_, (args, kwargs)) = self._completed()
+            saved, began = self._completed()
+        (args, kwargs), before = began.copied, began.versions
         random = drew(generators, self.device)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         written = [t for t in tensors if t._version != before[id(t)]]
@@ -466,15 +470,13 @@ class StageRecorder:
             torch._C._push_on_torch_function_stack(self._mode)
             self._off = False
 
-    def _completed(self) -> tuple[str | None, dict[int, int], tuple[Any, Any]]:
+    def _completed(self) -> tuple[str | None, _Began]:
         """The innermost running call has completed: its level closed, what was recorded
         inside it dropped (it is re-run whole).  Returns why the level could not be re-run on
-        its own (a tensor it saved outside its calls), its arguments' versions as it began, and
-        its arguments as it was given them (themselves, and in containers of their own)."""
+        its own (a tensor it saved outside its calls), and its arguments as it began."""
         start = self.starts.pop()
         why = self.whys.pop()
-        before = self.versions_before.pop()
-        given = self.given.pop()
+        began = self.began.pop()
         self.recording.pop()
         if start < len(self.calls):
             del self.calls[start:]
@@ -482,7 +484,7 @@ class StageRecorder:
         # what only the calls inside it read is made again by its re-run (a decoder layer's
         # residual sum, read by its MLP's norm): held, it would double the checkpoint
         self.held = {k: h for k, h in self.held.items() if h.call < start}
-        return why, before, given
+        return why, began
 
     def _call(self, fn: Callable, args: tuple, kwargs: dict, before: dict[int, int]) -> Call:
         reference = functools.partial(self._reference, before=before)

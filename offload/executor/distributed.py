@@ -147,7 +147,11 @@ def wrap(module: torch.nn.Module) -> torch.nn.Module:
     return DistributedDataParallel(module, gradient_as_bucket_view=True)  # no second copy of the gradients
 
 
-WARM_UP_STEPS = 2  # DDP lays its gradient buckets out anew in its second step's forward (``buckets_rebuilt``)
+def warm_up_steps(ranks: int) -> int:
+    """Steps not measured before ``offload train``'s measured ones: one, and under DDP (more
+    than one rank) two, as DDP lays its gradient buckets out anew in its second step's
+    forward (``buckets_rebuilt``)."""
+    return 2 if ranks > 1 else 1
 
 
 def buckets_rebuilt(module: torch.nn.Module) -> int:

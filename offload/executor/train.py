@@ -222,8 +222,7 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         check = GradCheck(reference, params, device)
     trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes,
                       elsewhere=check.tensors() if check is not None else None, compiled=whole)
-    # compiled whole, its compiling step warms it up; under DDP two, the second laying its buckets out anew
-    warm_ups = 0 if whole else distributed.WARM_UP_STEPS if ranks > 1 else 1
+    warm_ups = 0 if whole else distributed.warm_up_steps(ranks)  # compiled whole: its compiling step warmed it up
     if opts.progress is not None:
         total = (trainer.steps_per_measure(opts.steps) + warm_ups + bool(opts.trace)
                  + (compare_steps(trainer, opts.steps, whole) if opts.compare else 0))

@@ -485,12 +485,7 @@ def test_a_kept_checkpoint_is_handed_to_the_backward_where_its_first_run_begins(
     backward = partitioner.graphs[1].graph
     order = {n: i for i, n in enumerate(backward.nodes)}
     saved = [n for n in backward.find_nodes(op="placeholder") if not n.name.startswith(("primals", "tangents"))]
-    ready = torch.ops.offload.ready.default
-
-    def handed(u):  # a ready, or the whole storage from element 0 that one hands on (see the NeoX test)
-        return u.target is ready or (u.target is torch.ops.aten.as_strided.default and u.args[3] == 0
-                                     and all(w.target is ready for w in u.users))
-    assert saved and all(handed(u) for n in saved for u in n.users)
+    assert saved and all(u.target is torch.ops.offload.ready.default for n in saved for u in n.users)
     marks = {n.name: n for n in backward.nodes if n.target is torch.ops.offload.mark.default}
     for r in runs:
         rerun = [n for n in backward.nodes if n.op == "call_function" and partitioner.stages.get(n.name) == r.first]

@@ -510,8 +510,8 @@ def _fetching(node: fx.Node) -> bool:
     """Whether ``node`` is one of our H2D copies, waits or readies, or a view of what they hand on."""
     if node.op != "call_function":
         return False
-    if node.target is torch.ops.aten.as_strided.default:  # (or the storage a ready hands on)
-        return _fetching(node.args[0]) or any(u.target is READY_OP for u in node.users)
+    if node.target is torch.ops.aten.as_strided.default:
+        return _fetching(node.args[0])
     return node.target in (H2D_OP, WAIT_OP, READY_OP)
 
 
@@ -734,16 +734,15 @@ def place_ready(backward: fx.GraphModule, staying: Sequence[_Storage], need: Map
             at = _backward_start(first_of_k, stages)
             at, end = _first_read(graph, values, first_of_k, handed_on(_up_to(graph, at.prev)))
             # handed on as the whole storage from its first element, each value a view of that at
-            # its own offset, which an offset reads alike as absolute or relative to the alias (an
-            # alias of a first value at an offset of its own was read by Inductor as a buffer
-            # there, its views offset twice: GPT-NeoX's fused query/key/value, out of bounds);
-            # its other values read there too: read through the alias only, they were held to the graph's end
+            # its own offset (an alias of a first value at an offset of its own was read by
+            # Inductor as a buffer there, its views offset twice: GPT-NeoX's fused query/key/value,
+            # out of bounds); its other values read there too: read through the alias only, they
+            # were held to the graph's end
             first = s.values[0].meta["val"]
             length = first.untyped_storage().nbytes() // first.element_size()
             with first.fake_mode:
                 storage = torch.as_strided(first, [length], [1], 0)
-            whole = _call(graph, at, False, torch.ops.aten.as_strided.default, (values[0], [length], [1], 0),
-                          f"storage_{s.name}", storage)
-            ready = _call(graph, at, False, READY_OP, (whole, [*end, *values[1:]]), f"ready_{s.name}", storage)
-            _read_through(graph, at, ready, s, values, 0, skip=whole)
+            ready = _call(graph, at, False, READY_OP, (values[0], length, [*end, *values[1:]]), f"ready_{s.name}",
+                          storage)
+            _read_through(graph, at, ready, s, values, 0)
     _done(backward)

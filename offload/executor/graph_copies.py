@@ -31,9 +31,12 @@ value's place in the forward's order:
   else nothing.  A run of such a chain has them where its profile had them: as the copies'
   ops do, each keeps Inductor from fusing work across its boundary (``after``), so the run's
   kernels are the profile's, copies or not;
-* ``offload::ready(x) -> x``: on such a chain, a saved value that stays on the device handed
-  to the backward where its wait would be, were it fetched (``compiled_copies.place_ready``):
-  the backward's kernels then read every unit as a fetched one, moved or not.
+* ``offload::ready(x, length) -> storage``: on such a chain, a saved storage that stays on the
+  device handed to the backward where its wait would be, were it fetched
+  (``compiled_copies.place_ready``): the whole storage of ``x`` from element 0 (``length``
+  elements), an alias; the backward's kernels then read every unit as a fetched one, moved or
+  not.  The op takes the storage's start itself: an ``as_strided`` of a graph input at an
+  offset of its own was read by Inductor before torch 2.13 as relative to that offset.
 
 Each takes ``after`` tensors it does not read: at a forward boundary the last value of the
 stage it ends, at a backward one every value the graph before it hands on to later ops
@@ -68,7 +71,7 @@ _LIB.define("release(Tensor(a) host, Tensor x, int copies, int key, Tensor[] aft
 _LIB.define("h2d(Tensor host, Device device, int copies, int key, Tensor[] after) -> Tensor")
 _LIB.define("wait(Tensor(a) x, int copies, int key, Tensor[] after) -> Tensor(a)")
 _LIB.define("mark(int copies, int index, Tensor[] after) -> ()")
-_LIB.define("ready(Tensor(a) x, Tensor[] after) -> Tensor(a)")
+_LIB.define("ready(Tensor(a) x, int length, Tensor[] after) -> Tensor(a)")
 
 OPS = (torch.ops.offload.d2h.default, torch.ops.offload.release.default, torch.ops.offload.h2d.default,
        torch.ops.offload.wait.default)
@@ -240,8 +243,8 @@ def _mark(number: int, index: int, after: list[torch.Tensor]) -> None:
 
 
 @_impl("ready")
-def _ready(x: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
-    return x
+def _ready(x: torch.Tensor, length: int, after: list[torch.Tensor]) -> torch.Tensor:
+    return x.as_strided([length], [1], 0)
 
 
 @torch.library.register_fake("offload::d2h", lib=_LIB)
@@ -274,8 +277,8 @@ def _mark_fake(number: int, index: int, after: list[torch.Tensor]) -> None:
 
 
 @torch.library.register_fake("offload::ready", lib=_LIB)
-def _ready_fake(x: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
-    return x
+def _ready_fake(x: torch.Tensor, length: int, after: list[torch.Tensor]) -> torch.Tensor:
+    return x.as_strided([length], [1], 0)
 
 
 for _op in ALL_OPS:

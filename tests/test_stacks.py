@@ -22,6 +22,7 @@ from offload.executor import Offloaded, distributed
 from offload.executor.train import TrainOptions, train
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
+from offload.solver.checkpointing import block_runs
 from offload.solver.methods import Options, solve
 from offload.step.chainfile import save_chain
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
@@ -215,6 +216,47 @@ def test_compiled(chains, backend, kind):
     assert moved == (2 * sim.d2h_bytes, 2 * sim.h2d_bytes) != (0, 0)
     for a, b in zip(ours, theirs):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.filterwarnings("ignore:this module is compiled")  # an eager chain, as both runs share it
+def test_a_recorded_stage_runs_eager_and_the_others_compiled(chains):
+    """A stage the schedule recomputes is recorded through Python hooks, which compiled code
+    does not run: while it is recorded Dynamo is off, so it runs and is recorded eagerly, and
+    the other stages run their graphs.  (torch 2.14 ran it compiled: the recorder saw one call
+    of Dynamo's GraphModule, whose re-run saved other tensors; 2.13 recompiled it up to its
+    recompile limit.)  Gradients bit for bit those of the same compile recomputing nothing."""
+    chain = chains["gpt"]
+    rerun = block_runs(chain)[0]
+    calls: list[int] = []
+
+    def counting(gm, example_inputs):  # Dynamo's graphs, run as they are, each call counted
+        calls.append(0)
+        number = len(calls) - 1
+
+        def run(*args):
+            calls[number] += 1
+            return gm.forward(*args)
+        return run
+
+    def step_calls(sched):
+        calls.clear()
+        torch._dynamo.reset()
+        spec = resolve("gpt", 2, GPT)
+        run = Offloaded(torch.compile(spec.module, backend=counting), chain, sched, backend="cpu-lazy")
+        grads = []
+        for step in range(2):
+            torch.manual_seed(step)
+            spec.loss(run(*spec.args)).backward()
+            grads.append([p.grad.clone() for p in spec.module.parameters()])
+            spec.zero_grads(list(spec.module.parameters()))
+        return sum(calls), len(calls), grads
+    try:
+        plain, compiled, theirs = step_calls(make_schedule(chain, []))
+        recorded, recompiled, ours = step_calls(make_schedule(chain, [], recompute=[rerun]))
+    finally:
+        torch._dynamo.reset()
+    assert 0 < recorded < plain and recompiled < compiled
+    assert all(torch.equal(x, y) for a, b in zip(ours, theirs) for x, y in zip(a, b))
 
 
 @pytest.mark.slow  # make test checks the recipe's compile against the module below

@@ -49,8 +49,8 @@ through the stage (a weight read twice is cast twice, to the same bits; the repl
 graph never runs backward, so no gradient sees the second cast).  The
 profiler records every stage (``recomputable`` and ``input_bytes`` in the chain); the
 executor records the stages its schedule recomputes and replays them before their backward.
-A compiled module's calls are invisible to hooks added after compilation: such a stage is
-reported as not re-runnable, never replayed wrong.
+Under ``torch.compile`` (a graph break at each boundary) a recorded stage runs eagerly: Dynamo
+is off while a recorder is open (``_EagerWhileRecording``), since compiled code runs no hooks.
 """
 from __future__ import annotations
 
@@ -297,6 +297,57 @@ def _remove_mode(mode: TorchFunctionMode) -> None:
         torch._C._push_on_torch_function_stack(m)
 
 
+class _EagerWhileRecording:
+    """Compiled code runs uncompiled while a stage is recorded.  A recorder sees a stage's
+    module calls through Python hooks, which a compiled frame does not run: the stage is
+    recorded, and re-run, as the eager calls of the user's modules.  Without it a model
+    compiled per stage (a graph break at each boundary) was recorded as Dynamo happened to
+    treat the hooks: torch 2.13 recompiled the stage's frame up to its recompile limit and
+    then ran it eager; 2.14 ran it compiled, the recorder saw one call of Dynamo's
+    ``GraphModule``, and its re-run replayed that alone, saving other tensors.
+
+    A recorder opens and closes inside a boundary hook, which runs behind
+    ``torch.compiler.disable``: the context that decorator enters puts Dynamo's callback
+    back as the hook returns, and ``set_stance`` is read only as a compiled function is
+    entered.  So the recorders are counted here and ``settle`` (``stage_hook``: after the
+    hook, in a frame Dynamo skips without a context of its own) takes the callback off
+    while one records (frames entered from then on run eager, the rest of the stage's
+    frame too) and puts it back once none does."""
+
+    def __init__(self) -> None:
+        self.recorders = 0
+        self._callback: Any = _NONE  # Dynamo's callback while it is off (``_NONE``: it is not)
+
+    def settle(self) -> None:
+        from torch._C._dynamo.eval_frame import set_eval_frame
+        if self.recorders and self._callback is _NONE:
+            self._callback = set_eval_frame(None)
+        elif not self.recorders and self._callback is not _NONE:
+            set_eval_frame(self._callback)
+            self._callback = _NONE
+
+
+_NONE = object()
+_EAGER = _EagerWhileRecording()
+
+
+def stage_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` (one of ours that a model's forward calls: a stage boundary) run eagerly under
+    ``torch.compile``, a graph break, as ``own_code``; then ``_EagerWhileRecording.settle``,
+    in a frame Dynamo skips (``recursive=False``: no context of its own that would put its
+    callback back as the frame returns)."""
+    inner = torch.compiler.disable(own_code()(hook))
+
+    @torch.compiler.disable(recursive=False)
+    @functools.wraps(hook)
+    def settled(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _EAGER.settle()
+    return settled
+
+
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
     """``method`` of an object, called while the object lives, through a weak reference."""
     ref = weakref.WeakMethod(method)
@@ -358,6 +409,7 @@ class StageRecorder:
         # and a strong one would keep the stage's input and calls alive that long
         self._handles = [nn.modules.module.register_module_forward_pre_hook(_weakly(self._pre)),
                          nn.modules.module.register_module_forward_hook(_weakly(self._post), with_kwargs=True)]
+        _EAGER.recorders += 1
         self._mode = _StageCode(self) if code is not None else None
         self._off = False  # the mode taken off the stack while a call whose code it does not record runs
         if opening:
@@ -573,6 +625,8 @@ class StageRecorder:
                             self.autocast)
 
     def close(self) -> None:
+        if self._handles:
+            _EAGER.recorders -= 1
         if self._mode is not None:
             if not self._off:
                 _remove_mode(self._mode)

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload.errors import CallsDiffer
 
-from .rerun import own_code
+from .rerun import stage_hook
 
 
 @dataclass(frozen=True, order=True)
@@ -287,8 +287,7 @@ class Staging:
 
     # -- hooks (under torch.compile each runs eagerly: a graph break at every boundary keeps
     # compiled regions inside stages, and the listener's copies out of the graph)
-    @torch.compiler.disable
-    @own_code()
+    @stage_hook
     def _begin(self, module: nn.Module, args: tuple) -> None:
         if self.listener is not None:
             self.calls.clear()
@@ -297,8 +296,7 @@ class Staging:
             self._uncache()
             self.listener.forward_start()
 
-    @torch.compiler.disable
-    @own_code()
+    @stage_hook
     def _end(self, module: nn.Module, args: tuple, out: Any) -> Any:
         listener = self.listener
         if listener is None or not self.forwarding:
@@ -323,8 +321,7 @@ class Staging:
         boundary on an input of its ``(args, kwargs)``) or at their end (on its output)."""
         counts, table = (self.started, self.openings) if opening else (self.calls, self.cuts)
 
-        @torch.compiler.disable
-        @own_code()
+        @stage_hook
         def hook(module: nn.Module, args: tuple, values: Any) -> Any:  # values: the kwargs, or the output
             if self.listener is None or not self.forwarding:
                 return None

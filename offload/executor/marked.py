@@ -117,7 +117,9 @@ class MarkedRun:
         if marks.cuda:
             torch.cuda.synchronize(self.device)
         if marks.missing():
-            raise RuntimeError(f"the compiled step reached no mark {marks.missing()[0]}")
+            raise RuntimeError(f"the compiled step reached no mark {marks.missing()[0]} of the {len(marks.clock)} that "
+                               "end its stages: code of the stages ran outside the one graph (a graph break inside "
+                               "them; TORCH_LOGS=graph_breaks names it)")
         return marks
 
     def seconds(self) -> list[float]:

@@ -224,38 +224,57 @@ def test_a_recorded_stage_runs_eager_and_the_others_compiled(chains):
     does not run: while it is recorded Dynamo is off, so it runs and is recorded eagerly, and
     the other stages run their graphs.  (torch 2.14 ran it compiled: the recorder saw one call
     of Dynamo's GraphModule, whose re-run saved other tensors; 2.13 recompiled it up to its
-    recompile limit.)  Gradients bit for bit those of the same compile recomputing nothing."""
+    recompile limit.)  Gradients bit for bit those of the same compile recomputing nothing;
+    a forward that raised in the recorded stage leaves the next steps as they were."""
     chain = chains["gpt"]
-    rerun = block_runs(chain)[0]
-    calls: list[int] = []
+    block = next(r for r in block_runs(chain) if chain.stage(r.first).name == "h.0")
+    graphs: list[list] = []  # per graph Dynamo compiled: [its calls, whether it runs a block's attention]
 
-    def counting(gm, example_inputs):  # Dynamo's graphs, run as they are, each call counted
-        calls.append(0)
-        number = len(calls) - 1
+    def counting(gm, example_inputs):  # Dynamo's graphs, run as they are, their calls counted
+        graph = [0, any("CausalSelfAttention" in str(t) for n in gm.graph.nodes
+                        for _, t in n.meta.get("nn_module_stack", {}).values())]
+        graphs.append(graph)
 
         def run(*args):
-            calls[number] += 1
+            graph[0] += 1
             return gm.forward(*args)
         return run
 
-    def step_calls(sched):
-        calls.clear()
+    def steps(sched, failing=False):
+        """Per step, the calls of graphs that run a block; the graphs compiled; the gradients."""
         torch._dynamo.reset()
+        graphs.clear()
         spec = resolve("gpt", 2, GPT)
         run = Offloaded(torch.compile(spec.module, backend=counting), chain, sched, backend="cpu-lazy")
-        grads = []
+        if failing:  # a forward that raises inside the recorded stage
+            def fail(module, args):
+                raise RuntimeError("a forward that fails")
+            handle = spec.module.get_submodule("h.0.mlp").register_forward_pre_hook(fail)
+            with pytest.raises(RuntimeError, match="a forward that fails"):
+                run(*spec.args)
+            handle.remove()
+            before = sum(calls for calls, _ in graphs)
+            with torch.compiler.set_stance("force_eager"):  # as a meter runs it: no graph, though one raised
+                spec.loss(run(*spec.args)).backward()
+            assert sum(calls for calls, _ in graphs) == before
+            spec.zero_grads(list(spec.module.parameters()))
+        grads, blocks = [], []
         for step in range(2):
             torch.manual_seed(step)
+            before = sum(calls for calls, block in graphs if block)
             spec.loss(run(*spec.args)).backward()
+            blocks.append(sum(calls for calls, block in graphs if block) - before)
             grads.append([p.grad.clone() for p in spec.module.parameters()])
             spec.zero_grads(list(spec.module.parameters()))
-        return sum(calls), len(calls), grads
+        return blocks, len(graphs), grads
     try:
-        plain, compiled, theirs = step_calls(make_schedule(chain, []))
-        recorded, recompiled, ours = step_calls(make_schedule(chain, [], recompute=[rerun]))
+        plain, compiled, theirs = steps(make_schedule(chain, []))
+        recorded, recompiled, ours = steps(make_schedule(chain, [], recompute=[block]))
+        after_failure = steps(make_schedule(chain, [], recompute=[block]), failing=True)[0]
     finally:
         torch._dynamo.reset()
-    assert 0 < recorded < plain and recompiled < compiled
+    assert plain == [2, 2] and recorded == after_failure == [1, 1]  # h.0 eager, h.1 compiled
+    assert recompiled == compiled
     assert all(torch.equal(x, y) for a, b in zip(ours, theirs) for x, y in zip(a, b))
 
 

@@ -326,9 +326,15 @@ class _EagerWhileRecording:
             set_eval_frame(self._callback)
             self._callback = _NONE
 
+    def forward_begins(self) -> None:
+        """A callback taken off in a forward that raised while recording (its recorders closed
+        outside a hook) was put back by Dynamo's own context as the error unwound: forgotten,
+        not put back in a later forward (where a meter may run the model eager)."""
+        self._callback = _NONE
+
 
 _NONE = object()
-_EAGER = _EagerWhileRecording()
+EAGER_WHILE_RECORDING = _EagerWhileRecording()
 
 
 def stage_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -344,7 +350,7 @@ def stage_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return inner(*args, **kwargs)
         finally:
-            _EAGER.settle()
+            EAGER_WHILE_RECORDING.settle()
     return settled
 
 
@@ -409,7 +415,7 @@ class StageRecorder:
         # and a strong one would keep the stage's input and calls alive that long
         self._handles = [nn.modules.module.register_module_forward_pre_hook(_weakly(self._pre)),
                          nn.modules.module.register_module_forward_hook(_weakly(self._post), with_kwargs=True)]
-        _EAGER.recorders += 1
+        EAGER_WHILE_RECORDING.recorders += 1
         self._mode = _StageCode(self) if code is not None else None
         self._off = False  # the mode taken off the stack while a call whose code it does not record runs
         if opening:
@@ -626,7 +632,7 @@ class StageRecorder:
 
     def close(self) -> None:
         if self._handles:
-            _EAGER.recorders -= 1
+            EAGER_WHILE_RECORDING.recorders -= 1
         if self._mode is not None:
             if not self._off:
                 _remove_mode(self._mode)

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload.errors import CallsDiffer
 
-from .rerun import stage_hook
+from .rerun import EAGER_WHILE_RECORDING, stage_hook
 
 
 @dataclass(frozen=True, order=True)
@@ -289,6 +289,7 @@ class Staging:
     # compiled regions inside stages, and the listener's copies out of the graph)
     @stage_hook
     def _begin(self, module: nn.Module, args: tuple) -> None:
+        EAGER_WHILE_RECORDING.forward_begins()
         if self.listener is not None:
             self.calls.clear()
             self.started.clear()

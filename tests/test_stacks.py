@@ -293,6 +293,30 @@ def test_a_chain_profiled_compiled_trains_compiled_as_predicted():
         torch._dynamo.reset()
 
 
+@pytest.mark.slow  # make test-all (Inductor compiles a profile, ours and the reference)
+def test_the_gradient_check_of_a_chain_profiled_under_inductor_judges_the_offloading():
+    """``offload train --check-grads`` on a chain profiled per stage under Inductor: its
+    reference is the same compile with a graph break at each boundary (plain torch.compile of
+    the model has none: its kernels fused otherwise, 2.3e-7 relative), run as ours ran (on the
+    CPU the metered steps run eager, and it ran compiled after them), and, where the schedule
+    recomputes, recomputing alike (a recorded stage runs eagerly): gradients bit for bit,
+    offloaded and recomputed, where the check reported a mismatch (exit 7) before."""
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (Inductor's CPU embedding backward is not deterministic on several threads)
+    try:
+        options = {"layers": 4, "width": 64, "heads": 4, "seq": 32, "vocab": 100}
+        chain = profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=options, compile="inductor")).chain
+        for name, sched in {"everything": everything(chain), **runs.recomputing(chain)}.items():
+            torch._dynamo.reset()  # as in a process of its own (the profile's compiles may have hit their limit)
+            report, error = train(None, chain, sched, TrainOptions(steps=2, check_grads=True))
+            assert error is None and report.grads_match is True, (name, report.grad_rel_diff)
+            assert report.grad_reference.startswith("the same compile")
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+
+
 def test_a_module_compiled_otherwise_than_its_chain_is_told(chains):
     """A chain profiled compiled refuses a module that is not (its eager stages save other
     tensors); a compiled module under a chain profiled eagerly is warned of."""

@@ -215,10 +215,11 @@ def _steps(report: Report, chain: Chain, schedule: Schedule, opts: TrainOptions,
         if ranks > 1:  # all-reduced like ours
             reference.module = distributed.wrap(reference.module)
         report.grad_reference = EAGER_REFERENCE
-        if whole:  # compiled as ours is, marks at its stage boundaries included, nothing moved
+        if chain.recipe is not None and chain.recipe.compile:  # compiled as ours is, boundaries included
             plain, report.grad_reference = compiled_reference(chain, schedule, chain.recipe.compile)
-            reference.module = compile_scheduled(reference.module, chain, plain, backend=chain.recipe.compile,
-                                                 fullgraph=False)
+            reference.module = (compile_scheduled(reference.module, chain, plain, backend=chain.recipe.compile,
+                                                  fullgraph=False) if whole
+                                else Offloaded(reference.module, chain, plain, backend))
         check = GradCheck(reference, params, device)
     trainer = Trainer(spec, params, optimizer, device, workspace_bytes=chain.workspace_bytes,
                       elsewhere=check.tensors() if check is not None else None, compiled=whole)

@@ -30,7 +30,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from offload.core.devices import persistent_tensors, running
-from offload.core.meters import make_meter
+from offload.core.meters import CpuMeter, make_meter
 from offload.errors import OffloadError, OutOfMemory, first_line, offload_cause
 from offload.io.contention import CpuWait
 from offload.models.spec import ModelSpec, tensors_in
@@ -243,7 +243,8 @@ class Trainer:
                     run.step(step == 1, lambda batch: self.one_step(forward, batch, wrap))
             except OffloadError as exc:
                 return run.run, exc
-            hooks.after_step()
+            with torch.compiler.set_stance("force_eager") if run.eager else contextlib.nullcontext():
+                hooks.after_step()  # (the gradient check's reference step runs as ours ran)
             self.finish_step()
             self.tick(f"{label} {'metered ' if self.device.type != 'cuda' else ''}step {step}/{steps}".strip())
         return run.run, None
@@ -255,10 +256,12 @@ class _Metering:
     def __init__(self, trainer: Trainer, runtime: OffloadRuntime | None, probe: bool) -> None:
         self.trainer, self.runtime, self.probe = trainer, runtime, probe and runtime is not None
         self.run = Run()
+        self.eager = False  # whether the meter ran the step's compiled code eagerly (``CpuMeter``)
 
     def step(self, first: bool, body: Callable[[tuple[tuple, dict]], None]) -> None:
         t = self.trainer
         meter = make_meter(t.device, t.compiled)
+        self.eager = isinstance(meter, CpuMeter)
         if self.runtime is not None:
             meter.ignore(self.runtime.arena.chunks)
         probing = self.probe and first

@@ -330,6 +330,24 @@ def test_a_module_compiled_otherwise_than_its_chain_is_told(chains):
         Offloaded(torch.compile(spec.module, backend="eager"), chain, make_schedule(chain, []))
 
 
+def test_a_stage_recomputed_under_inductor_per_stage_is_said_to_run_eagerly(chains):
+    """Recorded by hooks, a recomputed stage of a model compiled per stage runs eagerly: under
+    Inductor, whose kernels the chain timed, the user is told (and pointed to compile_scheduled);
+    under aot_eager, whose kernels are the eager ones, not."""
+    chain = chains["gpt"]
+    rerun = block_runs(chain)[:2]
+    spec = resolve("gpt", 2, GPT)
+    for backend, told in (("inductor", True), ("aot_eager", False)):
+        compiled_chain = dataclasses.replace(chain, recipe=dataclasses.replace(chain.recipe, compile=backend))
+        module = torch.compile(spec.module, backend=backend)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Offloaded(module, compiled_chain, make_schedule(compiled_chain, [], recompute=rerun))
+            Offloaded(module, compiled_chain, make_schedule(compiled_chain, []))
+        said = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
+        assert len(said) == told and (not told or "stage(s) 1, 2" in said[0] and "compile_scheduled" in said[0])
+
+
 @pytest.mark.parametrize("as_it_is", ["runs", "fails"])
 def test_a_compiled_model_that_fails_only_split_is_told_so(monkeypatch, as_it_is):
     """A profile's steps under torch.compile failing (here made to fail) with a graph break at

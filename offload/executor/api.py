@@ -106,6 +106,21 @@ def _check_compiled(module: nn.Module, chain: Chain) -> None:
                       stacklevel=3)
 
 
+def _warn_eager_reruns(module: nn.Module, chain: Chain, schedule: Schedule) -> None:
+    """A stage recomputed under ``torch.compile`` runs eagerly while it is recorded (the
+    recorder's hooks see no compiled code: ``rerun._EagerWhileRecording``), and so does its
+    re-run: under a backend whose kernels are not the eager ones, neither is what the chain
+    timed, so the user hears of it once, with the path that recomputes compiled."""
+    backend = chain.recipe.compile if chain.recipe is not None else None
+    stages = sorted({k for r in schedule.recompute for k in range(r.first, r.last + 1)})
+    if compiled(module) and stages and backend not in (None, "eager", "aot_eager"):
+        warnings.warn(f"the schedule recomputes stage(s) {', '.join(map(str, stages))}: under torch.compile each runs "
+                      "eagerly in its forward (recorded for its re-run by hooks, which compiled code does not run) "
+                      f"and in its re-run, not with {backend}'s kernels, which the chain timed: the step may take "
+                      "longer than predicted; compile_scheduled (a chain profiled with --whole-graph) recomputes "
+                      "inside the compiled graph", stacklevel=3)
+
+
 def _device_of(module: nn.Module) -> torch.device:
     first = next(module.parameters(), None)
     return first.device if first is not None else torch.device("cpu")
@@ -133,6 +148,7 @@ class Offloaded(nn.Module):
                                 "recomputed (transformers turns it off under gradient checkpointing too)")
         check_no_layer_drop(unwrap(module), "this model")
         _check_compiled(module, self.chain)
+        _warn_eager_reruns(module, self.chain, self.schedule)
         self.module = module
         self.freed_grads = 0  # forwards that found the gradients freed where the chain counts them allocated
         device = _device_of(module)

@@ -36,6 +36,7 @@ from offload.errors import ChainMismatch
 from offload.models.spec import cache_configs, check_no_layer_drop, signature
 from offload.step.chain import Chain
 from offload.step.chainfile import load_chain
+from offload.step.names import EAGER_KERNEL_BACKENDS
 from offload.step.schedule import Schedule
 from offload.step.schedulefile import load_schedule
 
@@ -112,8 +113,8 @@ def _warn_eager_reruns(module: nn.Module, chain: Chain, schedule: Schedule) -> N
     re-run: under a backend whose kernels are not the eager ones, neither is what the chain
     timed, so the user hears of it once, with the path that recomputes compiled."""
     backend = chain.recipe.compile if chain.recipe is not None else None
-    stages = sorted({k for r in schedule.recompute for k in range(r.first, r.last + 1)})
-    if compiled(module) and stages and backend not in (None, "eager", "aot_eager"):
+    stages = sorted({k for r in schedule.recompute for k in r.stages})
+    if compiled(module) and stages and backend is not None and backend not in EAGER_KERNEL_BACKENDS:
         warnings.warn(f"the schedule recomputes stage(s) {', '.join(map(str, stages))}: under torch.compile each runs "
                       "eagerly in its forward (recorded for its re-run by hooks, which compiled code does not run) "
                       f"and in its re-run, not with {backend}'s kernels, which the chain timed: the step may take "

@@ -13,6 +13,7 @@ ENCODERS = ("sign-mask", "sparse", "bf16")  # byte formats of encoded storages (
 BACKENDS = ("cuda", "cpu-eager", "cpu-lazy")  # where the executor's copies run
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # torch.compile backends a chain may be profiled under
 WHOLE_GRAPH_BACKENDS = ("inductor", "aot_eager")  # those that compile one graph with our partitioner (--whole-graph)
+EAGER_KERNEL_BACKENDS = ("aot_eager", "eager")  # those that run the eager model's kernels, as a re-run recorded eagerly does
 
 
 def table(names: tuple[str, ...], entries: dict, what: str) -> dict:

@@ -45,8 +45,9 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
     another forward transient when recomputed (above the stage's own by up to its input,
     where its code would let go of its input), the gradient live as the backward starts,
     sometimes less of the unit live once rebuilt, sometimes ``recomputable: false``, in half of
-    the stages the input's own storage (what an offloaded checkpoint moves), and in a third of
-    the stages an in-stage option.  ``casts``:
+    the stages the input's own storage (what an offloaded checkpoint moves), in a quarter each
+    their times recorded for a re-run (``recorded_fwd_s``, ``rerun_s``, ``recorded_bwd_s``), and
+    in a third of the stages an in-stage option.  ``casts``:
     stages make weight casts (``None``: a third of the chains, some of their stages).
     Without encodings, a quarter of the units' copies move less than the unit frees
     (``moved_bytes``, as a compiled graph's copies move the extent their values span)."""
@@ -128,16 +129,22 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             stages[-1]["recomputable"] = False
         elif inputs and draw(st.integers(0, 5)) == 0:  # its re-run can only end a run
             stages[-1]["rerun_output"] = False
+        if inputs:  # recorded for a re-run, measured so: the recording's and the replay's work, other kernels
+            st_ = stages[-1]
+            for key, least in (("recorded_fwd_s", st_["fwd_s"]), ("rerun_s", 0.0), ("recorded_bwd_s", st_["bwd_s"])):
+                if draw(st.integers(0, 3)) == 0:
+                    st_[key] = least + draw(st.integers(0, 12)) / 1000
         if inputs and draw(st.integers(0, 2)) == 0:  # an in-stage option: part kept, the rest re-run
             st_ = stages[-1]
+            recorded, rerun = st_.get("recorded_fwd_s", st_["fwd_s"]), st_.get("rerun_s", st_["fwd_s"])
             st_["options"] = [{"name": "matmuls", "kept_bytes": draw(st.integers(0, saved)),
-                               "recompute_s": draw(st.integers(0, round(st_["fwd_s"] * 1000))) / 1000}]
+                               "recompute_s": draw(st.integers(0, round(rerun * 1000))) / 1000}]
             if host:  # the storages an offloaded checkpoint copies besides its input, each costing the host
                 st_["options"][0]["kept_storages"] = draw(st.integers(0, min(3, st_["options"][0]["kept_bytes"])))
             if draw(st.booleans()):  # measured: its forward and re-run transients
                 st_["options"][0].update(fwd_peak_bytes=draw(st.integers(0, st_["fwd_peak_bytes"] + saved)),
                                          rerun_peak_bytes=draw(st.integers(0, st_["fwd_peak_bytes"])),
-                                         fwd_s=st_["fwd_s"] + draw(st.integers(0, 3)) / 1000)
+                                         fwd_s=recorded + draw(st.integers(0, 3)) / 1000)
     return chain_from_dict({
         "format": "offload-chain/2",
         "name": "random",

@@ -130,7 +130,7 @@ def test_bad_encodings_are_refused_with_the_field(mutate, message):
 
 @pytest.mark.parametrize("option, message", [
     ({"name": "matmuls", "kept_bytes": 101, "recompute_s": 0.5}, r"kept_bytes. must be in \[0, 100\]"),
-    ({"name": "matmuls", "kept_bytes": 40, "recompute_s": 1.5}, r"recompute_s \(1.5\) > fwd_s \(1.0\)"),
+    ({"name": "matmuls", "kept_bytes": 40, "recompute_s": 1.5}, r"recompute_s \(1.5\) > the stage's fwd_s \(1.0\)"),
     ({"name": "matmuls", "kept_bytes": 40}, "recompute_s"),
 ])
 def test_bad_in_stage_options_are_refused_with_the_field(option, message):

@@ -764,7 +764,9 @@ def test_a_swiglu_block_has_an_option_between_all_kept_and_all_recomputed():
         assert [o.name for o in s.options] == ["matmuls", "every-other-matmul"]
         option, half = s.option("matmuls"), s.option("every-other-matmul")
         assert 0 < half.kept_bytes < option.kept_bytes < s.saved_bytes
-        assert option.recompute_s == pytest.approx(s.fwd_s / 2) and option.fwd_s == pytest.approx(1.1 * s.fwd_s)
+        # shares of the stage's own re-run and recorded forward, as timed on this CPU (the recording's work in them)
+        assert s.rerun_s is not None and s.recorded_fwd_s >= s.fwd_s and s.recorded_bwd_s is None
+        assert option.recompute_s == pytest.approx(s.rerun_s / 2) and option.fwd_s == pytest.approx(1.1 * s.recorded_fwd_s)
         assert option.fwd_peak_bytes > 0 and option.rerun_peak_bytes > 0
     assert load_chain_doc(chain) == chain
 
@@ -922,10 +924,11 @@ def test_a_menu_holds_the_pareto_front_between_keeping_and_recomputing():
 
 
 def test_replays_are_timed_as_the_executor_replays_them():
-    """The re-runs' host time (on CUDA in the chain, ``profiler.replays``): every stage asked
-    for is recorded, replayed and timed; the host's intervals line up with the stages (one
-    per stage but the last); on a CPU recording costs the host nothing apart (its ops run as
-    issued), and the chain gets neither."""
+    """The re-runs' host time (``profiler.replays``): every stage asked for is recorded,
+    replayed and timed; the host's intervals line up with the stages (one per stage but the
+    last).  On a CPU, whose host is the device, they are the stages' recorded times: the
+    forward the timed steps measured plus what recording adds, the replay's time, and the
+    backward as timed (the eager model's kernels)."""
     from offload.profiler import replays
 
     torch.manual_seed(0)
@@ -940,7 +943,12 @@ def test_replays_are_timed_as_the_executor_replays_them():
     assert len(replays._forward_host(runner, {})) == L - 1
     rerun, recording = replays.host_seconds(runner, list(range(1, L)))
     assert sorted(rerun) == sorted(recording) == list(range(1, L))
-    assert all(t > 0 for t in rerun.values()) and set(recording.values()) == {0.0}
+    assert all(t > 0 for t in rerun.values()) and all(t >= 0 for t in recording.values())
+    timed = [(0.001 * k, 0.002 * k) for k in range(1, L + 1)]
+    recorded = replays.recorded_times(runner, list(range(1, L)), timed, 1, eager_kernels=True)
+    assert sorted(recorded) == list(range(1, L))
+    for k, (forward, again, backward) in recorded.items():
+        assert forward >= timed[k - 1][0] and again > 0 and backward is None
     runner.staging.remove()
 
 

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 
-from offload.errors import ScheduleRejected
+from offload.errors import FormatError, ScheduleRejected
 from offload.solver.ilp import solve_ilp
 from offload.step.actions import Offload, Recompute
 from offload.step.budget import Budget
@@ -113,6 +113,41 @@ def test_a_recomputed_stage_costs_the_host_its_recording_and_its_rerun():
     sim = simulate(chain, [], recompute=[Recompute(2, 2)])
     assert list(sim.end) == [1.0, 4.0, 5.0, 6.0, 8.0, 10.0, 14.5, 16.5]
     assert simulate(chain, []).makespan_s == 12.0  # kept: nothing recorded, nothing re-run
+
+
+def test_a_recomputed_stage_takes_its_recorded_times():
+    """Stage 2 recorded for its re-run takes 1.5 s to run forward (1 s as timed plainly), 0.75 s
+    to re-run and 2.5 s backward after the rebuild: F2 ends at 2.5, the rebuild at the start of
+    B2 ends at 9.25, B2 at 11.75.  Kept, it runs as timed; a run with an option of its own
+    re-runs the option's ops, and records its forward in the option's time."""
+    doc = chain_doc()
+    doc["stages"][1].update(input_bytes=10, recorded_fwd_s=1.5, rerun_s=0.75, recorded_bwd_s=2.5,
+                            options=[{"name": "matmuls", "kept_bytes": 40, "recompute_s": 0.5, "fwd_s": 1.75}])
+    chain = chain_from_dict(doc)
+    sim = simulate(chain, [], recompute=[Recompute(2, 2)])
+    assert list(sim.end) == [1.0, 2.5, 3.5, 4.5, 6.5, 8.5, 11.75, 13.75]
+    assert [(r.stage, r.start, r.end) for r in sim.recomputes] == [(2, 8.5, 9.25)]
+    assert simulate(chain, []).makespan_s == 12.0
+    part = simulate(chain, [], recompute=[Recompute(2, 2, option="matmuls")])
+    assert list(part.end) == [1.0, 2.75, 3.75, 4.75, 6.75, 8.75, 11.75, 13.75]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"recorded_fwd_s": 0.5}, r"stages\[2\]\.recorded_fwd_s \(0\.5\) < fwd_s \(1\.0\)"),
+    ({"recorded_bwd_s": 1.0}, r"stages\[2\]\.recorded_bwd_s \(1\.0\) < bwd_s \(2\.0\)"),
+    ({"rerun_s": 1.25, "options": [{"name": "matmuls", "kept_bytes": 40, "recompute_s": 1.5}]},
+     r"recompute_s \(1\.5\) > the stage's rerun_s \(1\.25\)"),
+    ({"recorded_fwd_s": 1.5, "options": [{"name": "matmuls", "kept_bytes": 40, "recompute_s": 0.5, "fwd_s": 1.25}]},
+     r"fwd_s \(1\.25\) < the stage's recorded_fwd_s \(1\.5\)"),
+])
+def test_recorded_times_below_what_they_bound_are_refused(fields, message):
+    """A recorded op is charged at least the plain one (the solver's bounds take those as the
+    shortest), and an option's ops sit between its stage's re-run and its recorded forward."""
+    doc = chain_doc()
+    doc["stages"][1].update(fields)
+    with pytest.raises(FormatError, match=message):
+        chain_from_dict(doc)
+    assert chain_from_dict(chain_doc()).stage(2).rerun == 1.0  # none given: the ops the chain timed
 
 
 def test_a_copy_is_hidden_only_while_the_device_computes():

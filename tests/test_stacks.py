@@ -300,13 +300,16 @@ def test_the_gradient_check_of_a_chain_profiled_under_inductor_judges_the_offloa
     the model has none: its kernels fused otherwise, 2.3e-7 relative), run as ours ran (on the
     CPU the metered steps run eager, and it ran compiled after them), and, where the schedule
     recomputes, recomputing alike (a recorded stage runs eagerly): gradients bit for bit,
-    offloaded and recomputed, where the check reported a mismatch (exit 7) before."""
+    offloaded and recomputed, where the check reported a mismatch (exit 7) before.  The chain
+    times each stage that can be re-run as a recorded one runs, eagerly, backward too."""
     torch._dynamo.reset()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (Inductor's CPU embedding backward is not deterministic on several threads)
     try:
         options = {"layers": 4, "width": 64, "heads": 4, "seq": 32, "vocab": 100}
         chain = profile("gpt", ProfileOptions(batch=2, repeats=1, warmup=1, options=options, compile="inductor")).chain
+        assert all(chain.fr[k] >= chain.f[k] and chain.br[k] >= chain.b[k] and chain.stage(k).recorded_bwd_s is not None
+                   for k in chain.recomputable) and chain.recomputable
         for name, sched in {"everything": everything(chain), **runs.recomputing(chain)}.items():
             torch._dynamo.reset()  # as in a process of its own (the profile's compiles may have hit their limit)
             report, error = train(None, chain, sched, TrainOptions(steps=2, check_grads=True))
@@ -332,12 +335,14 @@ def test_a_module_compiled_otherwise_than_its_chain_is_told(chains):
 
 def test_a_stage_recomputed_under_inductor_per_stage_is_said_to_run_eagerly(chains):
     """Recorded by hooks, a recomputed stage of a model compiled per stage runs eagerly: under
-    Inductor, whose kernels the chain timed, the user is told (and pointed to compile_scheduled);
-    under aot_eager, whose kernels are the eager ones, not."""
+    Inductor, whose kernels a chain profiled before recorded times were measured timed, the
+    user is told (and pointed to profiling again and to compile_scheduled); under aot_eager,
+    whose kernels are the eager ones, not, nor where the chain times the recorded stages."""
     chain = chains["gpt"]
     rerun = block_runs(chain)[:2]
     spec = resolve("gpt", 2, GPT)
-    for backend, told in (("inductor", True), ("aot_eager", False)):
+    timed = dataclasses.replace(chain, stages=tuple(dataclasses.replace(s, recorded_bwd_s=s.bwd_s) for s in chain.stages))
+    for backend, told, chain in (("inductor", True, chain), ("aot_eager", False, chain), ("inductor", False, timed)):
         compiled_chain = dataclasses.replace(chain, recipe=dataclasses.replace(chain.recipe, compile=backend))
         module = torch.compile(spec.module, backend=backend)
         with warnings.catch_warnings(record=True) as caught:
@@ -345,7 +350,8 @@ def test_a_stage_recomputed_under_inductor_per_stage_is_said_to_run_eagerly(chai
             Offloaded(module, compiled_chain, make_schedule(compiled_chain, [], recompute=rerun))
             Offloaded(module, compiled_chain, make_schedule(compiled_chain, []))
         said = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
-        assert len(said) == int(told) and (not told or "stage(s) 1, 2" in said[0] and "compile_scheduled" in said[0])
+        assert len(said) == int(told) and (not told or "stage(s) 1, 2" in said[0] and "profile again" in said[0]
+                                           and "compile_scheduled" in said[0])
 
 
 @pytest.mark.parametrize("as_it_is", ["runs", "fails"])

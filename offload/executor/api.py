@@ -109,17 +109,18 @@ def _check_compiled(module: nn.Module, chain: Chain) -> None:
 
 def _warn_eager_reruns(module: nn.Module, chain: Chain, schedule: Schedule) -> None:
     """A stage recomputed under ``torch.compile`` runs eagerly while it is recorded (the
-    recorder's hooks see no compiled code: ``rerun._EagerWhileRecording``), and so does its
-    re-run: under a backend whose kernels are not the eager ones, neither is what the chain
-    timed, so the user hears of it once, with the path that recomputes compiled."""
+    recorder's hooks see no compiled code: ``rerun._EagerWhileRecording``), and so do its
+    re-run and its backward: under a backend whose kernels are not the eager ones, a chain
+    profiled now times them so (``recorded_bwd_s``); one profiled before does not, and the
+    user hears of it once, with what to do."""
     backend = chain.recipe.compile if chain.recipe is not None else None
-    stages = sorted({k for r in schedule.recompute for k in r.stages})
-    if compiled(module) and stages and backend is not None and backend not in EAGER_KERNEL_BACKENDS:
-        warnings.warn(f"the schedule recomputes stage(s) {', '.join(map(str, stages))}: under torch.compile each runs "
-                      "eagerly in its forward (recorded for its re-run by hooks, which compiled code does not run) "
-                      f"and in its re-run, not with {backend}'s kernels, which the chain timed: the step may take "
-                      "longer than predicted; compile_scheduled (a chain profiled with --whole-graph) recomputes "
-                      "inside the compiled graph", stacklevel=3)
+    untimed = sorted({k for r in schedule.recompute for k in r.stages if chain.stage(k).recorded_bwd_s is None})
+    if compiled(module) and untimed and backend is not None and backend not in EAGER_KERNEL_BACKENDS:
+        warnings.warn(f"the schedule recomputes stage(s) {', '.join(map(str, untimed))}: under torch.compile each runs "
+                      "eagerly (recorded for its re-run by hooks, which compiled code does not run), not with "
+                      f"{backend}'s kernels, and the chain does not time them so (profiled before it did): the step "
+                      "may take longer than predicted; profile again, or recompute inside the compiled graph with "
+                      "compile_scheduled (a chain profiled with --whole-graph)", stacklevel=3)
 
 
 def _device_of(module: nn.Module) -> torch.device:

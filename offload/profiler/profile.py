@@ -32,7 +32,7 @@ from offload.models.spec import cache_configs, cache_off, check_no_layer_drop, s
 from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage, StageOption
 from offload.step.chainfile import make_chain
 from offload.step.memory import floor_bound_memory, no_offload_peak, op_name, op_transients, smallest_feasible_budget
-from offload.step.names import AUTOCAST, COMPILE_BACKENDS, WHOLE_GRAPH_BACKENDS
+from offload.step.names import AUTOCAST, COMPILE_BACKENDS, EAGER_KERNEL_BACKENDS, WHOLE_GRAPH_BACKENDS
 
 from .bandwidth import measure_platform
 from .capture import Capture, capture
@@ -227,6 +227,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
         rerun_host: dict[int, float] = {}
         recording_host: dict[int, float] = {}
         rerun_peak: dict[int, int] = {}
+        recorded: dict[int, replays.Times] = {}  # stage -> its times recorded for a re-run, where not as timed
         eager = not opts.whole_graph  # a chain of the compiled graph offers neither encodings nor recomputation
         if opts.encodings and eager:
             encodings = [stage_encodings(s) for s in encodings_pass(runner)]
@@ -238,9 +239,12 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
         if not opts.recompute:
             stages.notes.append("recomputation not measured (--no-recompute): the chain offers none")
         elif eager:
-            options = selective_pass(runner, result.stages)
-            tick("in-stage options")
             again = [k for k, s in enumerate(result.stages, 1) if k < stages.L and s.recomputable]
+            recorded = replays.recorded_times(runner, again, [(s.fwd_s, s.bwd_s) for s in result.stages],
+                                              opts.repeats, opts.compile in (None, *EAGER_KERNEL_BACKENDS))
+            tick("recorded stages' times")
+            options = selective_pass(runner, result.stages, recorded)
+            tick("in-stage options")
             rerun_peak = replays.rerun_peaks(runner, dict.fromkeys(again))
             tick("re-runs' memory")
             if device.type == "cuda":
@@ -250,7 +254,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     plat = opts.platform or measure_platform(device)
     tick("platform")
     chain = _to_chain(model, opts, device, stages, result, plat, spec, encodings, options, turned_off,
-                      rerun_host, recording_host, rerun_peak)
+                      rerun_host, recording_host, rerun_peak, recorded)
     if not opts.recompute:
         chain = replace(chain, stages=tuple(replace(s, recomputable=False) for s in chain.stages))
     if any(s.encodings for s in chain.stages):  # what the executor's encoded units hold, op by op
@@ -303,7 +307,8 @@ def _by_the_executor(chain: Chain, model: str, measured: Callable[[], Chain], no
 def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: Stages, m: Measurement,
               plat: Platform, spec: ModelSpec, encodings: list[tuple[Encoding, ...]],
               options: list[tuple[StageOption, ...]], turned_off: bool, rerun_host: dict[int, float],
-              recording_host: dict[int, float], rerun_peak: dict[int, int]) -> Chain:
+              recording_host: dict[int, float], rerun_peak: dict[int, int],
+              recorded: dict[int, replays.Times]) -> Chain:
     steps = sorted(m.step_s)
     ref = file_reference(model)
     source: dict[str, Any] = {
@@ -347,6 +352,7 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                   input_prev_held_bytes=s.input_prev_held_bytes if s.recomputable else 0,
                   fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s, rerun_host_s=rerun_host.get(k, 0.0),
                   recording_host_s=recording_host.get(k, 0.0),
+                  **dict(zip(("recorded_fwd_s", "rerun_s", "recorded_bwd_s"), recorded.get(k, (None, None, None)))),
                   cast_bytes=s.cast_bytes, recast_s=min(s.recast_s, s.bwd_s) if s.cast_bytes else 0.0, options=opt,
                   shared_saves=s.shared_saves, dropped_saves=s.dropped_saves,
                   held_saves=s.held_saves, held_read_at=s.held_read_at,

@@ -23,6 +23,22 @@ time on the same footing; latest stage first, each timed replay after an untimed
 (``timed_replay``).
 On a CPU the host is the device: its ops run as they are issued, the re-run's time is in
 the forward's, and neither is measured.
+
+What a stage recorded for a re-run takes on the device, where that is not what the timed
+steps measured (``recorded_times``: the chain's ``recorded_fwd_s``, ``rerun_s`` and
+``recorded_bwd_s``):
+
+* on a CPU, whose host is the device, the recording's work is the forward's time
+  (``fwd_s`` plus what ``host_seconds`` finds recording adds) and the replay's own work is
+  the re-run's (its timed replay): a GPT block of width 64 re-ran 60% slower than its
+  chain predicted where neither was charged;
+* where the model is compiled per stage by a compiler whose kernels are not the eager
+  model's (Inductor), a recorded stage runs eagerly (``rerun._EagerWhileRecording``): its
+  forward, its re-run and its backward, timed as the timed steps time the compiled ones but
+  under ``torch.compiler.set_stance("force_eager")`` (``eager_seconds``).
+
+Each recorded op is charged at least what the timed steps measured (the solver's bounds take
+those as each op's shortest).
 """
 from __future__ import annotations
 
@@ -148,6 +164,39 @@ def rerun_peaks(runner: StepRunner, stages: dict[int, str | None]) -> dict[int, 
     return peaks
 
 
+Times = tuple[float | None, float | None, float | None]  # recorded_fwd_s, rerun_s, recorded_bwd_s (None: as timed)
+
+
+def recorded_times(runner: StepRunner, stages: list[int], timed: list[tuple[float, float]], repeats: int,
+                   eager_kernels: bool) -> dict[int, Times]:
+    """Per stage of ``stages`` (each re-runnable, not the last), its times recorded for a
+    re-run where they are not ``timed`` (per stage, its forward's and backward's seconds from
+    the timed steps; module docstring).  ``eager_kernels``: the model runs the eager model's
+    kernels (uncompiled, or compiled by a backend that keeps them)."""
+    out: dict[int, list[float | None]] = {k: [None, None, None] for k in stages}
+    if not eager_kernels:
+        eager = eager_seconds(runner, repeats)
+        for k in stages:
+            f, b = eager[k - 1]
+            out[k] = [max(f, timed[k - 1][0]), f, max(b, timed[k - 1][1])]
+    if runner.device.type == "cpu":
+        rerun, added = host_seconds(runner, stages)
+        for k in stages:
+            out[k][:2] = [timed[k - 1][0] + added[k], rerun[k]]
+    return {k: (f, r, b) for k, (f, r, b) in out.items() if (f, r, b) != (None, None, None)}
+
+
+def eager_seconds(runner: StepRunner, repeats: int) -> list[tuple[float, float]]:
+    """Per stage, its forward's and its backward's seconds run eagerly, as the executor runs a
+    stage it records for a re-run under a per-stage compile (module docstring): the medians of
+    ``repeats`` timed steps of the model with every compile ignored, after one untimed."""
+    with torch.compiler.set_stance("force_eager"):
+        runner.timing_pass()
+        passes = [runner.timing_pass() for _ in range(repeats)]
+    return [(statistics.median(p[0][k] for p in passes), statistics.median(p[1][k] for p in passes))
+            for k in range(runner.L)]
+
+
 def now(device: torch.device) -> float:
     """The host clock, once the device has done what it was given."""
     if device.type == "cuda":
@@ -176,8 +225,8 @@ def timed_replay(program: StageProgram, checkpoint: torch.Tensor | None, device:
 def host_seconds(runner: StepRunner, stages: list[int]) -> tuple[dict[int, float], dict[int, float]]:
     """Per stage of ``stages`` (each re-runnable, not the last): the host's seconds to issue
     the executor's re-run of it whole, and those that recording it adds to its forward
-    (module docstring; on a CPU the first is the re-run's time, the second 0, and neither
-    goes in the chain)."""
+    (module docstring; on a CPU, whose host is the device, the re-run's time and what
+    recording adds to the forward's: ``recorded_times`` charges them as the device's)."""
     if not stages:
         return {}, {}
     reruns: dict[int, list[float]] = {k: [] for k in stages}
@@ -186,7 +235,7 @@ def host_seconds(runner: StepRunner, stages: list[int]) -> tuple[dict[int, float
         plain.append(_forward_host(runner, {}))
         clock = Clock(runner.device)
         with recorded(runner, dict.fromkeys(stages), on_boundary=clock.mark) as programs:
-            recording.append(clock.host_intervals())
+            recording.append(_issued(clock))
             for k in sorted(programs, reverse=True):
                 program, _, checkpoint = programs.pop(k)
                 reruns[k].append(timed_replay(program, checkpoint, runner.device, issued=True))
@@ -200,4 +249,9 @@ def _forward_host(runner: StepRunner, stages: dict[int, str | None]) -> list[flo
     """The host's seconds to issue each stage's forward but the last's, ``stages`` recorded."""
     clock = Clock(runner.device)
     with recorded(runner, stages, on_boundary=clock.mark):
-        return clock.host_intervals()
+        return _issued(clock)
+
+
+def _issued(clock: Clock) -> list[float]:
+    """The host's seconds to issue each interval's work: on a CPU, whose host is the device, its time."""
+    return clock.host_intervals() if clock.cuda else clock.intervals()

@@ -12,8 +12,8 @@ half the matmuls' bytes for re-running them).  This pass measures each:
 
 * ``kept_bytes``: the bytes of what the kept ops output (all of it, saved for the backward
   or not: a re-run reads it instead of running them again);
-* ``recompute_s``: ``fwd_s`` (the timed steps' median) times the ratio of the stage's
-  re-run with the option to its whole re-run, both timed as the executor replays them
+* ``recompute_s``: the stage's whole re-run (``rerun_s`` where measured, else ``fwd_s``, the
+  timed steps' median) times the ratio of the stage's re-run with the option to its whole re-run, both timed as the executor replays them
   (``rerun_ratios``: from one recording, each right after an untimed whole replay, the
   faster of two passes; a GPU synchronized around each).
   Both run the stage's Python code again whole; the option serves the kept ops and re-runs
@@ -22,9 +22,9 @@ half the matmuls' bytes for re-running them).  This pass measures each:
   time would leave the Python and the mode out: on a CPU a small block's re-run in part
   measures slower than the whole (width 64: 1.7x), and no option is offered (it would be
   worse than recomputing the stage whole); at width 1024 it takes 0.35x;
-* ``fwd_s``: the stage's forward while the option records what it keeps, ``fwd_s`` times
-  the ratio of a replay under a recording ``KeptOutputs`` to a plain one (timed with the
-  others; at least ``fwd_s``: the mode only adds);
+* ``fwd_s``: the stage's forward while the option records what it keeps, its recorded forward
+  (``recorded_fwd_s`` where measured, else ``fwd_s``) times the ratio of a replay under a
+  recording ``KeptOutputs`` to a plain one (timed with the others; at least 1: the mode only adds);
 * ``fwd_peak_bytes``: the stage's forward transient when autograd keeps none of its unit and
   the kept outputs are held, as the executor runs it (the holding pass with ``KeptOutputs``);
 * ``rerun_peak_bytes``: what re-running it from its checkpoint, the kept outputs handed back,
@@ -52,7 +52,7 @@ from offload.core.units import UnitTracker, plain, storage_key
 from offload.step.chain import StageOption
 
 from .measure import Boundaries, StageMeasurement, StepRunner, holding_pass
-from .replays import recorded, rerun_peaks, timed_replay
+from .replays import Times, recorded, rerun_peaks, timed_replay
 
 
 class _KeptBytes(TorchDispatchMode):
@@ -89,8 +89,10 @@ def _menu(candidates: dict[str, tuple[int, float]], saved: int, fwd_s: float) ->
             if not any(o != c and o[0] <= c[0] and o[1] <= c[1] for o in inside.values())}
 
 
-def selective_pass(runner: StepRunner, stages: list[StageMeasurement]) -> list[tuple[StageOption, ...]]:
-    """Per stage, its menu of in-stage options (``_menu``), each measured (module docstring)."""
+def selective_pass(runner: StepRunner, stages: list[StageMeasurement],
+                   recorded: dict[int, Times]) -> list[tuple[StageOption, ...]]:
+    """Per stage, its menu of in-stage options (``_menu``), each measured (module docstring;
+    ``recorded``: the stages' times recorded for a re-run, ``replays.recorded_times``)."""
     tracker = runner.tracker(persistent_tensors(runner.spec.module, runner.optimizer, runner.device))
     sizes = _KeptBytes(tracker, runner.L)
     with runner.batch() as (args, kwargs):
@@ -102,8 +104,12 @@ def selective_pass(runner: StepRunner, stages: list[StageMeasurement]) -> list[t
     candidates = {(k, o): sizes.kept[k - 1][n] for k, s in enumerate(stages, 1) if k < runner.L and s.recomputable
                   for n, o in enumerate(OPTIONS) if 0 < sizes.kept[k - 1][n] < s.saved_bytes}
     ratios = rerun_ratios(runner, list(candidates))
-    menus = {k: _menu({o: (kept, s.fwd_s * ratios[k, o][0]) for (j, o), kept in candidates.items() if j == k},
-                      s.saved_bytes, s.fwd_s) for k, s in enumerate(stages, 1)}
+    forward, rerun = {}, {}  # per stage, its forward recorded and its whole re-run
+    for k, s in enumerate(stages, 1):
+        f, r, _ = recorded.get(k, (None, None, None))
+        forward[k], rerun[k] = s.fwd_s if f is None else f, s.fwd_s if r is None else r
+    menus = {k: _menu({o: (kept, rerun[k] * ratios[k, o][0]) for (j, o), kept in candidates.items() if j == k},
+                      s.saved_bytes, rerun[k]) for k, s in enumerate(stages, 1)}
     measured: dict[tuple[int, str], tuple[int, int]] = {}
     for option in OPTIONS:  # one forward holding and one replaying each option's stages, metered
         keeping = {k: option for k, menu in menus.items() if option in menu}
@@ -111,7 +117,7 @@ def selective_pass(runner: StepRunner, stages: list[StageMeasurement]) -> list[t
             fwd = holding_pass(runner, None, [], [], keeping=keeping)
             rerun = rerun_peaks(runner, keeping)
             measured.update({(k, option): (fwd[k - 1].recomputed_fwd_peak_bytes, rerun[k]) for k in keeping})
-    return [tuple(StageOption(o, *menus[k][o], *measured[k, o], s.fwd_s * max(1.0, ratios[k, o][1]),
+    return [tuple(StageOption(o, *menus[k][o], *measured[k, o], forward[k] * max(1.0, ratios[k, o][1]),
                               kept_storages=sizes.storages[k - 1][OPTIONS.index(o)])
                   for o in OPTIONS if o in menus[k]) for k, s in enumerate(stages, 1)]
 

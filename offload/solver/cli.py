@@ -22,6 +22,7 @@ from offload.step.chainfile import load_chain
 from offload.step.encoding import MODE_HELP, MODES, allowed, encoded_bytes
 from offload.step.graph import write_graphml
 from offload.step.memory import no_offload_peak, op_memory, op_name, smallest_feasible_budget
+from offload.step.names import EAGER_KERNEL_BACKENDS
 from offload.step.schedulefile import load_schedule, save_schedule
 from offload.step.simulate import Simulation
 
@@ -37,6 +38,22 @@ MAX_NOTES = 12  # a chain's source notes shown by show and profile (a hand-made 
 NAME_WIDTH = 48  # the widest stage name show prints whole (a longer one keeps its end)
 BUDGET_HELP = ("memory budget: bytes (4000000000), a size (6GiB, 800MB) or a share of the no-offload peak "
                "(60%%); activation memory unless --total")
+
+
+def _recorded_line(chain: Chain) -> None:
+    """What the recomputable stages take recorded for a re-run, where the chain times it."""
+    again = sorted(k for k in chain.recomputable if any(getattr(chain.stage(k), key) is not None
+                                                        for key in ("recorded_fwd_s", "rerun_s", "recorded_bwd_s")))
+    if not again:
+        return
+    compiled = chain.recipe is not None and chain.recipe.compile not in (None, *EAGER_KERNEL_BACKENDS)
+    why = (f"eagerly, as a recorded stage of a model compiled by {chain.recipe.compile} runs" if compiled
+           else "the recording's and the replay's own work in them (a CPU's host is its device)")
+    backward = (f", backwards after one {format_seconds(float(chain.br[again].sum()))} "
+                f"({format_seconds(float(chain.b[again].sum()))})" if compiled else "")
+    _line("recorded", f"{len(again)} stages timed as the executor records them for a re-run, {why}: forwards "
+          f"{format_seconds(float(chain.fr[again].sum()))} (timed plainly: {format_seconds(float(chain.f[again].sum()))}),"
+          f" re-runs {format_seconds(float(chain.rr[again].sum()))}{backward}")
 
 
 def _line(label: str, text: str) -> None:
@@ -161,7 +178,7 @@ def print_chain(chain: Chain) -> None:
             for o in s.options:
                 print(f"{i:>4} {printable(o.name):<18} keeps {format_bytes(o.kept_bytes):>11} of "
                       f"{format_bytes(s.saved_bytes):<11} re-runs {format_seconds(o.recompute_s):>10} of "
-                      f"{format_seconds(s.fwd_s)}")
+                      f"{format_seconds(s.rerun)}")
     print()
     peak = no_offload_peak(chain)
     plain_floor = smallest_feasible_budget(chain)
@@ -191,6 +208,7 @@ def print_chain(chain: Chain) -> None:
     else:
         _line("ideal", f"makespan {format_seconds(chain.ideal_makespan_s)} (sum of all op times"
               + (", no weight cast made again)" if chain.castable else ")"))
+    _recorded_line(chain)
     plain, hooked = chain.source.get("plain_step_s"), chain.source.get("step_s")
     if plain and hooked and not (chain.recipe and chain.recipe.whole_graph):  # the hooks' cost (no hook in a graph)
         _line("plain", f"step {format_seconds(plain['median'])} as plain PyTorch runs it, timed beside the profile's "

@@ -356,13 +356,10 @@ class Model:
                 self._row(f"checkpoint_needs_run_{i}_{self.forms[i].index(o)}",
                           _affine((self.x[i, o], 1.0), (self.g[r], -1.0)), "<=")
         self.run_at: dict[int, list[Recompute]] = {}  # n -> runs rebuilt at the start of B_n
-        self.run_of_option: dict[int, list[Recompute]] = {}  # stage -> its runs in part
         a = self.chain.a
         self.unbuilt: dict[Recompute, float] = {}  # run -> its checkpoint less its units (model units)
         for r in self.g:
             self.run_at.setdefault(run_op(self.chain, r), []).append(r)
-            if r.option:
-                self.run_of_option.setdefault(r.first, []).append(r)
             self.unbuilt[r] = (checkpoint_bytes(self.chain, r) - int(sum(a[r.first:r.last + 1]))) / self.mu
         for i in range(1, L):
             row = self.recomputed(i)
@@ -654,14 +651,21 @@ class Model:
     # ------------------------------------------------------------------ times
     def _durations(self) -> None:
         """Op durations (model units): encoders run at the end of ``Fi``, decoders in ``B(need_i)``;
-        a stage re-run in part records what its option keeps during ``Fi``."""
+        a recomputed stage's ``Fi`` and ``Bi`` take its recorded times (``recompute``), and one
+        re-run in part records what its option keeps during ``Fi``."""
         L = self.chain.L
         self.fdur: list[_Affine] = [_Affine()]
         self.bdur: list[_Affine] = [_Affine()]
         for j in range(1, L + 1):
             fd = _Affine(self.f[j])
-            for r in self.run_of_option.get(j, ()):  # re-run in part: its forward records what it keeps
-                fd.add(self.g[r], (forward_seconds(self.chain, r, j) - self.chain.f[j]) / self.tau)
+            bd = _Affine(self.chain.b[j] / self.tau)
+            for r in (r for r in self.g if r.first <= j <= r.last):
+                more_f = forward_seconds(self.chain, r, j) - self.chain.f[j]
+                more_b = self.chain.br[j] - self.chain.b[j]
+                if more_f:
+                    fd.add(self.g[r], more_f / self.tau)
+                if more_b:
+                    bd.add(self.g[r], more_b / self.tau)
             d = self.decided.get(j)
             if d is not None and d.encoding != RAW:
                 fd.add(self.enc[j, d.encoding].encode_s / self.tau)
@@ -669,7 +673,6 @@ class Model:
                 for o in self.opts[j][1:]:
                     fd.add(self.c[j, o], self.enc[j, o].encode_s / self.tau)
             self.fdur.append(fd)
-            bd = _Affine(self.chain.b[j] / self.tau)
             if j in self.casts_fixed or j in self.k:
                 bd.add(self.k.get(j, 1.0), -self.chain.rc[j] / self.tau)
             self.bdur.append(bd)

@@ -166,6 +166,13 @@ class Stage:
     bwd_host_s: float = 0.0  # the same for Bi
     recording_host_s: float = 0.0  # host time Fi adds while the executor records it for a re-run (CUDA)
     rerun_host_s: float = 0.0  # host time to issue the executor's re-run of Fi (CUDA; 0: fwd_host_s)
+    # a stage the executor records for a re-run, measured so: its Fi while recorded, its re-run (the
+    # executor's replay), its Bi after the rebuild.  On a CPU, whose host is the device, the recording's
+    # and the replay's own work is in them; under a per-stage torch.compile by Inductor the eager model's
+    # kernels are (rerun._EagerWhileRecording).  None: fwd_s, fwd_s, bwd_s (the ops the chain timed)
+    recorded_fwd_s: float | None = None
+    rerun_s: float | None = None
+    recorded_bwd_s: float | None = None
     storages: int = 0  # distinct storages in the unit: a copy of it issues one each (0: not counted)
     saves: int = 0  # saved tensors of the unit's storages in a step: each a handle when it moves or is rebuilt (0: not counted)
     moved_bytes: int | None = None  # what a copy of the unit moves each way, where less than the unit (None: all of
@@ -188,6 +195,21 @@ class Stage:
     def rebuilt(self) -> int:
         """Bytes of the unit resident from its rebuild through ``Bi`` when it is recomputed."""
         return self.saved_bytes if self.rebuilt_bytes is None else self.rebuilt_bytes
+
+    @property
+    def recorded_fwd(self) -> float:
+        """``Fi``'s time when the executor records it for a re-run."""
+        return self.fwd_s if self.recorded_fwd_s is None else self.recorded_fwd_s
+
+    @property
+    def rerun(self) -> float:
+        """The time of the executor's re-run of ``Fi`` whole."""
+        return self.fwd_s if self.rerun_s is None else self.rerun_s
+
+    @property
+    def recorded_bwd(self) -> float:
+        """``Bi``'s time after a re-run rebuilt its unit."""
+        return self.bwd_s if self.recorded_bwd_s is None else self.recorded_bwd_s
 
     @property
     def rerun_host(self) -> float:
@@ -350,6 +372,9 @@ def _stage_document(s: Stage) -> dict:
         d.update(fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s)
     if s.recording_host_s or s.rerun_host_s:  # likewise: chains from before these were measured
         d.update(recording_host_s=s.recording_host_s, rerun_host_s=s.rerun_host_s)
+    for key in ("recorded_fwd_s", "rerun_s", "recorded_bwd_s"):  # likewise: written where measured
+        if getattr(s, key) is not None:
+            d[key] = getattr(s, key)
     if s.options:  # absent otherwise: chains from before the options keep their sha256
         d["options"] = [_option_document(o) for o in s.options]
     if s.cast_bytes:  # absent otherwise: chains from before the choice keep their sha256
@@ -448,6 +473,9 @@ class Chain:
     bh = _column("bwd_host_s", np.float64)
     rech = _column("recording_host_s", np.float64)
     rh = _column("rerun_host", np.float64)
+    fr = _column("recorded_fwd", np.float64)  # Fi recorded for a re-run ...
+    rr = _column("rerun", np.float64)  # ... the re-run ...
+    br = _column("recorded_bwd", np.float64)  # ... and Bi after it
     ns = _column("storages")
     hh = _column("saves", np.float64)
     cb = _column("cast_bytes")

@@ -33,7 +33,8 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "input_carried_bytes", "input_held_bytes", "rerun_held_bytes", "fwd_host_s", "bwd_host_s", "cast_bytes", "recast_s",
                "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "input_prev_bytes", "input_prev_held_bytes", "shared_saves",
                "dropped_saves", "held_saves", "held_read_at", "storages", "saves", "moved_bytes",
-               "carried_early_bytes", "carried_late_bytes", "input_late_bytes", "held_late_bytes", "input_held_late_bytes", "fwd_start_bytes"}
+               "carried_early_bytes", "carried_late_bytes", "input_late_bytes", "held_late_bytes", "input_held_late_bytes", "fwd_start_bytes",
+               "recorded_fwd_s", "rerun_s", "recorded_bwd_s"}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors", "fwd_held_bytes", "next_held_bytes",
                   "bwd_held_bytes"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
@@ -122,9 +123,26 @@ def _measured(e: Mapping, enc: Encoding, reads: int, ctx: str) -> Encoding:
     return replace(enc, fwd_held_bytes=fwd, next_held_bytes=nxt, bwd_held_bytes=bwd)
 
 
-def _options(raw: Any, saved: int, fwd_s: float, ctx: str) -> tuple[StageOption, ...]:
-    """A stage's in-stage ``options``: names unique, each keeping part of the unit and re-running
-    at most the stage's forward."""
+def _recorded(s: Mapping, ctx: str, fwd_s: float, bwd_s: float) -> tuple[float | None, float | None, float | None]:
+    """A stage's ``recorded_fwd_s``, ``rerun_s`` and ``recorded_bwd_s``, where given: the
+    recorded ops at least the plain ones (the solver's bounds take ``fwd_s`` and ``bwd_s`` as
+    each op's shortest)."""
+    out: list[float | None] = []
+    for key, least in (("recorded_fwd_s", fwd_s), ("rerun_s", 0.0), ("recorded_bwd_s", bwd_s)):
+        t = v.seconds(s, key, ctx) if key in s else None
+        if t is not None and t < least:
+            raise FormatError(f"{ctx}.{key} ({t}) < {key[len('recorded_'):]} ({least}): a stage recorded for a "
+                              "re-run is charged at least the ops the chain timed")
+        out.append(t)
+    return out[0], out[1], out[2]
+
+
+def _options(raw: Any, saved: int, stage: Stage, ctx: str) -> tuple[StageOption, ...]:
+    """A stage's in-stage ``options``: names unique, each keeping part of the unit, re-running
+    at most what the stage's re-run does and recording at least what its recorded forward does."""
+    rerun, recorded = stage.rerun, stage.recorded_fwd
+    rerun_key = "rerun_s" if stage.rerun_s is not None else "fwd_s"
+    recorded_key = "recorded_fwd_s" if stage.recorded_fwd_s is not None else "fwd_s"
     out, names = [], set()
     for octx, o in v.objects(raw, f"{ctx}.options", {"name", "kept_bytes", "recompute_s", "fwd_peak_bytes",
                                                      "rerun_peak_bytes", "fwd_s", "kept_storages"}):
@@ -132,15 +150,16 @@ def _options(raw: Any, saved: int, fwd_s: float, ctx: str) -> tuple[StageOption,
         if name in names:
             raise FormatError(f"{octx}.name {name!r} is used twice in this stage")
         names.add(name)
-        kept, rerun = v.whole(o, "kept_bytes", octx, 0, saved), v.seconds(o, "recompute_s", octx)
-        if rerun > fwd_s:
-            raise FormatError(f"{octx}.recompute_s ({rerun}) > fwd_s ({fwd_s}): an option re-runs part of the forward")
+        kept, again = v.whole(o, "kept_bytes", octx, 0, saved), v.seconds(o, "recompute_s", octx)
+        if again > rerun:
+            raise FormatError(f"{octx}.recompute_s ({again}) > the stage's {rerun_key} ({rerun}): an option re-runs "
+                              "part of the forward")
         peaks = [v.whole(o, key, octx, 0, 2 ** 53) if key in o else None for key in ("fwd_peak_bytes", "rerun_peak_bytes")]
         forward = v.seconds(o, "fwd_s", octx) if "fwd_s" in o else None
-        if forward is not None and forward < fwd_s:
-            raise FormatError(f"{octx}.fwd_s ({forward}) < the stage's fwd_s ({fwd_s}): recording what an option keeps "
-                              "adds to the forward")
-        out.append(StageOption(name, kept, rerun, *peaks, forward,
+        if forward is not None and forward < recorded:
+            raise FormatError(f"{octx}.fwd_s ({forward}) < the stage's {recorded_key} ({recorded}): recording what an "
+                              "option keeps adds to the forward")
+        out.append(StageOption(name, kept, again, *peaks, forward,
                                kept_storages=v.whole(o, "kept_storages", octx, 0, kept) if "kept_storages" in o else 0))
     return tuple(out)
 
@@ -207,6 +226,7 @@ def _stage(s: Any, i: int, L: int, before: Stage | None) -> Stage:
     checkpoint = v.nbytes(s, "input_bytes", ctx) if "input_bytes" in s else 0
     carry = v.whole(s, "carry_bytes", ctx, 0, saved) if "carry_bytes" in s else None
     fwd_s, bwd_s = v.seconds(s, "fwd_s", ctx), v.seconds(s, "bwd_s", ctx)
+    recorded_fwd, rerun, recorded_bwd = _recorded(s, ctx, fwd_s, bwd_s)
     recast = v.seconds(s, "recast_s", ctx) if "recast_s" in s else 0.0
     if recast > bwd_s:
         raise FormatError(f"{ctx}.recast_s ({recast}) > bwd_s ({bwd_s}): the backward's time includes its recasts")
@@ -231,42 +251,43 @@ def _stage(s: Any, i: int, L: int, before: Stage | None) -> Stage:
         if both:
             raise FormatError(f"{ctx}: storage #{both[0]} is {what} (those stay on the device, in no unit, for one "
                               "reason each)")
-    return Stage(name=v.string(s, "name", ctx, f"stage{i}"), kind=v.string(s, "kind", ctx, "layer"),
-                 fwd_s=fwd_s, bwd_s=bwd_s, saved_bytes=saved,
-                 fwd_peak_bytes=fwd_peak, bwd_peak_bytes=bwd_peak, need_from=need,
-                 encodings=encodings, held_bytes=held, held_until=until, shared_saves=shared,
-                 dropped_saves=dropped,
-                 held_saves=held_saves, held_read_at=read_at,
-                 options=_options(s.get("options", []), saved, fwd_s, ctx),
-                 input_bytes=checkpoint,
-                 recomputable=v.flag(s, "recomputable", ctx, True), rerun_output=v.flag(s, "rerun_output", ctx, True),
-                 carry_bytes=carry, input_carried_bytes=carried, carried_late_bytes=late,
-                 carried_early_bytes=(v.whole(s, "carried_early_bytes", ctx, 0, saved - carry)
-                                      if "carried_early_bytes" in s and carry is not None else 0),
-                 input_late_bytes=v.whole(s, "input_late_bytes", ctx, 0, min(carried, late)) if "input_late_bytes" in s else 0,
-                 held_late_bytes=held_late,
-                 input_held_late_bytes=(v.whole(s, "input_held_late_bytes", ctx, 0, min(input_held, held_late))
-                                        if "input_held_late_bytes" in s else 0),
-                 fwd_start_bytes=v.whole(s, "fwd_start_bytes", ctx, 0, fwd_peak) if "fwd_start_bytes" in s else 0,
-                 input_held_bytes=input_held,
-                 rerun_held_bytes=v.whole(s, "rerun_held_bytes", ctx, 0, checkpoint) if "rerun_held_bytes" in s else 0,
-                 input_own_bytes=v.whole(s, "input_own_bytes", ctx, 0, checkpoint) if "input_own_bytes" in s else 0,
-                 input_prev_bytes=prev,
-                 input_prev_held_bytes=(v.whole(s, "input_prev_held_bytes", ctx, 0, min(prev, before.held_bytes))
-                                        if "input_prev_held_bytes" in s and before is not None else 0),
-                 bwd_start_bytes=v.whole(s, "bwd_start_bytes", ctx, 0, bwd_peak) if "bwd_start_bytes" in s else 0,
-                 recomputed_fwd_peak_bytes=(v.whole(s, "recomputed_fwd_peak_bytes", ctx, 0, fwd_peak + checkpoint)
-                                            if "recomputed_fwd_peak_bytes" in s else None),
-                 rerun_peak_bytes=v.nbytes(s, "rerun_peak_bytes", ctx) if "rerun_peak_bytes" in s else None,
-                 rebuilt_bytes=v.whole(s, "rebuilt_bytes", ctx, 0, saved) if "rebuilt_bytes" in s else None,
-                 fwd_host_s=v.seconds(s, "fwd_host_s", ctx) if "fwd_host_s" in s else 0.0,
-                 bwd_host_s=v.seconds(s, "bwd_host_s", ctx) if "bwd_host_s" in s else 0.0,
-                 recording_host_s=v.seconds(s, "recording_host_s", ctx) if "recording_host_s" in s else 0.0,
-                 rerun_host_s=v.seconds(s, "rerun_host_s", ctx) if "rerun_host_s" in s else 0.0,
-                 storages=v.whole(s, "storages", ctx, 0, saved) if "storages" in s else 0,
-                 saves=v.whole(s, "saves", ctx) if "saves" in s else 0,
-                 moved_bytes=v.whole(s, "moved_bytes", ctx, min(1, saved), saved) if "moved_bytes" in s else None,
-                 cast_bytes=v.nbytes(s, "cast_bytes", ctx) if "cast_bytes" in s else 0, recast_s=recast)
+    stage = Stage(name=v.string(s, "name", ctx, f"stage{i}"), kind=v.string(s, "kind", ctx, "layer"),
+                  fwd_s=fwd_s, bwd_s=bwd_s, saved_bytes=saved,
+                  fwd_peak_bytes=fwd_peak, bwd_peak_bytes=bwd_peak, need_from=need,
+                  encodings=encodings, held_bytes=held, held_until=until, shared_saves=shared,
+                  dropped_saves=dropped,
+                  held_saves=held_saves, held_read_at=read_at,
+                  recorded_fwd_s=recorded_fwd, rerun_s=rerun, recorded_bwd_s=recorded_bwd,
+                  input_bytes=checkpoint,
+                  recomputable=v.flag(s, "recomputable", ctx, True), rerun_output=v.flag(s, "rerun_output", ctx, True),
+                  carry_bytes=carry, input_carried_bytes=carried, carried_late_bytes=late,
+                  carried_early_bytes=(v.whole(s, "carried_early_bytes", ctx, 0, saved - carry)
+                                       if "carried_early_bytes" in s and carry is not None else 0),
+                  input_late_bytes=v.whole(s, "input_late_bytes", ctx, 0, min(carried, late)) if "input_late_bytes" in s else 0,
+                  held_late_bytes=held_late,
+                  input_held_late_bytes=(v.whole(s, "input_held_late_bytes", ctx, 0, min(input_held, held_late))
+                                         if "input_held_late_bytes" in s else 0),
+                  fwd_start_bytes=v.whole(s, "fwd_start_bytes", ctx, 0, fwd_peak) if "fwd_start_bytes" in s else 0,
+                  input_held_bytes=input_held,
+                  rerun_held_bytes=v.whole(s, "rerun_held_bytes", ctx, 0, checkpoint) if "rerun_held_bytes" in s else 0,
+                  input_own_bytes=v.whole(s, "input_own_bytes", ctx, 0, checkpoint) if "input_own_bytes" in s else 0,
+                  input_prev_bytes=prev,
+                  input_prev_held_bytes=(v.whole(s, "input_prev_held_bytes", ctx, 0, min(prev, before.held_bytes))
+                                         if "input_prev_held_bytes" in s and before is not None else 0),
+                  bwd_start_bytes=v.whole(s, "bwd_start_bytes", ctx, 0, bwd_peak) if "bwd_start_bytes" in s else 0,
+                  recomputed_fwd_peak_bytes=(v.whole(s, "recomputed_fwd_peak_bytes", ctx, 0, fwd_peak + checkpoint)
+                                             if "recomputed_fwd_peak_bytes" in s else None),
+                  rerun_peak_bytes=v.nbytes(s, "rerun_peak_bytes", ctx) if "rerun_peak_bytes" in s else None,
+                  rebuilt_bytes=v.whole(s, "rebuilt_bytes", ctx, 0, saved) if "rebuilt_bytes" in s else None,
+                  fwd_host_s=v.seconds(s, "fwd_host_s", ctx) if "fwd_host_s" in s else 0.0,
+                  bwd_host_s=v.seconds(s, "bwd_host_s", ctx) if "bwd_host_s" in s else 0.0,
+                  recording_host_s=v.seconds(s, "recording_host_s", ctx) if "recording_host_s" in s else 0.0,
+                  rerun_host_s=v.seconds(s, "rerun_host_s", ctx) if "rerun_host_s" in s else 0.0,
+                  storages=v.whole(s, "storages", ctx, 0, saved) if "storages" in s else 0,
+                  saves=v.whole(s, "saves", ctx) if "saves" in s else 0,
+                  moved_bytes=v.whole(s, "moved_bytes", ctx, min(1, saved), saved) if "moved_bytes" in s else None,
+                  cast_bytes=v.nbytes(s, "cast_bytes", ctx) if "cast_bytes" in s else 0, recast_s=recast)
+    return replace(stage, options=_options(s.get("options", []), saved, stage, ctx))  # (they read its re-run's times)
 
 
 def chain_from_dict(d: Any) -> Chain:

@@ -69,20 +69,28 @@ def lossy_stages(chain: Chain, choice: Choice) -> list[int]:
     return sorted(i for i, name in choice.items() if not chain.stage(i).encoding(name).lossless)
 
 
+def _add(fields: dict, key: str, seconds: float) -> None:
+    """Add ``seconds`` to an op's time ``key``, and to its recorded time where it has one."""
+    fields[key] += seconds
+    if fields[f"recorded_{key}"] is not None:
+        fields[f"recorded_{key}"] += seconds
+
+
 def apply(chain: Chain, choice: Choice) -> Chain:
     """The plain chain equivalent to ``chain`` with the encodings of ``choice`` (module doc)."""
     if not choice:
         return chain
     check_choice(chain, choice)
     st = [dict(fwd_s=s.fwd_s, bwd_s=s.bwd_s, saved_bytes=s.saved_bytes, fwd_peak_bytes=s.fwd_peak_bytes,
-               bwd_peak_bytes=s.bwd_peak_bytes) for s in chain.stages]
+               bwd_peak_bytes=s.bwd_peak_bytes, recorded_fwd_s=s.recorded_fwd_s, recorded_bwd_s=s.recorded_bwd_s)
+          for s in chain.stages]
     for i, name in choice.items():
         e = chain.stage(i).encoding(name)
         need = chain.stage(i).need_from
         me = st[i - 1]
         me["saved_bytes"] = encoded_bytes(chain, i, e)
         me["fwd_peak_bytes"] += e.fwd_extra_bytes
-        me["fwd_s"] += e.encode_s
+        _add(me, "fwd_s", e.encode_s)
         if i < chain.L:  # the raw output, the next stage's input: in its forward, recomputed or not
             st[i]["fwd_peak_bytes"] += e.next_extra_bytes
             after = chain.stage(i + 1)
@@ -98,7 +106,7 @@ def apply(chain: Chain, choice: Choice) -> Chain:
             st[i].update(input_prev_bytes=0, input_prev_held_bytes=0)  # a checkpoint shares no storage with an encoded unit
         for j in range(i, need + 1):
             st[j - 1]["bwd_peak_bytes"] += e.bwd_extra(j - i)
-        st[need - 1]["bwd_s"] += e.decode_s
+        _add(st[need - 1], "bwd_s", e.decode_s)  # a rebuilt stage decodes too
     raw = {"held_saves": (), "held_read_at": 0}  # an encoded unit's held part stays (``actions.check_restores``)
     stages = tuple(replace(s, encodings=(), held_bytes=min(s.held_bytes, fields["saved_bytes"]), **fields,
                            **(raw if i in choice else {}))

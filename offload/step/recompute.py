@@ -5,6 +5,11 @@ units (the first backward op that reads one of them), after the prefetches issue
 and before ``Bn`` waits for its copies: ``Fs .. Fe`` re-run one after another on the
 compute stream.  Runs rebuilt at the same op go later stages first.
 
+A stage recorded for a re-run takes its measured times where they differ from the ops the
+chain timed: its forward ``recorded_fwd_s``, its re-run ``rerun_s``, its backward after the
+rebuild ``recorded_bwd_s`` (``Chain.fr``, ``rr``, ``br``): on a CPU the recording's and the
+replay's own work, under a per-stage ``torch.compile`` by Inductor the eager model's kernels.
+
 A run with an in-stage option (``Recompute.option``, docs/model.md, "In-stage options")
 re-runs its one stage in ``recompute_s``: what the option keeps (``kept_bytes``) stays on
 the device with the checkpoint from the end of the stage's forward until the rebuild, and
@@ -36,10 +41,10 @@ def run_op(chain: Chain, run: Recompute) -> int:
 
 
 def run_seconds(chain: Chain, run: Recompute) -> float:
-    """Compute time of rebuilding ``run``: its forward ops again (an option's: the ops it re-runs)."""
+    """Compute time of rebuilding ``run``: its stages' re-runs (an option's: the ops it re-runs)."""
     if run.option:
         return float(chain.stage(run.first).option(run.option).recompute_s)
-    return float(sum(chain.f[j] for j in run.stages))
+    return float(sum(chain.rr[j] for j in run.stages))
 
 
 def recording_host(chain: Chain, runs: Iterable[Recompute]) -> np.ndarray:
@@ -58,9 +63,9 @@ def _measured(chain: Chain, run: Recompute, j: int, key: str) -> Any:
 
 def forward_seconds(chain: Chain, run: Recompute, j: int) -> float:
     """Stage ``j``'s forward time in ``run``: an option's, which records what it keeps, where
-    measured; the stage's otherwise."""
+    measured; the stage's as recorded for a re-run otherwise (``recorded_fwd_s``)."""
     measured = _measured(chain, run, j, "fwd_s")
-    return float(chain.f[j]) if measured is None else measured
+    return float(chain.fr[j]) if measured is None else measured
 
 
 def kept_bytes(chain: Chain, run: Recompute) -> int:

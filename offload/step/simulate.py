@@ -18,7 +18,8 @@ to ``Fi`` and to ``Bi``, ``handling_host``), and an op
 cannot end before the host has issued it (its end is the later of the device's and the
 host's; the host never waits for the device within a step).  Memory per op is ``memory``'s (it depends on the actions alone).  Encoded
 units are replayed on the derived chain of ``encoding.apply``, whose op times include the
-encoders and decoders (``ENCODE`` and ``DECODE`` take no time of their own).  A stage whose
+encoders and decoders (``ENCODE`` and ``DECODE`` take no time of their own).  A recomputed
+stage's ``Fi``, re-run and ``Bi`` take its recorded times (``recompute``).  A stage whose
 weight casts are kept runs ``Bi`` without recasting them (``recast_s`` less).
 """
 from __future__ import annotations
@@ -203,10 +204,10 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     handling = handling_host(chain, offloads, encode, runs)
     fh = chain.fh + recording_host(chain, runs) + handling
     bh = chain.bh + handling
-    f = chain.f.copy()
-    for run in runs:  # a stage re-run in part records what it keeps as its forward runs
-        f[run.first] = forward_seconds(chain, run, run.first)
-    b = chain.b.copy()
+    f, b = chain.f.copy(), chain.b.copy()
+    for run in runs:  # recorded for its re-run (in part: what it keeps, too), and its backward after the rebuild
+        for j in run.stages:
+            f[j], b[j] = forward_seconds(chain, run, j), chain.br[j]
     b[list(kept)] -= chain.rc[list(kept)]
     d2h_free = h2d_free = 0.0
     d2h_end = np.zeros(L + 1)
@@ -254,7 +255,7 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
             copies.append(CopyRecord(i, "H2D", float(s), float(c0), float(h2d_end[i]), nbytes, e.run is not None))
         elif e.kind == RECOMPUTE:
             for j in e.run.stages:
-                took = run_seconds(chain, e.run) if e.run.option else float(chain.f[j])
+                took = run_seconds(chain, e.run) if e.run.option else float(chain.rr[j])
                 recomputes.append(RecomputeRecord(j, 2 * L - o, float(s), float(s + took), sub_memory[j]))
                 s += took
                 rt[o] += took

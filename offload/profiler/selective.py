@@ -13,8 +13,8 @@ half the matmuls' bytes for re-running them).  This pass measures each:
 * ``kept_bytes``: the bytes of what the kept ops output (all of it, saved for the backward
   or not: a re-run reads it instead of running them again);
 * ``recompute_s``: the stage's whole re-run (``rerun_s`` where measured, else ``fwd_s``, the
-  timed steps' median) times the ratio of the stage's re-run with the option to its whole re-run, both timed as the executor replays them
-  (``rerun_ratios``: from one recording, each right after an untimed whole replay, the
+  timed steps' median) times the ratio of the stage's re-run with the option to its whole
+  re-run, both timed as the executor replays them (``rerun_ratios``: from one recording, each right after an untimed whole replay, the
   faster of two passes; a GPU synchronized around each).
   Both run the stage's Python code again whole; the option serves the kept ops and re-runs
   the rest under its dispatch mode, which every op passes through (about 11 us per op on
@@ -104,12 +104,12 @@ def selective_pass(runner: StepRunner, stages: list[StageMeasurement],
     candidates = {(k, o): sizes.kept[k - 1][n] for k, s in enumerate(stages, 1) if k < runner.L and s.recomputable
                   for n, o in enumerate(OPTIONS) if 0 < sizes.kept[k - 1][n] < s.saved_bytes}
     ratios = rerun_ratios(runner, list(candidates))
-    forward, rerun = {}, {}  # per stage, its forward recorded and its whole re-run
+    forward, whole = {}, {}  # per stage, its forward recorded and its whole re-run
     for k, s in enumerate(stages, 1):
         f, r, _ = recorded.get(k, (None, None, None))
-        forward[k], rerun[k] = s.fwd_s if f is None else f, s.fwd_s if r is None else r
-    menus = {k: _menu({o: (kept, rerun[k] * ratios[k, o][0]) for (j, o), kept in candidates.items() if j == k},
-                      s.saved_bytes, rerun[k]) for k, s in enumerate(stages, 1)}
+        forward[k], whole[k] = s.fwd_s if f is None else f, s.fwd_s if r is None else r
+    menus = {k: _menu({o: (kept, whole[k] * ratios[k, o][0]) for (j, o), kept in candidates.items() if j == k},
+                      s.saved_bytes, whole[k]) for k, s in enumerate(stages, 1)}
     measured: dict[tuple[int, str], tuple[int, int]] = {}
     for option in OPTIONS:  # one forward holding and one replaying each option's stages, metered
         keeping = {k: option for k, menu in menus.items() if option in menu}

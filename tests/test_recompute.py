@@ -547,6 +547,74 @@ def test_a_replay_lets_go_of_what_it_rebuilt():
     assert all(ref() is None for ref in gone)
 
 
+def test_a_boundary_module_registered_twice_holds_both_parents_calls_open():
+    """A module registered under two parents (T5's shared embedding, its encoder's
+    ``embed_tokens`` too) may be called from under either: the modules whose calls hold the
+    stage's end are both parents' (a recorder opens the calls inside them)."""
+    from torch import nn
+
+    from offload.core.staging import Site, Staging
+
+    shared = nn.Linear(4, 4)
+    root = nn.Module()
+    root.shared, root.encoder = shared, nn.Module()
+    root.encoder.embed_tokens = shared
+    staging = Staging(root, [Site.parse("shared")])
+    assert staging.enclosing == [frozenset({root, root.encoder})]
+    staging.remove()
+
+
+def test_calls_inside_a_call_that_ends_in_the_stage_are_not_opened_and_one_it_ends_inside_is_told():
+    """A call of a module none of the boundary's ancestors (``code``) completes within the
+    stage, so the recorder does not open the calls inside it (a block's dozen, for a counter
+    each): the program holds the block's call alone and re-runs it bit for bit.  A call of
+    such a module that the stage ends inside, after calls of its own began (the boundary's
+    module called from outside its parent, a reference hidden from the module tree), makes the
+    stage one that cannot be re-run, saying why: those calls were not recorded."""
+    import torch
+    from torch import nn
+
+    from offload.core.rerun import NotRerunnable, StageRecorder
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    model = nn.Sequential(block, nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    recorder = StageRecorder(1, x, torch.device("cpu"), {}, code=frozenset({model}))
+    y = block(x)
+    program = recorder.finish(y)
+    assert [call.fn for call in program.calls] == [block]
+    rebuilt: list[torch.Tensor] = []
+    assert torch.equal(program.run(x, torch.device("cpu"), rebuilt.append), y) and len(rebuilt) >= 3
+
+    class Caller(nn.Module):  # calls a module it does not own
+        def __init__(self, target: nn.Module) -> None:
+            super().__init__()
+            self.pre, self.target = nn.Linear(8, 8), [target]
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            self.target[0](self.pre(t))  # the stage ends as the target returns, inside this call
+            return t
+
+    boundary = nn.Linear(8, 8)
+    caller = Caller(boundary)
+    recorder = StageRecorder(1, x, torch.device("cpu"), {}, code=frozenset({model}))
+    told: list[str] = []
+
+    def stage_ends(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        try:
+            recorder.finish(out)
+        except NotRerunnable as exc:
+            told.append(str(exc))
+    handle = boundary.register_forward_hook(stage_ends)
+    try:
+        caller(x)
+    finally:
+        handle.remove()
+        recorder.close()
+    assert len(told) == 1 and "ends inside a call of a module that is none of its boundary's ancestors" in told[0]
+
+
 def test_a_recorded_stage_lets_go_of_what_only_a_completed_calls_inner_calls_read():
     """A call's own code makes a tensor its inner call reads (an attention's key states, made
     contiguous before its projection): held while the inner call is a call of the stage, no

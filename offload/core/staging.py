@@ -203,10 +203,17 @@ def is_staged(module: nn.Module) -> bool:
     return any(isinstance(getattr(hook, "__self__", None), Staging) for hook in unwrap(module)._forward_pre_hooks.values())
 
 
-def _ancestors(modules: dict[str, nn.Module], path: str) -> frozenset[nn.Module]:
-    """The modules above ``path`` in the module tree, the root included (not itself)."""
-    parts = path.split(".") if path else []
-    return frozenset(modules[".".join(parts[:n])] for n in range(len(parts)))
+def _ancestors(paths: dict[str, nn.Module], path: str) -> frozenset[nn.Module]:
+    """The modules above ``path``'s module in the module tree (``paths``: every path to every
+    module), the root included (not itself), along every path to it: a module registered
+    twice (T5's shared embedding, the encoder's ``embed_tokens`` too) is called from below either."""
+    target = paths[path]
+    out = set()
+    for p, m in paths.items():
+        if m is target:
+            parts = p.split(".") if p else []
+            out.update(paths[".".join(parts[:n])] for n in range(len(parts)))
+    return frozenset(out)
 
 
 class Staging:
@@ -221,7 +228,8 @@ class Staging:
         missing = [s.text for s in self.sites if s.module not in modules]
         if missing:
             raise KeyError(f"no submodule {missing[0]!r} in {type(root).__name__}")
-        self._enclosing = [_ancestors(modules, s.module) for s in self.sites]
+        paths = dict(root.named_modules(remove_duplicate=False))
+        self._enclosing = [_ancestors(paths, s.module) for s in self.sites]
         # module -> occurrence -> (k, leaf): boundaries at calls' ends, and at their starts
         self.cuts: dict[str, dict[int, tuple[int, int]]] = {}
         self.openings: dict[str, dict[int, tuple[int, int]]] = {}

@@ -14,8 +14,9 @@ half the matmuls' bytes for re-running them).  This pass measures each:
   or not: a re-run reads it instead of running them again);
 * ``recompute_s``: the stage's whole re-run (``rerun_s`` where measured, else ``fwd_s``, the
   timed steps' median) times the ratio of the stage's re-run with the option to its whole
-  re-run, both timed as the executor replays them (``rerun_ratios``: from one recording, each right after an untimed whole replay, the
-  faster of two passes; a GPU synchronized around each).
+  re-run, both timed as the executor replays them (``rerun_ratios``: from one recording,
+  each right after an untimed whole replay, the faster of two passes; a GPU synchronized
+  around each).
   Both run the stage's Python code again whole; the option serves the kept ops and re-runs
   the rest under its dispatch mode, which every op passes through (about 11 us per op on
   the development machine's CPU, 124 ops in a Llama block).  A share of the forward's op

@@ -127,14 +127,12 @@ def _recorded(s: Mapping, ctx: str, fwd_s: float, bwd_s: float) -> tuple[float |
     """A stage's ``recorded_fwd_s``, ``rerun_s`` and ``recorded_bwd_s``, where given: the
     recorded ops at least the plain ones (the solver's bounds take ``fwd_s`` and ``bwd_s`` as
     each op's shortest)."""
-    out: list[float | None] = []
-    for key, least in (("recorded_fwd_s", fwd_s), ("rerun_s", 0.0), ("recorded_bwd_s", bwd_s)):
-        t = v.seconds(s, key, ctx) if key in s else None
-        if t is not None and t < least:
-            raise FormatError(f"{ctx}.{key} ({t}) < {key[len('recorded_'):]} ({least}): a stage recorded for a "
-                              "re-run is charged at least the ops the chain timed")
-        out.append(t)
-    return out[0], out[1], out[2]
+    forward, backward = (v.seconds(s, key, ctx) if key in s else None for key in ("recorded_fwd_s", "recorded_bwd_s"))
+    for key, t, plain in (("fwd_s", forward, fwd_s), ("bwd_s", backward, bwd_s)):
+        if t is not None and t < plain:
+            raise FormatError(f"{ctx}.recorded_{key} ({t}) < {key} ({plain}): a stage recorded for a re-run is charged "
+                              "at least the ops the chain timed")
+    return forward, v.seconds(s, "rerun_s", ctx) if "rerun_s" in s else None, backward
 
 
 def _options(raw: Any, saved: int, stage: Stage, ctx: str) -> tuple[StageOption, ...]:

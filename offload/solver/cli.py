@@ -172,8 +172,8 @@ def print_chain(chain: Chain) -> None:
                       + ", ".join(f"{t.encoder}#{t.index}" for t in e.tensors))
     if any(s.options for s in chain.stages):
         print()
-        print("options     in-stage, measured: what each keeps of its unit and re-runs of its forward before the "
-              "backward (a schedule's run `3:matmuls`)")
+        print("options     in-stage, measured: what each keeps of its unit and re-runs before the backward, of its "
+              "stage's whole re-run (a schedule's run `3:matmuls`)")
         for i, s in enumerate(chain.stages, start=1):
             for o in s.options:
                 print(f"{i:>4} {printable(o.name):<18} keeps {format_bytes(o.kept_bytes):>11} of "

@@ -248,7 +248,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
             rerun_peak = replays.rerun_peaks(runner, dict.fromkeys(again))
             tick("re-runs' memory")
             if device.type == "cuda":
-                rerun_host, recording_host = replays.host_seconds(runner, again)
+                rerun_host, recording_host = replays.host_seconds(runner, again, min(replays.HOST_PASSES, opts.repeats))
             tick("re-runs' host time")
         runner.staging.remove()
     plat = opts.platform or measure_platform(device)

@@ -17,7 +17,8 @@ with an option) and the host's share of a recomputation on a GPU (``host_seconds
   forward (module hooks on every call): a recorded forward's host time per stage less a
   plain one's, both forward-only.
 
-Each is the median of three passes (``HOST_PASSES``), as the forward's host time is the
+Each is the median of three passes (``HOST_PASSES``; fewer where the profile times fewer
+steps, ``--repeats``), as the forward's host time is the
 median of the timed steps: the least of two charged a re-run less than its forward's host
 time on the same footing; latest stage first, each timed replay after an untimed one
 (``timed_replay``).
@@ -171,8 +172,9 @@ def recorded_times(runner: StepRunner, stages: list[int], timed: list[tuple[floa
                    eager_kernels: bool) -> dict[int, Times]:
     """Per stage of ``stages`` (each re-runnable, not the last), its times recorded for a
     re-run where they are not ``timed`` (per stage, its forward's and backward's seconds from
-    the timed steps; module docstring).  ``eager_kernels``: the model runs the eager model's
-    kernels (uncompiled, or compiled by a backend that keeps them)."""
+    the timed steps; module docstring).  ``repeats``: the profile's timed steps (as many timed
+    eagerly; at most ``HOST_PASSES`` passes of the host's clocks).  ``eager_kernels``: the
+    model runs the eager model's kernels (uncompiled, or compiled by a backend that keeps them)."""
     out: dict[int, list[float | None]] = {k: [None, None, None] for k in stages}
     if not eager_kernels:
         eager = eager_seconds(runner, repeats)
@@ -180,7 +182,7 @@ def recorded_times(runner: StepRunner, stages: list[int], timed: list[tuple[floa
             f, b = eager[k - 1]
             out[k] = [max(f, timed[k - 1][0]), f, max(b, timed[k - 1][1])]
     if runner.device.type == "cpu":
-        rerun, added = host_seconds(runner, stages)
+        rerun, added = host_seconds(runner, stages, min(HOST_PASSES, repeats))
         for k in stages:
             out[k][:2] = [timed[k - 1][0] + added[k], rerun[k]]
     return {k: (f, r, b) for k, (f, r, b) in out.items() if (f, r, b) != (None, None, None)}
@@ -222,7 +224,8 @@ def timed_replay(program: StageProgram, checkpoint: torch.Tensor | None, device:
     return end - start
 
 
-def host_seconds(runner: StepRunner, stages: list[int]) -> tuple[dict[int, float], dict[int, float]]:
+def host_seconds(runner: StepRunner, stages: list[int],
+                 passes: int = HOST_PASSES) -> tuple[dict[int, float], dict[int, float]]:
     """Per stage of ``stages`` (each re-runnable, not the last): the host's seconds to issue
     the executor's re-run of it whole, and those that recording it adds to its forward
     (module docstring; on a CPU, whose host is the device, the re-run's time and what
@@ -231,7 +234,7 @@ def host_seconds(runner: StepRunner, stages: list[int]) -> tuple[dict[int, float
         return {}, {}
     reruns: dict[int, list[float]] = {k: [] for k in stages}
     plain, recording = [], []
-    for _ in range(HOST_PASSES):
+    for _ in range(passes):
         plain.append(_forward_host(runner, {}))
         clock = Clock(runner.device)
         with recorded(runner, dict.fromkeys(stages), on_boundary=clock.mark) as programs:

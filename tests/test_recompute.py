@@ -547,6 +547,44 @@ def test_a_replay_lets_go_of_what_it_rebuilt():
     assert all(ref() is None for ref in gone)
 
 
+def test_the_recorders_flattening_is_pytrees():
+    """The recorder flattens and copies a call's arguments by hand where they are leaves in a
+    tuple, list or dict (``rerun._leaves``, ``rerun._mapped``): the same leaves in the same
+    order and the same containers, new ones, as pytree's; anything else is pytree's own."""
+    from collections import OrderedDict, namedtuple
+
+    import torch
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    from offload.core.rerun import _leaves, _mapped
+
+    t, u = torch.zeros(2), torch.nn.Parameter(torch.ones(1))
+    Pair = namedtuple("Pair", "a b")
+    trees = [t, (t, 1, None), ((t, u), {"dim": 1, "x": t}), ([t, t], {}), ((), {"a": [t, 2.5]}),
+             ((t, torch.Size([2, 3])), {}), (Pair(t, 1),), OrderedDict(a=t), {"b": (t, "s", torch.float16)},
+             ([[t]], {}), (t, torch.device("cpu"), True)]
+    for tree in trees:
+        mine, theirs = _leaves(tree), tree_flatten(tree)[0]
+        assert len(mine) == len(theirs) and all(a is b for a, b in zip(mine, theirs))
+        mine, theirs = _mapped(lambda v: ("leaf", id(v)), tree), tree_map(lambda v: ("leaf", id(v)), tree)
+        assert mine == theirs and type(mine) is type(theirs)
+    given = ([t], {"k": t})  # a call may empty a list it is handed: the copy's containers are its own
+    copied = _mapped(lambda v: v, given)
+    assert copied[0] is not given[0] and copied[1] is not given[1] and copied[0][0] is t
+    # no reference cycle keeps what the function holds past the call (a re-run's outputs)
+    import gc
+    import weakref
+    held = torch.zeros(3)
+    gone = weakref.ref(held)
+    gc.disable()
+    try:
+        _mapped(lambda v, h=held: v, given)
+        del held
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_a_boundary_module_registered_twice_holds_both_parents_calls_open():
     """A module registered under two parents (T5's shared embedding, its encoder's
     ``embed_tokens`` too) may be called from under either: the modules whose calls hold the

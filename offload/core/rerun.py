@@ -139,14 +139,7 @@ def _leaves(tree: Any) -> list:
     if not _plain_tree(tree):
         return tree_flatten(tree)[0]
     out: list = []
-    stack = [tree]
-    while stack:  # depth-first, left to right
-        node = stack.pop()
-        kind = type(node)
-        if kind in _LEAVES:
-            out.append(node)
-        else:
-            stack.extend(reversed(list(node.values() if kind is dict else node)))
+    _rebuilt(out.append, tree)  # the same walk, in the same order (its copy dropped)
     return out
 
 

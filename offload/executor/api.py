@@ -36,7 +36,7 @@ from offload.errors import ChainMismatch
 from offload.models.spec import cache_configs, check_no_layer_drop, signature
 from offload.step.chain import Chain
 from offload.step.chainfile import load_chain
-from offload.step.names import EAGER_KERNEL_BACKENDS
+from offload.step.names import other_kernels
 from offload.step.schedule import Schedule
 from offload.step.schedulefile import load_schedule
 
@@ -115,7 +115,7 @@ def _warn_eager_reruns(module: nn.Module, chain: Chain, schedule: Schedule) -> N
     user hears of it once, with what to do."""
     backend = chain.recipe.compile if chain.recipe is not None else None
     untimed = sorted({k for r in schedule.recompute for k in r.stages if chain.stage(k).recorded_bwd_s is None})
-    if compiled(module) and untimed and backend is not None and backend not in EAGER_KERNEL_BACKENDS:
+    if compiled(module) and untimed and other_kernels(backend):
         warnings.warn(f"the schedule recomputes stage(s) {', '.join(map(str, untimed))}: under torch.compile each runs "
                       "eagerly (recorded for its re-run by hooks, which compiled code does not run), not with "
                       f"{backend}'s kernels, and the chain does not time them so (profiled before it did): the step "

@@ -30,7 +30,7 @@ from offload.core.staging import Site
 from offload.io.files import write_atomic
 from offload.models.spec import ModelSpec
 from offload.step.chain import Chain
-from offload.step.names import EAGER_KERNEL_BACKENDS
+from offload.step.names import other_kernels
 from offload.step.schedule import Schedule, make_schedule
 
 from .api import Offloaded
@@ -172,7 +172,7 @@ def compiled_reference(chain: Chain, schedule: Schedule, backend: str) -> tuple[
     the offloading; against this one, ours is bit for bit.  Under ``aot_eager`` (and
     ``eager``) the kernels are the eager ones and the reference recomputes nothing: the
     recomputation is checked too."""
-    if backend not in EAGER_KERNEL_BACKENDS and schedule.recompute:
+    if other_kernels(backend) and schedule.recompute:
         why = ("Inductor fuses recomputed kernels otherwise" if chain.recipe.whole_graph
                else "a recomputed stage runs eagerly, not Inductor's kernels")
         return (make_schedule(chain, [], recompute=schedule.recompute),

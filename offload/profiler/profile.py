@@ -29,10 +29,10 @@ from offload.io.text import format_bytes, printable
 from offload.models import ModelSpec, resolve
 from offload.models.resolve import file_reference, file_sha256
 from offload.models.spec import cache_configs, cache_off, check_no_layer_drop, signature
-from offload.step.chain import Chain, Encoding, Platform, Recipe, Stage, StageOption
+from offload.step.chain import RECORDED_TIMES, Chain, Encoding, Platform, Recipe, Stage, StageOption
 from offload.step.chainfile import make_chain
 from offload.step.memory import floor_bound_memory, no_offload_peak, op_name, op_transients, smallest_feasible_budget
-from offload.step.names import AUTOCAST, COMPILE_BACKENDS, EAGER_KERNEL_BACKENDS, WHOLE_GRAPH_BACKENDS
+from offload.step.names import AUTOCAST, COMPILE_BACKENDS, WHOLE_GRAPH_BACKENDS, other_kernels
 
 from .bandwidth import measure_platform
 from .capture import Capture, capture
@@ -241,7 +241,7 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
         elif eager:
             again = [k for k, s in enumerate(result.stages, 1) if k < stages.L and s.recomputable]
             recorded = replays.recorded_times(runner, again, [(s.fwd_s, s.bwd_s) for s in result.stages],
-                                              opts.repeats, opts.compile in (None, *EAGER_KERNEL_BACKENDS))
+                                              opts.repeats, not other_kernels(opts.compile))
             tick("recorded stages' times")
             options = selective_pass(runner, result.stages, recorded)
             tick("in-stage options")
@@ -352,7 +352,7 @@ def _to_chain(model: str, opts: ProfileOptions, device: torch.device, stages: St
                   input_prev_held_bytes=s.input_prev_held_bytes if s.recomputable else 0,
                   fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s, rerun_host_s=rerun_host.get(k, 0.0),
                   recording_host_s=recording_host.get(k, 0.0),
-                  **dict(zip(("recorded_fwd_s", "rerun_s", "recorded_bwd_s"), recorded.get(k, (None, None, None)))),
+                  **dict(zip(RECORDED_TIMES, recorded.get(k, (None, None, None)))),
                   cast_bytes=s.cast_bytes, recast_s=min(s.recast_s, s.bwd_s) if s.cast_bytes else 0.0, options=opt,
                   shared_saves=s.shared_saves, dropped_saves=s.dropped_saves,
                   held_saves=s.held_saves, held_read_at=s.held_read_at,

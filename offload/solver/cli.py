@@ -17,12 +17,12 @@ from offload.io.contention import busy_warning
 from offload.io.files import input_path, output_path
 from offload.io.text import clipped, copies_off, format_bytes, format_seconds, printable
 from offload.step.budget import Budget
-from offload.step.chain import Chain
+from offload.step.chain import RECORDED_TIMES, Chain
 from offload.step.chainfile import load_chain
 from offload.step.encoding import MODE_HELP, MODES, allowed, encoded_bytes
 from offload.step.graph import write_graphml
 from offload.step.memory import no_offload_peak, op_memory, op_name, smallest_feasible_budget
-from offload.step.names import EAGER_KERNEL_BACKENDS
+from offload.step.names import other_kernels
 from offload.step.schedulefile import load_schedule, save_schedule
 from offload.step.simulate import Simulation
 
@@ -42,11 +42,11 @@ BUDGET_HELP = ("memory budget: bytes (4000000000), a size (6GiB, 800MB) or a sha
 
 def _recorded_line(chain: Chain) -> None:
     """What the recomputable stages take recorded for a re-run, where the chain times it."""
-    again = sorted(k for k in chain.recomputable if any(getattr(chain.stage(k), key) is not None
-                                                        for key in ("recorded_fwd_s", "rerun_s", "recorded_bwd_s")))
+    again = sorted(k for k in chain.recomputable
+                   if any(getattr(chain.stage(k), key) is not None for key in RECORDED_TIMES))
     if not again:
         return
-    compiled = chain.recipe is not None and chain.recipe.compile not in (None, *EAGER_KERNEL_BACKENDS)
+    compiled = chain.recipe is not None and other_kernels(chain.recipe.compile)
     why = (f"eagerly, as a recorded stage of a model compiled by {chain.recipe.compile} runs" if compiled
            else "the recording's and the replay's own work in them (a CPU's host is its device)")
     backward = (f", backwards after one {format_seconds(float(chain.br[again].sum()))} "

@@ -172,7 +172,7 @@ class Stage:
     # kernels are (rerun._EagerWhileRecording).  None: fwd_s, fwd_s, bwd_s (the ops the chain timed)
     recorded_fwd_s: float | None = None
     rerun_s: float | None = None
-    recorded_bwd_s: float | None = None
+    recorded_bwd_s: float | None = None  # (their names in order: RECORDED_TIMES)
     storages: int = 0  # distinct storages in the unit: a copy of it issues one each (0: not counted)
     saves: int = 0  # saved tensors of the unit's storages in a step: each a handle when it moves or is rebuilt (0: not counted)
     moved_bytes: int | None = None  # what a copy of the unit moves each way, where less than the unit (None: all of
@@ -308,6 +308,9 @@ class Recipe:
     casts_uncached: bool = False  # autocast's cache of weight casts off through the forward: each dies with its reader
 
 
+RECORDED_TIMES = ("recorded_fwd_s", "rerun_s", "recorded_bwd_s")  # a stage's times recorded for a re-run
+
+
 def _column(field: str, dtype: type = np.int64) -> cached_property:
     """A ``Chain`` property: the stages' ``field`` as an array, index 0 unused (``a[i]`` is stage i)."""
     def column(chain: "Chain") -> np.ndarray:
@@ -372,7 +375,7 @@ def _stage_document(s: Stage) -> dict:
         d.update(fwd_host_s=s.fwd_host_s, bwd_host_s=s.bwd_host_s)
     if s.recording_host_s or s.rerun_host_s:  # likewise: chains from before these were measured
         d.update(recording_host_s=s.recording_host_s, rerun_host_s=s.rerun_host_s)
-    for key in ("recorded_fwd_s", "rerun_s", "recorded_bwd_s"):  # likewise: written where measured
+    for key in RECORDED_TIMES:  # likewise: written where measured
         if getattr(s, key) is not None:
             d[key] = getattr(s, key)
     if s.options:  # absent otherwise: chains from before the options keep their sha256

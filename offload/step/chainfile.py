@@ -20,7 +20,7 @@ from offload.errors import FormatError
 from offload.io import validate as v
 from offload.io.files import read_document, write_json
 
-from .chain import CHAIN_FORMAT, Chain, EncodedTensor, Encoding, Platform, Recipe, Stage, StageOption
+from .chain import CHAIN_FORMAT, RECORDED_TIMES, Chain, EncodedTensor, Encoding, Platform, Recipe, Stage, StageOption
 from .names import AUTOCAST, COMPILE_BACKENDS, DTYPES, ENCODERS, OPTIMIZERS, WHOLE_GRAPH_BACKENDS
 
 OLD_FORMATS = ("offload-chain/1",)
@@ -34,7 +34,7 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
                "options", "recording_host_s", "rerun_host_s", "input_own_bytes", "input_prev_bytes", "input_prev_held_bytes", "shared_saves",
                "dropped_saves", "held_saves", "held_read_at", "storages", "saves", "moved_bytes",
                "carried_early_bytes", "carried_late_bytes", "input_late_bytes", "held_late_bytes", "input_held_late_bytes", "fwd_start_bytes",
-               "recorded_fwd_s", "rerun_s", "recorded_bwd_s"}
+               *RECORDED_TIMES}
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors", "fwd_held_bytes", "next_held_bytes",
                   "bwd_held_bytes"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}

@@ -16,6 +16,12 @@ WHOLE_GRAPH_BACKENDS = ("inductor", "aot_eager")  # those that compile one graph
 EAGER_KERNEL_BACKENDS = ("aot_eager", "eager")  # those that run the eager model's kernels, as a re-run recorded eagerly does
 
 
+def other_kernels(backend: str | None) -> bool:
+    """Whether a model compiled by ``backend`` (``None``: not compiled) runs other kernels than
+    its eager code, which a stage recorded for a re-run runs (``rerun._EagerWhileRecording``)."""
+    return backend is not None and backend not in EAGER_KERNEL_BACKENDS
+
+
 def table(names: tuple[str, ...], entries: dict, what: str) -> dict:
     """``entries`` in the order of ``names``; a ``ValueError`` at import if either has a name the
     other lacks (a name added on one side only)."""

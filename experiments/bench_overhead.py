@@ -51,7 +51,7 @@ from offload.core.devices import pick_device
 from offload.executor import Offloaded
 from offload.executor.backends import make_backend
 from offload.executor.copy_cost import copy_host_seconds
-from offload.executor.handle_cost import KINDS, extra_per_tensor, hook_calls, schedules
+from offload.executor.step_costs import KINDS, step_costs
 from offload.models import resolve
 from offload.profiler.profile import ProfileOptions, profile
 from offload.step.actions import Recompute
@@ -161,13 +161,13 @@ def _hooks(model: str, options: dict, autocast: str | None, batch: int, steps: i
     print(f"the executor's hooks, host time per call (median of {steps} steps; the timer's own cost included): "
           f"{model}, {chain.L} stages, {machine_name(device.type)}")
     print(f"{'schedule':<20}" + "".join(f"{k:>20}" for k in KINDS))
-    timed = {name: hook_calls(spec, chain, schedule, steps) for name, schedule in schedules(chain).items()}
-    for name, calls in timed.items():
+    costs = step_costs(spec, chain, steps)
+    for name, calls in costs.calls.items():
         cells = [f"{statistics.median(calls[k]) * 1e6:6.1f} us x{len(calls[k]) // steps:<4}" if calls[k] else "-"
                  for k in KINDS]
         print(f"{name:<20}" + "".join(f"{c:>20}" for c in cells))
-    print(f"handle_host_s, as the profiler writes it on CUDA: {extra_per_tensor(timed) * 1e6:.1f} us "
-          "per handled tensor, each way")
+    print(f"handle_host_s, as the profiler writes it on CUDA (handle_device_s on a CPU): "
+          f"{costs.handled_seconds() * 1e6:.1f} us per handled tensor, each way")
     return 0
 
 

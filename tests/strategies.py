@@ -153,7 +153,10 @@ def chains(draw, min_stages: int = 1, max_stages: int = 6, encodings: bool = Fal
             "h2d_bytes_per_s": draw(st.sampled_from([4e3, 1e4, 3e4, 1e5])),
             "latency_s": draw(st.sampled_from([0.0, 1e-4])),
             **({"copy_host_s": draw(st.sampled_from([0.0, 1e-3, 4e-3])),
-                "handle_host_s": draw(st.sampled_from([0.0, 5e-4, 2e-3]))} if host else {}),
+                "handle_host_s": draw(st.sampled_from([0.0, 5e-4, 2e-3])),
+                # the same works on a host that runs the ops (a CPU): charged to them
+                "copy_device_s": draw(st.sampled_from([0.0, 0.0, 1e-3, 4e-3])),
+                "handle_device_s": draw(st.sampled_from([0.0, 0.0, 5e-4, 2e-3]))} if host else {}),
         },
         "base_bytes": draw(st.integers(0, 1000)),
         "stages": stages,

@@ -31,6 +31,7 @@ from offload.profiler.profile import ProfileOptions, profile
 from offload.solver.methods import Options, solve
 from offload.step.actions import Offload, Recompute
 from offload.step.budget import Budget
+from offload.step.chain import StageOption
 from offload.step.chainfile import save_chain
 from offload.step.events import BACKWARD, FORWARD, Event
 from offload.step.memory import floor_offloads, no_offload_peak, smallest_feasible_budget
@@ -556,24 +557,44 @@ def test_a_weight_without_a_gradient_matches_only_one_without():
 def test_the_saves_a_profile_counts_are_the_tensors_the_runtime_handles(chains, model):
     """``Stage.saves`` is what ``handle_host_s`` is charged per: each is a tensor the runtime's
     pack hook hands a handle for, and its unpack reads back, in every step where its unit is
-    offloaded (the floor's units) or rebuilt (every block re-run); with nothing moved, none."""
-    from offload.executor.handle_cost import handle_host_seconds, hook_calls
-    from offload.executor.handle_cost import schedules as timed_schedules
+    offloaded (the floor's units) or rebuilt (every block re-run); with nothing moved, none.
+    The same steps time each block's rebuild, which on a CPU is the chain's ``rerun_s``."""
+    from offload.executor.step_costs import schedules as timed_schedules
+    from offload.executor.step_costs import step_costs
+    from offload.profiler.profile import _with_step_costs
 
     chain = chains[model]
     spec = resolve(model, 2, OPTIONS[model])
-    plans = timed_schedules(chain)
-    for name, schedule in plans.items():
+    costs = step_costs(spec, chain, steps=2)
+    for name, schedule in timed_schedules(chain).items():
         handled = {o.stage for o in schedule.offloads} | {j for r in schedule.recompute for j in r.stages}
-        calls = hook_calls(spec, chain, schedule, steps=2)
+        calls = costs.calls[name]
         expected = 2 * sum(chain.stage(i).saves for i in handled)
         assert len(calls["pack handled"]) == len(calls["unpack handled"]) == expected, name
         assert expected > 0 or name == "nothing moved"
-    assert handle_host_seconds(spec, chain, steps=1) >= 0.0
-    from offload.profiler.profile import _with_handle_host  # what the profiler does with it on CUDA
-    timed = _with_handle_host(chain, spec, model)
-    assert timed.stages == chain.stages and timed.platform.handle_host_s >= 0.0
-    assert (timed.platform.handle_host_s > 0) == (timed.sha256 != chain.sha256)  # 0 is written as absent
+    assert {k: len(t) for k, t in costs.rebuilds.items()} == dict.fromkeys(chain.recomputable, 2)
+    for name in costs.calls:  # each stage's forward (the last's holds the loss: not timed) and backward, each step
+        assert {k: len(t) for k, t in costs.forwards[name].items()} == dict.fromkeys(range(1, chain.L), 2)
+        assert {k: len(t) for k, t in costs.backwards[name].items()} == dict.fromkeys(range(1, chain.L + 1), 2)
+    assert costs.handled_seconds() >= 0.0
+    # the profile (on this CPU) charged it to the ops, not to a host lane: a handled tensor's
+    # pack and unpack take several times a kept one's here
+    assert chain.platform.handle_device_s > 0 and chain.platform.handle_host_s == 0
+    bare = dataclasses.replace(chain, platform=dataclasses.replace(chain.platform, handle_device_s=0.0))
+    on_cuda = _with_step_costs(bare, spec, model, torch.device("cuda"), 1)  # what the profiler does with it there
+    assert on_cuda.stages == chain.stages and on_cuda.platform.handle_host_s >= 0.0 == on_cuda.platform.handle_device_s
+    assert (on_cuda.platform.handle_host_s > 0) == (on_cuda.sha256 != bare.sha256)  # 0 is written as absent
+    on_cpu = _with_step_costs(bare, spec, model, torch.device("cpu"), 1)  # the re-runs as timed in the steps
+    assert on_cpu.platform.handle_host_s == 0.0 <= on_cpu.platform.handle_device_s
+    for k in chain.recomputable:
+        before, after = chain.stage(k), on_cpu.stage(k)
+        assert after.rerun_s > 0 and after.rerun_s != before.rerun_s
+        assert after.recorded_fwd_s >= after.fwd_s == before.fwd_s and after.recorded_bwd_s >= after.bwd_s
+    from offload.profiler.profile import _recorded_in_steps  # an option's re-run: a share of the stage's, kept
+    stage = dataclasses.replace(chain.stage(2), fwd_s=0.002, recorded_fwd_s=0.003, rerun_s=0.004,
+                                options=(StageOption("matmuls", 10, 0.001, fwd_s=0.0035),))
+    option = _recorded_in_steps(stage, 0.0032, 0.006, stage.bwd_s).options[0]
+    assert (option.recompute_s, option.fwd_s) == pytest.approx((0.0015, 0.0035 * 0.0032 / 0.003))
 
 
 def test_the_host_time_per_storage_copied_is_timed_on_the_runtimes_own_steps(monkeypatch):

@@ -764,8 +764,9 @@ def test_a_swiglu_block_has_an_option_between_all_kept_and_all_recomputed():
         assert [o.name for o in s.options] == ["matmuls", "every-other-matmul"]
         option, half = s.option("matmuls"), s.option("every-other-matmul")
         assert 0 < half.kept_bytes < option.kept_bytes < s.saved_bytes
-        # shares of the stage's own re-run and recorded forward, as timed on this CPU (the recording's work in them)
-        assert s.rerun_s is not None and s.recorded_fwd_s >= s.fwd_s and s.recorded_bwd_s is None
+        # shares of the stage's own re-run and recorded forward, as timed on this CPU in the
+        # executor's steps (the recording's and the replay's work in them)
+        assert s.rerun_s is not None and s.recorded_fwd_s >= s.fwd_s and s.recorded_bwd_s >= s.bwd_s
         assert option.recompute_s == pytest.approx(s.rerun_s / 2) and option.fwd_s == pytest.approx(1.1 * s.recorded_fwd_s)
         assert option.fwd_peak_bytes > 0 and option.rerun_peak_bytes > 0
     assert load_chain_doc(chain) == chain

@@ -191,6 +191,28 @@ def test_a_copy_costs_the_host_per_storage_and_starts_when_issued():
     assert res.objective_s == pytest.approx(simulate(chain, res.offloads).makespan_s, rel=1e-9)
 
 
+def test_where_the_host_runs_the_ops_a_handled_unit_lengthens_them_both_ways():
+    """On a CPU the executor's handling of a saved tensor is the ops' own time: with
+    ``handle_device_s`` 0.25 s per save, U1's four saves make F1 and B1 1 s longer each when U1
+    is offloaded (its D2H starts as the longer F1 ends, at 2), 14 s against 12; charged on the
+    host lane instead (``handle_host_s``) the same work hides behind ops that have no host time
+    of their own.  The MILP's objective is the replay's, and it chooses to move what costs less."""
+    doc = chain_doc(platform={"d2h_bytes_per_s": 100.0, "h2d_bytes_per_s": 100.0, "handle_device_s": 0.25})
+    doc["stages"][0]["saves"] = 4
+    chain = chain_from_dict(doc)
+    sim = simulate(chain, [Offload(1, 2, 2)])
+    assert list(sim.end[:2]) == [2.0, 3.0] and sim.copies[0].start == 2.0 and sim.makespan_s == 14.0
+    assert simulate(chain, []).makespan_s == 12.0  # nothing handled: nothing charged
+    assert simulate(chain, [], recompute=[Recompute(1, 1)]).end[0] == 2.0  # rebuilt: charged alike
+    doc["platform"]["handle_host_s"] = doc["platform"].pop("handle_device_s")
+    assert simulate(chain_from_dict(doc), [Offload(1, 2, 2)]).makespan_s == 12.0
+    budget = int(simulate(chain, [Offload(2, 3, 3)]).peak_bytes)
+    res = solve_ilp(chain, budget, gap=0.0, max_run=1)
+    chosen = simulate(chain, res.offloads, recompute=res.recompute)
+    assert res.objective_s == pytest.approx(chosen.makespan_s, rel=1e-9)
+    assert 1 not in {o.stage for o in res.offloads} | {j for r in res.recompute for j in r.stages}
+
+
 def test_a_handled_unit_costs_the_host_per_saved_tensor_both_ways():
     """``handle_host_s`` (0.5 s) per saved tensor of a unit the executor handles, here U2's two
     rebuilt by a re-run: 1 s more host time in F2 and in B2.  The host, 0.1 s behind the

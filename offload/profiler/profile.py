@@ -23,7 +23,8 @@ from offload.core.devices import DTYPES, OPTIMIZERS, pick_device, running
 from offload.core.encoders import ENCODERS, usable_on
 from offload.core.staging import Staging, compiled
 from offload.errors import ModelError, OffloadError, first_line
-from offload.executor.handle_cost import handle_host_seconds
+from offload.executor.copy_cost import copy_host_seconds
+from offload.executor.step_costs import step_costs
 from offload.io.contention import BUSY_SHARE, CpuWait, busy_warning
 from offload.io.text import format_bytes, printable
 from offload.models import ModelSpec, resolve
@@ -260,9 +261,11 @@ def profile(model: str, opts: ProfileOptions, tick: Callable[[str], None] = lamb
     if any(s.encodings for s in chain.stages):  # what the executor's encoded units hold, op by op
         chain = _with_encoded_memory(chain, spec, device, model)
         tick("encoded units' memory")
-    if device.type == "cuda" and eager and opts.platform is None:  # the runtime's hooks on handled tensors, timed
-        chain = _with_handle_host(chain, spec, model)
-        tick("handled tensors' host time")
+    # the executor's own work, timed in its steps: on CUDA the host's (a given platform is another
+    # machine's), on a CPU the ops'
+    if eager and (device.type == "cpu" or (device.type == "cuda" and opts.platform is None)):
+        chain = _with_step_costs(chain, spec, model, device, max(2, min(opts.repeats, 5)))
+        tick("the executor's own work")
     if opts.whole_graph:  # the cuts are the eager profile's; the rest that graph's
         with running(f"running {model}"):
             chain = whole_graph_chain(chain, spec, device, opts.compile, opts.repeats, opts.warmup, tick,
@@ -281,15 +284,39 @@ def _with_encoded_memory(chain: Chain, spec: ModelSpec, device: torch.device, mo
                             "the encoded units' memory could not be measured on this model ({}): their bounds stand")
 
 
-def _with_handle_host(chain: Chain, spec: ModelSpec, model: str) -> Chain:
-    """``chain`` with its platform's ``handle_host_s`` timed on the model (``offload.executor.
-    handle_cost``); where the executor cannot train it so, 0 (not charged), with a note."""
+def _with_step_costs(chain: Chain, spec: ModelSpec, model: str, device: torch.device, steps: int) -> Chain:
+    """``chain`` with the executor's own work timed in ``steps`` training steps of the model
+    under each plan (``offload.executor.step_costs``): its time per handled saved tensor, the
+    platform's ``handle_host_s`` on a GPU; on a CPU, whose host runs the ops, its
+    ``handle_device_s``, its ``copy_device_s`` per storage copied (``offload.executor.copy_cost``)
+    and each stage's times recorded for a re-run as they ran in those steps
+    (``StepCosts.recorded``), at the profile's pace (its options, shares of them, alike).  Where
+    the executor cannot train the model so, ``chain`` as it was (nothing charged), with a note."""
     def timed() -> Chain:
-        plat = replace(chain.platform, handle_host_s=handle_host_seconds(spec, chain))
-        return make_chain(chain.name, chain.stages, plat, chain.base_bytes, chain.source, chain.recipe,
+        costs = step_costs(spec, chain, steps)
+        if device.type != "cpu":
+            plat, recorded = replace(chain.platform, handle_host_s=costs.handled_seconds()), {}
+        else:  # the copies' own memcpy is the chain's link: storages small enough to leave it out
+            pace = costs.pace(chain)
+            plat = replace(chain.platform, handle_device_s=pace * costs.handled_seconds(),
+                           copy_device_s=pace * copy_host_seconds(device, nbytes=2 ** 10))
+            recorded = costs.recorded(chain)
+        stages = tuple(_recorded_in_steps(s, *recorded[k]) if k in recorded else s
+                       for k, s in enumerate(chain.stages, 1))
+        return make_chain(chain.name, stages, plat, chain.base_bytes, chain.source, chain.recipe,
                           chain.workspace_bytes)
-    return _by_the_executor(chain, model, timed, "the executor's hooks could not be timed on this model ({}): its host "
+    return _by_the_executor(chain, model, timed, "the executor's own work could not be timed on this model ({}): its "
                                                  "time per handled tensor is not charged")
+
+
+def _recorded_in_steps(stage: Stage, forward: float, rerun: float, backward: float) -> Stage:
+    """``stage`` with its times recorded for a re-run as the executor's steps ran them, and its
+    options' re-runs and recorded forwards (shares of the stage's) scaled alike."""
+    again, ahead = (rerun / stage.rerun if stage.rerun > 0 else 1.0), forward / stage.recorded_fwd
+    return replace(stage, recorded_fwd_s=forward, rerun_s=rerun, recorded_bwd_s=backward,
+                   options=tuple(replace(o, recompute_s=o.recompute_s * again,
+                                         fwd_s=None if o.fwd_s is None else max(forward, o.fwd_s * ahead))
+                                 for o in stage.options))
 
 
 def _by_the_executor(chain: Chain, model: str, measured: Callable[[], Chain], note: str) -> Chain:

@@ -50,7 +50,7 @@ def _recorded_line(chain: Chain) -> None:
     why = (f"eagerly, as a recorded stage of a model compiled by {chain.recipe.compile} runs" if compiled
            else "the recording's and the replay's own work in them (a CPU's host is its device)")
     backward = (f", backwards after one {format_seconds(float(chain.br[again].sum()))} "
-                f"({format_seconds(float(chain.b[again].sum()))})" if compiled else "")
+                f"({format_seconds(float(chain.b[again].sum()))})" if (chain.br != chain.b).any() else "")
     _line("recorded", f"{len(again)} stages timed as the executor records them for a re-run, {why}: forwards "
           f"{format_seconds(float(chain.fr[again].sum()))} (timed plainly: {format_seconds(float(chain.f[again].sum()))}),"
           f" re-runs {format_seconds(float(chain.rr[again].sum()))}{backward}")
@@ -137,11 +137,20 @@ def print_chain(chain: Chain) -> None:
           f"latency {format_seconds(p.latency_s)}" + (f" ({printable(p.note)})" if p.note else ""))
     if p.copy_host_s:
         print(f"host        the executor's {format_seconds(p.copy_host_s)} per storage copied, each way: "
-              f"{format_seconds(float(chain.ch.sum()))} to move every unit out (charged to the host's clock)")
+              f"{format_seconds(p.copy_host_s * float(chain.ns.sum()))} to move every unit out (charged to the "
+              "host's clock)")
+    if p.copy_device_s:
+        print(f"copying     the executor's {format_seconds(p.copy_device_s)} per storage copied, each way: "
+              f"{format_seconds(p.copy_device_s * float(chain.ns.sum()))} to move every unit out (this host runs "
+              "the ops: charged to the op that issues the copy)")
     if p.handle_host_s:
         print(f"host        the executor's {format_seconds(p.handle_host_s)} per saved tensor of a unit it moves, "
               f"encodes or rebuilds, each way: {format_seconds(float(p.handle_host_s * chain.hh.sum()))} to handle "
               "every unit (charged to the host's clock)")
+    if p.handle_device_s:
+        print(f"handling    the executor's {format_seconds(p.handle_device_s)} per saved tensor of a unit it moves, "
+              f"encodes or rebuilds, each way: {format_seconds(float(p.handle_device_s * chain.hh.sum()))} to handle "
+              "every unit (this host runs the ops: charged to the unit's Fi and Bi)")
     print()
     casts = bool(chain.castable)  # a column of the weight casts each stage makes again
     names = [printable(s.name) for s in chain.stages]

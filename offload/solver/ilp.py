@@ -269,6 +269,9 @@ class Model:
         self.ih = {(i, o): chain.issue_host_s(i, checkpoint=self.moving[i, o].option if (i, o) in self.moving else None)
                    / self.tau for i in self.U for o in self.forms[i]}
         self.copy_host = p.copy_host_s > 0
+        # where the host runs the ops (a CPU): what issuing a slot's copy adds to the op that issues it
+        self.idv = {(i, o): chain.issue_device_s(i, checkpoint=self.moving[i, o].option if (i, o) in self.moving
+                                                 else None) / self.tau for i in self.U for o in self.forms[i]}
         self.f = self.chain.f / self.tau
         self.b = (self.chain.b - self.chain.rc) / self.tau  # each backward op at its shortest (casts kept)
 
@@ -652,7 +655,9 @@ class Model:
     def _durations(self) -> None:
         """Op durations (model units): encoders run at the end of ``Fi``, decoders in ``B(need_i)``;
         a recomputed stage's ``Fi`` and ``Bi`` take its recorded times (``recompute``), and one
-        re-run in part records what its option keeps during ``Fi``."""
+        re-run in part records what its option keeps during ``Fi``; where the host runs the ops
+        (a CPU), a handled unit's ``Fi`` and ``Bi`` take its saved tensors' handling longer, and an
+        op that issues copies their issue (``simulate.op_seconds``)."""
         L = self.chain.L
         self.fdur: list[_Affine] = [_Affine()]
         self.bdur: list[_Affine] = [_Affine()]
@@ -666,6 +671,9 @@ class Model:
                     fd.add(self.g[r], more_f / self.tau)
                 if more_b:
                     bd.add(self.g[r], more_b / self.tau)
+            if self.chain.handle_device_s(j):
+                fd.add(self.handled(j), self.chain.handle_device_s(j) / self.tau)
+                bd.add(self.handled(j), self.chain.handle_device_s(j) / self.tau)
             d = self.decided.get(j)
             if d is not None and d.encoding != RAW:
                 fd.add(self.enc[j, d.encoding].encode_s / self.tau)
@@ -676,6 +684,15 @@ class Model:
             if j in self.casts_fixed or j in self.k:
                 bd.add(self.k.get(j, 1.0), -self.chain.rc[j] / self.tau)
             self.bdur.append(bd)
+        if self.chain.platform.copy_device_s:  # the copies' issue, where the host runs the ops: in the ops
+            for j in range(1, L + 1):
+                self.fdur[j].add(self.restore_issue(j, device=True))
+                if self._moves(j):
+                    self.fdur[j].add(self.moved_issue(j, device=True))
+            for k, members in self._slots().items():
+                for i in members:
+                    for o, m in self._prefetched_at(i, k).items():
+                        self.bdur[k].add(m, self.idv[i, o])
         for i in range(1, L + 1):
             d = self.decided.get(i)
             if d is not None and d.encoding != RAW:
@@ -691,20 +708,23 @@ class Model:
             out.add(self.offloaded(i, o), self.dd[i, o])
         return out
 
-    def restore_issue(self, j: int, upto: int | None = None) -> _Affine:
+    def restore_issue(self, j: int, upto: int | None = None, device: bool = False) -> _Affine:
         """The host's time to issue the restores before ``Fj`` (model units; 0 when none is
-        chosen), in stage order, through unit ``upto`` (``None``: all of them)."""
+        chosen), in stage order, through unit ``upto`` (``None``: all of them); ``device``: what
+        issuing them adds to ``Fj`` where the host runs the ops."""
         out = _Affine()
         for i, p in self.h:
             if p == j and (upto is None or i <= upto):
-                out.add(self.h[i, p], self.chain.restore_host_s(i) / self.tau)
+                seconds = self.chain.restore_device_s(i) if device else self.chain.restore_host_s(i)
+                out.add(self.h[i, p], seconds / self.tau)
         return out
 
-    def moved_issue(self, i: int) -> _Affine:
-        """The host's time to issue the copy in stage ``i``'s slot, one way (0 when nothing moves)."""
+    def moved_issue(self, i: int, device: bool = False) -> _Affine:
+        """The host's time to issue the copy in stage ``i``'s slot, one way (0 when nothing moves);
+        ``device``: what issuing it adds to the op that issues it where the host runs the ops."""
         out = _Affine()
         for o in self.forms[i]:
-            out.add(self.offloaded(i, o), self.ih[i, o])
+            out.add(self.offloaded(i, o), (self.idv if device else self.ih)[i, o])
         return out
 
     def _forward_times(self) -> None:

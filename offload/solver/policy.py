@@ -35,7 +35,8 @@ from offload.step.actions import Offload, Recompute
 from offload.step.chain import Chain
 from offload.step.events import prefetch_order
 from offload.step.memory import floor_offloads, floor_restore, floor_savings, forward_checkpoint_changes, op_memory
-from offload.step.recompute import forward_peak, forward_seconds, moved_checkpoint_bytes
+from offload.step.recompute import forward_peak, moved_checkpoint_bytes
+from offload.step.simulate import copied_out, op_seconds
 
 Points = dict[int, int]
 
@@ -95,11 +96,13 @@ def release_asap(chain: Chain, units: Iterable[int], budget: int, runs: Iterable
     runs = tuple(runs)
     recomputed = {i for r in runs for i in r.stages}
     L = chain.L
-    f, a = chain.f.copy(), chain.a
+    a = chain.a
+    f, _ = op_seconds(chain, (), S | recomputed, runs)  # as recorded for a re-run, with the units' handling
+    f += copied_out(chain, S, ())  # and the D2H copies of the units its forward issues
     fp = [int(x) for x in chain.fp]  # F_j's own transient
     for r in runs:
         for j in r.stages:
-            fp[j], f[j] = forward_peak(chain, r, j), forward_seconds(chain, r, j)  # as recorded for its re-run
+            fp[j] = forward_peak(chain, r, j)
     release: Points = {}
     pending: list[int] = []  # offloaded, not yet released, stage order == D2H FIFO order
     held: dict[int, int] = {}  # boundary -> bytes the model's code stops holding there

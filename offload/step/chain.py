@@ -261,6 +261,10 @@ class Platform:
     # the executor's host time per saved tensor of a unit it moves, encodes or rebuilds, each way,
     # beyond the profiled hooks': the handle at pack, its checks and view at unpack (CUDA, measured)
     handle_host_s: float = 0.0
+    # the same works where the host runs the ops itself (a CPU, measured there): they lengthen the
+    # ops rather than their issue, a copy's the op that issues it, a handled unit's Fi and Bi
+    copy_device_s: float = 0.0
+    handle_device_s: float = 0.0
 
     def d2h_s(self, nbytes: float) -> float:
         """Duration of one device-to-host copy of ``nbytes``."""
@@ -526,30 +530,45 @@ class Chain:
     def has_encodings(self) -> bool:
         return any(s.encodings for s in self.stages)
 
-    @cached_property
-    def ch(self) -> np.ndarray:
-        """Per unit, the host's time to issue its copies one way: ``copy_host_s`` per storage
-        (docs/model.md, "The host")."""
-        return self.platform.copy_host_s * self.ns
+    def copied_storages(self, i: int, checkpoint: str | None = None) -> int:
+        """The storages one copy of unit ``i`` moves (``ns``), or of the checkpoint a run of
+        stage ``i`` with option ``checkpoint`` offloads (``""``: none; its input's storage and
+        the option's ``kept_storages``)."""
+        if checkpoint is None:
+            return int(self.ns[i])
+        return 1 + (self.stage(i).option(checkpoint).kept_storages if checkpoint else 0)
 
     def issue_host_s(self, i: int, checkpoint: str | None = None) -> float:
-        """The host's time to issue one way the copy of unit ``i`` (``ch``), or of the checkpoint
-        a run of stage ``i`` with option ``checkpoint`` offloads (``""``: none; its input's
-        storage and the option's ``kept_storages``, ``copy_host_s`` each)."""
-        if checkpoint is None:
-            return float(self.ch[i])
-        kept = self.stage(i).option(checkpoint).kept_storages if checkpoint else 0
-        return self.platform.copy_host_s * (1 + kept)
+        """The host's time to issue one way the copy of unit ``i``, or of the checkpoint a run
+        of stage ``i`` with option ``checkpoint`` offloads: ``copy_host_s`` per storage it moves
+        (docs/model.md, "The host")."""
+        return self.platform.copy_host_s * self.copied_storages(i, checkpoint)
+
+    def issue_device_s(self, i: int, checkpoint: str | None = None) -> float:
+        """Where the host runs the ops (a CPU), what issuing that copy adds to the op that issues
+        it: ``copy_device_s`` per storage it moves."""
+        return self.platform.copy_device_s * self.copied_storages(i, checkpoint)
 
     def handle_host_s(self, i: int) -> float:
         """The host's time, each way, that unit ``i``'s saved tensors add when the executor
         handles them (its unit moved, encoded or rebuilt): ``handle_host_s`` per save."""
         return self.platform.handle_host_s * float(self.hh[i])
 
+    def handle_device_s(self, i: int) -> float:
+        """The device's time, each way, that unit ``i``'s saved tensors add to ``Fi`` and ``Bi``
+        when the executor handles them, where the host runs the ops (a CPU): ``handle_device_s``
+        per save."""
+        return self.platform.handle_device_s * float(self.hh[i])
+
     def restore_host_s(self, i: int) -> float:
         """The host's time to issue the copy that restores unit ``i``'s held part: ``copy_host_s``
         per storage of it (``held_saves``)."""
         return self.platform.copy_host_s * len(self.stage(i).held_saves)
+
+    def restore_device_s(self, i: int) -> float:
+        """Where the host runs the ops (a CPU), what issuing that copy adds to the forward op it
+        precedes: ``copy_device_s`` per storage of it."""
+        return self.platform.copy_device_s * len(self.stage(i).held_saves)
 
     def d2h_s(self, i: int) -> float:
         """Unit ``i``'s copy to the host: its moved bytes'."""
@@ -599,6 +618,10 @@ class Chain:
             platform["copy_host_s"] = p.copy_host_s
         if p.handle_host_s:  # likewise
             platform["handle_host_s"] = p.handle_host_s
+        if p.copy_device_s:  # likewise
+            platform["copy_device_s"] = p.copy_device_s
+        if p.handle_device_s:  # likewise
+            platform["handle_device_s"] = p.handle_device_s
         doc: dict[str, Any] = {"format": CHAIN_FORMAT, "name": self.name, "source": dict(self.source),
                                "platform": platform, "base_bytes": self.base_bytes,
                                "stages": [_stage_document(s) for s in self.stages]}

@@ -38,7 +38,8 @@ _STAGE_KEYS = {"name", "kind", "fwd_s", "bwd_s", "saved_bytes", "fwd_peak_bytes"
 _ENCODING_KEYS = {"name", "lossless", "encode_s", "decode_s", "tensors", "fwd_held_bytes", "next_held_bytes",
                   "bwd_held_bytes"}
 _TENSOR_KEYS = {"index", "encoder", "bytes", "encoded_bytes", "output", "workspace_bytes"}
-_PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note", "copy_host_s", "handle_host_s"}
+_PLATFORM_KEYS = {"d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "note", "copy_host_s", "handle_host_s",
+                  "copy_device_s", "handle_device_s"}
 _RECIPE_KEYS = {"model", "batch", "options", "dtype", "seed", "optimizer", "cuts", "inputs", "autocast", "set_to_none",
                 "cache_off", "casts_cleared", "casts_uncached", "compile", "whole_graph"}
 _INPUT = re.compile(r"[^:=]+:[a-z0-9]+\[[0-9,]*\]|[^:=]+=.+")  # a tensor's name:dtype[shape], a plain name=value
@@ -173,7 +174,9 @@ def platform_from_dict(d: Any, legacy: bool = False) -> Platform:
                     h2d_bytes_per_s=v.bandwidth(d, "h2d_bytes_per_s", "platform"),
                     latency_s=v.seconds(d, "latency_s", "platform") if "latency_s" in d else 0.0, note=note,
                     copy_host_s=v.seconds(d, "copy_host_s", "platform") if "copy_host_s" in d else 0.0,
-                    handle_host_s=v.seconds(d, "handle_host_s", "platform") if "handle_host_s" in d else 0.0)
+                    handle_host_s=v.seconds(d, "handle_host_s", "platform") if "handle_host_s" in d else 0.0,
+                    copy_device_s=v.seconds(d, "copy_device_s", "platform") if "copy_device_s" in d else 0.0,
+                    handle_device_s=v.seconds(d, "handle_device_s", "platform") if "handle_device_s" in d else 0.0)
 
 
 def recipe_from_dict(d: Any) -> Recipe:

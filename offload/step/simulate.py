@@ -19,7 +19,10 @@ cannot end before the host has issued it (its end is the later of the device's a
 host's; the host never waits for the device within a step).  Memory per op is ``memory``'s (it depends on the actions alone).  Encoded
 units are replayed on the derived chain of ``encoding.apply``, whose op times include the
 encoders and decoders (``ENCODE`` and ``DECODE`` take no time of their own).  A recomputed
-stage's ``Fi``, re-run and ``Bi`` take its recorded times (``recompute``).  A stage whose
+stage's ``Fi``, re-run and ``Bi`` take its recorded times (``recompute``).  Where the host
+runs the ops itself (a CPU), a handled unit's ``Fi`` and ``Bi`` take ``handle_device_s`` per
+saved tensor longer, and an op that issues copies ``copy_device_s`` per storage they move
+(``op_seconds``).  A stage whose
 weight casts are kept runs ``Bi`` without recasting them (``recast_s`` less).
 """
 from __future__ import annotations
@@ -170,16 +173,63 @@ class Simulation:
             )
 
 
-def handling_host(chain: Chain, offloads: Iterable[Offload], encode: Mapping[int, str],
-                  runs: Iterable[Recompute]) -> np.ndarray:
+def handled_stages(offloads: Iterable[Offload], encode: Mapping[int, str], runs: Iterable[Recompute]) -> set[int]:
+    """The units whose saved tensors pass to the executor: moved, encoded or rebuilt by a re-run."""
+    return {o.stage for o in offloads} | set(encode) | {j for r in runs for j in r.stages}
+
+
+def handling_host(chain: Chain, handled: Iterable[int]) -> np.ndarray:
     """Per stage (index 0 unused), the host time each way that its unit's saved tensors add
-    when the executor handles them, its unit moved, encoded or rebuilt by a re-run
-    (``Chain.handle_host_s``): charged to ``Fi`` and to ``Bi``."""
+    when the executor handles them (``Chain.handle_host_s``): charged to ``Fi`` and to ``Bi``."""
     out = np.zeros(chain.L + 1)
     if chain.platform.handle_host_s:
-        for i in {o.stage for o in offloads} | set(encode) | {j for r in runs for j in r.stages}:
+        for i in handled:
             out[i] = chain.handle_host_s(i)
     return out
+
+
+def copied_out(chain: Chain, units: Iterable[int], runs: Iterable[Recompute]) -> np.ndarray:
+    """Per stage (index 0 unused), what issuing its D2H copies adds to ``Fi`` where the host runs
+    the ops (``Chain.issue_device_s``): the copy of its unit, offloaded, and of the checkpoint
+    of a run of it that offloads one, each issued as ``Fi`` ends."""
+    out = np.zeros(chain.L + 1)
+    if chain.platform.copy_device_s:
+        for i in units:
+            out[i] += chain.issue_device_s(i)
+        for r in runs:
+            if r.moves:
+                out[r.first] += chain.issue_device_s(r.first, checkpoint=r.option)
+    return out
+
+
+def op_seconds(chain: Chain, offloads: Iterable[Offload], handled: Iterable[int],
+               runs: Iterable[Recompute]) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage (index 0 unused), how long ``Fi`` and ``Bi`` run on the device for this choice:
+    a recomputed stage's recorded times (its forward recorded for its re-run, in part with an
+    option; its backward after the rebuild), and where the host runs the ops (a CPU) the
+    executor's work in them: a handled unit's saved tensors' handling, each way
+    (``Chain.handle_device_s``), and the copies each op issues (``Chain.issue_device_s``: a
+    D2H as ``Fi`` ends, ``copied_out``; an H2D at its prefetch point, before ``Bk``; a held
+    part's restore before the forward it precedes)."""
+    offloads, runs = tuple(offloads), tuple(runs)
+    f, b = chain.f.copy(), chain.b.copy()
+    for run in runs:
+        for j in run.stages:
+            f[j], b[j] = forward_seconds(chain, run, j), chain.br[j]
+    if chain.platform.handle_device_s:
+        for i in handled:
+            f[i] += chain.handle_device_s(i)
+            b[i] += chain.handle_device_s(i)
+    if chain.platform.copy_device_s:
+        f += copied_out(chain, (o.stage for o in offloads), runs)
+        for o in offloads:
+            b[o.prefetch] += chain.issue_device_s(o.stage)
+            if o.restore:
+                f[o.restore] += chain.restore_device_s(o.stage)
+        for r in runs:
+            if r.moves:
+                b[r.prefetch] += chain.issue_device_s(r.first, checkpoint=r.option)
+    return f, b
 
 
 def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | None = None,
@@ -201,13 +251,11 @@ def simulate(chain: Chain, offloads: Iterable[Offload], budget: Budget | int | N
     memory, rebuilt_memory = memory_profile(chain, offloads, runs, kept)
     sub_memory = {j: nbytes for _, j, nbytes in rebuilt_memory}
     L, p = chain.L, chain.platform
-    handling = handling_host(chain, offloads, encode, runs)
+    handled = handled_stages(offloads, encode, runs)
+    handling = handling_host(chain, handled)
     fh = chain.fh + recording_host(chain, runs) + handling
     bh = chain.bh + handling
-    f, b = chain.f.copy(), chain.b.copy()
-    for run in runs:  # recorded for its re-run (in part: what it keeps, too), and its backward after the rebuild
-        for j in run.stages:
-            f[j], b[j] = forward_seconds(chain, run, j), chain.br[j]
+    f, b = op_seconds(chain, offloads, handled, runs)
     b[list(kept)] -= chain.rc[list(kept)]
     d2h_free = h2d_free = 0.0
     d2h_end = np.zeros(L + 1)

@@ -165,6 +165,12 @@ def test_compare_and_trace(chains, tmp_path, capsys):
     pace = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("pace"))
     assert f"{report.pace:.2f}x" in pace and f"predicted {format_seconds(report.pace * p.step_s)}" in pace
     assert f"the profile timed it at {format_seconds(plain['median'])}" in pace
+    # how uncertain that pace is: the profile's plain steps' spread, said past 10% (and only then)
+    assert p.no_offload_spread == pytest.approx((plain["max"] - plain["min"]) / plain["median"])
+    for spread, said in ((0.4, True), (0.05, False)):
+        report.predicted.no_offload_spread = spread
+        _print_report(report)
+        assert ("plain steps spread 40% of their median" in capsys.readouterr().out) is said
     assert report.compare["no_offload"].activation_peak_bytes >= report.measured.activation_peak_bytes
     # the matmul outputs kept, the rest rebuilt in the backward: less than without it, and not nothing
     assert 0 < report.compare["selective_checkpoint"].activation_peak_bytes < report.compare["no_offload"].activation_peak_bytes

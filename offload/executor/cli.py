@@ -52,6 +52,11 @@ def _print_pace(r: Report) -> None:
     if r.device == "cpu" and r.predicted.d2h_bytes_per_step:
         print(f"{'':<14}on a CPU the copies are memcpy on the cores that compute: the chain's link runs them beside "
               "the compute, this machine cannot (only a GPU judges their timing)")
+    spread = r.predicted.no_offload_spread
+    if spread is not None and spread > PACE_WARNING:
+        print(f"{'':<14}the profile's plain steps spread {100 * spread:.0f}% of their median: the pace, and the error at "
+              "it, are that uncertain; `python -m experiments.interleaved CHAIN SCHEDULES...` measures each "
+              "schedule's ratio to no offloading, which does not depend on it")
     if abs(r.pace - 1) > PACE_WARNING:
         print(f"{'':<14}this run found the machine {'slower' if r.pace > 1 else 'faster'} than the profile did: every "
               "predicted time above is off by that much (a loaded machine, another clock); profile again when "

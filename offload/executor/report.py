@@ -86,6 +86,9 @@ class Predicted:
     # timed steps (``source.plain_step_s``, ``no_offload_profiled``), else the chain's ideal makespan
     no_offload_step_s: float | None = None
     no_offload_profiled: bool = False
+    # how far the profile's plain steps spread about that median, (max - min) / median: how far
+    # a pace read against it may be the machine's moods rather than this run's speed
+    no_offload_spread: float | None = None
     # what the encoded units' blobs may differ from the profiled ones by, all of them together
     # (``Encoder.spare_bytes``: ``sparse`` follows the data; 0 for every encoder a GPU runs)
     blob_slack_bytes: int = 0
@@ -148,6 +151,8 @@ class Report:
                               op_bytes={o.name: o.mem_bytes for o in sim.ops} if op_memory else None,
                               no_offload_step_s=plain["median"] if plain else chain.ideal_makespan_s,
                               no_offload_profiled=bool(plain),
+                              no_offload_spread=(plain["max"] - plain["min"]) / plain["median"]
+                              if plain and plain["median"] > 0 else None,
                               blob_slack_bytes=sum(ENCODERS[t.encoder].spare_bytes(t.encoded_bytes)
                                                    for i, name in schedule.encode.items()
                                                    for t in chain.stage(i).encoding(name).tensors))

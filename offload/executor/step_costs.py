@@ -91,69 +91,62 @@ class StepCosts:
         return out
 
 
-class _Timer:
-    """Times the runtime's own calls in the steps run in its ``timing`` block: each pack and
-    unpack (``KINDS``), each rebuild of a run of one stage re-run whole, and the span of each
-    stage's forward (from one boundary to the next: what the runtime does there for the next
-    stage, its recording, is that stage's) and backward (after the events before it: a
-    rebuild is timed apart)."""
+@contextlib.contextmanager
+def timing(costs: StepCosts, plan: str) -> Iterator[None]:
+    """In this block, one step under ``plan`` is timed into ``costs``: each call of the runtime's
+    pack and unpack hooks (``KINDS``), each rebuild of a run of one stage re-run whole, and the
+    span of each stage's forward (from one boundary to the next: what the runtime does there
+    for the next stage, its recording, is that stage's) and backward (after the events before
+    it: a rebuild is timed apart); the last backward ends as the block does."""
+    calls, rebuilds, forwards, backwards = costs.calls[plan], costs.rebuilds, costs.forwards[plan], costs.backwards[plan]
+    pack, unpack, rebuild = _Step.pack, _Step.unpack, _Step._rebuild
+    start, output, backward = _Step.forward_start, _Step.stage_output, _Step.backward_boundary
+    began = [0.0]  # when the current stage's forward began
+    ends: dict[int, float] = {}  # stage -> when its backward's own ops began
 
-    def __init__(self, costs: StepCosts) -> None:
-        self.costs = costs
-        self.mark = 0.0  # when the current stage's forward began
+    def timed_pack(step, t):
+        t0 = time.perf_counter()
+        out = pack(step, t)
+        calls["pack handled" if isinstance(out, _Handle) else "pack kept"].append(time.perf_counter() - t0)
+        return out
 
-    @contextlib.contextmanager
-    def timing(self, plan: str) -> Iterator[None]:
-        """In this block, one step under ``plan`` is timed; its last backward ends as the block does."""
-        calls, rebuilds = self.costs.calls[plan], self.costs.rebuilds
-        forwards, backwards = self.costs.forwards[plan], self.costs.backwards[plan]
-        pack, unpack, rebuild = _Step.pack, _Step.unpack, _Step._rebuild
-        start, output, backward = _Step.forward_start, _Step.stage_output, _Step.backward_boundary
-        ends: dict[int, float] = {}  # stage -> when its backward's own ops began
+    def timed_unpack(packed):
+        t0 = time.perf_counter()
+        out = unpack(packed)
+        calls["unpack handled" if isinstance(packed, _Handle) else "unpack kept"].append(time.perf_counter() - t0)
+        return out
 
-        def timed_pack(step, t):
-            t0 = time.perf_counter()
-            out = pack(step, t)
-            calls["pack handled" if isinstance(out, _Handle) else "pack kept"].append(time.perf_counter() - t0)
-            return out
+    def timed_rebuild(step, run: Recompute) -> None:
+        t0 = time.perf_counter()
+        rebuild(step, run)
+        if run.first == run.last and not run.option:
+            rebuilds.setdefault(run.first, []).append(time.perf_counter() - t0)
 
-        def timed_unpack(packed):
-            t0 = time.perf_counter()
-            out = unpack(packed)
-            calls["unpack handled" if isinstance(packed, _Handle) else "unpack kept"].append(time.perf_counter() - t0)
-            return out
+    def timed_start(step) -> None:
+        began[0] = time.perf_counter()
+        start(step)
 
-        def timed_rebuild(step, run: Recompute) -> None:
-            t0 = time.perf_counter()
-            rebuild(step, run)
-            if run.first == run.last and not run.option:
-                rebuilds.setdefault(run.first, []).append(time.perf_counter() - t0)
+    def timed_output(step, k: int, x, opening: bool) -> None:
+        t = time.perf_counter()
+        forwards.setdefault(k, []).append(t - began[0])
+        began[0] = t
+        output(step, k, x, opening)
 
-        def timed_start(step) -> None:
-            self.mark = time.perf_counter()
-            start(step)
-
-        def timed_output(step, k: int, x, opening: bool) -> None:
-            t = time.perf_counter()
-            forwards.setdefault(k, []).append(t - self.mark)
-            self.mark = t
-            output(step, k, x, opening)
-
-        def timed_backward(step, k: int) -> None:
-            t = time.perf_counter()
-            if k + 1 in ends:  # stage k + 1's backward has ended
-                backwards.setdefault(k + 1, []).append(t - ends.pop(k + 1))
-            backward(step, k)
-            ends[k] = time.perf_counter()
-        _Step.pack, _Step.unpack, _Step._rebuild = timed_pack, staticmethod(timed_unpack), timed_rebuild
-        _Step.forward_start, _Step.stage_output, _Step.backward_boundary = timed_start, timed_output, timed_backward
-        try:
-            yield
-            if 1 in ends:
-                backwards.setdefault(1, []).append(time.perf_counter() - ends.pop(1))
-        finally:
-            _Step.pack, _Step.unpack, _Step._rebuild = pack, staticmethod(unpack), rebuild
-            _Step.forward_start, _Step.stage_output, _Step.backward_boundary = start, output, backward
+    def timed_backward(step, k: int) -> None:
+        t = time.perf_counter()
+        if k + 1 in ends:  # stage k + 1's backward has ended
+            backwards.setdefault(k + 1, []).append(t - ends.pop(k + 1))
+        backward(step, k)
+        ends[k] = time.perf_counter()
+    _Step.pack, _Step.unpack, _Step._rebuild = timed_pack, staticmethod(timed_unpack), timed_rebuild
+    _Step.forward_start, _Step.stage_output, _Step.backward_boundary = timed_start, timed_output, timed_backward
+    try:
+        yield
+        if 1 in ends:
+            backwards.setdefault(1, []).append(time.perf_counter() - ends.pop(1))
+    finally:
+        _Step.pack, _Step.unpack, _Step._rebuild = pack, staticmethod(unpack), rebuild
+        _Step.forward_start, _Step.stage_output, _Step.backward_boundary = start, output, backward
 
 
 def schedules(chain: Chain) -> dict[str, Schedule]:
@@ -175,13 +168,12 @@ def step_costs(spec: ModelSpec, chain: Chain, steps: int = 2) -> StepCosts:
     runs = {name: Offloaded(spec.module, chain, schedule) for name, schedule in schedules(chain).items()}
     out = StepCosts({name: {k: [] for k in KINDS} for name in runs}, {name: {} for name in runs},
                     {name: {} for name in runs})
-    timer = _Timer(out)
     params = list(spec.module.parameters())
     names = list(runs)
     for r in range(steps + 1):
         for name in names[r % len(names):] + names[:r % len(names)]:
             args, kwargs = spec.batch()
-            with timer.timing(name) if r else contextlib.nullcontext():
+            with timing(out, name) if r else contextlib.nullcontext():
                 with spec.autocasting():
                     loss = spec.loss(runs[name](*args, **kwargs))
                 loss.backward()

@@ -135,22 +135,17 @@ def print_chain(chain: Chain) -> None:
     p = chain.platform
     print(f"platform    D2H {p.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {p.h2d_bytes_per_s / 1e9:.2f} GB/s, "
           f"latency {format_seconds(p.latency_s)}" + (f" ({printable(p.note)})" if p.note else ""))
-    if p.copy_host_s:
-        print(f"host        the executor's {format_seconds(p.copy_host_s)} per storage copied, each way: "
-              f"{format_seconds(p.copy_host_s * float(chain.ns.sum()))} to move every unit out (charged to the "
-              "host's clock)")
-    if p.copy_device_s:
-        print(f"copying     the executor's {format_seconds(p.copy_device_s)} per storage copied, each way: "
-              f"{format_seconds(p.copy_device_s * float(chain.ns.sum()))} to move every unit out (this host runs "
-              "the ops: charged to the op that issues the copy)")
-    if p.handle_host_s:
-        print(f"host        the executor's {format_seconds(p.handle_host_s)} per saved tensor of a unit it moves, "
-              f"encodes or rebuilds, each way: {format_seconds(float(p.handle_host_s * chain.hh.sum()))} to handle "
-              "every unit (charged to the host's clock)")
-    if p.handle_device_s:
-        print(f"handling    the executor's {format_seconds(p.handle_device_s)} per saved tensor of a unit it moves, "
-              f"encodes or rebuilds, each way: {format_seconds(float(p.handle_device_s * chain.hh.sum()))} to handle "
-              "every unit (this host runs the ops: charged to the unit's Fi and Bi)")
+    copies = ("per storage copied, each way", float(chain.ns.sum()), "to move every unit out")
+    saves = ("per saved tensor of a unit it moves, encodes or rebuilds, each way", float(chain.hh.sum()),
+             "to handle every unit")
+    for label, cost, (per, count, all_of), where in (
+            ("host", p.copy_host_s, copies, "charged to the host's clock"),
+            ("copying", p.copy_device_s, copies, "this host runs the ops: charged to the op that issues the copy"),
+            ("host", p.handle_host_s, saves, "charged to the host's clock"),
+            ("handling", p.handle_device_s, saves, "this host runs the ops: charged to the unit's Fi and Bi")):
+        if cost:
+            print(f"{label:<12}the executor's {format_seconds(cost)} {per}: {format_seconds(cost * count)} {all_of} "
+                  f"({where})")
     print()
     casts = bool(chain.castable)  # a column of the weight casts each stage makes again
     names = [printable(s.name) for s in chain.stages]

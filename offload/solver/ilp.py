@@ -266,12 +266,12 @@ class Model:
         self.dd = {slot: p.d2h_s(nbytes) / self.tau for slot, nbytes in copied.items()}
         self.hd = {slot: p.h2d_s(nbytes) / self.tau for slot, nbytes in copied.items()}
         # the host's time to issue a slot's copy, either way: per storage
-        self.ih = {(i, o): chain.issue_host_s(i, checkpoint=self.moving[i, o].option if (i, o) in self.moving else None)
-                   / self.tau for i in self.U for o in self.forms[i]}
+        storages = {(i, o): chain.copied_storages(i, self.moving[i, o].option if (i, o) in self.moving else None)
+                    for i in self.U for o in self.forms[i]}
+        self.ih = {slot: p.copy_host_s * n / self.tau for slot, n in storages.items()}
         self.copy_host = p.copy_host_s > 0
         # where the host runs the ops (a CPU): what issuing a slot's copy adds to the op that issues it
-        self.idv = {(i, o): chain.issue_device_s(i, checkpoint=self.moving[i, o].option if (i, o) in self.moving
-                                                 else None) / self.tau for i in self.U for o in self.forms[i]}
+        self.idv = {slot: p.copy_device_s * n / self.tau for slot, n in storages.items()}
         self.f = self.chain.f / self.tau
         self.b = (self.chain.b - self.chain.rc) / self.tau  # each backward op at its shortest (casts kept)
 
